@@ -1,0 +1,76 @@
+"""The ``Attack`` contract and what the attacker knows (``ThreatModel``)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from defenses.base import Defense, SharedUpdate
+from evaluator.protocol import LossFn, fedsgd_update
+from plugins.spec import Param, resolve_params
+
+
+@dataclass
+class ThreatModel:
+    """The honest-but-curious server's knowledge: white-box model, loss, data format and the defense."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    input_shape: tuple[int, int, int]
+    mean: Tensor
+    std: Tensor
+    num_classes: int
+    batch_size: int
+    defense: Defense
+    labels: Tensor | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def candidate_update(self, images: Tensor, targets: Tensor) -> list[Tensor]:
+        """The clean update that normalised ``images`` with ``targets`` would produce, differentiably."""
+        return fedsgd_update(self.model, self.loss_fn, images, targets, create_graph=True)
+
+    def normalise(self, pixels: Tensor) -> Tensor:
+        return (pixels - self.mean) / self.std
+
+    def to_pixels(self, images: Tensor) -> Tensor:
+        return (images * self.std + self.mean).clamp(0, 1)
+
+    def box(self) -> tuple[Tensor, Tensor]:
+        """Bounds of valid images in normalised space (pixel range [0, 1])."""
+        return self.normalise(torch.zeros_like(self.mean)), self.normalise(torch.ones_like(self.mean))
+
+
+@dataclass
+class Reconstruction:
+    """An attack's answer: images in [0, 1] pixel space, labels, loss trace and wall time."""
+
+    images: Tensor
+    labels: Tensor
+    loss_trace: list[float]
+    seconds: float
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Attack:
+    """Base class: subclasses set ``name``, ``params`` and implement ``reconstruct``."""
+
+    name: ClassVar[str]
+    params: ClassVar[dict[str, Param]] = {}
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = resolve_params(self.params, settings, self.name)
+        for key, value in self.settings.items():
+            setattr(self, key, value)
+
+    def __call__(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        """Run ``reconstruct`` and time it."""
+        start = time.perf_counter()
+        result = self.reconstruct(observed, threat, generator)
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        raise NotImplementedError

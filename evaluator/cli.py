@@ -1,0 +1,99 @@
+"""The ``leakaudit`` command: run, validate, plugins."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from plugins.spec import PluginError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leakaudit", description=(
+        "Audit federated-learning privacy defenses against gradient-inversion attacks that know them."))
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run an audit file and write results and a report")
+    run.add_argument("config", help="audit YAML file")
+    run.add_argument("--out", required=True, help="output folder (results.jsonl, results.csv, summary.json, report.html)")
+    run.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished rows")
+    run.add_argument("--workers", type=int, help="worker processes (overrides workers: in the file)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line)")
+    val.add_argument("config")
+    plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin")
+    plug.add_argument("--json", action="store_true", help="machine-readable output")
+    for sp in (run, val, plug):
+        sp.add_argument("--plugins-dir", action="append", default=[], metavar="DIR",
+                        help="folder of drop-in *.py plugins (repeatable)")
+    return p
+
+
+def _fail(lines: list[str]) -> int:
+    for line in lines:
+        print(f"leakaudit: error: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def cmd_plugins(args) -> int:
+    from plugins.manager import load_registry
+
+    registry = load_registry(args.plugins_dir)
+    entries = list(registry)
+    if args.json:
+        print(json.dumps([{"kind": e.kind, "name": e.name, "origin": e.origin, "summary": e.summary}
+                          for e in entries], indent=2))
+        return 0
+    kind_w = max(len(e.kind) for e in entries)
+    name_w = max(len(e.name) for e in entries)
+    origin_w = max(len(e.origin) for e in entries)
+    for e in entries:
+        print(f"{e.kind:<{kind_w}}  {e.name:<{name_w}}  {e.origin:<{origin_w}}  {e.summary}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from evaluator.config import load_audit
+
+    audit = load_audit(args.config, args.plugins_dir)
+    print(f"{args.config}: valid: {len(audit.settings)} defense settings x {len(audit.checkpoints)} checkpoints "
+          f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from evaluator.config import load_audit
+    from evaluator.runner import run_audit
+
+    audit = load_audit(args.config, args.plugins_dir)
+    if args.workers is not None and args.workers < 1:
+        return _fail([f"--workers: {args.workers} must be at least 1"])
+    summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers)
+    out = Path(args.out)
+    print(f"wrote {out / 'report.html'}, {out / 'results.jsonl'}, {out / 'results.csv'}, {out / 'summary.json'}")
+    for w in summary["worst_case"]:
+        acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
+        print(f"  {w['setting']:<28} accuracy {acc:>6}   worst-case PSNR {w['psnr']:6.2f} dB ({w['attack']}, step {w['checkpoint']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from evaluator.config import ConfigError
+    from evaluator.runner import RunError
+
+    args = _parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins}[args.command](args)
+    except ConfigError as exc:
+        return _fail(exc.lines)
+    except (PluginError, RunError) as exc:
+        return _fail([str(exc)])
+    except KeyboardInterrupt:
+        print("leakaudit: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

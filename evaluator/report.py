@@ -1,0 +1,212 @@
+"""Reports: summary.json, privacy-utility and leakage plots, reconstruction grids and report.html."""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from evaluator.config import Audit  # noqa: E402
+
+PRIVACY_METRIC = "psnr"
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.pstdev(vals) if len(vals) > 1 else 0.0)
+
+
+def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str]) -> dict[str, Any]:
+    """Per-cell means and spreads, and the worst case (most leaking attack and step) of each setting."""
+    acc = {u["setting"]: u for u in utility}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
+    cells = []
+    for (setting, attack, ckpt), rs in groups.items():
+        cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
+                "checkpoint": ckpt, "targets": len(rs), "accuracy": acc.get(setting, {}).get("accuracy")}
+        for m in audit.metrics:
+            cell[f"{m}_mean"], cell[f"{m}_std"] = _mean_std([r.get(m) for r in rs])
+        cell["seconds_mean"] = _mean_std([r["seconds"] for r in rs])[0]
+        cells.append(cell)
+    worst = []
+    for s in audit.settings:
+        mine = [c for c in cells if c["setting"] == s.key and c.get(f"{PRIVACY_METRIC}_mean") is not None]
+        if mine:
+            top = max(mine, key=lambda c: c[f"{PRIVACY_METRIC}_mean"])
+            worst.append({"defense": s.name, "setting": s.key, "params": s.params, "accuracy": top["accuracy"],
+                          "attack": top["attack"], "checkpoint": top["checkpoint"],
+                          PRIVACY_METRIC: top[f"{PRIVACY_METRIC}_mean"]})
+    return {"audit": audit.name, "dataset": audit.data["dataset"], "model": audit.model["name"],
+            "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
+            "utility": {u["setting"]: {k: u[k] for k in ("accuracy", "train_steps", "checkpoint_accuracy")}
+                        for u in utility},
+            "cells": cells, "worst_case": worst, "warnings": notes}
+
+
+def _point_label(params: dict) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def plot_privacy_utility(summary: dict, path: Path) -> bool:
+    """Accuracy against the worst-case attack PSNR, one line per defense; False when there is no utility."""
+    points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    by_defense: dict[str, list[dict]] = defaultdict(list)
+    for w in points:
+        by_defense[w["defense"]].append(w)
+    for defense, ws in by_defense.items():
+        ws.sort(key=lambda w: w["accuracy"])
+        xs, ys = [w["accuracy"] for w in ws], [w[PRIVACY_METRIC] for w in ws]
+        if defense == "none":
+            ax.scatter(xs, ys, marker="*", s=180, color="black", zorder=3, label="no defense")
+            continue
+        ax.plot(xs, ys, marker="o", label=defense)
+        for w in ws:
+            ax.annotate(_point_label(w["params"]), (w["accuracy"], w[PRIVACY_METRIC]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("test accuracy under the defense (utility)")
+    ax.set_ylabel("PSNR of the strongest attack, dB (leakage)")
+    ax.set_title(f"{summary['audit']}: privacy-utility")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_leakage_by_step(summary: dict, path: Path) -> bool:
+    """PSNR of the strongest attack against training step, one line per setting."""
+    if len(summary["checkpoints"]) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    best: dict[str, dict[int, float]] = defaultdict(dict)
+    for c in summary["cells"]:
+        v = c.get(f"{PRIVACY_METRIC}_mean")
+        if v is not None:
+            best[c["setting"]][c["checkpoint"]] = max(v, best[c["setting"]].get(c["checkpoint"], -1e9))
+    for setting, by_step in best.items():
+        steps = sorted(by_step)
+        ax.plot(steps, [by_step[s] for s in steps], marker="o", label=setting)
+    ax.set_xlabel("training step of the attacked model")
+    ax.set_ylabel("PSNR of the strongest attack, dB")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_reconstructions(audit: Audit, out_dir: Path, path: Path, max_images: int = 8) -> bool:
+    """Originals on top, then one row of reconstructions per (setting, attack) at the first checkpoint."""
+    from evaluator.runner import AttackJob, recon_file
+
+    ckpt = audit.checkpoints[0]
+    rows: list[tuple[str, torch.Tensor]] = []
+    originals = None
+    for s in audit.settings:
+        for a in audit.attacks:
+            recs, origs = [], []
+            for t in range(audit.num_batches):
+                f = recon_file(out_dir, AttackJob(s, a, ckpt, t))
+                if f.exists():
+                    saved = torch.load(f, weights_only=True)
+                    recs.append(saved["reconstruction"])
+                    origs.append(saved["original"])
+            if recs:
+                rows.append((f"{s.key}\n{a.key}", torch.cat(recs)[:max_images]))
+                originals = torch.cat(origs)[:max_images] if originals is None else originals
+    if originals is None:
+        return False
+    rows.insert(0, ("original", originals))
+    n = len(originals)
+    fig, axes = plt.subplots(len(rows), n, figsize=(1.2 * n + 1.6, 1.25 * len(rows)), squeeze=False)
+    for i, (label, imgs) in enumerate(rows):
+        for j in range(n):
+            ax = axes[i][j]
+            ax.set_xticks([]), ax.set_yticks([])
+            if j < len(imgs):
+                img = imgs[j].permute(1, 2, 0).clamp(0, 1).numpy()
+                ax.imshow(img[..., 0] if img.shape[2] == 1 else img, cmap="gray", vmin=0, vmax=1)
+            if j == 0:
+                ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _img_tag(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{path.name}" src="data:image/png;base64,{data}">'
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, dict):
+            return html.escape(_point_label(v))
+        return html.escape("" if v is None else str(v))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[dict], notes: list[str]) -> dict:
+    """Write summary.json, the figures and a self-contained report.html; return the summary."""
+    summary = summarise(audit, rows, utility, notes)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    sections = []
+    if notes:
+        sections.append(("Warnings", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"))
+    pu = out_dir / "privacy_utility.png"
+    if plot_privacy_utility(summary, pu):
+        sections.append(("Privacy against utility", _img_tag(pu) + _table(
+            summary["worst_case"], ["defense", "params", "accuracy", "attack", "checkpoint", PRIVACY_METRIC])
+            + "<p>Leakage is the mean PSNR of the strongest attack at its most leaking training step.</p>"))
+    else:
+        sections.append(("Privacy against utility", "<p>No utility was measured (utility.train_steps is 0).</p>"
+                         + _table(summary["worst_case"], ["defense", "params", "attack", PRIVACY_METRIC])))
+    steps = out_dir / "leakage_by_step.png"
+    if plot_leakage_by_step(summary, steps):
+        sections.append(("Leakage through training", _img_tag(steps)))
+    metric_cols = [f"{m}_{s}" for m in audit.metrics for s in ("mean", "std")]
+    sections.append(("All results (mean over targets)", _table(
+        summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", *metric_cols, "seconds_mean"])))
+    grid = out_dir / "reconstructions.png"
+    if plot_reconstructions(audit, out_dir, grid):
+        sections.append((f"Reconstructions at step {audit.checkpoints[0]}", _img_tag(grid)))
+    pm = audit.registry.pm
+    if pm is not None:
+        for extra in pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):
+            sections.extend(extra or [])
+    sections.append(("Audit file", f"<pre>{html.escape(audit.text)}</pre>"))
+    body = "".join(f"<h2>{html.escape(t)}</h2>\n{content}\n" for t, content in sections)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>leakaudit: {html.escape(audit.name)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
+table{{border-collapse:collapse;font-size:13px;margin:1em 0}}td,th{{border:1px solid #ccc;padding:3px 6px}}
+th{{background:#f3f3f3}}img{{max-width:100%}}pre{{background:#f7f7f7;padding:1em}}</style></head><body>
+<h1>leakaudit: {html.escape(audit.name)}</h1>
+<p>Dataset <b>{html.escape(audit.data['dataset'])}</b>, model <b>{html.escape(audit.model['name'])}</b>,
+{audit.data['targets']} target images in batches of {audit.data['batch_size']}, checkpoints {audit.checkpoints},
+device {audit.device}, seed {audit.seed}.</p>
+{body}</body></html>"""
+    (out_dir / "report.html").write_text(page)
+    return summary

@@ -1,0 +1,94 @@
+"""The audited world built from an audit file: data, targets, models, defenses and seeds."""
+from __future__ import annotations
+
+import hashlib
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attacks.base import ThreatModel
+from defenses.base import Defense
+from evaluator.config import Audit, AttackSpec, ConfigError, DefenseSetting
+from evaluator.datasets import ImageData
+from evaluator.models import build_model
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed that depends only on ``parts`` (stable across processes and runs)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def generator(device: torch.device, *parts: object) -> torch.Generator:
+    """A generator on ``device`` seeded from ``parts``."""
+    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Softmax cross-entropy; ``targets`` are class indices or (soft) label distributions."""
+    return F.cross_entropy(logits, targets)
+
+
+class Scenario:
+    """Everything the runner needs, derived deterministically from one audit."""
+
+    def __init__(self, audit: Audit):
+        self.audit = audit
+        self.device = audit.torch_device()
+
+    @cached_property
+    def data(self) -> ImageData:
+        section = self.audit.data
+        spec = self.audit.registry.get("dataset", section["dataset"])
+        data = spec.load(image_size=section["image_size"], root=section["root"], download=section["download"],
+                         **section["params"])
+        if len(data.test_x) < section["targets"]:
+            raise ConfigError([f"{self.audit.path}: data.targets: {section['targets']} targets requested but "
+                               f"dataset {section['dataset']!r} has only {len(data.test_x)} test images"])
+        return data
+
+    @cached_property
+    def target_indices(self) -> Tensor:
+        """Test-split images attacked, drawn once from the audit seed."""
+        gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "targets"))
+        return torch.randperm(len(self.data.test_x), generator=gen)[: self.audit.data["targets"]]
+
+    def target_batch(self, index: int) -> tuple[Tensor, Tensor]:
+        """Batch ``index`` of private images (pixel space) and labels, on the device."""
+        b = self.audit.data["batch_size"]
+        idx = self.target_indices[index * b:(index + 1) * b]
+        return self.data.test_x[idx].to(self.device), self.data.test_y[idx].to(self.device)
+
+    @cached_property
+    def mean(self) -> Tensor:
+        return self.data.mean.view(-1, 1, 1).to(self.device)
+
+    @cached_property
+    def std(self) -> Tensor:
+        return self.data.std.view(-1, 1, 1).to(self.device)
+
+    def normalise(self, pixels: Tensor) -> Tensor:
+        return (pixels - self.mean) / self.std
+
+    def defense(self, setting: DefenseSetting) -> Defense:
+        return self.audit.registry.get("defense", setting.name)(**setting.params)
+
+    def attack(self, spec: AttackSpec):
+        return self.audit.registry.get("attack", spec.name)(**spec.params)
+
+    def fresh_model(self, defense: Defense) -> nn.Module:
+        """The model at training step 0: the same initialisation for every defense setting."""
+        m = self.audit.model
+        spec = m["name"] if ":" in m["name"] else self.audit.registry.get("model", m["name"])
+        model = build_model(spec, self.data.channels, self.data.num_classes, self.audit.data["image_size"],
+                            m["params"], derive_seed(self.audit.seed, "init"))
+        return defense.wrap_model(model).to(self.device)
+
+    def threat(self, model: nn.Module, defense: Defense, labels: Tensor) -> ThreatModel:
+        return ThreatModel(
+            model=model, loss_fn=loss_fn, input_shape=tuple(self.data.test_x.shape[1:]),
+            mean=self.mean, std=self.std, num_classes=self.data.num_classes,
+            batch_size=self.audit.data["batch_size"], defense=defense,
+            labels=labels if self.audit.threat["known_labels"] else None, device=self.device)

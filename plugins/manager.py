@@ -1,0 +1,151 @@
+"""Plugin discovery (built-ins, installed entry points, drop-in folders) and the name registry."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pluggy
+
+from plugins import PROJECT, PluginError, hookspecs
+
+#: Built-in plugin modules, registered exactly like outside plugins.
+BUILTIN_PLUGINS = (
+    "defenses.noise",
+    "attacks.gradient_matching",
+    "evaluator.metrics",
+    "evaluator.models",
+    "evaluator.datasets",
+)
+
+#: Registry kinds and the hook that fills each.
+KINDS = {
+    "defense": "register_defenses",
+    "attack": "register_attacks",
+    "metric": "register_metrics",
+    "model": "register_models",
+    "dataset": "register_datasets",
+}
+
+
+def get_plugin_manager(plugin_dirs: Iterable[str | Path] = (), entry_points: bool = True) -> pluggy.PluginManager:
+    """A PluginManager with the built-ins, installed entry points and drop-in folders loaded."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for modname in BUILTIN_PLUGINS:
+        pm.register(importlib.import_module(modname), name=f"builtin:{modname}")
+    if entry_points:
+        _load_entry_points(pm)
+    for folder in plugin_dirs:
+        _load_folder(pm, Path(folder))
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin_name!r}: {exc}") from None
+    return pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        name = f"entrypoint:{ep.name} ({dist})"
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # a broken third-party plugin must be named, not hidden
+            raise PluginError(f"plugin entry point {ep.name!r} of {dist} ({ep.value}) failed to load: "
+                              f"{type(exc).__name__}: {exc}") from None
+        _register(pm, plugin, name)
+
+
+def _load_folder(pm: pluggy.PluginManager, folder: Path) -> None:
+    if not folder.is_dir():
+        raise PluginError(f"plugins folder {folder} does not exist")
+    for path in sorted(folder.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        modname = f"leakaudit_dropin_{path.stem}"
+        spec = importlib.util.spec_from_file_location(modname, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[modname]
+            raise PluginError(f"plugin file {path} failed to load: {type(exc).__name__}: {exc}") from None
+        _register(pm, module, f"file:{path}")
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    if pm.is_registered(plugin):
+        return
+    try:
+        pm.register(plugin, name=name)
+    except ValueError as exc:
+        raise PluginError(f"plugin {name}: {exc}") from None
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {name}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered component and the plugin it came from."""
+
+    kind: str
+    name: str
+    obj: Any
+    origin: str
+
+    @property
+    def summary(self) -> str:
+        doc = getattr(self.obj, "summary", None) or (getattr(self.obj, "__doc__", None) or "")
+        return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+@dataclass
+class Registry:
+    """Every defense, attack, metric, model and dataset by name, with its origin."""
+
+    entries: dict[str, dict[str, Entry]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    pm: pluggy.PluginManager | None = None
+
+    def add(self, kind: str, obj: Any, origin: str) -> None:
+        name = getattr(obj, "name", None)
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {origin}: a {kind} without a string 'name': {obj!r}")
+        table = self.entries[kind]
+        if name in table:
+            raise PluginError(f"{kind} name {name!r} is registered by both {table[name].origin} and {origin}")
+        table[name] = Entry(kind, name, obj, origin)
+
+    def get(self, kind: str, name: str) -> Any:
+        return self.entries[kind][name].obj
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.entries[kind])
+
+    def __iter__(self):
+        for kind in KINDS:
+            yield from (self.entries[kind][n] for n in self.names(kind))
+
+
+def build_registry(pm: pluggy.PluginManager) -> Registry:
+    """Call every register_* hook implementation, one plugin at a time, to record origins."""
+    registry = Registry(pm=pm)
+    for kind, hook in KINDS.items():
+        for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
+            try:
+                provided = impl.function()
+            except Exception as exc:
+                raise PluginError(f"plugin {impl.plugin_name}: {hook}() raised {type(exc).__name__}: {exc}") from None
+            for obj in provided or ():
+                registry.add(kind, obj, impl.plugin_name)
+    return registry
+
+
+def load_registry(plugin_dirs: Iterable[str | Path] = (), entry_points: bool = True) -> Registry:
+    """Discover every plugin and return the filled registry."""
+    return build_registry(get_plugin_manager(plugin_dirs, entry_points))

@@ -1,0 +1,91 @@
+"""Declared parameters of plugins, checked before any work starts."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+_REQUIRED = object()
+
+
+class PluginError(Exception):
+    """A plugin could not be loaded or clashes with another one (one line, names the culprits)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a defense, attack, model or dataset: its type, default and valid range."""
+
+    default: Any = _REQUIRED
+    type: type = float
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+    help: str = ""
+    exclusive_min: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is _REQUIRED
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not acceptable, or None when it is."""
+        if self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.type)
+        if not ok:
+            return f"{value!r} is not of type {self.type.__name__}"
+        if self.type is float and not math.isfinite(value):
+            return f"{value!r} is not a finite number"
+        if self.choices is not None and value not in self.choices:
+            return f"{value!r} is not one of the choices; choices: {', '.join(map(str, self.choices))}"
+        if self.min is not None:
+            if self.exclusive_min and value <= self.min:
+                return f"{value!r} must be greater than {self.min}"
+            if value < self.min:
+                return f"{value!r} is below the minimum {self.min}"
+        if self.max is not None and value > self.max:
+            return f"{value!r} is above the maximum {self.max}"
+        return None
+
+    def describe(self) -> str:
+        parts = [self.type.__name__]
+        if not self.required:
+            parts.append(f"default {self.default!r}")
+        if self.min is not None or self.max is not None:
+            lo = "" if self.min is None else f"{'>' if self.exclusive_min else '>='}{self.min}"
+            hi = "" if self.max is None else f"<={self.max}"
+            parts.append(" ".join(x for x in (lo, hi) if x))
+        if self.choices:
+            parts.append("one of " + "|".join(map(str, self.choices)))
+        return ", ".join(parts)
+
+
+def resolve_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Fill defaults and check `given` against `spec`; raise ValueError listing every problem."""
+    problems = check_params(spec, given, where)
+    if problems:
+        raise ValueError("; ".join(problems))
+    out = {k: p.default for k, p in spec.items() if not p.required}
+    out.update(given)
+    return out
+
+
+def check_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str) -> list[str]:
+    """Every problem with `given` as lines '<where>.<key>: ...'."""
+    problems = []
+    for key, value in given.items():
+        if key not in spec:
+            choices = ", ".join(sorted(spec)) or "(none: takes no parameters)"
+            problems.append(f"{where}.{key}: unknown parameter; choices: {choices}")
+            continue
+        why = spec[key].problem(value)
+        if why:
+            problems.append(f"{where}.{key}: {why}")
+    for key, p in spec.items():
+        if p.required and key not in given:
+            problems.append(f"{where}.{key}: required parameter is missing ({p.describe()})")
+    return problems

@@ -42,11 +42,19 @@ def get_plugin_manager(plugin_dirs: Iterable[str | Path] = (), entry_points: boo
         _load_entry_points(pm)
     for folder in plugin_dirs:
         _load_folder(pm, Path(folder))
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {exc.plugin_name!r}: {exc}") from None
+    _check_hook_names(pm)
     return pm
+
+
+def _check_hook_names(pm: pluggy.PluginManager) -> None:
+    """A misspelt hook would be silently ignored: reject it, naming the plugin and the valid hooks."""
+    known = sorted(n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "leakaudit_spec", None))
+    for name, caller in vars(pm.hook).items():
+        if name.startswith("_") or caller.has_spec():
+            continue
+        for impl in caller.get_hookimpls():
+            if not impl.optionalhook:
+                raise PluginError(f"plugin {impl.plugin_name}: unknown hook {name!r}; hooks: {', '.join(known)}")
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:

@@ -1,0 +1,53 @@
+"""Shared fixtures: small audit files, the registry and a seeded torch."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LEAKAUDIT = [sys.executable, "-m", "evaluator.cli"]
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def registry():
+    from plugins.manager import load_registry
+
+    return load_registry()
+
+
+def small_audit(**overrides) -> dict:
+    """A tiny but real audit: digits, lenet_zhu, few iterations."""
+    audit = {
+        "name": "small",
+        "seed": 0,
+        "device": "cpu",
+        "workers": 1,
+        "data": {"dataset": "digits", "image_size": 16, "targets": 2, "batch_size": 1},
+        "model": {"name": "lenet_zhu", "checkpoints": [0]},
+        "defenses": [{"name": "none"}, {"name": "gaussian", "params": {"sigma": 0.1}}],
+        "attacks": [{"name": "inverting_gradients", "params": {"iterations": 20}}],
+        "utility": {"train_steps": 5, "batch_size": 8},
+        "metrics": ["psnr", "ssim", "mse", "label_accuracy"],
+    }
+    for key, value in overrides.items():
+        audit[key] = value
+    return audit
+
+
+@pytest.fixture
+def write_audit(tmp_path):
+    def write(audit: dict, name: str = "audit.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(audit, sort_keys=False))
+        return path
+    return write

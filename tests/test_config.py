@@ -1,0 +1,97 @@
+"""Audit files: every bad input is one clear line (file, key, value, choices) and exit 2, before work."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from evaluator.cli import main
+from evaluator.config import ConfigError, load_audit
+
+from conftest import LEAKAUDIT, ROOT, small_audit
+
+
+def problems(path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    return info.value.lines
+
+
+def test_quickstart_is_valid():
+    audit = load_audit(ROOT / "configs" / "quickstart.yaml")
+    assert [s.key for s in audit.settings] == ["none", "gaussian(sigma=0.01)", "gaussian(sigma=0.1)",
+                                              "gaussian(sigma=1.0)"]
+    assert audit.num_batches == 4 and audit.checkpoints == [0]
+
+
+def test_misspelt_defense_names_the_choices(write_audit):
+    path = write_audit(small_audit(defenses=[{"name": "gausian"}]))
+    (line,) = problems(path)
+    assert line.startswith(f"{path}: defenses[0].name: 'gausian' is not a registered defense; choices: ")
+    assert "gaussian" in line and "none" in line
+
+
+def test_negative_sigma_in_a_sweep_is_located(write_audit):
+    path = write_audit(small_audit(defenses=[{"name": "gaussian", "sweep": {"sigma": [0.1, -0.5]}}]))
+    assert problems(path) == [f"{path}: defenses[0].sweep.sigma[1]: -0.5 must be greater than 0.0"]
+
+
+def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
+    missing = tmp_path / "nowhere"
+    path = write_audit(small_audit(data={"dataset": "cifar10", "root": str(missing)}))
+    assert problems(path) == [f"{path}: data.root: folder {missing} does not exist; put cifar-10-batches-py/ there, "
+                              "or set download: true"]
+
+
+@pytest.mark.parametrize("audit, expected", [
+    (small_audit(data={"dataset": "digits", "datset": 1}), "data.datset: unknown parameter; choices: batch_size, "),
+    (small_audit(data={"dataset": "digits", "targets": 3, "batch_size": 2}),
+     "data.targets: 3 is not a multiple of data.batch_size 2"),
+    (small_audit(seed="zero"), "seed: 'zero' is not of type int"),
+    (small_audit(device="tpu"), "device: 'tpu' is not one of the choices; choices: auto, cpu, cuda"),
+    (small_audit(metrics=["psnr", "fid"]), "metrics[1]: 'fid' is not a registered metric; choices: "),
+    (small_audit(model={"name": "lenet"}), "model.name: 'lenet' is not a registered model"),
+    (small_audit(model={"name": "no_such_pkg.mod:build"}), "model.name: cannot import module 'no_such_pkg.mod'"),
+    (small_audit(model={"name": "lenet_zhu", "checkpoints": [0, -3]}), "model.checkpoints[1]: -3 is not a training step"),
+    (small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 0}}]),
+     "attacks[0].params.iterations: 0 is below the minimum 1"),
+    (small_audit(attacks=[{"name": "inverting_gradients", "params": {"step": 3}}]),
+     "attacks[0].params.step: unknown parameter; choices: iterations, lr, restarts, signed, tv"),
+    (small_audit(defenses=[{"name": "gaussian"}]), "defenses[0].params.sigma: required parameter is missing"),
+    (small_audit(defenses=[{"name": "none"}, {"name": "none"}]), "defenses[1]: setting none appears twice"),
+    (small_audit(data={"dataset": "digits", "image_size": 32, "targets": 2, "batch_size": 1, "params": {"crops": 3}}),
+     "data.params.crops: unknown parameter; choices: (none: takes no parameters)"),
+])
+def test_each_problem_is_one_line(write_audit, audit, expected):
+    path = write_audit(audit)
+    (line,) = problems(path)
+    assert line.startswith(f"{path}: {expected}"), line
+
+
+def test_all_problems_are_reported_at_once(write_audit):
+    path = write_audit(small_audit(seed=-1, defenses=[{"name": "nope"}], metrics=["psnr", "nope"]))
+    assert len(problems(path)) == 3
+
+
+def test_validate_command_exits_2_with_one_line(write_audit, capsys):
+    path = write_audit(small_audit(defenses=[{"name": "gausian"}]))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "defenses[0].name" in err[0]
+
+
+def test_run_rejects_bad_file_before_any_work(write_audit, tmp_path):
+    path = write_audit(small_audit(defenses=[{"name": "gaussian", "params": {"sigma": -1.0}}]))
+    out = tmp_path / "out"
+    proc = subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"leakaudit: error: {path}: defenses[0].params.sigma: -1.0 must be greater than 0.0"
+    assert not out.exists()
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    (line,) = problems(bad)
+    assert line.startswith(f"{bad}: line ") and "not valid YAML" in line
+    assert problems(tmp_path / "absent.yaml") == [f"{tmp_path / 'absent.yaml'}: file not found"]

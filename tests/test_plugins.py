@@ -1,0 +1,103 @@
+"""Plugin discovery: built-ins, entry points, drop-in folders, clashes and broken plugins."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from plugins import PluginError
+from plugins.manager import load_registry
+
+from conftest import LEAKAUDIT, ROOT, small_audit
+
+TEMPLATE = ROOT / "examples" / "plugin-template"
+
+
+def test_builtins_register_through_the_hooks(registry):
+    assert {"none", "gaussian"} <= set(registry.names("defense"))
+    assert "inverting_gradients" in registry.names("attack")
+    assert {"psnr", "ssim", "mse", "lpips", "label_accuracy"} <= set(registry.names("metric"))
+    assert {"lenet_zhu", "convnet", "resnet18", "resnet20", "mlp"} <= set(registry.names("model"))
+    assert {"digits", "lfw", "photos", "cifar10", "imagefolder"} <= set(registry.names("dataset"))
+    assert registry.entries["defense"]["gaussian"].origin == "builtin:defenses.noise"
+
+
+def test_plugins_command_lists_every_kind_with_origin():
+    proc = subprocess.run([*LEAKAUDIT, "plugins", "--json"], capture_output=True, text=True, check=True)
+    entries = json.loads(proc.stdout)
+    assert {e["kind"] for e in entries} == {"defense", "attack", "metric", "model", "dataset"}
+    ig = next(e for e in entries if e["name"] == "inverting_gradients")
+    assert ig["origin"] == "builtin:attacks.gradient_matching" and "Cosine" in ig["summary"]
+
+
+def test_name_clash_names_both_plugins(tmp_path):
+    (tmp_path / "clash.py").write_text(textwrap.dedent("""
+        from plugins import hookimpl
+        from defenses.noise import GaussianNoise
+
+        class Mine(GaussianNoise):
+            '''Another gaussian.'''
+
+        @hookimpl
+        def register_defenses():
+            return [Mine]
+    """))
+    with pytest.raises(PluginError) as info:
+        load_registry([tmp_path])
+    msg = str(info.value)
+    assert "'gaussian'" in msg and "builtin:defenses.noise" in msg and f"file:{tmp_path / 'clash.py'}" in msg
+
+
+def test_broken_dropin_names_the_file(tmp_path):
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(PluginError, match=r"plugin file .*broken\.py failed to load: ModuleNotFoundError"):
+        load_registry([tmp_path])
+
+
+def test_unknown_hook_is_rejected(tmp_path):
+    (tmp_path / "typo.py").write_text("from plugins import hookimpl\n\n@hookimpl\ndef register_defences():\n    return []\n")
+    with pytest.raises(PluginError, match="register_defences"):
+        load_registry([tmp_path])
+
+
+def _run_template_audit(tmp_path, env, extra_args=()):
+    audit = small_audit(defenses=[{"name": "logistic", "sweep": {"scale": [0.01, 10.0]}}], utility={"train_steps": 0})
+    path = tmp_path / "logistic.yaml"
+    path.write_text(json.dumps(audit))
+    out = tmp_path / "out"
+    subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(out), "--no-progress", *extra_args],
+                   env=env, check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["setting"] for r in rows} == {"logistic(scale=0.01)", "logistic(scale=10.0)"}
+    return rows
+
+
+def test_template_found_by_dropin_folder_and_runs_from_yaml(tmp_path):
+    folder = tmp_path / "dropins"
+    folder.mkdir()
+    shutil.copy(TEMPLATE / "src" / "leakaudit_logistic" / "__init__.py", folder / "logistic.py")
+    proc = subprocess.run([*LEAKAUDIT, "plugins", "--plugins-dir", str(folder)], capture_output=True, text=True,
+                          check=True)
+    assert any(line.split()[:3] == ["defense", "logistic", f"file:{folder / 'logistic.py'}"]
+               for line in proc.stdout.splitlines())
+    _run_template_audit(tmp_path, dict(os.environ), ["--plugins-dir", str(folder)])
+
+
+def test_template_installed_is_found_by_entry_point(tmp_path):
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(site), str(TEMPLATE)], check=True, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([*LEAKAUDIT, "plugins"], capture_output=True, text=True, check=True, env=env)
+    line = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["defense", "logistic"])
+    assert "entrypoint:logistic (leakaudit-logistic)" in line
+    rows = _run_template_audit(tmp_path, env)
+    # strong logistic noise must hurt the attack more than weak noise
+    weak = [r["psnr"] for r in rows if r["setting"] == "logistic(scale=0.01)"]
+    strong = [r["psnr"] for r in rows if r["setting"] == "logistic(scale=10.0)"]
+    assert sum(weak) > sum(strong)

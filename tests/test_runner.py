@@ -1,0 +1,114 @@
+"""The runner: every output written, rows appended as produced, resume after a kill, same file same numbers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from evaluator import runner
+from evaluator.config import load_audit
+from evaluator.runner import RunError, run_audit
+
+from conftest import LEAKAUDIT, small_audit
+
+OUTPUTS = ("results.jsonl", "results.csv", "summary.json", "utility.jsonl", "report.html", "privacy_utility.png",
+           "reconstructions.png", "audit.yaml")
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def _numbers(rows):
+    return sorted((r["setting"], r["attack"], r["checkpoint"], r["target"], r["psnr"], r["ssim"]) for r in rows)
+
+
+def test_small_audit_writes_every_output(write_audit, tmp_path):
+    audit = load_audit(write_audit(small_audit(model={"name": "lenet_zhu", "checkpoints": [0, 3]})))
+    summary = run_audit(audit, tmp_path / "out", progress=False)
+    out = tmp_path / "out"
+    for name in (*OUTPUTS, "leakage_by_step.png"):
+        assert (out / name).stat().st_size > 0, name
+    rows = _rows(out)
+    assert len(rows) == 2 * 2 * 2  # settings x checkpoints x targets
+    for key in ("defense", "params", "attack", "checkpoint", "target", "psnr", "ssim", "mse", "label_accuracy",
+                "seconds"):
+        assert key in rows[0]
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert header == "defense,setting,params,attack,checkpoint,target,psnr,ssim,mse,label_accuracy,seconds"
+    assert {w["setting"] for w in summary["worst_case"]} == {"none", "gaussian(sigma=0.1)"}
+    assert all(0 <= u["accuracy"] <= 1 for u in summary["utility"].values())
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3 and "name: small" in html
+
+
+def test_same_file_same_numbers(write_audit, tmp_path):
+    audit = load_audit(write_audit(small_audit()))
+    run_audit(audit, tmp_path / "a", progress=False)
+    run_audit(audit, tmp_path / "b", progress=False)
+    assert _numbers(_rows(tmp_path / "a")) == _numbers(_rows(tmp_path / "b"))
+
+
+def test_worker_processes_give_the_same_numbers(write_audit, tmp_path):
+    audit = load_audit(write_audit(small_audit()))
+    run_audit(audit, tmp_path / "one", progress=False, workers=1)
+    run_audit(audit, tmp_path / "two", progress=False, workers=2)
+    one, two = _numbers(_rows(tmp_path / "one")), _numbers(_rows(tmp_path / "two"))
+    assert [r[:4] for r in one] == [r[:4] for r in two]
+    assert all(a[4] == pytest.approx(b[4], abs=1e-3) for a, b in zip(one, two))
+
+
+def test_existing_results_are_never_overwritten(write_audit, tmp_path):
+    audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}])))
+    run_audit(audit, tmp_path / "out", progress=False)
+    with pytest.raises(RunError, match="already exists; pass --resume"):
+        run_audit(audit, tmp_path / "out", progress=False)
+
+
+def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch):
+    audit = load_audit(write_audit(small_audit()))
+    out = tmp_path / "out"
+    run_audit(audit, out, progress=False)
+    full = _rows(out)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed mid-write
+    calls = []
+    real = runner.attack_job
+    monkeypatch.setattr(runner, "attack_job", lambda out_dir, job: calls.append(job.key) or real(out_dir, job))
+    run_audit(audit, out, resume=True, progress=False)
+    assert len(calls) == len(full) - 2
+    assert _numbers(_rows(out)) == _numbers(full)
+
+
+def test_resume_refuses_a_changed_audit(write_audit, tmp_path):
+    out = tmp_path / "out"
+    run_audit(load_audit(write_audit(small_audit(defenses=[{"name": "none"}]))), out, progress=False)
+    changed = load_audit(write_audit(small_audit(defenses=[{"name": "none"}], seed=1), name="other.yaml"))
+    with pytest.raises(RunError, match="differs from the audit first run"):
+        run_audit(changed, out, resume=True, progress=False)
+
+
+def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
+    audit = small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 150}}],
+                        data={"dataset": "digits", "image_size": 16, "targets": 3, "batch_size": 1})
+    path = write_audit(audit)
+    out = tmp_path / "out"
+    cmd = [*LEAKAUDIT, "run", str(path), "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "results.jsonl").exists() and _rows(out)):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    done_before = _rows(out)
+    assert 1 <= len(done_before) < 6
+    subprocess.run([*cmd, "--resume"], check=True, capture_output=True)
+    after = _rows(out)
+    assert len(after) == 6
+    assert after[:len(done_before)] == done_before  # finished rows kept, not recomputed
+    fresh = tmp_path / "fresh"
+    subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(fresh), "--no-progress"], check=True,
+                   capture_output=True)
+    assert _numbers(after) == _numbers(_rows(fresh))

@@ -1,0 +1,84 @@
+"""Models of the zoo and offline datasets: shapes, initialisation, determinism, clear errors."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from evaluator import datasets
+from evaluator.config import ConfigError, load_audit
+from evaluator.models import ZOO, build_model
+
+from conftest import small_audit
+
+
+@pytest.mark.parametrize("spec", ZOO, ids=lambda s: s.name)
+def test_zoo_models_classify_32px_images(spec):
+    model = build_model(spec, 3, 10, 32, {}, seed=0)
+    assert model(torch.rand(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_lenet_zhu_is_the_dlg_network():
+    model = build_model(ZOO[0], 3, 10, 32, {}, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == 3 * 12 * 25 + 12 + 2 * (12 * 12 * 25 + 12) + 768 * 10 + 10
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert -0.5 <= flat.min() and flat.max() <= 0.5
+    assert flat.std().item() == pytest.approx(12 ** -0.5, abs=0.01)  # U(-0.5, 0.5) weights and biases
+    assert sum(isinstance(m, torch.nn.Sigmoid) for m in model.modules()) == 3
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = (build_model(ZOO[0], 1, 10, 16, {}, seed=s) for s in (5, 5, 6))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
+
+
+def test_user_factory_gets_the_arguments_it_accepts():
+    model = build_model("torch.nn:Linear", 1, 10, 4, {"in_features": 5, "out_features": 2}, seed=0)
+    assert isinstance(model, torch.nn.Linear) and model.out_features == 2
+    with pytest.raises(TypeError, match="not a torch.nn.Module"):
+        build_model("builtins:dict", 1, 10, 4, {}, seed=0)
+
+
+@pytest.mark.parametrize("loader, channels, classes", [
+    (datasets.load_digits, 1, 10), (datasets.load_lfw, 1, 2), (datasets.load_photos, 3, 7)])
+def test_offline_datasets(loader, channels, classes):
+    data = loader(image_size=24)
+    assert data.train_x.shape[1:] == (channels, 24, 24) and data.channels == channels
+    assert 0 <= data.train_x.min() and data.train_x.max() <= 1
+    assert data.num_classes == classes and set(data.train_y.unique().tolist()) == set(range(classes))
+    assert len(data.test_x) > 0 and data.mean.shape == (channels,)
+    again = loader(image_size=24)
+    assert torch.equal(data.test_x, again.test_x)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("foolbox") is None, reason="foolbox wheel not installed")
+def test_real_cifar10_samples_from_the_foolbox_wheel():
+    data = datasets.BUILTIN[3].load(image_size=32)
+    assert data.name == "cifar10_samples" and data.train_x.shape == (10, 3, 32, 32) and len(data.test_x) == 10
+    assert data.test_y.max() < 10 and data.train_x.std() > 0.1
+
+
+def test_missing_foolbox_is_one_clear_line(monkeypatch, write_audit):
+    monkeypatch.setattr(datasets, "foolbox_data_dir", lambda: None)
+    path = write_audit(small_audit(data={"dataset": "mnist_samples"}))
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    assert info.value.lines == [f"{path}: the *_samples datasets read the test images shipped in the foolbox wheel, "
+                                "which is not installed; run: pip install --no-deps foolbox"]
+
+
+def test_imagefolder_reads_a_local_folder(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for cls, value in (("dark", 20), ("light", 230)):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (20, 20), (value + i, value, value)).save(tmp_path / split / cls / f"{i}.png")
+    spec = next(s for s in datasets.BUILTIN if s.name == "imagefolder")
+    assert spec.check({"root": str(tmp_path)}) == []
+    data = spec.load(image_size=16, root=str(tmp_path))
+    assert data.train_x.shape == (6, 3, 16, 16) and data.num_classes == 2
+    assert data.train_x[data.train_y == 1].mean() > 0.8 > 0.2 > data.train_x[data.train_y == 0].mean()

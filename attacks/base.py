@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from defenses.base import Defense, SharedUpdate
-from evaluator.protocol import LossFn, fedsgd_update
+from evaluator.protocol import FEDSGD, LossFn, Protocol, client_update
 from plugins.spec import Param, resolve_params
 
 
@@ -27,10 +27,11 @@ class ThreatModel:
     defense: Defense
     labels: Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    protocol: Protocol = FEDSGD
 
     def candidate_update(self, images: Tensor, targets: Tensor) -> list[Tensor]:
         """The clean update that normalised ``images`` with ``targets`` would produce, differentiably."""
-        return fedsgd_update(self.model, self.loss_fn, images, targets, create_graph=True)
+        return client_update(self.model, self.loss_fn, images, targets, self.protocol, create_graph=True)
 
     def normalise(self, pixels: Tensor) -> Tensor:
         return (pixels - self.mean) / self.std
@@ -71,6 +72,14 @@ class Attack:
         result = self.reconstruct(observed, threat, generator)
         result.seconds = time.perf_counter() - start
         return result
+
+    @staticmethod
+    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+        """Why the attack cannot apply to this model, batch size and protocol; None when it can.
+
+        Checked before any work starts, so an impossible audit fails at once.
+        """
+        return None
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         raise NotImplementedError

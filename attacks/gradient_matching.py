@@ -1,15 +1,20 @@
-"""Gradient-matching attacks: optimise images whose update matches the observed one."""
+"""Gradient-matching attacks: optimise images whose update matches the observed one.
+
+``inverting_gradients`` (Geiping et al. 2020): cosine distance, priors, signed Adam.
+``dlg`` (Zhu et al. 2019): Euclidean distance, L-BFGS on the image and a soft label.
+``idlg`` (Zhao et al. 2020): the label read from the gradient, then ``dlg`` on the image.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from attacks.base import Attack, Reconstruction, ThreatModel
-from attacks.labels import labels_from_signs
-from attacks.priors import total_variation
-from defenses.base import SharedUpdate
+from attacks.labels import METHODS, recover_labels
+from attacks.priors import PRIORS, check_priors, prior_penalty
+from defenses.base import SharedUpdate, squared_distance
 from plugins import Param, hookimpl
 
 
@@ -26,11 +31,14 @@ def step_decay_milestones(iterations: int) -> list[int]:
     return [iterations * k // 8 for k in (3, 5, 7)]
 
 
-def attack_labels(observed: SharedUpdate, threat: ThreatModel) -> Tensor:
-    """Known labels where the threat model grants them, else recovered from the gradient."""
-    if threat.labels is not None:
-        return threat.labels.to(threat.device)
-    return labels_from_signs(observed, threat.batch_size).to(threat.device)
+def random_images(threat: ThreatModel, generator: torch.Generator) -> Tensor:
+    """A standard-normal start in normalised space, as in seed 004."""
+    shape = (threat.batch_size, *threat.input_shape)
+    return torch.randn(shape, generator=generator, device=threat.device)
+
+
+LABEL_METHOD = Param("auto", str, choices=METHODS, help="label recovery when labels are not known")
+PRIOR_WEIGHTS = f"weights of image priors by name ({', '.join(PRIORS)})"
 
 
 class InvertingGradients(Attack):
@@ -40,37 +48,40 @@ class InvertingGradients(Attack):
     params = {
         "iterations": Param(4800, int, min=1, help="optimisation steps per restart"),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam step size"),
-        "tv": Param(1e-2, float, min=0.0, help="total-variation weight"),
+        "priors": Param({"tv": 1e-2}, dict, help=PRIOR_WEIGHTS),
         "restarts": Param(1, int, min=1, help="random restarts; the best gradient match is kept"),
         "signed": Param(True, bool, help="use the sign of the image gradient (adversarial-attack style)"),
+        "label_method": LABEL_METHOD,
     }
 
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        check_priors(self.priors)
+
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
-        labels = attack_labels(observed, threat)
+        labels = recover_labels(observed, threat, self.label_method, generator)
         target = [t.to(threat.device) for t in observed.tensors]
-        lo, hi = threat.box()
         best, best_loss, traces = None, float("inf"), []
         for _ in range(self.restarts):
-            images, trace = self._one_run(target, labels, threat, generator, lo, hi)
+            images, trace = self._one_run(target, labels, threat, generator)
             with torch.no_grad():
-                final = self._objective(images, labels, target, threat).detach()
+                final = self._objective(images, labels, target, threat).item()
             traces.append(trace)
-            if final.item() < best_loss:
-                best, best_loss = images, final.item()
-        return Reconstruction(threat.to_pixels(best.detach()), labels, traces[0],
-                              seconds=0.0, extras={"match_loss": best_loss})
+            if final < best_loss:
+                best, best_loss = images, final
+        return Reconstruction(threat.to_pixels(best.detach()), labels, traces[0], 0.0, {"match_loss": best_loss})
 
     def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel) -> Tensor:
+        lo, hi = threat.box()
         with torch.enable_grad():
             candidate = threat.candidate_update(images, labels)
-            return cosine_distance(target, candidate) + self.tv * total_variation(images)
+            return cosine_distance(target, candidate) + prior_penalty(images, self.priors, lo, hi)
 
-    def _one_run(self, target, labels, threat, generator, lo, hi) -> tuple[Tensor, list[float]]:
-        shape = (threat.batch_size, *threat.input_shape)
-        images = torch.randn(shape, generator=generator, device=threat.device).requires_grad_(True)
+    def _one_run(self, target, labels, threat, generator) -> tuple[Tensor, list[float]]:
+        lo, hi = threat.box()
+        images = random_images(threat, generator).requires_grad_(True)
         optimiser = torch.optim.Adam([images], lr=self.lr)
-        schedule = torch.optim.lr_scheduler.MultiStepLR(
-            optimiser, step_decay_milestones(self.iterations), gamma=0.1)
+        schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, step_decay_milestones(self.iterations), 0.1)
         trace = torch.empty(self.iterations, device=threat.device)
         for it in range(self.iterations):
             loss = self._objective(images, labels, target, threat)
@@ -84,6 +95,84 @@ class InvertingGradients(Attack):
         return images, trace.tolist()
 
 
+class DeepLeakage(Attack):
+    """Euclidean gradient matching by L-BFGS on the image and a soft label jointly, with restarts (Zhu et al.)."""
+
+    name = "dlg"
+    joint_labels = True
+    params = {
+        "iterations": Param(300, int, min=1, help="L-BFGS steps per restart"),
+        "lr": Param(1.0, float, min=0.0, exclusive_min=True, help="L-BFGS step size"),
+        "restarts": Param(4, int, min=1, help="random restarts; the best gradient match is kept"),
+        "line_search": Param(True, bool, help="strong-Wolfe line search (off: fixed steps, as the DLG code)"),
+        "priors": Param({}, dict, help=PRIOR_WEIGHTS),
+    }
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        check_priors(self.priors)
+
+    def _labels(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor | None:
+        """Fixed labels, or None when they are optimised jointly as soft labels."""
+        return threat.labels.to(threat.device) if threat.labels is not None else None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        fixed = self._labels(observed, threat, generator)
+        target = [t.to(threat.device) for t in observed.tensors]
+        best = None
+        for _ in range(self.restarts):
+            run = self._one_run(target, fixed, threat, generator)
+            if best is None or run[2] < best[2]:
+                best = run
+        images, labels, loss, trace = best
+        return Reconstruction(threat.to_pixels(images), labels, trace, 0.0, {"match_loss": loss})
+
+    def _one_run(self, target, fixed, threat, generator):
+        lo, hi = threat.box()
+        images = random_images(threat, generator).requires_grad_(True)
+        variables = [images]
+        logits = None
+        if fixed is None:
+            logits = torch.randn((threat.batch_size, threat.num_classes), generator=generator,
+                                 device=threat.device).requires_grad_(True)
+            variables.append(logits)
+        optimiser = torch.optim.LBFGS(variables, lr=self.lr, max_iter=20, history_size=100,
+                                      line_search_fn="strong_wolfe" if self.line_search else None)
+
+        def objective() -> Tensor:
+            targets = fixed if logits is None else torch.softmax(logits, dim=-1)
+            candidate = threat.candidate_update(images, targets)
+            return squared_distance(target, candidate) + prior_penalty(images, self.priors, lo, hi)
+
+        def closure() -> Tensor:
+            loss = objective()
+            grads = torch.autograd.grad(loss, variables)
+            for v, g in zip(variables, grads):
+                v.grad = g
+            return loss.detach()
+
+        trace = []
+        for _ in range(self.iterations):
+            loss = optimiser.step(closure)
+            trace.append(loss)
+            if not torch.isfinite(loss) or loss.item() == 0.0:
+                break
+        final = objective().item()
+        labels = fixed if logits is None else logits.detach().argmax(dim=-1)
+        final = final if final == final else float("inf")  # NaN from a diverged run loses
+        return images.detach(), labels, final, torch.stack(trace).tolist()
+
+
+class ImprovedDeepLeakage(DeepLeakage):
+    """The label read from the gradient's signs, then Euclidean matching by L-BFGS on the image only (Zhao et al.)."""
+
+    name = "idlg"
+    params = {**DeepLeakage.params, "label_method": LABEL_METHOD}
+
+    def _labels(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor:
+        return recover_labels(observed, threat, self.label_method, generator)
+
+
 @hookimpl
 def register_attacks():
-    return [InvertingGradients]
+    return [InvertingGradients, DeepLeakage, ImprovedDeepLeakage]

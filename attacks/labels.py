@@ -1,10 +1,18 @@
-"""Label recovery from the shared gradient of the last fully connected layer."""
+"""Label recovery from the shared update of the output layer (softmax cross-entropy).
+
+For the output layer ``z = W h + b`` the bias gradient is ``mean_i(p_i - onehot(y_i))``
+and the weight gradient ``mean_i (p_i - onehot(y_i)) h_i^T``; every method below
+reads the labels (or their counts) from these two tensors.
+"""
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from attacks.base import ThreatModel
 from defenses.base import SharedUpdate
+
+METHODS = ("auto", "signs", "feature_fit", "geng")
 
 
 def last_layer_gradients(update: SharedUpdate) -> tuple[Tensor, Tensor | None]:
@@ -16,14 +24,107 @@ def last_layer_gradients(update: SharedUpdate) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
-def labels_from_signs(update: SharedUpdate, batch_size: int) -> Tensor:
-    """Labels from the output layer's gradient under softmax cross-entropy.
+def output_layer(model: nn.Module) -> nn.Linear:
+    """The model's last fully connected layer."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("label recovery needs a final fully connected layer")
+    return linears[-1]
 
-    The bias gradient is mean(p - onehot(y)): only present classes can be negative,
-    exact for one image (iDLG, Zhao et al. 2020). Without a bias, row sums of the
-    weight gradient serve when features are non-negative. For a batch the
-    ``batch_size`` most negative entries are taken (distinct labels; Yin et al. 2021).
+
+def _mean_gradients(update: SharedUpdate, threat: ThreatModel) -> tuple[Tensor, Tensor | None]:
+    """Output-layer tensors rescaled to a mean gradient (FedAvg sends lr * steps * ~gradient)."""
+    w, b = last_layer_gradients(update)
+    p = threat.protocol
+    if p.name == "fedavg":
+        scale = 1.0 / (p.local_lr * p.local_steps(threat.batch_size))
+        w, b = w * scale, (None if b is None else b * scale)
+    return w, b
+
+
+def labels_from_signs(update: SharedUpdate, batch_size: int) -> Tensor:
+    """Labels from the signs of the output layer's gradient (iDLG; distinct labels in a batch).
+
+    Only present classes can have a negative bias gradient: exact for one image
+    (Zhao et al. 2020). Without a bias, row sums of the weight gradient serve when
+    features are non-negative. For a batch the ``batch_size`` most negative entries
+    are taken (Yin et al. 2021), so repeated labels are missed.
     """
     weight, bias = last_layer_gradients(update)
     scores = bias if bias is not None else weight.sum(dim=1)
     return torch.argsort(scores)[:batch_size].sort().values
+
+
+def counts_to_labels(counts: Tensor, batch_size: int) -> Tensor:
+    """Round estimated class counts to a label multiset of exactly ``batch_size`` (largest remainder first)."""
+    remaining = counts.detach().clamp_min(0).clone()
+    labels = []
+    for _ in range(batch_size):
+        c = int(torch.argmax(remaining))
+        labels.append(c)
+        remaining[c] -= 1
+    return torch.tensor(sorted(labels), device=counts.device)
+
+
+def feature_fit_counts(update: SharedUpdate, threat: ThreatModel, refinements: int = 3) -> Tensor:
+    """Class counts from the output layer's own prediction of the batch's mean softmax.
+
+    With near-uniform outputs ``gW ~= gb h^T`` for the batch's mean feature ``h``, so a
+    rank-one least-squares fit gives ``h``, ``softmax(W h + b)`` the mean softmax, and
+    ``n = B (mean_p - gb)`` the counts. Each refinement re-estimates every class's mean
+    feature from ``gW_c = mean_p_c h - n_c h_c / B`` and averages their softmax outputs.
+    In the family of iLRG (Ma et al. 2023): class embeddings read off the gradient,
+    passed through the known output layer. Needs the output layer's bias gradient.
+    """
+    gw, gb = _mean_gradients(update, threat)
+    if gb is None:
+        raise ValueError("label method 'feature_fit' needs the output layer's bias gradient; use 'geng'")
+    layer = output_layer(threat.model)
+    w, bias, b = layer.weight.detach(), layer.bias.detach(), threat.batch_size
+    with torch.no_grad():
+        mean_feature = gw.T @ gb / (gb @ gb).clamp_min(1e-30)
+        mean_p = torch.softmax(w @ mean_feature + bias, dim=0)
+        counts = b * (mean_p - gb)
+        for _ in range(refinements):
+            n = counts.clamp_min(1e-3)
+            class_features = (mean_p[:, None] * mean_feature[None] - gw) * b / n[:, None]
+            mean_p = (n[:, None] * torch.softmax(class_features @ w.T + bias, dim=1)).sum(0) / n.sum()
+            counts = b * (mean_p - gb)
+    return counts
+
+
+def geng_counts(update: SharedUpdate, threat: ThreatModel, generator: torch.Generator, dummies: int = 64) -> Tensor:
+    """Class counts from the mean softmax and feature sum of dummy inputs (Geng et al. 2021).
+
+    ``gb_c = mean_p_c - n_c / B`` with the batch's mean softmax ``mean_p`` estimated
+    on random inputs (an untrained network's outputs vary little); without a bias,
+    the weight gradient's row sums divided by the dummies' mean feature sum.
+    """
+    gw, gb = _mean_gradients(update, threat)
+    layer = output_layer(threat.model)
+    captured: list[Tensor] = []
+    handle = layer.register_forward_hook(lambda m, inputs, out: captured.append(inputs[0]))
+    try:
+        with torch.no_grad():
+            x = torch.randn((dummies, *threat.input_shape), generator=generator, device=threat.device)
+            mean_p = torch.softmax(threat.model(x), dim=1).mean(0)
+    finally:
+        handle.remove()
+    if gb is not None:
+        return threat.batch_size * (mean_p - gb)
+    feature_sum = captured[0].sum(dim=1).mean()
+    return threat.batch_size * (mean_p - gw.sum(dim=1) / feature_sum)
+
+
+def recover_labels(update: SharedUpdate, threat: ThreatModel, method: str, generator: torch.Generator) -> Tensor:
+    """Known labels where the threat model grants them, else recovered with ``method`` (auto: signs for one
+    image, feature_fit for a batch when the output layer has a bias, geng otherwise)."""
+    if threat.labels is not None:
+        return threat.labels.to(threat.device)
+    b = threat.batch_size
+    if method == "auto":
+        method = "signs" if b == 1 else ("feature_fit" if last_layer_gradients(update)[1] is not None else "geng")
+    if method == "signs":
+        return labels_from_signs(update, b).to(threat.device)
+    counts = feature_fit_counts(update, threat) if method == "feature_fit" else geng_counts(update, threat, generator)
+    return counts_to_labels(counts, b).to(threat.device)

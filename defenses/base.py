@@ -34,6 +34,7 @@ class Defense:
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
+    deterministic: ClassVar[bool] = False
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)
@@ -50,9 +51,13 @@ class Defense:
 
     def share(self, step: ClientStep) -> SharedUpdate:
         """The defended update the client sends for this step."""
-        clean = step.clean_update()
-        sent = self.perturb(clean, step.generator)
-        return SharedUpdate(sent, parameter_names(step.model), len(step.inputs))
+        sent, public = self.apply(step.clean_update(), step.generator)
+        meta = {"protocol": step.protocol.name, **public}
+        return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), meta)
+
+    def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:
+        """The sent tensors and the metadata the server learns with them (override to publish metadata)."""
+        return self.perturb(update, generator), {}
 
     def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
         """Map the clean update to the sent one, drawing all randomness from ``generator``."""
@@ -68,3 +73,28 @@ class Defense:
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         """Epsilon at ``delta`` after ``steps`` where the defense has a formal guarantee, else None."""
         return None
+
+
+class DeterministicDefense(Defense):
+    """A defense that maps the update through a fixed function ``transform`` (no randomness).
+
+    Its likelihood is the zero-noise limit, ``-||g - transform(g(x))||^2 / 2``, whose
+    maximisers are exactly the inputs consistent with the observation. As a chain
+    member before a random defense, ``transform`` is applied to the candidate.
+    """
+
+    deterministic: ClassVar[bool] = True
+
+    def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
+        return list(update)
+
+    def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
+        return self.transform(update)
+
+    def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
+        return -0.5 * squared_distance(observed.tensors, self.transform(candidate))
+
+
+def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
+    """Sum over all tensors of the squared Euclidean distance."""
+    return sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate))

@@ -1,4 +1,4 @@
-"""Additive-noise defenses and the undefended baseline."""
+"""Additive-noise defenses (Gaussian, Laplacian) and the undefended baseline."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -6,40 +6,71 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from defenses.base import Defense, SharedUpdate
+from defenses.base import Defense, DeterministicDefense, SharedUpdate
 from plugins import Param, hookimpl
 
 
-def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
-    """Sum over all tensors of the squared Euclidean distance."""
-    return sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate))
+def gaussian_log_density(residual: Tensor, scale: float) -> Tensor:
+    """Elementwise N(0, scale^2) log-density, without the constant -log(scale sqrt(2 pi))."""
+    return -residual ** 2 / (2 * scale ** 2)
 
 
-class NoDefense(Defense):
+def laplace_log_density(residual: Tensor, scale: float) -> Tensor:
+    """Elementwise Laplace(0, scale) log-density, without the constant -log(2 scale)."""
+    return -residual.abs() / scale
+
+
+def sample_gaussian(like: Tensor, scale: float, generator: torch.Generator) -> Tensor:
+    return scale * torch.randn(like.shape, generator=generator, device=like.device, dtype=like.dtype)
+
+
+def sample_laplace(like: Tensor, scale: float, generator: torch.Generator) -> Tensor:
+    """Laplace(0, scale) by inverting the CDF of a uniform draw from ``generator``."""
+    u = torch.rand(like.shape, generator=generator, device=like.device, dtype=like.dtype) - 0.5
+    return -scale * u.sign() * torch.log1p(-2 * u.abs().clamp(max=0.5 - 1e-7))
+
+
+NOISE = {"gaussian": (sample_gaussian, gaussian_log_density), "laplace": (sample_laplace, laplace_log_density)}
+
+
+class NoDefense(DeterministicDefense):
     """Shares the clean update: the reference point of every audit."""
 
     name = "none"
 
+
+class AdditiveNoise(Defense):
+    """Adds i.i.d. noise of the family ``noise``, scaled by the parameter named ``scale_param``."""
+
+    noise: str
+    scale_param: str
+
+    def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
+        draw, scale = NOISE[self.noise][0], self.settings[self.scale_param]
+        return [g + draw(g, scale, generator) for g in update]
+
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
-        """The observation is exact; -||g - g(x)||^2 / 2 keeps its maximiser (the zero-noise limit)."""
-        return -0.5 * squared_distance(observed.tensors, candidate)
+        """Sum of the noise's log-densities at the residuals, up to a constant."""
+        density, scale = NOISE[self.noise][1], self.settings[self.scale_param]
+        return sum(density(o - c, scale).sum() for o, c in zip(observed.tensors, candidate))
 
 
-class GaussianNoise(Defense):
+class GaussianNoise(AdditiveNoise):
     """Adds independent N(0, sigma^2) noise to every coordinate of the update."""
 
     name = "gaussian"
+    noise, scale_param = "gaussian", "sigma"
     params = {"sigma": Param(type=float, min=0.0, exclusive_min=True, help="noise standard deviation")}
 
-    def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
-        return [g + self.sigma * torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype)
-                for g in update]
 
-    def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
-        """Gaussian log-density of the observed noise, up to the normalising constant."""
-        return -squared_distance(observed.tensors, candidate) / (2 * self.sigma ** 2)
+class LaplaceNoise(AdditiveNoise):
+    """Adds independent Laplace(0, b) noise to every coordinate of the update (variance 2 b^2)."""
+
+    name = "laplace"
+    noise, scale_param = "laplace", "scale"
+    params = {"scale": Param(type=float, min=0.0, exclusive_min=True, help="Laplace scale b")}
 
 
 @hookimpl
 def register_defenses():
-    return [NoDefense, GaussianNoise]
+    return [NoDefense, GaussianNoise, LaplaceNoise]

@@ -56,8 +56,10 @@ def cmd_plugins(args) -> int:
 
 def cmd_validate(args) -> int:
     from evaluator.config import load_audit
+    from evaluator.scenario import Scenario, check_scenario
 
     audit = load_audit(args.config, args.plugins_dir)
+    check_scenario(Scenario(audit))
     print(f"{args.config}: valid: {len(audit.settings)} defense settings x {len(audit.checkpoints)} checkpoints "
           f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks")
     return 0

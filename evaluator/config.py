@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from evaluator.models import ModelSpec, import_factory
+from evaluator.protocol import Protocol
 from plugins.manager import Registry, load_registry
 from plugins.spec import Param, PluginError, check_params
 
@@ -29,6 +30,7 @@ TOP = {
     "utility": Param({}, dict),
     "metrics": Param(list(DEFAULT_METRICS), list),
     "threat": Param({}, dict),
+    "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg, or a mapping with local_* settings"),
 }
 DATA = {
     "dataset": Param(type=str),
@@ -40,7 +42,15 @@ DATA = {
     "params": Param({}, dict),
 }
 MODEL = {"name": Param(type=str), "params": Param({}, dict), "checkpoints": Param([0], list)}
-DEFENSE = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str)}
+DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
+           "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}")}
+MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
+PROTOCOL = {
+    "name": Param("fedsgd", str, choices=("fedsgd", "fedavg")),
+    "local_epochs": Param(1, int, min=1, help="fedavg: passes over the client's images"),
+    "local_batch_size": Param(None, int, min=1, help="fedavg: minibatch size (default: all images)"),
+    "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="fedavg: local SGD step size"),
+}
 ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str)}
 UTILITY = {
     "train_steps": Param(200, int, min=0, help="SGD steps of utility training under the defense"),
@@ -59,18 +69,38 @@ class ConfigError(Exception):
         self.lines = lines
 
 
+def _call(name: str, params: dict[str, Any]) -> str:
+    args = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+    return f"{name}({args})" if args else name
+
+
 @dataclass(frozen=True)
 class DefenseSetting:
-    """One point of a defense sweep."""
+    """One point of a defense sweep: one defense, or a chain of them applied in order."""
 
-    name: str
-    params: dict[str, Any]
+    members: tuple[tuple[str, dict[str, Any]], ...]
     label: str | None = None
 
     @property
+    def name(self) -> str:
+        return ">".join(n for n, _ in self.members)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        if len(self.members) == 1:
+            return dict(self.members[0][1])
+        return {f"{n}.{k}": v for n, p in self.members for k, v in p.items()}
+
+    @property
     def key(self) -> str:
-        args = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        return self.label or (f"{self.name}({args})" if args else self.name)
+        return self.label or ">".join(_call(n, p) for n, p in self.members)
+
+    def build(self, registry: Registry):
+        """The defense object (a ``defenses.chain.Chain`` for several members)."""
+        from defenses.chain import Chain
+
+        parts = [registry.get("defense", n)(**p) for n, p in self.members]
+        return parts[0] if len(parts) == 1 else Chain(parts)
 
 
 @dataclass(frozen=True)
@@ -102,6 +132,7 @@ class Audit:
     utility: dict[str, Any]
     metrics: list[str]
     threat: dict[str, Any]
+    protocol: Protocol = field(default_factory=Protocol)
     registry: Registry = field(repr=False, default=None)
 
     @property
@@ -168,11 +199,12 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     attacks = _check_attacks(top.get("attacks"), registry, problems)
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems)
     device = _check_device(top.get("device", "auto"), problems)
+    protocol = _check_protocol(top.get("protocol", "fedsgd"), data, problems)
     workers = top.get("workers") or (1 if device == "cuda" else len(os.sched_getaffinity(0)))
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
-                 attacks, utility, metrics, threat, registry)
+                 attacks, utility, metrics, threat, protocol, registry)
 
 
 def _choices(registry: Registry, kind: str) -> str:
@@ -234,27 +266,24 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str]) -> lis
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
         item = _section(item, DEFENSE, where, problems)
-        name = item.get("name")
-        if name is None:
+        if item.get("chain") is not None:
+            if item.get("name") or item["params"] or item["sweep"]:
+                problems.append(f"{where}: give either name (with params, sweep) or chain, not both")
+                continue
+            options = [_member_options(_section(m, MEMBER, f"{where}.chain[{i}]", problems), registry,
+                                       f"{where}.chain[{i}]", problems) for i, m in enumerate(item["chain"])]
+        elif item.get("name") is None:
+            problems.append(f"{where}: name is required (or chain: a list of defenses)")
             continue
-        if name not in registry.entries["defense"]:
-            problems.append(f"{where}.name: {name!r} is not a registered defense; "
-                            f"choices: {_choices(registry, 'defense')}")
+        else:
+            options = [_member_options(item, registry, where, problems)]
+        if any(not o for o in options) or not options:
             continue
-        cls = registry.get("defense", name)
-        sweep = item["sweep"]
-        bad = len(problems)
-        problems.extend(check_params(cls.params, item["params"], f"{where}.params")
-                        if not sweep else _check_sweep(cls.params, item["params"], sweep, where))
-        if len(problems) > bad:
-            continue
-        keys = sorted(sweep)
-        for combo in itertools.product(*(sweep[k] for k in keys)) if keys else [()]:
-            params = {**item["params"], **dict(zip(keys, combo))}
-            label = item["label"] if not keys else None
-            setting = DefenseSetting(name, params, label)
+        combos = list(itertools.product(*options))
+        for members in combos:
+            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None)
             try:
-                cls(**params)
+                setting.build(registry)
             except (ValueError, TypeError) as exc:
                 problems.append(f"{where}: {setting.key}: {exc}")
                 continue
@@ -262,6 +291,25 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str]) -> lis
                 problems.append(f"{where}: setting {setting.key} appears twice")
             settings.append(setting)
     return settings
+
+
+def _member_options(item: dict, registry: Registry, where: str, problems: list[str]) -> list[tuple[str, dict]]:
+    """Every (name, params) that one defense entry's sweep expands to; [] after a problem."""
+    name = item.get("name")
+    if name is None:
+        return []
+    if name not in registry.entries["defense"]:
+        problems.append(f"{where}.name: {name!r} is not a registered defense; choices: {_choices(registry, 'defense')}")
+        return []
+    spec = registry.get("defense", name).params
+    sweep = item["sweep"]
+    found = _check_sweep(spec, item["params"], sweep, where) if sweep else check_params(spec, item["params"],
+                                                                                          f"{where}.params")
+    if found:
+        problems.extend(found)
+        return []
+    keys = sorted(sweep)
+    return [(name, {**item["params"], **dict(zip(keys, combo))}) for combo in itertools.product(*(sweep[k] for k in keys))]
 
 
 def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) -> list[str]:
@@ -292,6 +340,11 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
         if found:
             problems.extend(found)
             continue
+        try:
+            cls(**item["params"])
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{where}.params: {exc}")
+            continue
         label = item["label"] or name
         if any(s.label == label for s in specs):
             problems.append(f"{where}.label: attack label {label!r} is used twice; give each a distinct label")
@@ -308,6 +361,22 @@ def _check_metrics(value: Any, registry: Registry, problems: list[str]) -> list[
         if m not in registry.entries["metric"]:
             problems.append(f"metrics[{i}]: {m!r} is not a registered metric; choices: {_choices(registry, 'metric')}")
     return list(value)
+
+
+def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        return Protocol()
+    section = _section(value, PROTOCOL, "protocol", problems)
+    if section["name"] == "fedsgd":
+        for key in sorted(set(value) - {"name"}):
+            problems.append(f"protocol.{key}: only applies to protocol fedavg")
+    b = section["local_batch_size"]
+    if b is not None and b > data["batch_size"]:
+        problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "
+                        "(the images each client holds)")
+    return Protocol(**section)
 
 
 def _check_device(device: str, problems: list[str]) -> str:

@@ -60,6 +60,12 @@ def _point_label(params: dict) -> str:
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
+def _baseline_line(ax, summary: dict) -> None:
+    guess = summary.get("baselines", {}).get("random", {}).get(PRIVACY_METRIC)
+    if guess is not None:
+        ax.axhline(guess, color="grey", linestyle="--", linewidth=1, label="random guess")
+
+
 def plot_privacy_utility(summary: dict, path: Path) -> bool:
     """Accuracy against the worst-case attack PSNR, one line per defense; False when there is no utility."""
     points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
@@ -79,6 +85,7 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
         for w in ws:
             ax.annotate(_point_label(w["params"]), (w["accuracy"], w[PRIVACY_METRIC]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))
+    _baseline_line(ax, summary)
     ax.set_xlabel("test accuracy under the defense (utility)")
     ax.set_ylabel("PSNR of the strongest attack, dB (leakage)")
     ax.set_title(f"{summary['audit']}: privacy-utility")
@@ -103,6 +110,7 @@ def plot_leakage_by_step(summary: dict, path: Path) -> bool:
     for setting, by_step in best.items():
         steps = sorted(by_step)
         ax.plot(steps, [by_step[s] for s in steps], marker="o", label=setting)
+    _baseline_line(ax, summary)
     ax.set_xlabel("training step of the attacked model")
     ax.set_ylabel("PSNR of the strongest attack, dB")
     ax.grid(alpha=0.3)
@@ -169,9 +177,11 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[dict], notes: list[str]) -> dict:
+def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[dict], notes: list[str],
+                 baselines: dict[str, dict[str, float | None]]) -> dict:
     """Write summary.json, the figures and a self-contained report.html; return the summary."""
     summary = summarise(audit, rows, utility, notes)
+    summary["baselines"] = baselines
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     sections = []
     if notes:
@@ -187,6 +197,9 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
     steps = out_dir / "leakage_by_step.png"
     if plot_leakage_by_step(summary, steps):
         sections.append(("Leakage through training", _img_tag(steps)))
+    baseline_rows = [{"guess": name, **values} for name, values in baselines.items()]
+    sections.append(("Baselines: guesses without the gradient", _table(baseline_rows, ["guess", *baselines["grey"]])
+                     + "<p>An attack leaks only where it beats these.</p>"))
     metric_cols = [f"{m}_{s}" for m in audit.metrics for s in ("mean", "std")]
     sections.append(("All results (mean over targets)", _table(
         summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", *metric_cols, "seconds_mean"])))

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from evaluator.config import Audit, AttackSpec, DefenseSetting, load_audit
 from evaluator.metrics import score
 from evaluator.protocol import ClientStep
-from evaluator.scenario import Scenario, derive_seed, generator, loss_fn
+from evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn
 from evaluator.utility import train_under_defense
 
 RESULTS = "results.jsonl"
@@ -130,7 +130,7 @@ def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]
     model.train()
     pixels, labels = sc.target_batch(job.target)
     share_gen = generator(device, audit.seed, "share", job.setting.key, job.checkpoint, job.target)
-    observed = defense.share(ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen))
+    observed = defense.share(ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, audit.protocol))
     attack = sc.attack(job.attack)
     attack_gen = generator(device, audit.seed, "attack", job.setting.key, job.attack.key, job.checkpoint, job.target)
     rec = attack(observed, sc.threat(model, defense, labels), attack_gen)
@@ -198,15 +198,16 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     from evaluator.report import write_report
 
     out_dir = Path(out_dir)
+    scenario = Scenario(audit)
+    check_scenario(scenario)
     _check_out_dir(audit, out_dir, resume)
     workers = workers or audit.workers
-    scenario = Scenario(audit)
-    _ = scenario.target_indices  # loads the data: a too-small test split fails here, before any work
     _WORKER["scenario"] = scenario
     notes: set[str] = set()
 
     utility = JsonlTable(out_dir / UTILITY)
-    trained = {r["setting"] for r in utility.read() if checkpoint_file(out_dir, _setting(audit, r)).exists()}
+    trained = {r["setting"] for r in utility.read()
+               if (s := _setting(audit, r)) is not None and checkpoint_file(out_dir, s).exists()}
     todo = [s for s in audit.settings if s.key not in trained]
     _execute(_bind(train_job, out_dir), todo, audit, workers, "training", progress,
              lambda s, row: utility.append(row))
@@ -228,11 +229,28 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     _execute(_bind(attack_job, out_dir), pending, audit, workers, "attacks", progress, on_row)
     rows = _in_job_order(audit, results.read())
     csv_file.rewrite(rows)
-    return write_report(audit, out_dir, rows, utility.read(), sorted(notes))
+    return write_report(audit, out_dir, rows, utility.read(), sorted(notes), baseline_scores(scenario))
 
 
-def _setting(audit: Audit, row: dict) -> DefenseSetting:
-    return next((s for s in audit.settings if s.key == row["setting"]), DefenseSetting(row["defense"], row["params"]))
+def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
+    """Scores of guesses that use no gradient: uniform noise and a flat grey image, over all targets."""
+    audit = scenario.audit
+    metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
+    out: dict[str, dict[str, list]] = {"random": {}, "grey": {}}
+    gen = generator(scenario.device, audit.seed, "baseline")
+    for t in range(audit.num_batches):
+        pixels, labels = scenario.target_batch(t)
+        guesses = {"random": torch.rand(pixels.shape, generator=gen, device=pixels.device),
+                   "grey": torch.full_like(pixels, 0.5)}
+        for name, guess in guesses.items():
+            values, _, _ = score(metrics, guess, pixels, labels, labels)
+            for m, v in values.items():
+                out[name].setdefault(m, []).append(v)
+    return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()} for name, d in out.items()}
+
+
+def _setting(audit: Audit, row: dict) -> DefenseSetting | None:
+    return next((s for s in audit.settings if s.key == row["setting"]), None)
 
 
 class _bind:

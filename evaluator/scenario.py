@@ -73,7 +73,7 @@ class Scenario:
         return (pixels - self.mean) / self.std
 
     def defense(self, setting: DefenseSetting) -> Defense:
-        return self.audit.registry.get("defense", setting.name)(**setting.params)
+        return setting.build(self.audit.registry)
 
     def attack(self, spec: AttackSpec):
         return self.audit.registry.get("attack", spec.name)(**spec.params)
@@ -91,4 +91,19 @@ class Scenario:
             model=model, loss_fn=loss_fn, input_shape=tuple(self.data.test_x.shape[1:]),
             mean=self.mean, std=self.std, num_classes=self.data.num_classes,
             batch_size=self.audit.data["batch_size"], defense=defense,
-            labels=labels if self.audit.threat["known_labels"] else None, device=self.device)
+            labels=labels if self.audit.threat["known_labels"] else None, device=self.device,
+            protocol=self.audit.protocol)
+
+
+def check_scenario(scenario: Scenario) -> None:
+    """Checks that need the data and a built model (targets fit the test split, attacks apply); before any work."""
+    audit = scenario.audit
+    _ = scenario.target_indices  # loads the data; too few test images is a ConfigError
+    model = scenario.fresh_model(scenario.defense(audit.settings[0]))
+    problems = []
+    for i, spec in enumerate(audit.attacks):
+        why = audit.registry.get("attack", spec.name).unsupported(model, audit.data["batch_size"], audit.protocol.name)
+        if why:
+            problems.append(f"{audit.path}: attacks[{i}]: {why}")
+    if problems:
+        raise ConfigError(problems)

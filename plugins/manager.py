@@ -16,7 +16,10 @@ from plugins import PROJECT, PluginError, hookspecs
 #: Built-in plugin modules, registered exactly like outside plugins.
 BUILTIN_PLUGINS = (
     "defenses.noise",
+    "defenses.pruning",
+    "defenses.clipping",
     "attacks.gradient_matching",
+    "attacks.analytic",
     "evaluator.metrics",
     "evaluator.models",
     "evaluator.datasets",

@@ -17,7 +17,7 @@ class Param:
     """One parameter of a defense, attack, model or dataset: its type, default and valid range."""
 
     default: Any = _REQUIRED
-    type: type = float
+    type: type | tuple[type, ...] = float
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
@@ -37,7 +37,7 @@ class Param:
         else:
             ok = isinstance(value, self.type)
         if not ok:
-            return f"{value!r} is not of type {self.type.__name__}"
+            return f"{value!r} is not of type {self.type_name}"
         if self.type is float and not math.isfinite(value):
             return f"{value!r} is not a finite number"
         if self.choices is not None and value not in self.choices:
@@ -51,8 +51,13 @@ class Param:
             return f"{value!r} is above the maximum {self.max}"
         return None
 
+    @property
+    def type_name(self) -> str:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        return " or ".join(t.__name__ for t in types)
+
     def describe(self) -> str:
-        parts = [self.type.__name__]
+        parts = [self.type_name]
         if not self.required:
             parts.append(f"default {self.default!r}")
         if self.min is not None or self.max is not None:

@@ -1,0 +1,52 @@
+"""Chains of defenses applied in order (``clip`` then ``gaussian``), with the chain's own likelihood."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from defenses.base import Defense, SharedUpdate
+
+
+class Chain(Defense):
+    """Applies its members in order; all but the last must be deterministic.
+
+    Then ``p(g | x) = p_last(g | T(g(x)))`` with ``T`` the composed deterministic
+    maps, which is exact; a random member before the end would make the chain's
+    likelihood an intractable integral, so it is refused.
+    """
+
+    name = "chain"
+
+    def __init__(self, members: Sequence[Defense]) -> None:
+        super().__init__()
+        if len(members) < 2:
+            raise ValueError("chain: needs at least two members")
+        for i, m in enumerate(members[:-1]):
+            if not m.deterministic:
+                raise ValueError(f"chain: only the last member may be random; {m.name!r} at position {i} is random")
+        self.members = list(members)
+
+    def __repr__(self) -> str:
+        return " > ".join(map(repr, self.members))
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        for m in self.members:
+            model = m.wrap_model(model)
+        return model
+
+    def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:
+        public: dict[str, Any] = {}
+        for m in self.members:
+            update, meta = m.apply(update, generator)
+            public.update(meta)
+        return update, public
+
+    def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
+        for m in self.members[:-1]:
+            candidate = m.transform(candidate)
+        return self.members[-1].log_likelihood(observed, candidate)
+
+    def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
+        return self.members[-1].privacy_spent(steps, sample_rate, delta)

@@ -1,0 +1,32 @@
+"""Norm clipping of the whole update."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from defenses.base import DeterministicDefense
+from plugins import Param, hookimpl
+
+
+def clip_total_norm(update: Sequence[Tensor], max_norm: float) -> list[Tensor]:
+    """Scale the update so that its L2 norm over all tensors is at most ``max_norm`` (differentiable)."""
+    norm = torch.sqrt(sum((g ** 2).sum() for g in update))
+    factor = torch.clamp(max_norm / (norm + 1e-12), max=1.0)
+    return [g * factor for g in update]
+
+
+class Clip(DeterministicDefense):
+    """Scales the update down to L2 norm ``max_norm`` (over all tensors) when it is larger."""
+
+    name = "clip"
+    params = {"max_norm": Param(type=float, min=0.0, exclusive_min=True, help="largest L2 norm sent")}
+
+    def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
+        return clip_total_norm(update, self.max_norm)
+
+
+@hookimpl
+def register_defenses():
+    return [Clip]

@@ -80,13 +80,14 @@ def resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:
 
 
 class CifarResNet(nn.Module):
-    """He et al.'s CIFAR ResNet-(6n+2): three stages of 16, 32, 64 channels."""
+    """He et al.'s CIFAR ResNet-(6n+2): three stages of w, 2w, 4w channels (w = 16 in the original)."""
 
-    def __init__(self, channels: int, num_classes: int, blocks: int = 3):
+    def __init__(self, channels: int, num_classes: int, blocks: int = 3, width: int = 16):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        stages, cin = [], 16
-        for i, cout in enumerate((16, 32, 64)):
+        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU())
+        stages, cin = [], width
+        for i, cout in enumerate((width, 2 * width, 4 * width)):
             stride = 1 if i == 0 else 2
             for b in range(blocks):
                 s = stride if b == 0 else 1
@@ -96,15 +97,15 @@ class CifarResNet(nn.Module):
                 stages.append(BasicBlock(cin, cout, s, down))
                 cin = cout
         self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
 
     def forward(self, x):
         return self.head(self.stages(self.stem(x)))
 
 
-def resnet20(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """ResNet-20 for 32x32 images (three blocks per stage)."""
-    return CifarResNet(channels, num_classes, blocks=3)
+def resnet20(channels: int, num_classes: int, image_size: int, width: int = 16) -> nn.Module:
+    """ResNet-20 for 32x32 images (three blocks per stage; width 64 is seed 004's ResNet20-4)."""
+    return CifarResNet(channels, num_classes, blocks=3, width=width)
 
 
 ZOO = [
@@ -113,7 +114,8 @@ ZOO = [
               summary=convnet.__doc__),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
     ModelSpec("resnet18", resnet18, summary=resnet18.__doc__),
-    ModelSpec("resnet20", resnet20, summary=resnet20.__doc__),
+    ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
+              summary=resnet20.__doc__),
 ]
 
 

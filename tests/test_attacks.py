@@ -64,3 +64,63 @@ def test_inverting_gradients_breaks_undefended_lenet():
 
 def test_inverting_gradients_fails_under_strong_noise():
     assert _attack_digit(GaussianNoise(sigma=1.0)) < 12.0
+
+
+def _scenario(model, index=0, size=16, protocol=None):
+    from evaluator.protocol import Protocol
+
+    protocol = protocol or Protocol()
+    data = load_digits(image_size=size)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    pixels, label = data.test_x[index:index + 1], data.test_y[index:index + 1]
+    step = ClientStep(model, loss_fn, (pixels - mean) / std, label, torch.Generator().manual_seed(1), protocol)
+    threat = ThreatModel(model, loss_fn, (1, size, size), mean, std, 10, 1, NoDefense(), protocol=protocol)
+    return NoDefense().share(step), threat, pixels, label
+
+
+def test_dlg_with_lbfgs_rebuilds_a_digit_from_untrained_lenet():
+    from attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage
+
+    torch.manual_seed(0)
+    observed, threat, pixels, label = _scenario(lenet_zhu(1, 10, 16))
+    rec = DeepLeakage(iterations=30, restarts=2)(observed, threat, torch.Generator().manual_seed(0))
+    assert psnr(rec.images, pixels).item() > 30.0 and rec.labels.tolist() == label.tolist()
+    rec = ImprovedDeepLeakage(iterations=30, restarts=1)(observed, threat, torch.Generator().manual_seed(0))
+    assert psnr(rec.images, pixels).item() > 30.0 and rec.labels.tolist() == label.tolist()
+
+
+def test_analytic_inverts_an_mlp_exactly():
+    from attacks.analytic import AnalyticInversion
+
+    torch.manual_seed(0)
+    observed, threat, pixels, label = _scenario(mlp(1, 10, 16, width=64))
+    rec = AnalyticInversion()(observed, threat, torch.Generator())
+    assert psnr(rec.images, pixels).item() > 100.0 and rec.labels.tolist() == label.tolist()
+
+
+def test_analytic_without_bias_uses_the_next_layer():
+    from attacks.analytic import AnalyticInversion
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 64, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    observed, threat, pixels, _ = _scenario(model)
+    assert psnr(AnalyticInversion()(observed, threat, torch.Generator()).images, pixels).item() > 100.0
+
+
+def test_analytic_says_where_it_does_not_apply():
+    from attacks.analytic import AnalyticInversion
+
+    assert "must start with a fully connected layer" in AnalyticInversion.unsupported(lenet_zhu(1, 10, 16), 1, "fedsgd")
+    assert "exact for one image" in AnalyticInversion.unsupported(mlp(1, 10, 16), 2, "fedsgd")
+    assert AnalyticInversion.unsupported(mlp(1, 10, 16), 1, "fedsgd") is None
+
+
+def test_inverting_gradients_unrolls_federated_averaging():
+    from evaluator.protocol import Protocol
+
+    torch.manual_seed(0)
+    protocol = Protocol("fedavg", local_epochs=5, local_batch_size=1, local_lr=0.1)
+    observed, threat, pixels, _ = _scenario(lenet_zhu(1, 10, 16), protocol=protocol)
+    rec = InvertingGradients(iterations=600)(observed, threat, torch.Generator().manual_seed(2))
+    assert psnr(rec.images, pixels).item() > 18.0

@@ -61,6 +61,21 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
     (small_audit(defenses=[{"name": "none"}, {"name": "none"}]), "defenses[1]: setting none appears twice"),
     (small_audit(data={"dataset": "digits", "image_size": 32, "targets": 2, "batch_size": 1, "params": {"crops": 3}}),
      "data.params.crops: unknown parameter; choices: (none: takes no parameters)"),
+    (small_audit(defenses=[{"chain": [{"name": "gaussian", "params": {"sigma": 0.1}},
+                                      {"name": "clip", "params": {"max_norm": 1.0}}]}]),
+     "defenses[0]: gaussian(sigma=0.1)>clip(max_norm=1.0): chain: only the last member may be random; "
+     "'gaussian' at position 0 is random"),
+    (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "gausian"}]}]),
+     "defenses[0].chain[1].name: 'gausian' is not a registered defense; choices: clip, gaussian, laplace, none, "
+     "prune, topk"),
+    (small_audit(defenses=[{"name": "prune", "params": {"noise": "gaussian"}}]),
+     "defenses[0]: prune(noise=gaussian): prune: noise 'gaussian' needs scale > 0, got 0.0"),
+    (small_audit(protocol={"name": "fedsgd", "local_lr": 0.1}), "protocol.local_lr: only applies to protocol fedavg"),
+    (small_audit(protocol="fedprox"), "protocol.name: 'fedprox' is not one of the choices; choices: fedsgd, fedavg"),
+    (small_audit(protocol={"name": "fedavg", "local_batch_size": 4}),
+     "protocol.local_batch_size: 4 is larger than data.batch_size 1 (the images each client holds)"),
+    (small_audit(attacks=[{"name": "inverting_gradients", "params": {"priors": {"tvv": 1.0}}}]),
+     "attacks[0].params: unknown prior 'tvv'; choices: tv, tv_iso, l2, range"),
 ])
 def test_each_problem_is_one_line(write_audit, audit, expected):
     path = write_audit(audit)
@@ -95,3 +110,23 @@ def test_not_yaml_and_missing_file(tmp_path):
     (line,) = problems(bad)
     assert line.startswith(f"{bad}: line ") and "not valid YAML" in line
     assert problems(tmp_path / "absent.yaml") == [f"{tmp_path / 'absent.yaml'}: file not found"]
+
+
+def test_chains_and_protocols_expand(write_audit):
+    audit = load_audit(write_audit(small_audit(
+        defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}},
+                             {"name": "gaussian", "sweep": {"sigma": [0.1, 0.2]}}]}],
+        protocol={"name": "fedavg", "local_epochs": 5, "local_lr": 0.01})))
+    assert [s.key for s in audit.settings] == ["clip(max_norm=1.0)>gaussian(sigma=0.1)",
+                                              "clip(max_norm=1.0)>gaussian(sigma=0.2)"]
+    assert audit.settings[0].name == "clip>gaussian"
+    assert audit.settings[0].params == {"clip.max_norm": 1.0, "gaussian.sigma": 0.1}
+    assert audit.protocol.name == "fedavg" and audit.protocol.local_steps(1) == 5
+
+
+def test_an_attack_that_cannot_apply_is_refused_before_work(write_audit, capsys):
+    path = write_audit(small_audit(attacks=[{"name": "analytic"}]))
+    assert main(["validate", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"leakaudit: error: {path}: attacks[0]: analytic: the model must start with a fully connected layer "
+        "(after an optional Flatten), as nn.Sequential; for convolutional inputs use a layer-wise attack")

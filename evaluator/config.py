@@ -211,14 +211,19 @@ def _choices(registry: Registry, kind: str) -> str:
     return ", ".join(registry.names(kind))
 
 
+def _lookup(registry: Registry, kind: str, name: str, where: str, problems: list[str]) -> Any | None:
+    """The registered component, or None after recording 'not a registered <kind>; choices: ...'."""
+    if name in registry.entries[kind]:
+        return registry.get(kind, name)
+    problems.append(f"{where}: {name!r} is not a registered {kind}; choices: {_choices(registry, kind)}")
+    return None
+
+
 def _check_data(data: dict, registry: Registry, problems: list[str]) -> None:
     name = data.get("dataset")
-    if name is None:
+    spec = None if name is None else _lookup(registry, "dataset", name, "data.dataset", problems)
+    if spec is None:
         return
-    if name not in registry.entries["dataset"]:
-        problems.append(f"data.dataset: {name!r} is not a registered dataset; choices: {_choices(registry, 'dataset')}")
-        return
-    spec = registry.get("dataset", name)
     problems.extend(check_params(spec.params, data.get("params", {}), "data.params"))
     if spec.check is not None:
         problems.extend(spec.check(data))
@@ -296,12 +301,10 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str]) -> lis
 def _member_options(item: dict, registry: Registry, where: str, problems: list[str]) -> list[tuple[str, dict]]:
     """Every (name, params) that one defense entry's sweep expands to; [] after a problem."""
     name = item.get("name")
-    if name is None:
+    cls = None if name is None else _lookup(registry, "defense", name, f"{where}.name", problems)
+    if cls is None:
         return []
-    if name not in registry.entries["defense"]:
-        problems.append(f"{where}.name: {name!r} is not a registered defense; choices: {_choices(registry, 'defense')}")
-        return []
-    spec = registry.get("defense", name).params
+    spec = cls.params
     sweep = item["sweep"]
     found = _check_sweep(spec, item["params"], sweep, where) if sweep else check_params(spec, item["params"],
                                                                                           f"{where}.params")
@@ -330,12 +333,9 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
     for where, item in _items(value, "attacks", problems):
         item = _section(item, ATTACK, where, problems)
         name = item.get("name")
-        if name is None:
+        cls = None if name is None else _lookup(registry, "attack", name, f"{where}.name", problems)
+        if cls is None:
             continue
-        if name not in registry.entries["attack"]:
-            problems.append(f"{where}.name: {name!r} is not a registered attack; choices: {_choices(registry, 'attack')}")
-            continue
-        cls = registry.get("attack", name)
         found = check_params(cls.params, item["params"], f"{where}.params")
         if found:
             problems.extend(found)
@@ -358,8 +358,7 @@ def _check_metrics(value: Any, registry: Registry, problems: list[str]) -> list[
         problems.append(f"metrics: expected a non-empty list of names, got {value!r}")
         return []
     for i, m in enumerate(value):
-        if m not in registry.entries["metric"]:
-            problems.append(f"metrics[{i}]: {m!r} is not a registered metric; choices: {_choices(registry, 'metric')}")
+        _lookup(registry, "metric", m, f"metrics[{i}]", problems)
     return list(value)
 
 

@@ -85,16 +85,22 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
         for w in ws:
             ax.annotate(_point_label(w["params"]), (w["accuracy"], w[PRIVACY_METRIC]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))
-    _baseline_line(ax, summary)
-    ax.set_xlabel("test accuracy under the defense (utility)")
-    ax.set_ylabel("PSNR of the strongest attack, dB (leakage)")
     ax.set_title(f"{summary['audit']}: privacy-utility")
+    _finish(fig, ax, summary, path, "test accuracy under the defense (utility)",
+            "PSNR of the strongest attack, dB (leakage)")
+    return True
+
+
+def _finish(fig, ax, summary: dict, path: Path, xlabel: str, ylabel: str) -> None:
+    """Baseline line, labels, grid and legend; save and close."""
+    _baseline_line(ax, summary)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def plot_leakage_by_step(summary: dict, path: Path) -> bool:
@@ -110,14 +116,7 @@ def plot_leakage_by_step(summary: dict, path: Path) -> bool:
     for setting, by_step in best.items():
         steps = sorted(by_step)
         ax.plot(steps, [by_step[s] for s in steps], marker="o", label=setting)
-    _baseline_line(ax, summary)
-    ax.set_xlabel("training step of the attacked model")
-    ax.set_ylabel("PSNR of the strongest attack, dB")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, summary, path, "training step of the attacked model", "PSNR of the strongest attack, dB")
     return True
 
 

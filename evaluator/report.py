@@ -82,8 +82,10 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
             ax.scatter(xs, ys, marker="*", s=180, color="black", zorder=3, label="no defense")
             continue
         ax.plot(xs, ys, marker="o", label=defense)
+        varying = {k for w in ws for k in w["params"] if len({str(v.get(k)) for v in (x["params"] for x in ws)}) > 1}
         for w in ws:
-            ax.annotate(_point_label(w["params"]), (w["accuracy"], w[PRIVACY_METRIC]), fontsize=7,
+            shown = {k: v for k, v in w["params"].items() if k in varying} if varying else w["params"]
+            ax.annotate(_point_label(shown), (w["accuracy"], w[PRIVACY_METRIC]), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))
     ax.set_title(f"{summary['audit']}: privacy-utility")
     _finish(fig, ax, summary, path, "test accuracy under the defense (utility)",

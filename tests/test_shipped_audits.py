@@ -33,11 +33,12 @@ def test_every_shipped_audit_is_valid():
 
 
 def test_batch_of_four_beats_the_random_guess(tmp_path):
-    summary = _run(tmp_path, "batch4", **{"data.targets": 4, "attacks.0.params.iterations": 500})
-    random_guess = summary["baselines"]["random"]["psnr"]
+    summary = _run(tmp_path, "batch4", **{"data.targets": 4})
+    random_guess = summary["baselines"]["random"]
     cell = summary["cells"][0]
     assert cell["targets"] == 1 and cell["label_accuracy_mean"] == 1.0
-    assert cell["psnr_mean"] > random_guess + 5.0
+    assert cell["psnr_mean"] > random_guess["psnr"] + 6.0  # measured: 13.9 against 6.4 dB
+    assert cell["ssim_mean"] > random_guess["ssim"] + 0.3  # measured: 0.42 against 0.01
 
 
 def test_fedavg_five_local_steps_beats_the_random_guess(tmp_path):

@@ -1,6 +1,7 @@
 """Reconstruction metrics in [0, 1] pixel space, with batch order resolved by best assignment."""
 from __future__ import annotations
 
+import importlib.util
 import pickle
 import warnings
 from collections import Counter
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import importlib.util
 import torch
 import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment

@@ -20,6 +20,7 @@ BUILTIN_PLUGINS = (
     "defenses.clipping",
     "attacks.gradient_matching",
     "attacks.analytic",
+    "attacks.bayes",
     "evaluator.metrics",
     "evaluator.models",
     "evaluator.datasets",

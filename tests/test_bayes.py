@@ -1,0 +1,75 @@
+"""The Bayes-optimal adversary uses the defense's own likelihood; l2, l1, cos share its optimiser."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from attacks.base import ThreatModel
+from attacks.bayes import BayesOptimal, CosineMatching, L1Matching, L2Matching, sample_in_ball
+from defenses.noise import GaussianNoise
+from evaluator.config import load_audit
+from evaluator.datasets import load_digits
+from evaluator.metrics import psnr
+from evaluator.models import lenet_zhu
+from evaluator.protocol import ClientStep
+from evaluator.runner import run_audit
+from evaluator.scenario import loss_fn
+
+from conftest import ROOT, small_audit
+
+
+def _case(defense, size=16):
+    data = load_digits(image_size=size)
+    torch.manual_seed(0)
+    model = lenet_zhu(1, 10, size)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    pixels, label = data.test_x[:1], data.test_y[:1]
+    observed = defense.share(ClientStep(model, loss_fn, (pixels - mean) / std, label, torch.Generator().manual_seed(1)))
+    return observed, ThreatModel(model, loss_fn, (1, size, size), mean, std, 10, 1, defense), pixels
+
+
+def test_samples_are_uniform_in_the_ball():
+    centre = torch.zeros(2, 1, 4, 4)
+    points = sample_in_ball(centre, 0.5, 2000, torch.Generator().manual_seed(0))
+    radii = points.flatten(2).norm(dim=2)
+    assert points.shape == (2000, 2, 1, 4, 4) and radii.max() <= 0.5
+    # uniform in a 16-dimensional ball: P(r < 0.5 * 0.9) = 0.9 ** 16
+    assert (radii < 0.45).float().mean().item() == pytest.approx(0.9 ** 16, abs=0.03)
+    assert torch.equal(sample_in_ball(centre, 0.0, 5, torch.Generator()), centre[None])
+
+
+def test_bayes_on_gaussian_noise_is_l2_up_to_scale():
+    sigma = 0.1
+    observed, threat, pixels = _case(GaussianNoise(sigma=sigma))
+    l2 = L2Matching(iterations=150, priors={"tv": 1e-3})(observed, threat, torch.Generator().manual_seed(3))
+    bayes = BayesOptimal(iterations=150, priors={"tv": 1e-3 / (2 * sigma ** 2)})(
+        observed, threat, torch.Generator().manual_seed(3))
+    # -log p(g|x) = l2 / (2 sigma^2): with beta scaled alike the objectives are proportional, and Adam is
+    # invariant to the scale of its objective, so both runs take the same path
+    assert psnr(bayes.images, l2.images).item() > 40.0
+
+
+@pytest.mark.parametrize("cls", [BayesOptimal, L2Matching, L1Matching, CosineMatching])
+def test_every_variant_rebuilds_an_undefended_digit(cls):
+    from defenses.noise import NoDefense
+
+    observed, threat, pixels = _case(NoDefense())
+    rec = cls(iterations=400, lr=0.1, lr_decay=0.1)(observed, threat, torch.Generator().manual_seed(0))
+    assert psnr(rec.images, pixels).item() > 18.0 and rec.loss_trace[-1] < rec.loss_trace[0]
+
+
+def test_plugin_defense_gets_its_bayes_attack_for_free(tmp_path, write_audit):
+    folder = tmp_path / "dropins"
+    folder.mkdir()
+    shutil.copy(ROOT / "examples" / "plugin-template" / "src" / "leakaudit_logistic" / "__init__.py",
+                folder / "logistic.py")
+    audit = small_audit(defenses=[{"name": "logistic", "params": {"scale": 0.001}}],
+                        attacks=[{"name": "bayes", "params": {"iterations": 300}}], utility={"train_steps": 0},
+                        plugins_dir=str(folder))
+    summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert {r["attack"] for r in rows} == {"bayes"} and len(rows) == 2
+    assert summary["cells"][0]["psnr_mean"] > summary["baselines"]["random"]["psnr"] + 8.0

@@ -57,6 +57,16 @@ def convnet(channels: int, num_classes: int, image_size: int, width: int = 64) -
     return nn.Sequential(*layers)
 
 
+def cnn_bayes(channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """The CNN of seed 003's experiments: conv 32 3x3, ReLU, avg-pool, conv 64 3x3, ReLU, avg-pool, dense 100, dense."""
+    side = ((image_size - 2) // 2 - 2) // 2
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, 3), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Flatten(), nn.Linear(64 * side * side, 100), nn.ReLU(), nn.Linear(100, num_classes),
+    )
+
+
 def mlp(channels: int, num_classes: int, image_size: int, width: int = 256, depth: int = 2) -> nn.Module:
     """A fully connected ReLU network with ``depth`` hidden layers of ``width`` units."""
     layers: list[nn.Module] = [nn.Flatten()]
@@ -112,6 +122,7 @@ ZOO = [
     ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__),
     ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block")},
               summary=convnet.__doc__),
+    ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
     ModelSpec("resnet18", resnet18, summary=resnet18.__doc__),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},

@@ -181,8 +181,8 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     text, raw = read_yaml(path)
     problems: list[str] = []
     top = _section(raw if raw is not None else {}, TOP, "", problems)
-    dirs = [Path(d) for d in plugins_dirs]
-    if top.get("plugins_dir"):
+    dirs = [Path(d).resolve() for d in plugins_dirs]
+    if top.get("plugins_dir") and (path.parent / top["plugins_dir"]).resolve() not in dirs:
         dirs.append((path.parent / top["plugins_dir"]).resolve())
     if registry is None:
         try:

@@ -176,20 +176,18 @@ def _execute(fn: Callable, items: Iterable, audit: Audit, workers: int, desc: st
             bar.update()
     else:
         ctx = multiprocessing.get_context("spawn")
-        init = (str(audit.path), [str(d) for d in audit.plugins_dirs if d not in _plugin_dirs_of(audit)], 1)
+        init = (str(audit.path), [str(d) for d in audit.plugins_dirs], 1)
         with ProcessPoolExecutor(min(workers, len(items)), mp_context=ctx, initializer=_init_worker,
                                  initargs=init) as pool:
             futures = {pool.submit(fn, item): item for item in items}
-            for fut in as_completed(futures):
-                on_result(futures[fut], fut.result())
-                bar.update()
+            try:
+                for fut in as_completed(futures):
+                    on_result(futures[fut], fut.result())
+                    bar.update()
+            except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     bar.close()
-
-
-def _plugin_dirs_of(audit: Audit) -> list[Path]:
-    """Plugin folders named inside the audit file (workers find those by reading it again)."""
-    top = yaml.safe_load(audit.text) or {}
-    return [(audit.path.parent / top["plugins_dir"]).resolve()] if top.get("plugins_dir") else []
 
 
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,

@@ -101,3 +101,18 @@ def test_template_installed_is_found_by_entry_point(tmp_path):
     weak = [r["psnr"] for r in rows if r["setting"] == "logistic(scale=0.01)"]
     strong = [r["psnr"] for r in rows if r["setting"] == "logistic(scale=10.0)"]
     assert sum(weak) > sum(strong)
+
+
+def test_dropin_named_in_the_file_and_on_the_command_line_reaches_worker_processes(tmp_path):
+    folder = tmp_path / "plug"
+    folder.mkdir()
+    shutil.copy(TEMPLATE / "src" / "leakaudit_logistic" / "__init__.py", folder / "logistic.py")
+    audit = small_audit(defenses=[{"name": "logistic", "params": {"scale": 0.01}}], utility={"train_steps": 0},
+                        workers=2, plugins_dir="plug")
+    path = tmp_path / "audit.yaml"
+    path.write_text(json.dumps(audit))
+    out = tmp_path / "out"
+    subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(out), "--plugins-dir", str(folder), "--no-progress"],
+                   check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["target"] for r in rows) == [0, 1] and all(r["setting"] == "logistic(scale=0.01)" for r in rows)

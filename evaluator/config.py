@@ -12,6 +12,7 @@ import yaml
 
 from evaluator.models import ModelSpec, import_factory
 from evaluator.protocol import Protocol
+from evaluator.tuning import TuneSpec, check_tune
 from plugins.manager import Registry, load_registry
 from plugins.spec import Param, PluginError, check_params
 
@@ -51,7 +52,8 @@ PROTOCOL = {
     "local_batch_size": Param(None, int, min=1, help="fedavg: minibatch size (default: all images)"),
     "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="fedavg: local SGD step size"),
 }
-ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str)}
+ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
+          "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)")}
 UTILITY = {
     "train_steps": Param(200, int, min=0, help="SGD steps of utility training under the defense"),
     "batch_size": Param(32, int, min=1),
@@ -108,6 +110,7 @@ class AttackSpec:
     name: str
     params: dict[str, Any]
     label: str
+    tune: TuneSpec | None = None
 
     @property
     def key(self) -> str:
@@ -345,11 +348,18 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
         except (ValueError, TypeError) as exc:
             problems.append(f"{where}.params: {exc}")
             continue
+        tune = None
+        if item.get("tune") is not None:
+            metrics = {e.name: e.obj for e in registry.entries["metric"].values()}
+            tune, found = check_tune(item["tune"], cls, item["params"], metrics, f"{where}.tune")
+            if found:
+                problems.extend(found)
+                continue
         label = item["label"] or name
         if any(s.label == label for s in specs):
             problems.append(f"{where}.label: attack label {label!r} is used twice; give each a distinct label")
             continue
-        specs.append(AttackSpec(name, dict(item["params"]), label))
+        specs.append(AttackSpec(name, dict(item["params"]), label, tune))
     return specs
 
 

@@ -178,11 +178,31 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
+    """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
+    from evaluator.tuning import winners
+
+    higher = {m: audit.registry.get("metric", m).higher_is_better for m in audit.registry.names("metric")}
+    best = winners(trials, higher)
+    out = []
+    for key, win in best.items():
+        mine = [t for t in trials if (t["setting"], t["attack"], t["checkpoint"]) == key]
+        untuned = next(t for t in mine if t["trial"] == 0)
+        spec = next(a.tune for a in audit.attacks if a.key == key[1])
+        changed = {k: v for k, v in win["params"].items() if untuned["params"].get(k) != v}
+        out.append({"setting": key[0], "attack": key[1], "checkpoint": key[2], "metric": win["metric"],
+                    "budget": spec.budget, "trials": len(mine), "tuning_batches": spec.targets,
+                    "untuned": untuned["score"], "tuned": win["score"], "winner": changed or "untuned",
+                    "search_seconds": round(sum(t["seconds"] for t in mine), 1)})
+    return out
+
+
 def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[dict], notes: list[str],
-                 baselines: dict[str, dict[str, float | None]]) -> dict:
+                 baselines: dict[str, dict[str, float | None]], tuning: list[dict]) -> dict:
     """Write summary.json, the figures and a self-contained report.html; return the summary."""
     summary = summarise(audit, rows, utility, notes)
     summary["baselines"] = baselines
+    summary["tuning"] = summarise_tuning(audit, tuning)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     sections = []
     if notes:
@@ -201,6 +221,11 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
     baseline_rows = [{"guess": name, **values} for name, values in baselines.items()]
     sections.append(("Baselines: guesses without the gradient", _table(baseline_rows, ["guess", *baselines["grey"]])
                      + "<p>An attack leaks only where it beats these.</p>"))
+    if summary["tuning"]:
+        sections.append(("Adaptive attacker: hyperparameter search", _table(summary["tuning"], [
+            "setting", "attack", "checkpoint", "metric", "budget", "trials", "tuning_batches", "untuned", "tuned",
+            "winner", "search_seconds"]) + "<p>Each search tries the untuned setting first on tuning images drawn "
+            "from the training split (never an attacked target); every target is then attacked with the winner.</p>"))
     metric_cols = [f"{m}_{s}" for m in audit.metrics for s in ("mean", "std")]
     sections.append(("All results (mean over targets)", _table(
         summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", *metric_cols, "seconds_mean"])))

@@ -16,15 +16,18 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from attacks.base import Reconstruction
 from evaluator.config import Audit, AttackSpec, DefenseSetting, load_audit
 from evaluator.metrics import score
 from evaluator.protocol import ClientStep
 from evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn
+from evaluator.tuning import candidates, winners
 from evaluator.utility import train_under_defense
 
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
 UTILITY = "utility.jsonl"
+TUNING = "tuning.jsonl"
 
 
 class RunError(Exception):
@@ -33,16 +36,35 @@ class RunError(Exception):
 
 @dataclass(frozen=True)
 class AttackJob:
-    """One cell of the audit: a defense setting, a checkpoint, a target batch and an attack."""
+    """One cell of the audit: a defense setting, a checkpoint, a target batch and an attack.
+
+    ``params`` replaces the attack's audit parameters (the tuned winner) when set.
+    """
 
     setting: DefenseSetting
     attack: AttackSpec
     checkpoint: int
     target: int
+    params: dict | None = None
 
     @property
     def key(self) -> tuple:
         return (self.setting.key, self.attack.key, self.checkpoint, self.target)
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    """One trial of an attack's hyperparameter search on the tuning images."""
+
+    setting: DefenseSetting
+    attack: AttackSpec
+    checkpoint: int
+    trial: int
+    params: dict
+
+    @property
+    def key(self) -> tuple:
+        return (self.setting.key, self.attack.key, self.checkpoint, self.trial)
 
 
 def row_key(row: dict[str, Any]) -> tuple:
@@ -55,9 +77,21 @@ def slug(text: str) -> str:
     return f"{safe}-{derive_seed(text) % 16 ** 6:06x}"
 
 
-def jobs_of(audit: Audit) -> list[AttackJob]:
-    return [AttackJob(s, a, c, t) for s in audit.settings for c in audit.checkpoints
-            for t in range(audit.num_batches) for a in audit.attacks]
+def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
+    tuned = tuned or {}
+    return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
+            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks]
+
+
+def tune_jobs_of(audit: Audit) -> list[TuneJob]:
+    jobs = []
+    for a in (a for a in audit.attacks if a.tune is not None):
+        cls = audit.registry.get("attack", a.name)
+        defaults = {k: p.default for k, p in cls.params.items() if not p.required}
+        trials = candidates(a.tune, a.params, defaults, derive_seed(audit.seed, "tune", a.key))
+        jobs += [TuneJob(s, a, c, i, p) for s in audit.settings for c in audit.checkpoints
+                 for i, p in enumerate(trials)]
+    return jobs
 
 
 class JsonlTable:
@@ -120,20 +154,47 @@ def train_job(out_dir: Path, setting: DefenseSetting) -> dict[str, Any]:
     return result
 
 
+def _attack_batch(out_dir: Path, setting: DefenseSetting, checkpoint: int, attack: Any, pixels, labels,
+                  purpose: str, attack_key: str, index: int) -> Reconstruction:
+    """The defended update of one batch at one checkpoint, and the attack's reconstruction of it.
+
+    ``purpose`` ("" for targets, "tune-" for tuning batches) and ``index`` seed the defense's noise and
+    the attack's start, so every trial of a search sees the same update and starts from the same point.
+    """
+    sc: Scenario = _WORKER["scenario"]
+    audit, device = sc.audit, sc.device
+    defense = sc.defense(setting)
+    model = sc.fresh_model(defense)
+    model.load_state_dict(_checkpoints(str(checkpoint_file(out_dir, setting)))[checkpoint])
+    model.train()
+    share_gen = generator(device, audit.seed, f"{purpose}share", setting.key, checkpoint, index)
+    observed = defense.share(ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, audit.protocol))
+    attack_gen = generator(device, audit.seed, f"{purpose}attack", setting.key, attack_key, checkpoint, index)
+    return attack(observed, sc.threat(model, defense, labels), attack_gen)
+
+
+def tune_job(out_dir: Path, job: TuneJob) -> dict[str, Any]:
+    """Score one hyperparameter setting on the tuning batches (same update and start for every trial)."""
+    sc: Scenario = _WORKER["scenario"]
+    metric = sc.audit.registry.get("metric", job.attack.tune.metric)
+    attack, values, seconds = sc.attack(job.attack, job.params), [], 0.0
+    for t in range(job.attack.tune.targets):
+        pixels, labels = sc.tuning_batch(t)
+        rec = _attack_batch(out_dir, job.setting, job.checkpoint, attack, pixels, labels, "tune-", job.attack.key, t)
+        values.append(score([metric], rec.images, pixels, rec.labels, labels)[0][metric.name])
+        seconds += rec.seconds
+    return {"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint, "trial": job.trial,
+            "params": job.params, "metric": metric.name, "score": sum(values) / len(values),
+            "seconds": round(seconds, 3)}
+
+
 def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]]:
     """Share the defended update of one target batch, attack it and score the reconstruction."""
     sc: Scenario = _WORKER["scenario"]
-    audit, device = sc.audit, sc.device
-    defense = sc.defense(job.setting)
-    model = sc.fresh_model(defense)
-    model.load_state_dict(_checkpoints(str(checkpoint_file(out_dir, job.setting)))[job.checkpoint])
-    model.train()
+    audit = sc.audit
     pixels, labels = sc.target_batch(job.target)
-    share_gen = generator(device, audit.seed, "share", job.setting.key, job.checkpoint, job.target)
-    observed = defense.share(ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, audit.protocol))
-    attack = sc.attack(job.attack)
-    attack_gen = generator(device, audit.seed, "attack", job.setting.key, job.attack.key, job.checkpoint, job.target)
-    rec = attack(observed, sc.threat(model, defense, labels), attack_gen)
+    rec = _attack_batch(out_dir, job.setting, job.checkpoint, sc.attack(job.attack, job.params), pixels, labels,
+                        "", job.attack.key, job.target)
     metrics = [audit.registry.get("metric", m) for m in audit.metrics]
     values, notes, order = score(metrics, rec.images, pixels, rec.labels, labels)
     path = recon_file(out_dir, job)
@@ -145,6 +206,8 @@ def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]
            "target": job.target, "images": sc.target_indices[job.target * audit.data["batch_size"]:
                                                               (job.target + 1) * audit.data["batch_size"]].tolist(),
            **values, "seconds": round(rec.seconds, 3)}
+    if job.params is not None:
+        row["attack_params"] = job.params
     return row, notes
 
 
@@ -210,9 +273,16 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     _execute(_bind(train_job, out_dir), todo, audit, workers, "training", progress,
              lambda s, row: utility.append(row))
 
+    tuning = JsonlTable(out_dir / TUNING)
+    tried = {(r["setting"], r["attack"], r["checkpoint"], r["trial"]) for r in tuning.read()}
+    _execute(_bind(tune_job, out_dir), [j for j in tune_jobs_of(audit) if j.key not in tried], audit, workers,
+             "tuning", progress, lambda j, row: tuning.append(row))
+    higher = {m: audit.registry.get("metric", m).higher_is_better for m in audit.registry.names("metric")}
+    tuned = winners(tuning.read(), higher)
+
     results = JsonlTable(out_dir / RESULTS)
     finished = {row_key(r) for r in results.read()}
-    pending = [j for j in jobs_of(audit) if j.key not in finished]
+    pending = [j for j in jobs_of(audit, tuned) if j.key not in finished]
 
     csv_file = CsvTable(out_dir / RESULTS_CSV, audit.metrics)
 
@@ -227,7 +297,8 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     _execute(_bind(attack_job, out_dir), pending, audit, workers, "attacks", progress, on_row)
     rows = _in_job_order(audit, results.read())
     csv_file.rewrite(rows)
-    return write_report(audit, out_dir, rows, utility.read(), sorted(notes), baseline_scores(scenario))
+    return write_report(audit, out_dir, rows, utility.read(), sorted(notes), baseline_scores(scenario),
+                        tuning.read())
 
 
 def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:

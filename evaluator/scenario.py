@@ -61,6 +61,13 @@ class Scenario:
         idx = self.target_indices[index * b:(index + 1) * b]
         return self.data.test_x[idx].to(self.device), self.data.test_y[idx].to(self.device)
 
+    def tuning_batch(self, index: int) -> tuple[Tensor, Tensor]:
+        """Batch ``index`` of the attacker's own tuning images, drawn from the training split."""
+        b = self.audit.data["batch_size"]
+        gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
+        idx = torch.randperm(len(self.data.train_x), generator=gen)[index * b:(index + 1) * b]
+        return self.data.train_x[idx].to(self.device), self.data.train_y[idx].to(self.device)
+
     @cached_property
     def mean(self) -> Tensor:
         return self.data.mean.view(-1, 1, 1).to(self.device)
@@ -75,8 +82,9 @@ class Scenario:
     def defense(self, setting: DefenseSetting) -> Defense:
         return setting.build(self.audit.registry)
 
-    def attack(self, spec: AttackSpec):
-        return self.audit.registry.get("attack", spec.name)(**spec.params)
+    def attack(self, spec: AttackSpec, params: dict | None = None):
+        """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
+        return self.audit.registry.get("attack", spec.name)(**(spec.params if params is None else params))
 
     def fresh_model(self, defense: Defense) -> nn.Module:
         """The model at training step 0: the same initialisation for every defense setting."""

@@ -1,0 +1,72 @@
+"""The adaptive attacker: a seeded, budgeted search that never does worse than the untuned attack."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evaluator import runner
+from evaluator.config import ConfigError, load_audit
+from evaluator.runner import run_audit
+from evaluator.tuning import TuneSpec, candidates, with_value
+
+from conftest import small_audit
+
+TUNED = {"name": "bayes", "params": {"iterations": 40, "lr": 0.001},
+         "tune": {"budget": 3, "space": {"lr": [0.03, 0.1], "priors.tv": [0.0001, 0.01]}}}
+
+
+def test_dotted_keys_reach_into_mappings_without_touching_the_original():
+    base = {"lr": 0.1, "priors": {"tv": 0.01, "l2": 0.5}}
+    assert with_value(base, "priors.tv", 0.2) == {"lr": 0.1, "priors": {"tv": 0.2, "l2": 0.5}}
+    assert with_value(base, "lr", 1.0)["lr"] == 1.0 and base["priors"]["tv"] == 0.01
+
+
+def test_candidates_start_untuned_are_distinct_and_seeded():
+    spec = TuneSpec(space={"lr": [0.01, 0.1, 1.0], "warmup": [0, 10]}, budget=5)
+    defaults = {"lr": 0.1, "warmup": 0, "iterations": 100}
+    trials = candidates(spec, {"iterations": 50}, defaults, seed=7)
+    assert trials[0] == {"lr": 0.1, "warmup": 0, "iterations": 50}
+    assert len(trials) == 5 and all(t not in trials[:i] for i, t in enumerate(trials))
+    assert trials == candidates(spec, {"iterations": 50}, defaults, seed=7)
+    assert len(candidates(TuneSpec(space={"lr": [0.1, 0.5]}, budget=10), {}, defaults, 0)) == 2  # grid exhausted
+
+
+@pytest.mark.parametrize("tune, expected", [
+    ({"budget": 3}, "attacks[0].tune.space: required parameter is missing"),
+    ({"space": {"step": [1]}}, "attacks[0].tune.space.step: not a parameter of 'bayes'; choices: iterations, "),
+    ({"space": {"lr": [0.1, -1.0]}}, "attacks[0].tune.space.lr[1]: bayes.lr: -1.0 must be greater than 0.0"),
+    ({"space": {"priors.tvv": [1.0]}}, "attacks[0].tune.space.priors.tvv[0]: unknown prior 'tvv'"),
+    ({"space": {"lr": [0.1]}, "metric": "label_accuracy"},
+     "attacks[0].tune.metric: 'label_accuracy' does not score images; choose an image metric"),
+    ({"space": {"lr": [0.1]}, "budget": 0}, "attacks[0].tune.budget: 0 is below the minimum 1"),
+])
+def test_bad_tune_sections_are_one_line_each(write_audit, tune, expected):
+    path = write_audit(small_audit(attacks=[{"name": "bayes", "tune": tune}]))
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    (line,) = info.value.lines
+    assert line.startswith(f"{path}: {expected}"), line
+
+
+def test_tuned_audit_reports_the_search_and_attacks_with_the_winner(write_audit, tmp_path, monkeypatch):
+    audit = load_audit(write_audit(small_audit(attacks=[TUNED], defenses=[{"name": "gaussian",
+                                                                           "params": {"sigma": 0.01}}],
+                                               utility={"train_steps": 0})))
+    out = tmp_path / "out"
+    summary = run_audit(audit, out, progress=False)
+    trials = [json.loads(line) for line in (out / "tuning.jsonl").read_text().splitlines()]
+    assert [t["trial"] for t in trials] == [0, 1, 2] and trials[0]["params"]["lr"] == 0.001
+    (search,) = summary["tuning"]
+    assert search["budget"] == 3 and search["trials"] == 3
+    assert search["tuned"] >= search["untuned"]
+    assert search["tuned"] == max(t["score"] for t in trials)
+    best = max(trials, key=lambda t: t["score"])["params"]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert all(r["attack_params"] == best for r in rows)
+    assert "hyperparameter search" in (out / "report.html").read_text()
+    # a resumed run redoes no trial
+    calls = []
+    monkeypatch.setattr(runner, "tune_job", lambda out_dir, job: calls.append(job) or {})
+    run_audit(audit, out, resume=True, progress=False)
+    assert calls == []

@@ -82,3 +82,15 @@ def test_imagefolder_reads_a_local_folder(tmp_path):
     data = spec.load(image_size=16, root=str(tmp_path))
     assert data.train_x.shape == (6, 3, 16, 16) and data.num_classes == 2
     assert data.train_x[data.train_y == 1].mean() > 0.8 > 0.2 > data.train_x[data.train_y == 0].mean()
+
+
+def test_cnn_bayes_has_flax_default_initialisation():
+    from evaluator.models import cnn_bayes
+
+    torch.manual_seed(0)
+    model = cnn_bayes(1, 10, 28)
+    dense = model[7]
+    assert dense.in_features == 64 * 5 * 5 and dense.out_features == 100
+    assert dense.weight.std().item() == pytest.approx(1600 ** -0.5, rel=0.02)  # variance 1/fan_in
+    assert dense.weight.abs().max().item() <= 2 * 1600 ** -0.5 / 0.8796 + 1e-6  # truncated at 2 std
+    assert all(m.bias.abs().sum() == 0 for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))

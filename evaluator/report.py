@@ -182,8 +182,7 @@ def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
     from evaluator.tuning import winners
 
-    higher = {m: audit.registry.get("metric", m).higher_is_better for m in audit.registry.names("metric")}
-    best = winners(trials, higher)
+    best = winners(trials, audit.registry)
     out = []
     for key, win in best.items():
         mine = [t for t in trials if (t["setting"], t["attack"], t["checkpoint"]) == key]

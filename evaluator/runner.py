@@ -203,8 +203,7 @@ def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]
                 "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace}, path)
     row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
            "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-           "target": job.target, "images": sc.target_indices[job.target * audit.data["batch_size"]:
-                                                              (job.target + 1) * audit.data["batch_size"]].tolist(),
+           "target": job.target, "images": sc.target_ids(job.target).tolist(),
            **values, "seconds": round(rec.seconds, 3)}
     if job.params is not None:
         row["attack_params"] = job.params
@@ -277,8 +276,8 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     tried = {(r["setting"], r["attack"], r["checkpoint"], r["trial"]) for r in tuning.read()}
     _execute(_bind(tune_job, out_dir), [j for j in tune_jobs_of(audit) if j.key not in tried], audit, workers,
              "tuning", progress, lambda j, row: tuning.append(row))
-    higher = {m: audit.registry.get("metric", m).higher_is_better for m in audit.registry.names("metric")}
-    tuned = winners(tuning.read(), higher)
+    trials = tuning.read()
+    tuned = winners(trials, audit.registry)
 
     results = JsonlTable(out_dir / RESULTS)
     finished = {row_key(r) for r in results.read()}
@@ -297,8 +296,7 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     _execute(_bind(attack_job, out_dir), pending, audit, workers, "attacks", progress, on_row)
     rows = _in_job_order(audit, results.read())
     csv_file.rewrite(rows)
-    return write_report(audit, out_dir, rows, utility.read(), sorted(notes), baseline_scores(scenario),
-                        tuning.read())
+    return write_report(audit, out_dir, rows, utility.read(), sorted(notes), baseline_scores(scenario), trials)
 
 
 def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:

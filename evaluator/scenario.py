@@ -55,17 +55,28 @@ class Scenario:
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "targets"))
         return torch.randperm(len(self.data.test_x), generator=gen)[: self.audit.data["targets"]]
 
+    @cached_property
+    def tuning_indices(self) -> Tensor:
+        """Training-split images the attacker tunes on (its own data), drawn once from the audit seed."""
+        gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
+        return torch.randperm(len(self.data.train_x), generator=gen)
+
+    def _batch_of(self, order: Tensor, index: int) -> Tensor:
+        b = self.audit.data["batch_size"]
+        return order[index * b:(index + 1) * b]
+
+    def target_ids(self, index: int) -> Tensor:
+        """Test-split indices of target batch ``index``."""
+        return self._batch_of(self.target_indices, index)
+
     def target_batch(self, index: int) -> tuple[Tensor, Tensor]:
         """Batch ``index`` of private images (pixel space) and labels, on the device."""
-        b = self.audit.data["batch_size"]
-        idx = self.target_indices[index * b:(index + 1) * b]
+        idx = self.target_ids(index)
         return self.data.test_x[idx].to(self.device), self.data.test_y[idx].to(self.device)
 
     def tuning_batch(self, index: int) -> tuple[Tensor, Tensor]:
         """Batch ``index`` of the attacker's own tuning images, drawn from the training split."""
-        b = self.audit.data["batch_size"]
-        gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
-        idx = torch.randperm(len(self.data.train_x), generator=gen)[index * b:(index + 1) * b]
+        idx = self._batch_of(self.tuning_indices, index)
         return self.data.train_x[idx].to(self.device), self.data.train_y[idx].to(self.device)
 
     @cached_property

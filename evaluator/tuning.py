@@ -98,12 +98,13 @@ def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: di
                     targets=section.get("targets", 1)), []
 
 
-def winners(rows: list[dict[str, Any]], higher_is_better: dict[str, bool]) -> dict[tuple, dict[str, Any]]:
-    """Best trial per (setting, attack, checkpoint); ties go to the earliest trial (the untuned one first)."""
+def winners(rows: list[dict[str, Any]], registry: Any) -> dict[tuple, dict[str, Any]]:
+    """Best trial per (setting, attack, checkpoint) by its metric's direction in ``registry``; ties go to the
+    earliest trial (the untuned one first)."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in sorted(rows, key=lambda r: r["trial"]):
         key = (r["setting"], r["attack"], r["checkpoint"])
-        sign = 1 if higher_is_better[r["metric"]] else -1
+        sign = 1 if registry.get("metric", r["metric"]).higher_is_better else -1
         if key not in best or sign * r["score"] > sign * best[key]["score"]:
             best[key] = r
     return best

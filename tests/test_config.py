@@ -76,6 +76,21 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
      "protocol.local_batch_size: 4 is larger than data.batch_size 1 (the images each client holds)"),
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"priors": {"tvv": 1.0}}}]),
      "attacks[0].params: unknown prior 'tvv'; choices: tv, tv_iso, l2, range"),
+    (small_audit(threat={"known_labels": "yes"}), "threat.known_labels: 'yes' is not of type bool"),
+    (small_audit(utility={"lr": -0.1}), "utility.lr: -0.1 must be greater than 0.0"),
+    (small_audit(attacks=[{"name": "inverting_gradients"}, {"name": "inverting_gradients"}]),
+     "attacks[1].label: attack label 'inverting_gradients' is used twice; give each a distinct label"),
+    (small_audit(attacks=[{"name": "bayes", "params": {"samples": 0}}]),
+     "attacks[0].params.samples: 0 is below the minimum 1"),
+    (small_audit(defenses=[{"name": "laplace", "params": {"scale": 0.0}}]),
+     "defenses[0].params.scale: 0.0 must be greater than 0.0"),
+    (small_audit(defenses=[{"name": "topk", "params": {"fraction": 0.0}}]),
+     "defenses[0].params.fraction: 0.0 must be greater than 0.0"),
+    (small_audit(defenses=[{"name": "clip"}]), "defenses[0].params.max_norm: required parameter is missing"),
+    (small_audit(defenses=[{"name": "prune", "params": {"mask": "sometimes"}}]),
+     "defenses[0].params.mask: 'sometimes' is not one of the choices; choices: per_round, fixed"),
+    (small_audit(defenses=[{"name": "none", "chain": [{"name": "clip", "params": {"max_norm": 1.0}}]}]),
+     "defenses[0]: give either name (with params, sweep) or chain, not both"),
 ])
 def test_each_problem_is_one_line(write_audit, audit, expected):
     path = write_audit(audit)
@@ -130,3 +145,8 @@ def test_an_attack_that_cannot_apply_is_refused_before_work(write_audit, capsys)
     assert capsys.readouterr().err.strip() == (
         f"leakaudit: error: {path}: attacks[0]: analytic: the model must start with a fully connected layer "
         "(after an optional Flatten), as nn.Sequential; for convolutional inputs use a layer-wise attack")
+
+
+def test_missing_plugins_dir_names_the_folder(write_audit, tmp_path):
+    path = write_audit(small_audit(plugins_dir="no_such_folder"))
+    assert problems(path) == [f"{path}: plugins_dir: plugins folder {tmp_path / 'no_such_folder'} does not exist"]

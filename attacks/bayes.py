@@ -58,6 +58,10 @@ class LikelihoodAttack(Attack):
                                 threat: ThreatModel) -> Tensor:
         raise NotImplementedError
 
+    def candidate(self, threat: ThreatModel, images: Tensor, labels: Tensor) -> list[Tensor]:
+        """The candidate's clean update, as the distance sees it (the plain one)."""
+        return threat.candidate_update(images, labels)
+
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         labels = recover_labels(observed, threat, self.label_method, generator)
         observed = SharedUpdate([t.to(threat.device) for t in observed.tensors], observed.names,
@@ -82,7 +86,7 @@ class LikelihoodAttack(Attack):
         total = 0.0
         points = sample_in_ball(images, self.radius, self.samples, generator)
         for x in points:
-            candidate = threat.candidate_update(x, labels)
+            candidate = self.candidate(threat, x, labels)
             total = total + weight * self.negative_log_likelihood(observed, candidate, threat)
             total = total + prior_penalty(x, self.priors, lo, hi)
         return total / len(points)
@@ -92,6 +96,9 @@ class BayesOptimal(LikelihoodAttack):
     """The approximate Bayes-optimal adversary: the audited defense's own log p(g|x) plus a weighted prior."""
 
     name = "bayes"
+
+    def candidate(self, threat, images, labels) -> list[Tensor]:
+        return threat.defense.candidate_update(threat, images, labels)
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return -threat.defense.log_likelihood(observed, candidate)

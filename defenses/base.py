@@ -35,6 +35,7 @@ class Defense:
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
     deterministic: ClassVar[bool] = False
+    per_example: ClassVar[bool] = False  # needs each example's gradient: shares via ``share``, never in a chain
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)
@@ -62,6 +63,14 @@ class Defense:
     def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
         """Map the clean update to the sent one, drawing all randomness from ``generator``."""
         return update
+
+    def candidate_update(self, threat: Any, images: Tensor, labels: Tensor) -> list[Tensor]:
+        """The clean update ``log_likelihood`` is centred on, for normalised candidate ``images``.
+
+        The plain update by default; a defense that transforms each example's gradient
+        (DP-SGD's clipping) returns its own, differentiably in ``images``.
+        """
+        return threat.candidate_update(images, labels)
 
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
         """``log p(observed | candidate)`` up to a constant, differentiable in ``candidate``.

@@ -23,6 +23,9 @@ class Chain(Defense):
         super().__init__()
         if len(members) < 2:
             raise ValueError("chain: needs at least two members")
+        for i, m in enumerate(members):
+            if m.per_example:
+                raise ValueError(f"chain: {m.name!r} transforms each example's gradient and cannot be a chain member")
         for i, m in enumerate(members[:-1]):
             if not m.deterministic:
                 raise ValueError(f"chain: only the last member may be random; {m.name!r} at position {i} is random")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ UTILITY = {
     "batch_size": Param(32, int, min=1),
     "lr": Param(0.1, float, min=0.0, exclusive_min=True),
     "momentum": Param(0.0, float, min=0.0, max=1.0),
+    "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True,
+                   help="delta at which epsilon is reported for defenses with a formal guarantee"),
 }
 THREAT = {"known_labels": Param(False, bool, help="the attacker is given the true labels")}
 
@@ -165,13 +168,23 @@ def _strip(path: str) -> str:
     return path[1:] if path.startswith(".") else path
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1's safe loader that also reads ``1e-5`` as a float, as YAML 1.2 and Python do."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def read_yaml(path: Path) -> tuple[str, Any]:
     """The file's text and parsed content; a ConfigError when it is missing or not YAML."""
     if not path.is_file():
         raise ConfigError([f"{path}: file not found"])
     text = path.read_text()
     try:
-        return text, yaml.safe_load(text)
+        return text, yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"

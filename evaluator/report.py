@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from evaluator.config import Audit  # noqa: E402
 
 PRIVACY_METRIC = "psnr"
+SECOND_METRICS = ("lpips", "ssim")  # the privacy-utility plot's second panel shows the first one measured
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -36,7 +37,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     cells = []
     for (setting, attack, ckpt), rs in groups.items():
         cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
-                "checkpoint": ckpt, "targets": len(rs), "accuracy": acc.get(setting, {}).get("accuracy")}
+                "checkpoint": ckpt, "targets": len(rs), "accuracy": acc.get(setting, {}).get("accuracy"),
+                "epsilon": acc.get(setting, {}).get("epsilon")}
         for m in audit.metrics:
             cell[f"{m}_mean"], cell[f"{m}_std"] = _mean_std([r.get(m) for r in rs])
         cell["seconds_mean"] = _mean_std([r["seconds"] for r in rs])[0]
@@ -47,11 +49,13 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         if mine:
             top = max(mine, key=lambda c: c[f"{PRIVACY_METRIC}_mean"])
             worst.append({"defense": s.name, "setting": s.key, "params": s.params, "accuracy": top["accuracy"],
-                          "attack": top["attack"], "checkpoint": top["checkpoint"],
-                          PRIVACY_METRIC: top[f"{PRIVACY_METRIC}_mean"]})
+                          "epsilon": top["epsilon"], "attack": top["attack"], "checkpoint": top["checkpoint"],
+                          **{m: top.get(f"{m}_mean") for m in (PRIVACY_METRIC, *SECOND_METRICS)
+                             if f"{m}_mean" in top}})
     return {"audit": audit.name, "dataset": audit.data["dataset"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
-            "utility": {u["setting"]: {k: u[k] for k in ("accuracy", "train_steps", "checkpoint_accuracy")}
+            "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
+                                                             "model_changes", "checkpoint_accuracy")}
                         for u in utility},
             "cells": cells, "worst_case": worst, "warnings": notes}
 
@@ -66,43 +70,74 @@ def _baseline_line(ax, summary: dict) -> None:
         ax.axhline(guess, color="grey", linestyle="--", linewidth=1, label="random guess")
 
 
+def _second_metric(points: list[dict]) -> str | None:
+    return next((m for m in SECOND_METRICS if any(w.get(m) is not None for w in points)), None)
+
+
 def plot_privacy_utility(summary: dict, path: Path) -> bool:
-    """Accuracy against the worst-case attack PSNR, one line per defense; False when there is no utility."""
+    """Accuracy against the worst-case attack's PSNR (and LPIPS or SSIM), one line per defense.
+
+    Points are labelled with the parameters that vary and, where the defense has a formal
+    guarantee, its epsilon. False when there is no utility to plot.
+    """
     points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
     if not points:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    second = _second_metric(points)
+    panels = [PRIVACY_METRIC] + ([second] if second else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.4), squeeze=False)
     by_defense: dict[str, list[dict]] = defaultdict(list)
     for w in points:
         by_defense[w["defense"]].append(w)
-    for defense, ws in by_defense.items():
-        ws.sort(key=lambda w: w["accuracy"])
-        xs, ys = [w["accuracy"] for w in ws], [w[PRIVACY_METRIC] for w in ws]
-        if defense == "none":
-            ax.scatter(xs, ys, marker="*", s=180, color="black", zorder=3, label="no defense")
-            continue
-        ax.plot(xs, ys, marker="o", label=defense)
-        varying = {k for w in ws for k in w["params"] if len({str(v.get(k)) for v in (x["params"] for x in ws)}) > 1}
-        for w in ws:
-            shown = {k: v for k, v in w["params"].items() if k in varying} if varying else w["params"]
-            ax.annotate(_point_label(shown), (w["accuracy"], w[PRIVACY_METRIC]), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4))
-    ax.set_title(f"{summary['audit']}: privacy-utility")
-    _finish(fig, ax, summary, path, "test accuracy under the defense (utility)",
-            "PSNR of the strongest attack, dB (leakage)")
+    for ax, metric in zip(axes[0], panels):
+        for defense, ws in by_defense.items():
+            ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
+            xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
+            if defense == "none":
+                ax.scatter(xs, ys, marker="*", s=180, color="black", zorder=3, label="no defense")
+                continue
+            ax.plot(xs, ys, marker="o", label=defense)
+            for w in ws:
+                ax.annotate(_point_text(w, ws), (w["accuracy"], w[metric]), fontsize=7,
+                            textcoords="offset points", xytext=(4, 4))
+        ax.set_title(f"{summary['audit']}: privacy-utility ({metric})")
+        label = {"psnr": "PSNR of the strongest attack, dB (leakage)",
+                 "lpips": "LPIPS of the strongest attack (lower: more leakage)",
+                 "ssim": "SSIM of the strongest attack (higher: more leakage)"}[metric]
+        _style(ax, summary if metric == PRIVACY_METRIC else {}, "test accuracy under the defense (utility)", label)
+    _save(fig, path)
     return True
 
 
-def _finish(fig, ax, summary: dict, path: Path, xlabel: str, ylabel: str) -> None:
-    """Baseline line, labels, grid and legend; save and close."""
+def _point_text(w: dict, ws: list[dict]) -> str:
+    """The parameters that vary along the defense's line, and epsilon where there is one."""
+    varying = {k for k in w["params"] if len({str(x["params"].get(k)) for x in ws}) > 1}
+    shown = {k: v for k, v in w["params"].items() if k in varying} if varying else w["params"]
+    text = _point_label(shown)
+    if w.get("epsilon") is not None:
+        text += f", eps={w['epsilon']:.3g}"
+    return text
+
+
+def _style(ax, summary: dict, xlabel: str, ylabel: str) -> None:
+    """Baseline line, labels, grid and legend."""
     _baseline_line(ax, summary)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _finish(fig, ax, summary: dict, path: Path, xlabel: str, ylabel: str) -> None:
+    """Style one-panel figures, then save and close."""
+    _style(ax, summary, xlabel, ylabel)
+    _save(fig, path)
 
 
 def plot_leakage_by_step(summary: dict, path: Path) -> bool:
@@ -209,11 +244,20 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
     pu = out_dir / "privacy_utility.png"
     if plot_privacy_utility(summary, pu):
         sections.append(("Privacy against utility", _img_tag(pu) + _table(
-            summary["worst_case"], ["defense", "params", "accuracy", "attack", "checkpoint", PRIVACY_METRIC])
-            + "<p>Leakage is the mean PSNR of the strongest attack at its most leaking training step.</p>"))
+            summary["worst_case"], ["defense", "params", "accuracy", "epsilon", "attack", "checkpoint", PRIVACY_METRIC,
+                                    *[m for m in SECOND_METRICS if m in audit.metrics]])
+            + "<p>Leakage is the mean PSNR of the strongest attack at its most leaking training step. Epsilon, "
+              f"where a defense has a formal guarantee, is at delta {audit.utility['delta']:g} after the utility "
+              "training's steps at its sample rate (batch size / training images).</p>"))
     else:
         sections.append(("Privacy against utility", "<p>No utility was measured (utility.train_steps is 0).</p>"
                          + _table(summary["worst_case"], ["defense", "params", "attack", PRIVACY_METRIC])))
+    changed = [{"setting": k, "changes": "; ".join(u["model_changes"])} for k, u in summary["utility"].items()
+               if u.get("model_changes")]
+    if changed:
+        sections.append(("Model changes made by defenses", _table(changed, ["setting", "changes"])
+                         + "<p>What each defense changed in the model before training and attacks "
+                           "(for dpsgd: what Opacus's ModuleValidator fixed).</p>"))
     steps = out_dir / "leakage_by_step.png"
     if plot_leakage_by_step(summary, steps):
         sections.append(("Leakage through training", _img_tag(steps)))
@@ -227,7 +271,7 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
             "from the training split (never an attacked target); every target is then attacked with the winner.</p>"))
     metric_cols = [f"{m}_{s}" for m in audit.metrics for s in ("mean", "std")]
     sections.append(("All results (mean over targets)", _table(
-        summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", *metric_cols, "seconds_mean"])))
+        summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", "epsilon", *metric_cols, "seconds_mean"])))
     grid = out_dir / "reconstructions.png"
     if plot_reconstructions(audit, out_dir, grid):
         sections.append((f"Reconstructions at step {audit.checkpoints[0]}", _img_tag(grid)))

@@ -22,7 +22,7 @@ from evaluator.metrics import score
 from evaluator.protocol import ClientStep
 from evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn
 from evaluator.tuning import candidates, winners
-from evaluator.utility import train_under_defense
+from evaluator.utility import privacy_spent, train_under_defense
 
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
@@ -188,6 +188,15 @@ def tune_job(out_dir: Path, job: TuneJob) -> dict[str, Any]:
             "seconds": round(seconds, 3)}
 
 
+def _epsilon(setting: DefenseSetting) -> float | None:
+    """The setting's epsilon after utility training, computed once per worker."""
+    cache = _WORKER.setdefault("epsilon", {})
+    if setting.key not in cache:
+        sc: Scenario = _WORKER["scenario"]
+        cache[setting.key] = privacy_spent(sc, sc.defense(setting))
+    return cache[setting.key]
+
+
 def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]]:
     """Share the defended update of one target batch, attack it and score the reconstruction."""
     sc: Scenario = _WORKER["scenario"]
@@ -204,7 +213,7 @@ def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]
     row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
            "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
            "target": job.target, "images": sc.target_ids(job.target).tolist(),
-           **values, "seconds": round(rec.seconds, 3)}
+           "epsilon": _epsilon(job.setting), **values, "seconds": round(rec.seconds, 3)}
     if job.params is not None:
         row["attack_params"] = job.params
     return row, notes
@@ -340,7 +349,8 @@ class CsvTable:
 
     def __init__(self, path: Path, metrics: list[str]):
         self.path = path
-        self.columns = ["defense", "setting", "params", "attack", "checkpoint", "target", *metrics, "seconds"]
+        self.columns = ["defense", "setting", "params", "attack", "checkpoint", "target", "epsilon", *metrics,
+                        "seconds"]
 
     def _write(self, rows: Iterable[dict], mode: str) -> None:
         new = mode == "w" or not self.path.exists()

@@ -9,6 +9,7 @@ from torch import nn
 
 from evaluator.protocol import ClientStep, trainable
 from evaluator.scenario import Scenario, derive_seed, generator, loss_fn
+from defenses.base import Defense
 from evaluator.config import DefenseSetting
 
 
@@ -24,6 +25,13 @@ def accuracy(model: nn.Module, scenario: Scenario, batch: int = 256) -> float:
         correct += (model(x).argmax(1) == data.test_y[i:i + batch].to(scenario.device)).sum()
     model.train(was_training)
     return float(correct) / len(data.test_x)
+
+
+def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:
+    """Epsilon at ``utility.delta`` after the utility training's steps at its sample rate (None: no guarantee)."""
+    cfg = scenario.audit.utility
+    rate = min(1.0, cfg["batch_size"] / len(scenario.data.train_x))
+    return defense.privacy_spent(cfg["train_steps"], rate, cfg["delta"]) if cfg["train_steps"] > 0 else None
 
 
 def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str, Any]:
@@ -61,5 +69,6 @@ def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str
         optimiser.step()
     final = accuracies[cfg["train_steps"]] if cfg["train_steps"] > 0 else None
     return {"setting": setting.key, "defense": setting.name, "params": setting.params, "accuracy": final,
-            "train_steps": cfg["train_steps"], "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
+            "train_steps": cfg["train_steps"], "epsilon": privacy_spent(scenario, defense), "delta": cfg["delta"],
+            "model_changes": getattr(defense, "model_changes", []), "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
             "seconds": time.perf_counter() - start, "states": states}

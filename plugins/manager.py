@@ -18,6 +18,7 @@ BUILTIN_PLUGINS = (
     "defenses.noise",
     "defenses.pruning",
     "defenses.clipping",
+    "defenses.dpsgd",
     "attacks.gradient_matching",
     "attacks.analytic",
     "attacks.bayes",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import yaml
 
 from evaluator.cli import main
 from evaluator.config import ConfigError, load_audit
@@ -66,8 +67,16 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
      "defenses[0]: gaussian(sigma=0.1)>clip(max_norm=1.0): chain: only the last member may be random; "
      "'gaussian' at position 0 is random"),
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "gausian"}]}]),
-     "defenses[0].chain[1].name: 'gausian' is not a registered defense; choices: clip, gaussian, laplace, none, "
-     "prune, topk"),
+     "defenses[0].chain[1].name: 'gausian' is not a registered defense; choices: clip, dpsgd, gaussian, laplace, "
+     "none, prune, topk"),
+    (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "dpsgd"}]}]),
+     "defenses[0]: clip(max_norm=1.0)>dpsgd: chain: 'dpsgd' transforms each example's gradient and cannot be "
+     "a chain member"),
+    (small_audit(defenses=[{"name": "dpsgd", "params": {"target_epsilon": 2.0}}]),
+     "defenses[0]: dpsgd(target_epsilon=2.0): dpsgd: target_epsilon needs steps and sample_rate"),
+    (small_audit(utility={"train_steps": 5, "delta": 0}), "utility.delta: 0 must be greater than 0.0"),
+    (small_audit(defenses=[{"name": "dpsgd", "params": {"accountant": "moments"}}]),
+     "defenses[0].params.accountant: 'moments' is not one of the choices; choices: rdp, prv, gdp"),
     (small_audit(defenses=[{"name": "prune", "params": {"noise": "gaussian"}}]),
      "defenses[0]: prune(noise=gaussian): prune: noise 'gaussian' needs scale > 0, got 0.0"),
     (small_audit(protocol={"name": "fedsgd", "local_lr": 0.1}), "protocol.local_lr: only applies to protocol fedavg"),
@@ -96,6 +105,16 @@ def test_each_problem_is_one_line(write_audit, audit, expected):
     path = write_audit(audit)
     (line,) = problems(path)
     assert line.startswith(f"{path}: {expected}"), line
+
+
+def test_exponent_floats_read_as_numbers(tmp_path):
+    path = tmp_path / "audit.yaml"
+    audit = small_audit()
+    del audit["attacks"]
+    path.write_text(yaml.safe_dump(audit) + "attacks:\n  - {name: inverting_gradients, "
+                    "params: {iterations: 20, lr: 1e-2, priors: {tv: 5E-4}}}\n")
+    (spec,) = load_audit(path).attacks
+    assert spec.params["lr"] == 0.01 and spec.params["priors"] == {"tv": 0.0005}
 
 
 def test_all_problems_are_reported_at_once(write_audit):

@@ -37,7 +37,7 @@ def test_small_audit_writes_every_output(write_audit, tmp_path):
                 "seconds"):
         assert key in rows[0]
     header = (out / "results.csv").read_text().splitlines()[0]
-    assert header == "defense,setting,params,attack,checkpoint,target,psnr,ssim,mse,label_accuracy,seconds"
+    assert header == "defense,setting,params,attack,checkpoint,target,epsilon,psnr,ssim,mse,label_accuracy,seconds"
     assert {w["setting"] for w in summary["worst_case"]} == {"none", "gaussian(sigma=0.1)"}
     assert all(0 <= u["accuracy"] <= 1 for u in summary["utility"].values())
     html = (out / "report.html").read_text()

@@ -1,0 +1,144 @@
+"""DP-SGD (Abadi et al. 2016) as Opacus computes it: per-sample clipping, Gaussian noise, averaging.
+
+The shared update is Opacus's own noisy gradient (``GradSampleModule`` for per-sample
+gradients, ``DPOptimizer`` for clipping, noise and scaling), not a re-implementation.
+The likelihood is the Gaussian around the mean of the per-sample clipped gradients of
+the candidate inputs, computed differentiably with torch.func, so ``bayes`` attacks
+DP-SGD with its exact p(g|x). Epsilon comes from Opacus's accountants.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import torch
+from opacus import GradSampleModule
+from opacus.accountants import create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.optimizers import DPOptimizer
+from opacus.validators import ModuleValidator
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from defenses.base import Defense, SharedUpdate, squared_distance
+from evaluator.protocol import ClientStep, parameter_names, trainable
+from plugins import Param, hookimpl
+
+ACCOUNTANTS = ("rdp", "prv", "gdp")
+
+
+class DPSGD(Defense):
+    """One DP-SGD step per round: clip each example's gradient to ``max_grad_norm``, add
+    N(0, (noise_multiplier * max_grad_norm)^2) to the sum, divide by the batch size.
+
+    With ``target_epsilon`` the noise multiplier is solved by Opacus's
+    ``get_noise_multiplier`` for ``delta``, ``steps`` and ``sample_rate``.
+    """
+
+    name = "dpsgd"
+    per_example = True
+    params = {
+        "noise_multiplier": Param(1.0, float, min=0.0, help="noise std as a multiple of max_grad_norm"),
+        "max_grad_norm": Param(1.0, float, min=0.0, exclusive_min=True, help="per-example clipping norm C"),
+        "target_epsilon": Param(None, float, min=0.0, exclusive_min=True,
+                                help="solve noise_multiplier for this epsilon (needs steps and sample_rate)"),
+        "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True, help="delta of target_epsilon"),
+        "steps": Param(None, int, min=1, help="training steps target_epsilon is spent over"),
+        "sample_rate": Param(None, float, min=0.0, max=1.0, exclusive_min=True,
+                             help="batch size / training set size, for target_epsilon"),
+        "accountant": Param("rdp", str, choices=ACCOUNTANTS, help="Opacus accountant for epsilon"),
+    }
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        if self.target_epsilon is not None:
+            if self.steps is None or self.sample_rate is None:
+                raise ValueError("dpsgd: target_epsilon needs steps and sample_rate")
+            self.noise_multiplier = get_noise_multiplier(
+                target_epsilon=self.target_epsilon, target_delta=self.delta, sample_rate=self.sample_rate,
+                steps=self.steps, accountant=self.accountant)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Make the model Opacus-compatible (BatchNorm to GroupNorm, no in-place activations)."""
+        self.model_changes = [str(e) for e in ModuleValidator.validate(model, strict=False)]
+        if not self.model_changes:
+            return model
+        fixed = ModuleValidator.fix(model)
+        for m in fixed.modules():
+            if getattr(m, "inplace", False):
+                m.inplace = False
+        return fixed
+
+    def share(self, step: ClientStep) -> SharedUpdate:
+        if step.protocol.name != "fedsgd":
+            raise ValueError("dpsgd shares one DP-SGD step per round; use protocol: fedsgd")
+        sent = opacus_noisy_gradient(step.model, step.loss_fn, step.inputs, step.labels,
+                                     self.noise_multiplier, self.max_grad_norm, step.generator)
+        return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), {"protocol": "fedsgd"})
+
+    def candidate_update(self, threat, images: Tensor, labels: Tensor) -> list[Tensor]:
+        """The mean of the candidate batch's per-example clipped gradients (differentiable in ``images``)."""
+        return clipped_mean_gradient(threat.model, threat.loss_fn, images, labels, self.max_grad_norm)
+
+    def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
+        """Gaussian with std ``noise_multiplier * max_grad_norm / B`` around the clipped mean."""
+        std = self.noise_multiplier * self.max_grad_norm / observed.batch_size
+        if std == 0:
+            return -0.5 * squared_distance(observed.tensors, candidate)
+        return -squared_distance(observed.tensors, candidate) / (2 * std ** 2)
+
+    def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
+        """Epsilon at ``delta`` after ``steps`` at ``sample_rate``, from the configured Opacus accountant."""
+        if self.noise_multiplier == 0:
+            return float("inf")
+        accountant = create_accountant(self.accountant)
+        accountant.history = [(self.noise_multiplier, sample_rate, steps)]
+        return float(accountant.get_epsilon(delta=delta))
+
+
+def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Tensor, noise_multiplier: float,
+                          max_grad_norm: float, generator: torch.Generator) -> list[Tensor]:
+    """The averaged noisy gradient Opacus's DPOptimizer makes for this batch (model left unchanged)."""
+    params = trainable(model)
+    saved = [p.grad for p in params]
+    wrapped = GradSampleModule(model, loss_reduction="mean")
+    try:
+        optimiser = DPOptimizer(torch.optim.SGD(params, lr=0.0), noise_multiplier=noise_multiplier,
+                                max_grad_norm=max_grad_norm, expected_batch_size=len(inputs),
+                                loss_reduction="mean", generator=generator)
+        optimiser.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # Opacus's hooks warn when the inputs need no gradient; they need none
+            warnings.filterwarnings("ignore", "Full backward hook is firing")
+            loss_fn(wrapped(inputs), labels).backward()
+        optimiser.pre_step()
+        sent = [p.grad.detach().clone() for p in params]
+        optimiser.zero_grad(set_to_none=True)
+    finally:
+        wrapped._close()
+        for p, g in zip(params, saved):
+            p.grad = g
+    return sent
+
+
+def clipped_mean_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Tensor,
+                          max_grad_norm: float) -> list[Tensor]:
+    """Mean over the batch of each example's gradient scaled by min(1, C / ||g_i||); torch.func, differentiable."""
+    names = parameter_names(model)
+    params = dict(zip(names, trainable(model)))
+    frozen = {k: v for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
+              if k not in params}
+
+    def example_loss(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        out = functional_call(model, {**frozen, **p}, (x.unsqueeze(0),))
+        return loss_fn(out, y.unsqueeze(0))
+
+    per_example = vmap(grad(example_loss), in_dims=(None, 0, 0))(params, inputs, labels)
+    grads = [per_example[n] for n in names]
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))
+    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return [(g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for g in grads]
+
+
+@hookimpl
+def register_defenses():
+    return [DPSGD]

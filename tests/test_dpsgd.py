@@ -1,0 +1,139 @@
+"""DP-SGD: the update is Opacus's, the likelihood is centred on the clipped mean, epsilon is Opacus's."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.accountants import PRVAccountant, RDPAccountant
+from torch import nn
+
+from attacks.base import ThreatModel
+from conftest import small_audit
+from defenses.dpsgd import DPSGD, clipped_mean_gradient
+from evaluator.cli import main
+from evaluator.datasets import load_digits
+from evaluator.models import lenet_zhu
+from evaluator.protocol import ClientStep, trainable
+from evaluator.scenario import loss_fn
+
+B = 4
+
+
+def _batch(seed: int = 0):
+    torch.manual_seed(seed)
+    model = lenet_zhu(1, 10, 16)
+    x, y = torch.rand(B, 1, 16, 16), torch.tensor([3, 1, 4, 1])
+    return model, x, y
+
+
+def _per_example_clipped_mean(model, x, y, c):
+    """Reference: one backward pass per example, clipped by its own norm, then averaged."""
+    total = None
+    for i in range(len(x)):
+        g = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), trainable(model))
+        norm = torch.sqrt(sum((t ** 2).sum() for t in g))
+        scaled = [t * min(1.0, c / (norm.item() + 1e-6)) for t in g]
+        total = scaled if total is None else [a + b for a, b in zip(total, scaled)]
+    return [t / len(x) for t in total]
+
+
+def test_shared_update_is_opacus_privacy_engine_noisy_gradient_for_the_same_seed():
+    model, x, y = _batch()
+    shared = DPSGD(noise_multiplier=0.7, max_grad_norm=0.5).share(
+        ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(11)))
+
+    reference = copy.deepcopy(model)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B)
+    private, optimiser, _ = PrivacyEngine().make_private(
+        module=reference, optimizer=torch.optim.SGD(reference.parameters(), lr=0.0), data_loader=loader,
+        noise_multiplier=0.7, max_grad_norm=0.5, poisson_sampling=False,
+        noise_generator=torch.Generator().manual_seed(11))
+    loss_fn(private(x), y).backward()
+    optimiser.step()
+    expected = [p.grad for p in reference.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(shared.tensors, expected))
+    assert all(p.grad is None for p in model.parameters())  # the audited model is left untouched
+
+
+def test_without_noise_the_update_and_the_likelihood_centre_are_the_clipped_mean():
+    model, x, y = _batch()
+    reference = _per_example_clipped_mean(model, x, y, 0.5)
+    shared = DPSGD(noise_multiplier=0.0, max_grad_norm=0.5).share(
+        ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(0)))
+    centre = clipped_mean_gradient(model, loss_fn, x, y, 0.5)
+    for s, c, r in zip(shared.tensors, centre, reference):
+        assert torch.allclose(s, r, atol=1e-6) and torch.allclose(c, r, atol=1e-6)
+    norms = [torch.sqrt(sum((t ** 2).sum() for t in torch.autograd.grad(
+        loss_fn(model(x[i:i + 1]), y[i:i + 1]), trainable(model)))) for i in range(B)]
+    assert max(norms) > 0.5  # clipping was active, so the check above is not the plain mean
+
+
+def test_noise_has_std_noise_multiplier_times_clip_over_batch():
+    model, x, y = _batch()
+    shared = DPSGD(noise_multiplier=2.0, max_grad_norm=0.5).share(
+        ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(3)))
+    centre = clipped_mean_gradient(model, loss_fn, x, y, 0.5)
+    noise = torch.cat([(s - c).flatten() for s, c in zip(shared.tensors, centre)])
+    assert noise.std().item() == pytest.approx(2.0 * 0.5 / B, rel=0.03)
+
+
+def test_likelihood_is_differentiable_in_the_images_and_prefers_the_true_batch():
+    model, x, y = _batch()
+    defense = DPSGD(noise_multiplier=0.01, max_grad_norm=0.5)
+    shared = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(0)))
+    threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=(1, 16, 16), mean=torch.zeros(1, 1, 1),
+                         std=torch.ones(1, 1, 1), num_classes=10, batch_size=B, defense=defense)
+    guess = torch.rand(B, 1, 16, 16, requires_grad=True)
+    wrong = defense.log_likelihood(shared, defense.candidate_update(threat, guess, y))
+    (step,) = torch.autograd.grad(wrong, guess)
+    assert step.abs().sum() > 0
+    true = defense.log_likelihood(shared, defense.candidate_update(threat, x, y))
+    assert true > wrong
+
+
+@pytest.mark.parametrize("name, cls", [("rdp", RDPAccountant), ("prv", PRVAccountant)])
+def test_epsilon_equals_opacus_accountant(name, cls):
+    defense = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, accountant=name)
+    accountant = cls()
+    for _ in range(300):
+        accountant.step(noise_multiplier=1.1, sample_rate=0.02)
+    assert defense.privacy_spent(300, 0.02, 1e-5) == pytest.approx(accountant.get_epsilon(delta=1e-5), rel=1e-6)
+
+
+def test_target_epsilon_solves_the_noise_multiplier():
+    defense = DPSGD(target_epsilon=3.0, delta=1e-5, steps=500, sample_rate=0.01)
+    assert defense.noise_multiplier > 0.5
+    assert defense.privacy_spent(500, 0.01, 1e-5) == pytest.approx(3.0, abs=0.02)
+    with pytest.raises(ValueError, match="needs steps and sample_rate"):
+        DPSGD(target_epsilon=3.0)
+
+
+def test_wrap_model_makes_batchnorm_models_opacus_compatible_and_says_what_changed():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Flatten(),
+                          nn.Linear(4 * 14 * 14, 10))
+    defense = DPSGD()
+    fixed = defense.wrap_model(model)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in fixed.modules())
+    assert any(isinstance(m, nn.GroupNorm) for m in fixed.modules())
+    assert any("BatchNorm" in c for c in defense.model_changes)
+    assert DPSGD().wrap_model(lenet_zhu(1, 10, 16)) is not None
+
+
+
+def test_audit_rows_carry_opacus_epsilon_and_bayes_attacks_dpsgd(write_audit, tmp_path):
+    audit = small_audit(defenses=[{"name": "none"}, {"name": "dpsgd", "params": {"noise_multiplier": 0.5}}],
+                        attacks=[{"name": "bayes", "params": {"iterations": 5}}],
+                        utility={"train_steps": 6, "batch_size": 8, "delta": 1e-4})
+    assert main(["run", str(write_audit(audit)), "--out", str(tmp_path / "out")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    accountant = RDPAccountant()
+    accountant.history = [(0.5, 8 / len(load_digits(16).train_x), 6)]
+    expected = accountant.get_epsilon(delta=1e-4)
+    eps = [r["epsilon"] for r in rows if r["defense"] == "dpsgd"]
+    assert len(eps) == 2 and all(e == pytest.approx(expected) for e in eps)
+    assert all(r["epsilon"] is None for r in rows if r["defense"] == "none")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["utility"]["dpsgd(noise_multiplier=0.5)"]["epsilon"] == pytest.approx(expected)

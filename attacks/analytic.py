@@ -57,7 +57,7 @@ class AnalyticInversion(Attack):
         return None
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
-        why = self.unsupported(threat.model, threat.batch_size, threat.protocol.name)
+        why = self.unsupported(threat.model, threat.batch_size, threat.protocol.observed)
         if why:
             raise ValueError(why)
         grads = dict(zip(observed.names, observed.tensors))

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from evaluator.protocol import ClientStep, parameter_names
+from evaluator.protocol import ClientStep, Protocol, TrainingRun, parameter_names, trainable
 from plugins.spec import Param, resolve_params
 
 
@@ -41,14 +41,40 @@ class Defense:
         self.settings = resolve_params(self.params, settings, self.name)
         for key, value in self.settings.items():
             setattr(self, key, value)
+        self.model_changes: list[str] = []  # what ``wrap_model`` changed, one line each, for the report
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
         return f"{type(self).__name__}({args})"
 
+    def unsupported(self, protocol: Protocol) -> str | None:
+        """Why the defense cannot run under ``protocol``; None when it can. Checked before any work."""
+        return None
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Change the architecture before training (identity for gradient-space defenses)."""
+        """Change the architecture before training (identity for gradient-space defenses).
+
+        Record each change in ``self.model_changes``; the report lists them.
+        """
         return model
+
+    def train(self, model: nn.Module, run: TrainingRun) -> Iterator[nn.Module]:
+        """Train ``model`` in place for ``run.steps`` steps under the defense (the utility side).
+
+        Yields the model before every step and once after the last, so the caller can
+        checkpoint and score it. The default draws fixed-size batches with replacement and
+        applies each step's shared update with SGD; override to train another way (Opacus).
+        """
+        optimiser = torch.optim.SGD(trainable(model), lr=run.lr, momentum=run.momentum)
+        model.train()
+        for _ in range(run.steps):
+            yield model
+            x, y = run.batch()
+            update = self.share(ClientStep(model, run.loss_fn, x, y, run.noise_generator, run.protocol))
+            for p, g in zip(trainable(model), update.tensors):
+                p.grad = g
+            optimiser.step()
+        yield model
 
     def share(self, step: ClientStep) -> SharedUpdate:
         """The defended update the client sends for this step."""

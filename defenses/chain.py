@@ -34,9 +34,13 @@ class Chain(Defense):
     def __repr__(self) -> str:
         return " > ".join(map(repr, self.members))
 
+    def unsupported(self, protocol) -> str | None:
+        return next((why for m in self.members if (why := m.unsupported(protocol))), None)
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         for m in self.members:
             model = m.wrap_model(model)
+            self.model_changes += m.model_changes
         return model
 
     def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:

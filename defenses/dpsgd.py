@@ -8,20 +8,21 @@ DP-SGD with its exact p(g|x). Epsilon comes from Opacus's accountants.
 """
 from __future__ import annotations
 
-import warnings
-from typing import Any, Sequence
+import itertools
+from typing import Any, Iterator, Sequence
 
 import torch
-from opacus import GradSampleModule
+from opacus import GradSampleModule, PrivacyEngine
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.optimizers import DPOptimizer
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, TensorDataset
 
 from defenses.base import Defense, SharedUpdate, squared_distance
-from evaluator.protocol import ClientStep, parameter_names, trainable
+from evaluator.protocol import ClientStep, Protocol, TrainingRun, parameter_names, quiet_hooks, trainable
 from plugins import Param, hookimpl
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
@@ -69,12 +70,41 @@ class DPSGD(Defense):
                 m.inplace = False
         return fixed
 
+    def unsupported(self, protocol: Protocol) -> str | None:
+        if protocol.name == "fedsgd":
+            return None
+        if protocol.name == "step":
+            return ("dpsgd computes the update itself with Opacus, so it cannot wrap your own step; "
+                    "audit a step that does DP-SGD with defense none, or use protocol: fedsgd")
+        return "dpsgd shares one DP-SGD step per round; use protocol: fedsgd"
+
     def share(self, step: ClientStep) -> SharedUpdate:
-        if step.protocol.name != "fedsgd":
-            raise ValueError("dpsgd shares one DP-SGD step per round; use protocol: fedsgd")
         sent = opacus_noisy_gradient(step.model, step.loss_fn, step.inputs, step.labels,
                                      self.noise_multiplier, self.max_grad_norm, step.generator)
         return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), {"protocol": "fedsgd"})
+
+    def train(self, model: nn.Module, run: TrainingRun) -> Iterator[nn.Module]:
+        """DP-SGD with Opacus's PrivacyEngine: Poisson-sampled batches, per-sample clipping, noise."""
+        loader = DataLoader(TensorDataset(run.inputs, run.labels), batch_size=run.batch_size,
+                            generator=run.batch_generator)
+        engine = PrivacyEngine(accountant=self.accountant)
+        model.train()
+        hooks, optimiser, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(trainable(model), lr=run.lr, momentum=run.momentum),
+            data_loader=loader, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+            noise_generator=run.noise_generator, wrap_model=False)
+        self.engine = engine  # the last utility training's PrivacyEngine: its accountant is the run's epsilon
+        epochs = itertools.chain.from_iterable(itertools.repeat(loader))  # a fresh Poisson pass each time round
+        try:
+            for x, y in itertools.islice(epochs, run.steps):
+                yield model
+                optimiser.zero_grad(set_to_none=True)
+                with quiet_hooks():
+                    run.loss_fn(model(x), y).backward()
+                optimiser.step()
+            yield model
+        finally:
+            hooks.cleanup()
 
     def candidate_update(self, threat, images: Tensor, labels: Tensor) -> list[Tensor]:
         """The mean of the candidate batch's per-example clipped gradients (differentiable in ``images``)."""
@@ -107,8 +137,7 @@ def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Ten
                                 max_grad_norm=max_grad_norm, expected_batch_size=len(inputs),
                                 loss_reduction="mean", generator=generator)
         optimiser.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # Opacus's hooks warn when the inputs need no gradient; they need none
-            warnings.filterwarnings("ignore", "Full backward hook is firing")
+        with quiet_hooks():
             loss_fn(wrapped(inputs), labels).backward()
         optimiser.pre_step()
         sent = [p.grad.detach().clone() for p in params]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from evaluator.models import ModelSpec, import_factory
-from evaluator.protocol import Protocol
+from evaluator.protocol import PROTOCOLS, Protocol
 from evaluator.tuning import TuneSpec, check_tune
 from plugins.manager import Registry, load_registry
 from plugins.spec import Param, PluginError, check_params
@@ -32,10 +33,11 @@ TOP = {
     "utility": Param({}, dict),
     "metrics": Param(list(DEFAULT_METRICS), list),
     "threat": Param({}, dict),
-    "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg, or a mapping with local_* settings"),
+    "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
 }
 DATA = {
-    "dataset": Param(type=str),
+    "dataset": Param(None, str, help="a registered dataset (leakaudit plugins)"),
+    "factory": Param(None, str, help="'package.module:load' returning your own ImageData (instead of dataset)"),
     "image_size": Param(32, int, min=8, max=1024),
     "targets": Param(4, int, min=1, help="private images attacked"),
     "batch_size": Param(1, int, min=1, help="images per shared update"),
@@ -43,16 +45,21 @@ DATA = {
     "download": Param(False, bool),
     "params": Param({}, dict),
 }
-MODEL = {"name": Param(type=str), "params": Param({}, dict), "checkpoints": Param([0], list)}
+MODEL = {"name": Param(None, str, help="a zoo model (leakaudit plugins)"),
+         "factory": Param(None, str, help="'package.module:build' returning your own nn.Module (instead of name)"),
+         "params": Param({}, dict), "checkpoints": Param([0], list)}
 DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
            "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}")}
 MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
 PROTOCOL = {
-    "name": Param("fedsgd", str, choices=("fedsgd", "fedavg")),
+    "name": Param("fedsgd", str, choices=PROTOCOLS),
     "local_epochs": Param(1, int, min=1, help="fedavg: passes over the client's images"),
     "local_batch_size": Param(None, int, min=1, help="fedavg: minibatch size (default: all images)"),
     "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="fedavg: local SGD step size"),
+    "function": Param(None, str, help="step: 'package.module:train_step', called as train_step(model, inputs, labels)"),
+    "lr": Param(None, float, min=0.0, exclusive_min=True, help="step: the SGD step size of your step function"),
 }
+PROTOCOL_KEYS = {"fedsgd": set(), "fedavg": {"local_epochs", "local_batch_size", "local_lr"}, "step": {"function", "lr"}}
 ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
           "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)")}
 UTILITY = {
@@ -197,6 +204,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     text, raw = read_yaml(path)
     problems: list[str] = []
     top = _section(raw if raw is not None else {}, TOP, "", problems)
+    _importable_beside(path)
     dirs = [Path(d).resolve() for d in plugins_dirs]
     if top.get("plugins_dir") and (path.parent / top["plugins_dir"]).resolve() not in dirs:
         dirs.append((path.parent / top["plugins_dir"]).resolve())
@@ -211,16 +219,39 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     threat = _section(top.get("threat", {}), THREAT, "threat", problems)
     _check_data(data, registry, problems)
     _check_model(model, registry, problems)
-    settings = _expand_defenses(top.get("defenses"), registry, problems)
+    protocol = _check_protocol(top.get("protocol", "fedsgd"), data, problems)
+    settings = _expand_defenses(top.get("defenses"), registry, problems, protocol)
     attacks = _check_attacks(top.get("attacks"), registry, problems)
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems)
     device = _check_device(top.get("device", "auto"), problems)
-    protocol = _check_protocol(top.get("protocol", "fedsgd"), data, problems)
     workers = top.get("workers") or (1 if device == "cuda" else len(os.sched_getaffinity(0)))
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
                  attacks, utility, metrics, threat, protocol, registry)
+
+
+def _importable_beside(path: Path) -> None:
+    """Let factories and step functions name modules that sit beside the audit file."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+
+
+def _check_factory(section: dict, key: str, path: str, problems: list[str]) -> None:
+    try:
+        import_factory(section[key])
+    except ValueError as exc:
+        problems.append(f"{path}: {exc}")
+
+
+def _one_of(section: dict, keys: tuple[str, str], where: str, problems: list[str]) -> str | None:
+    """The one of ``keys`` that is set; records a problem when neither or both are."""
+    given = [k for k in keys if section.get(k) is not None]
+    if len(given) != 1:
+        problems.append(f"{where}: give exactly one of {keys[0]} or {keys[1]}" + (" (both given)" if given else ""))
+        return None
+    return given[0]
 
 
 def _choices(registry: Registry, kind: str) -> str:
@@ -236,15 +267,18 @@ def _lookup(registry: Registry, kind: str, name: str, where: str, problems: list
 
 
 def _check_data(data: dict, registry: Registry, problems: list[str]) -> None:
-    name = data.get("dataset")
-    spec = None if name is None else _lookup(registry, "dataset", name, "data.dataset", problems)
+    if data["targets"] % data["batch_size"]:
+        problems.append(f"data.targets: {data['targets']} is not a multiple of data.batch_size {data['batch_size']}")
+    source = _one_of(data, ("dataset", "factory"), "data", problems)
+    if source == "factory":
+        _check_factory(data, "factory", "data.factory", problems)
+        return
+    spec = None if source is None else _lookup(registry, "dataset", data["dataset"], "data.dataset", problems)
     if spec is None:
         return
     problems.extend(check_params(spec.params, data.get("params", {}), "data.params"))
     if spec.check is not None:
         problems.extend(spec.check(data))
-    if data["targets"] % data["batch_size"]:
-        problems.append(f"data.targets: {data['targets']} is not a multiple of data.batch_size {data['batch_size']}")
 
 
 def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
@@ -257,13 +291,12 @@ def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
         problems.append(f"model.checkpoints: {ckpts} repeats a step")
     elif all(isinstance(c, int) for c in ckpts):
         model["checkpoints"] = sorted(ckpts)
-    if name is None:
+    source = _one_of(model, ("name", "factory"), "model", problems)
+    if source is None:
         return
-    if ":" in name:
-        try:
-            import_factory(name)
-        except ValueError as exc:
-            problems.append(f"model.name: {exc}")
+    if source == "factory" or ":" in name:
+        _check_factory(model, source, f"model.{source}", problems)
+        model["name"] = model[source]  # a factory path is the model's name in reports
         return
     if name not in registry.entries["model"]:
         problems.append(f"model.name: {name!r} is not a registered model or a 'package.module:factory'; "
@@ -283,7 +316,8 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
     return [(f"{what}[{i}]", item) for i, item in enumerate(value)]
 
 
-def _expand_defenses(value: Any, registry: Registry, problems: list[str]) -> list[DefenseSetting]:
+def _expand_defenses(value: Any, registry: Registry, problems: list[str],
+                     protocol: Protocol = Protocol()) -> list[DefenseSetting]:
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
         item = _section(item, DEFENSE, where, problems)
@@ -304,9 +338,11 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str]) -> lis
         for members in combos:
             setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None)
             try:
-                setting.build(registry)
+                why = setting.build(registry).unsupported(protocol)
             except (ValueError, TypeError) as exc:
-                problems.append(f"{where}: {setting.key}: {exc}")
+                why = str(exc)
+            if why:
+                problems.append(f"{where}: {setting.key}: {why}")
                 continue
             if any(s.key == setting.key for s in settings):
                 problems.append(f"{where}: setting {setting.key} appears twice")
@@ -391,9 +427,16 @@ def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
     if not isinstance(value, dict):
         return Protocol()
     section = _section(value, PROTOCOL, "protocol", problems)
-    if section["name"] == "fedsgd":
-        for key in sorted(set(value) - {"name"}):
-            problems.append(f"protocol.{key}: only applies to protocol fedavg")
+    allowed = PROTOCOL_KEYS.get(section["name"], set())
+    for key in sorted(set(value) & set(PROTOCOL) - allowed - {"name"}):
+        owner = next(n for n, keys in PROTOCOL_KEYS.items() if key in keys)
+        problems.append(f"protocol.{key}: only applies to protocol {owner}")
+    if section["name"] == "step":
+        for key in ("function", "lr"):
+            if section[key] is None:
+                problems.append(f"protocol.{key}: required for protocol step")
+        if section["function"] is not None:
+            _check_factory(section, "function", "protocol.function", problems)
     b = section["local_batch_size"]
     if b is not None and b > data["batch_size"]:
         problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "

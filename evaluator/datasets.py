@@ -202,6 +202,20 @@ def _torchvision_loader(name: str) -> Callable[..., ImageData]:
     return load
 
 
+def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
+    """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
+    from evaluator.config import ConfigError
+    from evaluator.models import call_with_accepted, import_factory
+
+    offered = {"image_size": section["image_size"], "root": section["root"], "download": section["download"]}
+    data = call_with_accepted(import_factory(section["factory"]), offered, section["params"])
+    if not isinstance(data, ImageData):
+        raise ConfigError([f"{audit_path}: data.factory: {section['factory']} returned {type(data).__name__}; "
+                           "return evaluator.datasets.ImageData(name, train_x, train_y, test_x, test_y, num_classes) "
+                           "with images in [0, 1] as (N, C, H, W) float tensors"])
+    return data
+
+
 LIMITS = {"max_train": Param(10000, int, min=1, help="training images kept"),
           "max_test": Param(2000, int, min=1, help="test images kept")}
 

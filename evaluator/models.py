@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
+from evaluator.protocol import unwrap
 from plugins import Param, hookimpl
 
 
@@ -174,7 +175,10 @@ def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], par
 
 def build_model(spec_or_path: ModelSpec | str, channels: int, num_classes: int, image_size: int,
                 params: dict[str, Any], seed: int) -> nn.Module:
-    """A freshly initialised model; the initialisation is drawn from ``seed``."""
+    """A freshly initialised model; the initialisation is drawn from ``seed``.
+
+    A model already wrapped by Opacus (``GradSampleModule``) is accepted: its plain module is used.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         offered = {"channels": channels, "num_classes": num_classes, "image_size": image_size}
@@ -184,4 +188,4 @@ def build_model(spec_or_path: ModelSpec | str, channels: int, num_classes: int, 
             model = call_with_accepted(import_factory(spec_or_path), offered, params)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model factory {spec_or_path!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return unwrap(model)

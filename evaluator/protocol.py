@@ -1,14 +1,19 @@
-"""What one client computes in one federated round: FedSGD's gradient or FedAvg's local-training delta."""
+"""What one client computes in one federated round: FedSGD's gradient, FedAvg's local-training
+delta, or the update a user's own training step makes."""
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+StepFn = Callable[[nn.Module, Tensor, Tensor], Any]
+PROTOCOLS = ("fedsgd", "fedavg", "step")
 
 
 @dataclass(frozen=True)
@@ -19,21 +24,78 @@ class Protocol:
     ``fedavg``: ``local_epochs`` passes over the images in order, in minibatches of
     ``local_batch_size`` (all images when None), SGD at ``local_lr``; the client
     sends ``theta_before - theta_after`` (seed 004, Sec. 6).
+    ``step``: the user's own training step ``function(model, inputs, labels)`` runs once;
+    the client sends ``(theta_before - theta_after) / lr``, the gradient an SGD step at
+    ``lr`` applied, and the attacker models it as FedSGD's.
     """
 
     name: str = "fedsgd"
     local_epochs: int = 1
     local_batch_size: int | None = None
     local_lr: float = 1e-4
+    function: str | StepFn | None = None
+    lr: float | None = None
+
+    @property
+    def observed(self) -> str:
+        """What the attacker models the update as: ``fedavg``'s delta or ``fedsgd``'s gradient."""
+        return "fedavg" if self.name == "fedavg" else "fedsgd"
+
+    def step_function(self) -> StepFn:
+        """The user's step callable (imported from ``package.module:function`` when given as text)."""
+        if callable(self.function):
+            return self.function
+        from evaluator.models import import_factory
+
+        return import_factory(self.function)
 
     def local_steps(self, images: int) -> int:
-        if self.name == "fedsgd":
+        if self.name != "fedavg":
             return 1
         b = self.local_batch_size or images
         return self.local_epochs * -(-images // b)
 
 
 FEDSGD = Protocol()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module of a model Opacus wrapped (``GradSampleModule``), its hooks removed; else ``model``.
+
+    For models leakaudit builds; a user's live model goes through ``opacus_hooks_off``.
+    """
+    from opacus import GradSampleModule
+
+    if isinstance(model, GradSampleModule):
+        model._close()
+        return model._module
+    return model
+
+
+@contextmanager
+def quiet_hooks() -> Iterator[None]:
+    """Silence the warning Opacus's backward hooks give when the inputs need no gradient (they need none)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Full backward hook is firing")
+        yield
+
+
+@contextmanager
+def opacus_hooks_off(model: nn.Module) -> Iterator[nn.Module]:
+    """The plain module of a user's live model, with Opacus's per-sample hooks paused (restored after)."""
+    from opacus import GradSampleModule
+
+    if not isinstance(model, GradSampleModule):
+        yield model
+        return
+    was_enabled = model.hooks_enabled
+    model.disable_hooks()
+    try:
+        with quiet_hooks():
+            yield model._module
+    finally:
+        if was_enabled:
+            model.enable_hooks()
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -79,6 +141,28 @@ def client_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
     return fedsgd_update(model, loss_fn, inputs, targets, create_graph)
 
 
+@torch.no_grad()
+def _snapshot(model: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in trainable(model)]
+
+
+def captured_update(model: nn.Module, step_fn: StepFn, inputs: Tensor, labels: Tensor, lr: float) -> list[Tensor]:
+    """Run the user's ``step_fn`` once and return ``(theta_before - theta_after) / lr``.
+
+    The parameters (and their ``.grad``) are put back afterwards, so the model is left as it
+    was: the attacker attacks the state the update was computed at.
+    """
+    params = trainable(model)
+    before, grads = _snapshot(model), [p.grad for p in params]
+    step_fn(model, inputs, labels)
+    after = _snapshot(model)
+    with torch.no_grad():
+        for p, b, g in zip(params, before, grads):
+            p.copy_(b)
+            p.grad = g
+    return [(b - a) / lr for b, a in zip(before, after)]
+
+
 @dataclass
 class ClientStep:
     """One client's round: its model, loss, private batch, protocol and a seeded generator for the defense."""
@@ -91,5 +175,37 @@ class ClientStep:
     protocol: Protocol = field(default=FEDSGD)
 
     def clean_update(self) -> list[Tensor]:
-        """The update before any defense touches it."""
+        """The update before any defense touches it (the user's step's, under protocol ``step``)."""
+        if self.protocol.name == "step":
+            return captured_update(self.model, self.protocol.step_function(), self.inputs, self.labels, self.protocol.lr)
         return [g.detach() for g in client_update(self.model, self.loss_fn, self.inputs, self.labels, self.protocol)]
+
+
+@dataclass
+class TrainingRun:
+    """Utility training: normalised training images on the device, the SGD settings, and seeded generators.
+
+    ``batch_generator`` (CPU) draws the batches; ``noise_generator`` (on the device) draws the defense's noise.
+    """
+
+    inputs: Tensor
+    labels: Tensor
+    loss_fn: LossFn
+    steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    batch_generator: torch.Generator
+    noise_generator: torch.Generator
+    protocol: Protocol = field(default=FEDSGD)
+
+    def batch(self) -> tuple[Tensor, Tensor]:
+        """A batch of ``batch_size`` examples drawn uniformly with replacement."""
+        idx = torch.randint(len(self.inputs), (self.batch_size,), generator=self.batch_generator)
+        idx = idx.to(self.inputs.device)
+        return self.inputs[idx], self.labels[idx]
+
+    @property
+    def sample_rate(self) -> float:
+        """Opacus's sampling rate for this data and batch size: 1 / batches per epoch."""
+        return 1.0 / -(-len(self.inputs) // self.batch_size)

@@ -52,7 +52,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                           "epsilon": top["epsilon"], "attack": top["attack"], "checkpoint": top["checkpoint"],
                           **{m: top.get(f"{m}_mean") for m in (PRIVACY_METRIC, *SECOND_METRICS)
                              if f"{m}_mean" in top}})
-    return {"audit": audit.name, "dataset": audit.data["dataset"], "model": audit.model["name"],
+    return {"audit": audit.name, "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
@@ -286,7 +286,7 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
 table{{border-collapse:collapse;font-size:13px;margin:1em 0}}td,th{{border:1px solid #ccc;padding:3px 6px}}
 th{{background:#f3f3f3}}img{{max-width:100%}}pre{{background:#f7f7f7;padding:1em}}</style></head><body>
 <h1>leakaudit: {html.escape(audit.name)}</h1>
-<p>Dataset <b>{html.escape(audit.data['dataset'])}</b>, model <b>{html.escape(audit.model['name'])}</b>,
+<p>Dataset <b>{html.escape(audit.data['dataset'] or audit.data['factory'])}</b>, model <b>{html.escape(audit.model['name'])}</b>,
 {audit.data['targets']} target images in batches of {audit.data['batch_size']}, checkpoints {audit.checkpoints},
 device {audit.device}, seed {audit.seed}.</p>
 {body}</body></html>"""

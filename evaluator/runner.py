@@ -20,7 +20,7 @@ from attacks.base import Reconstruction
 from evaluator.config import Audit, AttackSpec, DefenseSetting, load_audit
 from evaluator.metrics import score
 from evaluator.protocol import ClientStep
-from evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn
+from evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn, round_generators
 from evaluator.tuning import candidates, winners
 from evaluator.utility import privacy_spent, train_under_defense
 
@@ -155,11 +155,11 @@ def train_job(out_dir: Path, setting: DefenseSetting) -> dict[str, Any]:
 
 
 def _attack_batch(out_dir: Path, setting: DefenseSetting, checkpoint: int, attack: Any, pixels, labels,
-                  purpose: str, attack_key: str, index: int) -> Reconstruction:
+                  purpose: str, index: int) -> Reconstruction:
     """The defended update of one batch at one checkpoint, and the attack's reconstruction of it.
 
     ``purpose`` ("" for targets, "tune-" for tuning batches) and ``index`` seed the defense's noise and
-    the attack's start, so every trial of a search sees the same update and starts from the same point.
+    the attack's start (``round_generators``: the same for every attack and every trial of a search).
     """
     sc: Scenario = _WORKER["scenario"]
     audit, device = sc.audit, sc.device
@@ -167,9 +167,8 @@ def _attack_batch(out_dir: Path, setting: DefenseSetting, checkpoint: int, attac
     model = sc.fresh_model(defense)
     model.load_state_dict(_checkpoints(str(checkpoint_file(out_dir, setting)))[checkpoint])
     model.train()
-    share_gen = generator(device, audit.seed, f"{purpose}share", setting.key, checkpoint, index)
+    share_gen, attack_gen = round_generators(device, audit.seed, setting.key, checkpoint, index, purpose)
     observed = defense.share(ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, audit.protocol))
-    attack_gen = generator(device, audit.seed, f"{purpose}attack", setting.key, attack_key, checkpoint, index)
     return attack(observed, sc.threat(model, defense, labels), attack_gen)
 
 
@@ -180,7 +179,7 @@ def tune_job(out_dir: Path, job: TuneJob) -> dict[str, Any]:
     attack, values, seconds = sc.attack(job.attack, job.params), [], 0.0
     for t in range(job.attack.tune.targets):
         pixels, labels = sc.tuning_batch(t)
-        rec = _attack_batch(out_dir, job.setting, job.checkpoint, attack, pixels, labels, "tune-", job.attack.key, t)
+        rec = _attack_batch(out_dir, job.setting, job.checkpoint, attack, pixels, labels, "tune-", t)
         values.append(score([metric], rec.images, pixels, rec.labels, labels)[0][metric.name])
         seconds += rec.seconds
     return {"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint, "trial": job.trial,
@@ -203,7 +202,7 @@ def attack_job(out_dir: Path, job: AttackJob) -> tuple[dict[str, Any], list[str]
     audit = sc.audit
     pixels, labels = sc.target_batch(job.target)
     rec = _attack_batch(out_dir, job.setting, job.checkpoint, sc.attack(job.attack, job.params), pixels, labels,
-                        "", job.attack.key, job.target)
+                        "", job.target)
     metrics = [audit.registry.get("metric", m) for m in audit.metrics]
     values, notes, order = score(metrics, rec.images, pixels, rec.labels, labels)
     path = recon_file(out_dir, job)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from attacks.base import ThreatModel
 from defenses.base import Defense
 from evaluator.config import Audit, AttackSpec, ConfigError, DefenseSetting
-from evaluator.datasets import ImageData
+from evaluator.datasets import ImageData, load_factory_data
 from evaluator.models import build_model
 
 
@@ -24,6 +24,17 @@ def derive_seed(*parts: object) -> int:
 def generator(device: torch.device, *parts: object) -> torch.Generator:
     """A generator on ``device`` seeded from ``parts``."""
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+
+
+def round_generators(device: torch.device, seed: int, setting_key: str, checkpoint: int, index: int,
+                     purpose: str = "") -> tuple[torch.Generator, torch.Generator]:
+    """The defense's noise and the attack's start for one batch at one checkpoint.
+
+    The attack is not part of either seed: every attack (and every trial of a search)
+    sees the same update and starts from the same point, so attacks are compared on paired runs.
+    """
+    return (generator(device, seed, f"{purpose}share", setting_key, checkpoint, index),
+            generator(device, seed, f"{purpose}attack", setting_key, checkpoint, index))
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
@@ -41,12 +52,15 @@ class Scenario:
     @cached_property
     def data(self) -> ImageData:
         section = self.audit.data
-        spec = self.audit.registry.get("dataset", section["dataset"])
-        data = spec.load(image_size=section["image_size"], root=section["root"], download=section["download"],
-                         **section["params"])
+        if section["factory"] is not None:
+            data = load_factory_data(section, self.audit.path)
+        else:
+            spec = self.audit.registry.get("dataset", section["dataset"])
+            data = spec.load(image_size=section["image_size"], root=section["root"], download=section["download"],
+                             **section["params"])
         if len(data.test_x) < section["targets"]:
             raise ConfigError([f"{self.audit.path}: data.targets: {section['targets']} targets requested but "
-                               f"dataset {section['dataset']!r} has only {len(data.test_x)} test images"])
+                               f"the data has only {len(data.test_x)} test images"])
         return data
 
     @cached_property
@@ -121,7 +135,7 @@ def check_scenario(scenario: Scenario) -> None:
     model = scenario.fresh_model(scenario.defense(audit.settings[0]))
     problems = []
     for i, spec in enumerate(audit.attacks):
-        why = audit.registry.get("attack", spec.name).unsupported(model, audit.data["batch_size"], audit.protocol.name)
+        why = audit.registry.get("attack", spec.name).unsupported(model, audit.data["batch_size"], audit.protocol.observed)
         if why:
             problems.append(f"{audit.path}: attacks[{i}]: {why}")
     if problems:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from evaluator.protocol import ClientStep, trainable
+from evaluator.protocol import TrainingRun
 from evaluator.scenario import Scenario, derive_seed, generator, loss_fn
 from defenses.base import Defense
 from evaluator.config import DefenseSetting
@@ -27,48 +27,51 @@ def accuracy(model: nn.Module, scenario: Scenario, batch: int = 256) -> float:
     return float(correct) / len(data.test_x)
 
 
+def training_run(scenario: Scenario, setting: DefenseSetting, steps: int) -> TrainingRun:
+    """The utility training of one defense setting: the whole training split, normalised, on the device."""
+    audit, data, cfg = scenario.audit, scenario.data, scenario.audit.utility
+    return TrainingRun(
+        inputs=scenario.normalise(data.train_x.to(scenario.device)), labels=data.train_y.to(scenario.device),
+        loss_fn=loss_fn, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], momentum=cfg["momentum"],
+        batch_generator=torch.Generator().manual_seed(derive_seed(audit.seed, "batches")),
+        noise_generator=generator(scenario.device, audit.seed, "utility", setting.key),
+        protocol=audit.protocol)
+
+
 def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:
-    """Epsilon at ``utility.delta`` after the utility training's steps at its sample rate (None: no guarantee)."""
+    """Epsilon at ``utility.delta`` after the utility training (None: no formal guarantee).
+
+    The sample rate is Opacus's, 1 / ceil(train size / batch size), so the figure is the one
+    Opacus's PrivacyEngine reports for the same training.
+    """
     cfg = scenario.audit.utility
-    rate = min(1.0, cfg["batch_size"] / len(scenario.data.train_x))
-    return defense.privacy_spent(cfg["train_steps"], rate, cfg["delta"]) if cfg["train_steps"] > 0 else None
+    if cfg["train_steps"] == 0:
+        return None
+    rate = 1.0 / -(-len(scenario.data.train_x) // cfg["batch_size"])
+    return defense.privacy_spent(cfg["train_steps"], rate, cfg["delta"])
 
 
 def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str, Any]:
-    """SGD on the training split where every step applies the defended update.
+    """Train under the defense (``Defense.train``) and keep what the audit needs.
 
     Returns the model's state at each audited checkpoint and test accuracy at each
     checkpoint and at the end of ``utility.train_steps``.
     """
-    audit = scenario.audit
-    cfg = audit.utility
+    audit, cfg = scenario.audit, scenario.audit.utility
     start = time.perf_counter()
     defense = scenario.defense(setting)
     model = scenario.fresh_model(defense)
-    model.train()
-    optimiser = torch.optim.SGD(trainable(model), lr=cfg["lr"], momentum=cfg["momentum"])
-    data = scenario.data
-    sampler = torch.Generator().manual_seed(derive_seed(audit.seed, "batches"))
-    noise = generator(scenario.device, audit.seed, "utility", setting.key)
     total = max(cfg["train_steps"], max(audit.checkpoints))
     states: dict[int, dict] = {}
     accuracies: dict[int, float] = {}
-    for step in range(total + 1):
+    for step, current in enumerate(defense.train(model, training_run(scenario, setting, total))):
         if step in audit.checkpoints:
-            states[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            states[step] = {k: v.detach().clone() for k, v in current.state_dict().items()}
         if step in audit.checkpoints or step == cfg["train_steps"]:
-            accuracies[step] = accuracy(model, scenario)
-        if step == total:
-            break
-        idx = torch.randint(len(data.train_x), (cfg["batch_size"],), generator=sampler)
-        x = scenario.normalise(data.train_x[idx].to(scenario.device))
-        y = data.train_y[idx].to(scenario.device)
-        update = defense.share(ClientStep(model, loss_fn, x, y, noise))
-        for p, g in zip(trainable(model), update.tensors):
-            p.grad = g
-        optimiser.step()
+            accuracies[step] = accuracy(current, scenario)
     final = accuracies[cfg["train_steps"]] if cfg["train_steps"] > 0 else None
     return {"setting": setting.key, "defense": setting.name, "params": setting.params, "accuracy": final,
             "train_steps": cfg["train_steps"], "epsilon": privacy_spent(scenario, defense), "delta": cfg["delta"],
-            "model_changes": getattr(defense, "model_changes", []), "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
+            "model_changes": defense.model_changes,
+            "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
             "seconds": time.perf_counter() - start, "states": states}

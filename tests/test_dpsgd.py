@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from evaluator.cli import main
 from evaluator.datasets import load_digits
 from evaluator.models import lenet_zhu
 from evaluator.protocol import ClientStep, trainable
-from evaluator.scenario import loss_fn
+from evaluator.config import load_audit
+from evaluator.scenario import Scenario, loss_fn
+from evaluator.utility import privacy_spent, training_run
 
 B = 4
 
@@ -130,10 +133,37 @@ def test_audit_rows_carry_opacus_epsilon_and_bayes_attacks_dpsgd(write_audit, tm
     assert main(["run", str(write_audit(audit)), "--out", str(tmp_path / "out")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     accountant = RDPAccountant()
-    accountant.history = [(0.5, 8 / len(load_digits(16).train_x), 6)]
+    accountant.history = [(0.5, 1 / math.ceil(len(load_digits(16).train_x) / 8), 6)]  # Opacus's sample rate
     expected = accountant.get_epsilon(delta=1e-4)
     eps = [r["epsilon"] for r in rows if r["defense"] == "dpsgd"]
     assert len(eps) == 2 and all(e == pytest.approx(expected) for e in eps)
     assert all(r["epsilon"] is None for r in rows if r["defense"] == "none")
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["utility"]["dpsgd(noise_multiplier=0.5)"]["epsilon"] == pytest.approx(expected)
+
+
+def test_utility_training_is_opacus_privacy_engine_and_its_epsilon_is_the_reported_one(write_audit):
+    audit = load_audit(write_audit(small_audit(defenses=[{"name": "dpsgd", "params": {"noise_multiplier": 0.8}}],
+                                               utility={"train_steps": 6, "batch_size": 8, "delta": 1e-4})))
+    scenario, setting = Scenario(audit), audit.settings[0]
+    defense = scenario.defense(setting)
+    model = scenario.fresh_model(defense)
+    before = [p.detach().clone() for p in model.parameters()]
+    run = training_run(scenario, setting, 6)
+    yielded = list(defense.train(model, run))
+    assert len(yielded) == 7 and all(m is model for m in yielded)
+    assert defense.engine.accountant.history == [(0.8, run.sample_rate, 6)]
+    assert privacy_spent(scenario, defense) == pytest.approx(defense.engine.get_epsilon(1e-4), rel=1e-12)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())  # Opacus's hooks are gone
+    rerun = scenario.fresh_model(scenario.defense(setting))
+    list(scenario.defense(setting).train(rerun, training_run(scenario, setting, 6)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), rerun.parameters()))  # seeded: same model
+
+
+@pytest.mark.parametrize("protocol", ["fedavg", {"name": "step", "function": "conftest:small_audit", "lr": 0.1}])
+def test_dpsgd_outside_fedsgd_is_refused_before_any_work(protocol, write_audit, capsys):
+    audit = small_audit(defenses=[{"name": "dpsgd"}], protocol=protocol)
+    assert main(["validate", str(write_audit(audit))]) == 2
+    err = capsys.readouterr().err
+    assert "defenses[0]: dpsgd: dpsgd" in err and "use protocol: fedsgd" in err

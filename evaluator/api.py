@@ -1,0 +1,114 @@
+"""Audit from your own training code: one call on a model, loss and batch taken from your loop.
+
+``audit_batch`` shares the batch's update through a defense (or captures the update your own
+step function makes), runs the attacks on it and scores the reconstructions, with the same
+seeds and code as a YAML audit of the same model, batch and step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from attacks.base import ThreatModel
+from evaluator.config import ConfigError, _check_attacks, _check_metrics, _expand_defenses
+from evaluator.metrics import score
+from evaluator.protocol import FEDSGD, ClientStep, LossFn, Protocol, StepFn, opacus_hooks_off
+from evaluator.scenario import round_generators
+from plugins.manager import load_registry
+
+DEFAULT_METRICS = ("psnr", "ssim", "mse", "label_accuracy")
+
+
+@dataclass
+class BatchAudit:
+    """One attack's result on one defense setting: scores, and the reconstruction in pixel space."""
+
+    setting: str
+    attack: str
+    metrics: dict[str, float | None]
+    reconstruction: Tensor
+    labels: Tensor
+    seconds: float
+
+
+def _channel_stats(value: float | Sequence[float] | Tensor, channels: int, device: torch.device) -> Tensor:
+    t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1, 1, 1)
+    return t.expand(channels, 1, 1) if t.numel() == 1 else t
+
+
+def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor, *,
+                defense: str | dict[str, Any] = "none",
+                attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",),
+                mean: float | Sequence[float] | Tensor = 0.0, std: float | Sequence[float] | Tensor = 1.0,
+                step_fn: StepFn | None = None, lr: float | None = None, known_labels: bool = False,
+                metrics: Sequence[str] = DEFAULT_METRICS, seed: int = 0, step: int = 0, batch_index: int = 0,
+                plugins_dirs: Sequence[str] = ()) -> list[BatchAudit]:
+    """Attack the update this batch makes on ``model`` as it is now and score what comes back.
+
+    ``inputs`` are what the model consumes; ``inputs * std + mean`` are the pixels in [0, 1]
+    the attacks rebuild. ``defense`` and ``attacks`` take the names or mappings of a YAML
+    audit's ``defenses`` and ``attacks`` entries (a sweep gives one result per setting).
+    With ``step_fn(model, inputs, labels)`` and its SGD ``lr``, the update is the one your
+    own step makes (``protocol: step``); the model is left as it was. ``seed``, ``step`` and
+    ``batch_index`` give the noise and attack starts of target batch ``batch_index`` at
+    checkpoint ``step`` of a YAML audit with that seed, so the two give the same numbers.
+    Raises ConfigError, one line per problem, before any work.
+    """
+    with opacus_hooks_off(model) as plain:
+        return _audit(plain, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn, lr, known_labels,
+                      metrics, (seed, step, batch_index), plugins_dirs)
+
+
+def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn, lr, known_labels, metrics,
+           draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
+    registry = load_registry(list(plugins_dirs))
+    protocol = FEDSGD if step_fn is None else Protocol("step", function=step_fn, lr=lr)
+    problems = _check_call(step_fn, lr, inputs, labels)
+    entry = {"name": defense} if isinstance(defense, str) else defense
+    settings = _expand_defenses([entry], registry, problems, protocol)
+    specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems)
+    _check_metrics(list(metrics), registry, problems)
+    problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
+    defenses = [(s, s.build(registry)) for s in settings]
+    problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
+                 "build your model with it, or audit from YAML" for s, d in defenses if d.wrap_model(model) is not model]
+    problems += [f"attacks: {s.label}: {why}" for s in specs
+                 if (why := registry.get("attack", s.name).unsupported(model, len(inputs), protocol.observed))]
+    if problems:
+        raise ConfigError([f"audit_batch: {p.replace('defenses[0]', 'defense')}" for p in problems])
+    device = inputs.device
+    channels = inputs.shape[1]
+    mean_t, std_t = _channel_stats(mean, channels, device), _channel_stats(std, channels, device)
+    pixels = (inputs * std_t + mean_t).clamp(0, 1)
+    with torch.no_grad():
+        num_classes = model(inputs[:1]).shape[1]
+    scorers = [registry.get("metric", m) for m in metrics]
+    seed, step, index = draws
+    results = []
+    for setting, defense_obj in defenses:
+        threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(inputs.shape[1:]), mean=mean_t, std=std_t,
+                             num_classes=num_classes, batch_size=len(inputs), defense=defense_obj,
+                             labels=labels if known_labels else None, device=device, protocol=protocol)
+        for spec in specs:
+            share_gen, attack_gen = round_generators(device, seed, setting.key, step, index)
+            observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
+            rec = registry.get("attack", spec.name)(**spec.params)(observed, threat, attack_gen)
+            values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
+            results.append(BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds))
+    return results
+
+
+def _check_call(step_fn: Callable | None, lr: float | None, inputs: Tensor, labels: Tensor) -> list[str]:
+    problems = []
+    if step_fn is not None and (lr is None or lr <= 0):
+        problems.append(f"lr: {lr!r}; with step_fn give the SGD step size your step uses (a number > 0)")
+    if step_fn is None and lr is not None:
+        problems.append("lr: only applies with step_fn")
+    if inputs.dim() != 4:
+        problems.append(f"inputs: shape {tuple(inputs.shape)}; expected images (N, C, H, W)")
+    if len(labels) != len(inputs):
+        problems.append(f"labels: {len(labels)} labels for {len(inputs)} inputs")
+    return problems

@@ -70,7 +70,7 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = _expand_defenses([entry], registry, problems, protocol)
     specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems)
-    _check_metrics(list(metrics), registry, problems)
+    _check_metrics(list(metrics), registry, problems, min(inputs.shape[-2:]) if inputs.dim() == 4 else None)
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
     defenses = [(s, s.build(registry)) for s in settings]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "

@@ -222,7 +222,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     protocol = _check_protocol(top.get("protocol", "fedsgd"), data, problems)
     settings = _expand_defenses(top.get("defenses"), registry, problems, protocol)
     attacks = _check_attacks(top.get("attacks"), registry, problems)
-    metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems)
+    metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems, data["image_size"])
     device = _check_device(top.get("device", "auto"), problems)
     workers = top.get("workers") or (1 if device == "cuda" else len(os.sched_getaffinity(0)))
     if problems:
@@ -412,12 +412,15 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
     return specs
 
 
-def _check_metrics(value: Any, registry: Registry, problems: list[str]) -> list[str]:
+def _check_metrics(value: Any, registry: Registry, problems: list[str], image_size: int | None = None) -> list[str]:
     if not isinstance(value, list) or not value:
         problems.append(f"metrics: expected a non-empty list of names, got {value!r}")
         return []
     for i, m in enumerate(value):
-        _lookup(registry, "metric", m, f"metrics[{i}]", problems)
+        metric = _lookup(registry, "metric", m, f"metrics[{i}]", problems)
+        if metric is not None and image_size is not None and image_size < metric.min_size:
+            problems.append(f"metrics[{i}]: {m} needs images of at least {metric.min_size} px and data.image_size "
+                            f"is {image_size}; drop {m} or raise data.image_size")
     return list(value)
 
 

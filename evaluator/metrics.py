@@ -30,6 +30,7 @@ class Metric:
     higher_is_better: bool
     on: str = "images"
     summary: str = ""
+    min_size: int = 1  # smallest image side the metric can score (checked against data.image_size)
 
 
 def mse(rec: Tensor, orig: Tensor) -> Tensor:
@@ -151,7 +152,7 @@ BUILTIN = [
     Metric("psnr", psnr, True, summary=psnr.__doc__),
     Metric("ssim", ssim, True, summary=ssim.__doc__),
     Metric("mse", mse, False, summary=mse.__doc__),
-    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__),
+    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__, min_size=31),  # AlexNet's pools need >= 31 px
     Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__),
 ]
 

@@ -51,6 +51,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
     (small_audit(seed="zero"), "seed: 'zero' is not of type int"),
     (small_audit(device="tpu"), "device: 'tpu' is not one of the choices; choices: auto, cpu, cuda"),
     (small_audit(metrics=["psnr", "fid"]), "metrics[1]: 'fid' is not a registered metric; choices: "),
+    (small_audit(metrics=["psnr", "lpips"]), "metrics[1]: lpips needs images of at least 31 px and data.image_size is 16"),
     (small_audit(model={"name": "lenet"}), "model.name: 'lenet' is not a registered model"),
     (small_audit(model={"name": "no_such_pkg.mod:build"}), "model.name: cannot import module 'no_such_pkg.mod'"),
     (small_audit(model={"name": "lenet_zhu", "checkpoints": [0, -3]}), "model.checkpoints[1]: -3 is not a training step"),

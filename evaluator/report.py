@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +23,8 @@ SECOND_METRICS = ("lpips", "ssim")  # the privacy-utility plot's second panel sh
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    vals = [v for v in values if v is not None]
+    """Mean and spread of the finite values (None, NaN and inf are left out; ``summarise`` says so)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return None, None
     return statistics.fmean(vals), (statistics.pstdev(vals) if len(vals) > 1 else 0.0)
@@ -41,6 +43,10 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                 "epsilon": acc.get(setting, {}).get("epsilon")}
         for m in audit.metrics:
             cell[f"{m}_mean"], cell[f"{m}_std"] = _mean_std([r.get(m) for r in rs])
+            bad = sum(1 for r in rs if r.get(m) is not None and not math.isfinite(r[m]))
+            if bad:
+                notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(rs)} targets have a non-finite {m} "
+                             "(the model or the reconstruction diverged); the cell leaves them out")
         cell["seconds_mean"] = _mean_std([r["seconds"] for r in rs])[0]
         cells.append(cell)
     worst = []

@@ -112,3 +112,18 @@ def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
     subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(fresh), "--no-progress"], check=True,
                    capture_output=True)
     assert _numbers(after) == _numbers(_rows(fresh))
+
+
+def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
+    from evaluator.config import load_audit
+    from evaluator.report import summarise
+
+    audit = load_audit(write_audit(small_audit()))
+    row = {"defense": "none", "setting": "none", "params": {}, "attack": "inverting_gradients", "checkpoint": 0,
+           "seconds": 1.0, "ssim": 0.5, "mse": 0.1, "label_accuracy": 1.0}
+    rows = [{**row, "target": 0, "psnr": 20.0}, {**row, "target": 1, "psnr": float("nan")}]
+    notes: list[str] = []
+    summary = summarise(audit, rows, [], notes)
+    assert summary["cells"][0]["psnr_mean"] == 20.0 and summary["cells"][0]["psnr_std"] == 0.0
+    assert notes == ["none, inverting_gradients, step 0: 1 of 2 targets have a non-finite psnr "
+                     "(the model or the reconstruction diverged); the cell leaves them out"]

@@ -92,9 +92,10 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
         threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(inputs.shape[1:]), mean=mean_t, std=std_t,
                              num_classes=num_classes, batch_size=len(inputs), defense=defense_obj,
                              labels=labels if known_labels else None, device=device, protocol=protocol)
+        share_gen, _ = round_generators(device, seed, setting.key, step, index)
+        observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
         for spec in specs:
-            share_gen, attack_gen = round_generators(device, seed, setting.key, step, index)
-            observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
+            _, attack_gen = round_generators(device, seed, setting.key, step, index)  # the same start for every attack
             rec = registry.get("attack", spec.name)(**spec.params)(observed, threat, attack_gen)
             values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
             results.append(BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds))

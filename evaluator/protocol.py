@@ -207,5 +207,9 @@ class TrainingRun:
 
     @property
     def sample_rate(self) -> float:
-        """Opacus's sampling rate for this data and batch size: 1 / batches per epoch."""
-        return 1.0 / -(-len(self.inputs) // self.batch_size)
+        return opacus_sample_rate(len(self.inputs), self.batch_size)
+
+
+def opacus_sample_rate(examples: int, batch_size: int) -> float:
+    """Opacus's sampling rate for ``examples`` in batches of ``batch_size``: 1 / batches per epoch."""
+    return 1.0 / -(-examples // batch_size)

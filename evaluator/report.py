@@ -254,7 +254,7 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
                                     *[m for m in SECOND_METRICS if m in audit.metrics]])
             + "<p>Leakage is the mean PSNR of the strongest attack at its most leaking training step. Epsilon, "
               f"where a defense has a formal guarantee, is at delta {audit.utility['delta']:g} after the utility "
-              "training's steps at its sample rate (batch size / training images).</p>"))
+              "training's steps at Opacus's sample rate, 1 / ceil(training images / batch size).</p>"))
     else:
         sections.append(("Privacy against utility", "<p>No utility was measured (utility.train_steps is 0).</p>"
                          + _table(summary["worst_case"], ["defense", "params", "attack", PRIVACY_METRIC])))
@@ -292,7 +292,7 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
 table{{border-collapse:collapse;font-size:13px;margin:1em 0}}td,th{{border:1px solid #ccc;padding:3px 6px}}
 th{{background:#f3f3f3}}img{{max-width:100%}}pre{{background:#f7f7f7;padding:1em}}</style></head><body>
 <h1>leakaudit: {html.escape(audit.name)}</h1>
-<p>Dataset <b>{html.escape(audit.data['dataset'] or audit.data['factory'])}</b>, model <b>{html.escape(audit.model['name'])}</b>,
+<p>Dataset <b>{html.escape(summary['dataset'])}</b>, model <b>{html.escape(audit.model['name'])}</b>,
 {audit.data['targets']} target images in batches of {audit.data['batch_size']}, checkpoints {audit.checkpoints},
 device {audit.device}, seed {audit.seed}.</p>
 {body}</body></html>"""

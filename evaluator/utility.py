@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from evaluator.protocol import TrainingRun
+from evaluator.protocol import TrainingRun, opacus_sample_rate
 from evaluator.scenario import Scenario, derive_seed, generator, loss_fn
 from defenses.base import Defense
 from evaluator.config import DefenseSetting
@@ -47,7 +47,7 @@ def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:
     cfg = scenario.audit.utility
     if cfg["train_steps"] == 0:
         return None
-    rate = 1.0 / -(-len(scenario.data.train_x) // cfg["batch_size"])
+    rate = opacus_sample_rate(len(scenario.data.train_x), cfg["batch_size"])
     return defense.privacy_spent(cfg["train_steps"], rate, cfg["delta"])
 
 

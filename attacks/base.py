@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from defenses.base import Defense, SharedUpdate
+from defenses.stochastic import noise_from
 from evaluator.protocol import FEDSGD, LossFn, Protocol, client_update
 from plugins.spec import Param, resolve_params
 
@@ -30,8 +31,12 @@ class ThreatModel:
     protocol: Protocol = FEDSGD
 
     def candidate_update(self, images: Tensor, targets: Tensor) -> list[Tensor]:
-        """The clean update that normalised ``images`` with ``targets`` would produce, differentiably."""
-        return client_update(self.model, self.loss_fn, images, targets, self.protocol, create_graph=True)
+        """The clean update that normalised ``images`` with ``targets`` would produce, differentiably.
+
+        The loss is the client's: the task loss plus any term the defense trains with.
+        """
+        loss_fn = self.defense.client_loss(self.model, self.loss_fn)
+        return client_update(self.model, loss_fn, images, targets, self.protocol, create_graph=True)
 
     def normalise(self, pixels: Tensor) -> Tensor:
         return (pixels - self.mean) / self.std
@@ -69,9 +74,18 @@ class Attack:
     def __call__(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         """Run ``reconstruct`` and time it."""
         start = time.perf_counter()
-        result = self.reconstruct(observed, threat, generator)
+        with noise_from(threat.model, generator):  # the model's own noise, if any, is the attacker's draw
+            result = self.reconstruct(observed, threat, generator)
         result.seconds = time.perf_counter() - start
         return result
+
+    #: The attack is built on what a defense does (its likelihood, its layers, its noise).
+    uses_defense: ClassVar[bool] = False
+
+    @property
+    def knows_defense(self) -> bool:
+        """Whether this configured attack uses what the defense does (adaptive); sets its default report role."""
+        return self.uses_defense
 
     @staticmethod
     def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
@@ -79,6 +93,11 @@ class Attack:
 
         Checked before any work starts, so an impossible audit fails at once.
         """
+        return None
+
+    @staticmethod
+    def unsupported_defense(defense: Defense) -> str | None:
+        """Why the attack cannot run against this defense; None when it can. Checked before any work."""
         return None
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:

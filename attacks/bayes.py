@@ -96,6 +96,14 @@ class BayesOptimal(LikelihoodAttack):
     """The approximate Bayes-optimal adversary: the audited defense's own log p(g|x) plus a weighted prior."""
 
     name = "bayes"
+    uses_defense = True
+
+    @staticmethod
+    def unsupported_defense(defense) -> str | None:
+        if defense.has_likelihood():
+            return None
+        return (f"bayes: defense {defense.name!r} declares no log_likelihood (its noise is drawn inside the "
+                "model); use the attacks made for it (leakaudit plugins)")
 
     def candidate(self, threat, images, labels) -> list[Tensor]:
         return threat.defense.candidate_update(threat, images, labels)

@@ -37,6 +37,12 @@ def random_images(threat: ThreatModel, generator: torch.Generator) -> Tensor:
     return torch.randn(shape, generator=generator, device=threat.device)
 
 
+def matched_tensors(observed: SharedUpdate, threat: ThreatModel) -> list[bool]:
+    """Per shared tensor, whether an informed attacker matches it (not rewritten by the defense)."""
+    dropped = threat.defense.defended_tensors(observed.names)
+    return [n not in dropped for n in observed.names]
+
+
 LABEL_METHOD = Param("auto", str, choices=METHODS, help="label recovery when labels are not known")
 PRIOR_WEIGHTS = f"weights of image priors by name ({', '.join(PRIORS)})"
 
@@ -52,15 +58,22 @@ class InvertingGradients(Attack):
         "restarts": Param(1, int, min=1, help="random restarts; the best gradient match is kept"),
         "signed": Param(True, bool, help="use the sign of the image gradient (adversarial-attack style)"),
         "label_method": LABEL_METHOD,
+        "drop_defended": Param(False, bool, help="leave out of the match the tensors the defense declares "
+                                                 "rewritten (Soteria's layer: the attack of seed 003, Sec. 5)"),
     }
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
         check_priors(self.priors)
 
+    @property
+    def knows_defense(self) -> bool:
+        return self.uses_defense or self.drop_defended
+
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         labels = recover_labels(observed, threat, self.label_method, generator)
-        target = [t.to(threat.device) for t in observed.tensors]
+        self._keep = matched_tensors(observed, threat) if self.drop_defended else None
+        target = self._kept([t.to(threat.device) for t in observed.tensors])
         best, best_loss, traces = None, float("inf"), []
         for _ in range(self.restarts):
             images, trace = self._one_run(target, labels, threat, generator)
@@ -74,19 +87,27 @@ class InvertingGradients(Attack):
     def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel) -> Tensor:
         lo, hi = threat.box()
         with torch.enable_grad():
-            candidate = threat.candidate_update(images, labels)
+            candidate = self._kept(threat.candidate_update(images, labels))
             return cosine_distance(target, candidate) + prior_penalty(images, self.priors, lo, hi)
+
+    def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> list[Tensor]:
+        """Unknowns optimised beside the images (none here; drawn after the start image, so starts stay paired)."""
+        return []
+
+    def _kept(self, tensors: list[Tensor]) -> list[Tensor]:
+        return tensors if self._keep is None else [t for t, k in zip(tensors, self._keep) if k]
 
     def _one_run(self, target, labels, threat, generator) -> tuple[Tensor, list[float]]:
         lo, hi = threat.box()
         images = random_images(threat, generator).requires_grad_(True)
-        optimiser = torch.optim.Adam([images], lr=self.lr)
+        variables = [images, *self._extra_variables(threat, generator)]
+        optimiser = torch.optim.Adam(variables, lr=self.lr)
         schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, step_decay_milestones(self.iterations), 0.1)
         trace = torch.empty(self.iterations, device=threat.device)
         for it in range(self.iterations):
             loss = self._objective(images, labels, target, threat)
-            (grad,) = torch.autograd.grad(loss, images)
-            images.grad = grad.sign() if self.signed else grad
+            for v, grad in zip(variables, torch.autograd.grad(loss, variables)):
+                v.grad = grad.sign() if self.signed else grad
             optimiser.step()
             schedule.step()
             with torch.no_grad():

@@ -1,13 +1,14 @@
 """The ``Defense`` contract: how a defended update is shared and how likely it is under a candidate."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from evaluator.protocol import ClientStep, Protocol, TrainingRun, parameter_names, trainable
+from defenses.stochastic import noise_from
+from evaluator.protocol import ClientStep, LossFn, Protocol, TrainingRun, parameter_names, trainable
 from plugins.spec import Param, resolve_params
 
 
@@ -28,14 +29,15 @@ class Defense:
     """Base class: subclasses set ``name``, ``params`` and override what their defense changes.
 
     Gradient-space defenses override ``perturb`` (and ``log_likelihood``);
-    architectural ones override ``wrap_model``. ``params`` declares the YAML
+    architectural ones override ``wrap_model`` (and ``client_loss`` when they train with
+    an extra term). A defense that needs the model and inputs, not just the update,
+    overrides ``share`` and cannot be a chain member. ``params`` declares the YAML
     parameters, checked before any work starts; resolved values are attributes.
     """
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
     deterministic: ClassVar[bool] = False
-    per_example: ClassVar[bool] = False  # needs each example's gradient: shares via ``share``, never in a chain
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)
@@ -58,6 +60,19 @@ class Defense:
         """
         return model
 
+    def client_loss(self, model: nn.Module, loss_fn: LossFn) -> LossFn:
+        """The loss the client differentiates: the task loss, plus any term the defense trains with (a KL)."""
+        return loss_fn
+
+    def defended_tensors(self, names: Sequence[str]) -> set[str]:
+        """Names of shared tensors the defense rewrote so that an informed attacker leaves them out of a match."""
+        return set()
+
+    @classmethod
+    def shares_itself(cls) -> bool:
+        """Whether the defense computes the update from the model and inputs (overrides ``share``)."""
+        return cls.share is not Defense.share
+
     def train(self, model: nn.Module, run: TrainingRun) -> Iterator[nn.Module]:
         """Train ``model`` in place for ``run.steps`` steps under the defense (the utility side).
 
@@ -77,8 +92,11 @@ class Defense:
         yield model
 
     def share(self, step: ClientStep) -> SharedUpdate:
-        """The defended update the client sends for this step."""
-        sent, public = self.apply(step.clean_update(), step.generator)
+        """The defended update the client sends for this step (stochastic layers draw from its generator)."""
+        step = replace(step, loss_fn=self.client_loss(step.model, step.loss_fn))
+        with noise_from(step.model, step.generator):
+            clean = step.clean_update()
+        sent, public = self.apply(clean, step.generator)
         meta = {"protocol": step.protocol.name, **public}
         return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), meta)
 
@@ -108,6 +126,10 @@ class Defense:
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         """Epsilon at ``delta`` after ``steps`` where the defense has a formal guarantee, else None."""
         return None
+
+    def has_likelihood(self) -> bool:
+        """Whether ``log_likelihood`` is declared (precode and bayesian draw noise inside the model: none)."""
+        return type(self).log_likelihood is not Defense.log_likelihood
 
 
 class DeterministicDefense(Defense):

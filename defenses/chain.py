@@ -24,8 +24,9 @@ class Chain(Defense):
         if len(members) < 2:
             raise ValueError("chain: needs at least two members")
         for i, m in enumerate(members):
-            if m.per_example:
-                raise ValueError(f"chain: {m.name!r} transforms each example's gradient and cannot be a chain member")
+            if m.shares_itself():
+                raise ValueError(f"chain: {m.name!r} computes its update from the model and inputs "
+                                 "and cannot be a chain member")
         for i, m in enumerate(members[:-1]):
             if not m.deterministic:
                 raise ValueError(f"chain: only the last member may be random; {m.name!r} at position {i} is random")
@@ -43,6 +44,14 @@ class Chain(Defense):
             self.model_changes += m.model_changes
         return model
 
+    def client_loss(self, model: nn.Module, loss_fn):
+        for m in self.members:
+            loss_fn = m.client_loss(model, loss_fn)
+        return loss_fn
+
+    def defended_tensors(self, names) -> set[str]:
+        return set().union(*(m.defended_tensors(names) for m in self.members))
+
     def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:
         public: dict[str, Any] = {}
         for m in self.members:
@@ -54,6 +63,9 @@ class Chain(Defense):
         for m in self.members[:-1]:
             candidate = m.transform(candidate)
         return self.members[-1].log_likelihood(observed, candidate)
+
+    def has_likelihood(self) -> bool:
+        return self.members[-1].has_likelihood()
 
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         return self.members[-1].privacy_spent(steps, sample_rate, delta)

@@ -72,11 +72,15 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
     specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems)
     _check_metrics(list(metrics), registry, problems, min(inputs.shape[-2:]) if inputs.dim() == 4 else None)
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
+    problems += [f"defense: {s.key}: model: audit_batch attacks the model you pass; leave model out"
+                 for s in settings if s.model is not None]
     defenses = [(s, s.build(registry)) for s in settings]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
                  "build your model with it, or audit from YAML" for s, d in defenses if d.wrap_model(model) is not model]
     problems += [f"attacks: {s.label}: {why}" for s in specs
                  if (why := registry.get("attack", s.name).unsupported(model, len(inputs), protocol.observed))]
+    problems += [f"attacks: {a.label}: {why}" for _, d in defenses for a in specs
+                 if a.applies_to(_) and (why := registry.get("attack", a.name).unsupported_defense(d))]
     if problems:
         raise ConfigError([f"audit_batch: {p.replace('defenses[0]', 'defense')}" for p in problems])
     device = inputs.device
@@ -94,7 +98,7 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
                              labels=labels if known_labels else None, device=device, protocol=protocol)
         share_gen, _ = round_generators(device, seed, setting.key, step, index)
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
-        for spec in specs:
+        for spec in (s for s in specs if s.applies_to(setting)):
             _, attack_gen = round_generators(device, seed, setting.key, step, index)  # the same start for every attack
             rec = registry.get("attack", spec.name)(**spec.params)(observed, threat, attack_gen)
             values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)

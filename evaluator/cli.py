@@ -1,4 +1,4 @@
-"""The ``leakaudit`` command: run, validate, plugins."""
+"""The ``leakaudit`` command: run, validate, analyse, plugins."""
 from __future__ import annotations
 
 import argparse
@@ -23,9 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line)")
     val.add_argument("config")
+    ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
+                                          "(seed 002), before any attack")
+    ana.add_argument("config")
+    ana.add_argument("--json", action="store_true", help="machine-readable output")
     plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
-    for sp in (run, val, plug):
+    for sp in (run, val, ana, plug):
         sp.add_argument("--plugins-dir", action="append", default=[], metavar="DIR",
                         help="folder of drop-in *.py plugins (repeatable)")
     return p
@@ -60,8 +64,24 @@ def cmd_validate(args) -> int:
 
     audit = load_audit(args.config, args.plugins_dir)
     check_scenario(Scenario(audit))
+    from evaluator.runner import jobs_of
+
     print(f"{args.config}: valid: {len(audit.settings)} defense settings x {len(audit.checkpoints)} checkpoints "
-          f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks")
+          f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks: {len(jobs_of(audit))} attack jobs")
+    return 0
+
+
+def cmd_analyse(args) -> int:
+    from evaluator.analysis import analyse, describe
+    from evaluator.config import load_audit
+    from evaluator.scenario import Scenario
+
+    audit = load_audit(args.config, args.plugins_dir)
+    try:
+        result = analyse(Scenario(audit))
+    except ValueError as exc:
+        return _fail([f"{args.config}: model: {audit.model['name']}: {exc}"])
+    print(json.dumps(result, indent=2) if args.json else describe(result))
     return 0
 
 
@@ -87,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins}[args.command](args)
+        commands = {"run": cmd_run, "validate": cmd_validate, "analyse": cmd_analyse, "plugins": cmd_plugins}
+        return commands[args.command](args)
     except ConfigError as exc:
         return _fail(exc.lines)
     except (PluginError, RunError) as exc:

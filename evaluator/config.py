@@ -49,7 +49,9 @@ MODEL = {"name": Param(None, str, help="a zoo model (leakaudit plugins)"),
          "factory": Param(None, str, help="'package.module:build' returning your own nn.Module (instead of name)"),
          "params": Param({}, dict), "checkpoints": Param([0], list)}
 DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
-           "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}")}
+           "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}"),
+           "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)")}
+SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}
 MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
 PROTOCOL = {
     "name": Param("fedsgd", str, choices=PROTOCOLS),
@@ -60,8 +62,12 @@ PROTOCOL = {
     "lr": Param(None, float, min=0.0, exclusive_min=True, help="step: the SGD step size of your step function"),
 }
 PROTOCOL_KEYS = {"fedsgd": set(), "fedavg": {"local_epochs", "local_batch_size", "local_lr"}, "step": {"function", "lr"}}
+ROLES = ("naive", "adaptive")
 ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
-          "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)")}
+          "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)"),
+          "defenses": Param(None, list, help="run only on settings of these defenses (a chain: any member)"),
+          "role": Param(None, str, choices=ROLES, help="how the report counts it (default: adaptive when the "
+                                                       "attack uses what the defense does)")}
 UTILITY = {
     "train_steps": Param(200, int, min=0, help="SGD steps of utility training under the defense"),
     "batch_size": Param(32, int, min=1),
@@ -92,6 +98,7 @@ class DefenseSetting:
 
     members: tuple[tuple[str, dict[str, Any]], ...]
     label: str | None = None
+    model: dict[str, Any] | None = None  # the entry's own model section; None: the audit's
 
     @property
     def name(self) -> str:
@@ -105,7 +112,8 @@ class DefenseSetting:
 
     @property
     def key(self) -> str:
-        return self.label or ">".join(_call(n, p) for n, p in self.members)
+        own = "" if self.model is None else f"@{_call(self.model['name'], self.model['params'])}"
+        return self.label or ">".join(_call(n, p) for n, p in self.members) + own
 
     def build(self, registry: Registry):
         """The defense object (a ``defenses.chain.Chain`` for several members)."""
@@ -121,10 +129,17 @@ class AttackSpec:
     params: dict[str, Any]
     label: str
     tune: TuneSpec | None = None
+    defenses: tuple[str, ...] | None = None  # None: every setting
+    role: str = "naive"  # "adaptive": the attack uses what the defense does
 
     @property
     def key(self) -> str:
         return self.label
+
+    def applies_to(self, setting: DefenseSetting) -> bool:
+        """Whether the attack runs on this setting (``defenses:`` names one of its members, or its label)."""
+        return (self.defenses is None or setting.label in self.defenses
+                or any(n in self.defenses for n, _ in setting.members))
 
 
 @dataclass
@@ -222,6 +237,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     protocol = _check_protocol(top.get("protocol", "fedsgd"), data, problems)
     settings = _expand_defenses(top.get("defenses"), registry, problems, protocol)
     attacks = _check_attacks(top.get("attacks"), registry, problems)
+    _check_attack_scope(attacks, settings, registry, problems)
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems, data["image_size"])
     device = _check_device(top.get("device", "auto"), problems)
     workers = top.get("workers") or (1 if device == "cuda" else len(os.sched_getaffinity(0)))
@@ -282,7 +298,6 @@ def _check_data(data: dict, registry: Registry, problems: list[str]) -> None:
 
 
 def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
-    name = model.get("name")
     ckpts = model.get("checkpoints", [0])
     for i, c in enumerate(ckpts):
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
@@ -291,19 +306,25 @@ def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
         problems.append(f"model.checkpoints: {ckpts} repeats a step")
     elif all(isinstance(c, int) for c in ckpts):
         model["checkpoints"] = sorted(ckpts)
-    source = _one_of(model, ("name", "factory"), "model", problems)
+    _check_architecture(model, registry, "model", problems)
+
+
+def _check_architecture(model: dict, registry: Registry, where: str, problems: list[str]) -> None:
+    """A model section's ``name`` (zoo) or ``factory`` and its params; a factory path becomes the name."""
+    name = model.get("name")
+    source = _one_of(model, ("name", "factory"), where, problems)
     if source is None:
         return
     if source == "factory" or ":" in name:
-        _check_factory(model, source, f"model.{source}", problems)
+        _check_factory(model, source, f"{where}.{source}", problems)
         model["name"] = model[source]  # a factory path is the model's name in reports
         return
     if name not in registry.entries["model"]:
-        problems.append(f"model.name: {name!r} is not a registered model or a 'package.module:factory'; "
+        problems.append(f"{where}.name: {name!r} is not a registered model or a 'package.module:factory'; "
                         f"choices: {_choices(registry, 'model')}")
         return
     spec: ModelSpec = registry.get("model", name)
-    problems.extend(check_params(spec.params, model.get("params", {}), "model.params"))
+    problems.extend(check_params(spec.params, model.get("params", {}), f"{where}.params"))
 
 
 def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]:
@@ -334,9 +355,16 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
             options = [_member_options(item, registry, where, problems)]
         if any(not o for o in options) or not options:
             continue
+        own_model = None
+        if item.get("model") is not None:
+            own_model = _section(item["model"], SETTING_MODEL, f"{where}.model", problems)
+            found = len(problems)
+            _check_architecture(own_model, registry, f"{where}.model", problems)
+            if len(problems) > found:
+                continue
         combos = list(itertools.product(*options))
         for members in combos:
-            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None)
+            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None, own_model)
             try:
                 why = setting.build(registry).unsupported(protocol)
             except (ValueError, TypeError) as exc:
@@ -393,10 +421,11 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
             problems.extend(found)
             continue
         try:
-            cls(**item["params"])
+            attack = cls(**item["params"])
         except (ValueError, TypeError) as exc:
             problems.append(f"{where}.params: {exc}")
             continue
+        defenses = _defense_names(item["defenses"], f"{where}.defenses", problems)
         tune = None
         if item.get("tune") is not None:
             metrics = {e.name: e.obj for e in registry.entries["metric"].values()}
@@ -408,8 +437,33 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
         if any(s.label == label for s in specs):
             problems.append(f"{where}.label: attack label {label!r} is used twice; give each a distinct label")
             continue
-        specs.append(AttackSpec(name, dict(item["params"]), label, tune))
+        role = item["role"] or ("adaptive" if attack.knows_defense else "naive")
+        specs.append(AttackSpec(name, dict(item["params"]), label, tune, defenses, role))
     return specs
+
+
+def _defense_names(value: list | None, where: str, problems: list[str]) -> tuple[str, ...] | None:
+    """The defense names or setting labels an attack is restricted to (checked in ``_check_attack_scope``)."""
+    if value is None:
+        return None
+    if not value or not all(isinstance(n, str) for n in value):
+        problems.append(f"{where}: expected a non-empty list of defense names or setting labels, got {value!r}")
+        return None
+    return tuple(value)
+
+
+def _check_attack_scope(attacks: list[AttackSpec], settings: list[DefenseSetting], registry: Registry,
+                        problems: list[str]) -> None:
+    """Each name in an attack's ``defenses:`` is a defense or a setting label, and the attack runs somewhere."""
+    labels = sorted(s.label for s in settings if s.label)
+    for i, a in enumerate(attacks):
+        unknown = [n for n in a.defenses or () if n not in registry.entries["defense"] and n not in labels]
+        for n in unknown:
+            problems.append(f"attacks[{i}].defenses: {n!r} is not a registered defense or a setting label; "
+                            f"choices: {', '.join([*registry.names('defense'), *labels])}")
+        if not unknown and settings and not any(a.applies_to(s) for s in settings):
+            problems.append(f"attacks[{i}].defenses: no setting of this audit uses "
+                            f"{', '.join(a.defenses)}; defenses here: {', '.join(sorted({s.name for s in settings}))}")
 
 
 def _check_metrics(value: Any, registry: Registry, problems: list[str], image_size: int | None = None) -> list[str]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,6 +80,56 @@ def cnn_bayes(channels: int, num_classes: int, image_size: int) -> nn.Module:
     ))
 
 
+def convbig(channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """Seed 003's ConvBig (Table 3): two conv-ReLU-avg-pool blocks, then dense 2000, 1000 and the output.
+
+    The second convolution is 1x1 with padding 1, as printed; on 32x32 images the first dense
+    layer is 5184 x 2000 (about 80% of the weights), the one Soteria defends in seed 003.
+    """
+    side = (image_size // 2 + 2) // 2
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(channels, 32, 3, padding=1)), ("relu1", nn.ReLU()), ("pool1", nn.AvgPool2d(2)),
+        ("conv2", nn.Conv2d(32, 64, 1, padding=1)), ("relu2", nn.ReLU()), ("pool2", nn.AvgPool2d(2)),
+        ("flatten", nn.Flatten()),
+        ("fc1", nn.Linear(64 * side * side, 2000)), ("relu3", nn.ReLU()),
+        ("fc2", nn.Linear(2000, 1000)), ("relu4", nn.ReLU()),
+        ("fc3", nn.Linear(1000, num_classes)),
+    ]))
+
+
+#: Seed 002, Table 1: per convolutional layer (kernel, output channels, stride, padding).
+SEED002_VARIANTS = {
+    "cnn2_v1": ((3, 6, 1, 0),),
+    "cnn2_v2": ((4, 6, 2, 0),),
+    "cnn3_v1": ((3, 6, 1, 0), (4, 3, 2, 0)),
+    "cnn3_v2": ((4, 6, 2, 0), (3, 3, 2, 0)),
+    "cnn3_v3": ((3, 6, 1, 0), (3, 9, 1, 0)),
+    "cnn3_v4": ((3, 1, 1, 0), (3, 6, 1, 0)),
+    "cnn4_v1": ((3, 6, 1, 0), (4, 5, 2, 0), (4, 3, 1, 0)),
+    "cnn4_v2": ((5, 16, 1, 0), (5, 6, 2, 0), (5, 32, 1, 2)),
+}
+
+
+def linear_system_cnn(channels: int, num_classes: int, image_size: int,
+                      layers: tuple[tuple[int, int, int, int], ...]) -> nn.Module:
+    """Seed 002's shallow CNNs: bias-free convolutions each followed by tanh, then one biased dense layer."""
+    modules: list[nn.Module] = []
+    cin, side = channels, image_size
+    for kernel, cout, stride, padding in layers:
+        modules += [nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=False), nn.Tanh()]
+        cin, side = cout, (side + 2 * padding - kernel) // stride + 1
+    modules += [nn.Flatten(), nn.Linear(cin * side * side, num_classes)]
+    return nn.Sequential(*modules)
+
+
+def _seed002_spec(name: str) -> ModelSpec:
+    layers = SEED002_VARIANTS[name]
+    shape = "; ".join(f"conv {k}x{k}, {c} channels, stride {s}, padding {p}" for k, c, s, p in layers)
+    return ModelSpec(name, lambda channels, num_classes, image_size: linear_system_cnn(
+        channels, num_classes, image_size, layers), summary=f"Seed 002 {name.upper().replace('_V', ' variant ')}: "
+        f"{shape}; tanh, bias-free; a biased dense layer")
+
+
 def mlp(channels: int, num_classes: int, image_size: int, width: int = 256, depth: int = 2) -> nn.Module:
     """A fully connected ReLU network with ``depth`` hidden layers of ``width`` units."""
     layers: list[nn.Module] = [nn.Flatten()]
@@ -135,10 +186,12 @@ ZOO = [
     ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block")},
               summary=convnet.__doc__),
     ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__),
+    ModelSpec("convbig", convbig, summary=convbig.__doc__),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
     ModelSpec("resnet18", resnet18, summary=resnet18.__doc__),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
               summary=resnet20.__doc__),
+    *(_seed002_spec(name) for name in SEED002_VARIANTS),
 ]
 
 

@@ -33,13 +33,14 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str]) -> dict[str, Any]:
     """Per-cell means and spreads, and the worst case (most leaking attack and step) of each setting."""
     acc = {u["setting"]: u for u in utility}
+    roles = {a.key: a.role for a in audit.attacks}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
     cells = []
     for (setting, attack, ckpt), rs in groups.items():
         cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
-                "checkpoint": ckpt, "targets": len(rs), "accuracy": acc.get(setting, {}).get("accuracy"),
+                "role": roles.get(attack, "naive"), "checkpoint": ckpt, "targets": len(rs), "accuracy": acc.get(setting, {}).get("accuracy"),
                 "epsilon": acc.get(setting, {}).get("epsilon")}
         for m in audit.metrics:
             cell[f"{m}_mean"], cell[f"{m}_std"] = _mean_std([r.get(m) for r in rs])
@@ -63,7 +64,31 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
                         for u in utility},
-            "cells": cells, "worst_case": worst, "warnings": notes}
+            "cells": cells, "worst_case": worst, "naive_vs_adaptive": naive_vs_adaptive(cells), "warnings": notes}
+
+
+def naive_vs_adaptive(cells: list[dict]) -> list[dict[str, Any]]:
+    """Per setting and step: the strongest naive and the strongest adaptive attack's mean PSNR, and the gap.
+
+    Only where both kinds ran: the gap is how much safer the defense looks than it is.
+    """
+    best: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for c in cells:
+        v = c.get(f"{PRIVACY_METRIC}_mean")
+        if v is None:
+            continue
+        slot = best[(c["setting"], c["checkpoint"])]
+        if c["role"] not in slot or v > slot[c["role"]][f"{PRIVACY_METRIC}_mean"]:
+            slot[c["role"]] = c
+    out = []
+    for (setting, ckpt), slot in best.items():
+        if len(slot) == 2:
+            naive, adaptive = slot["naive"], slot["adaptive"]
+            n, a = naive[f"{PRIVACY_METRIC}_mean"], adaptive[f"{PRIVACY_METRIC}_mean"]
+            out.append({"defense": naive["defense"], "setting": setting, "checkpoint": ckpt,
+                        "accuracy": naive["accuracy"], "naive_attack": naive["attack"], "naive_psnr": n,
+                        "adaptive_attack": adaptive["attack"], "adaptive_psnr": a, "gap_db": a - n})
+    return out
 
 
 def _point_label(params: dict) -> str:
@@ -219,6 +244,29 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def architecture(audit: Audit) -> dict[str, Any]:
+    """``leakaudit analyse``'s result for the audit's model, or why it does not apply."""
+    from evaluator.analysis import analyse
+    from evaluator.scenario import Scenario
+
+    try:
+        return analyse(Scenario(audit))
+    except ValueError as exc:
+        return {"model": audit.model["name"], "not_applicable": str(exc)}
+
+
+def _architecture_html(result: dict[str, Any]) -> str:
+    if "not_applicable" in result:
+        return f"<p>Not computed for {html.escape(result['model'])}: {html.escape(result['not_applicable'])}.</p>"
+    rows = [{**layer, "input_shape": "x".join(map(str, layer["input_shape"]))} for layer in result["layers"]]
+    return (_table(rows, ["layer", "input_shape", "equations", "unknowns", "rank_deficiency"])
+            + f"<p>Security metric (seed 002, Definition 3.3): <b>{result['metric']:.1f}</b>. Each convolutional "
+              "layer's input solves a linear system from its forward and backward passes; the rank deficiency is "
+              "rank minus unknowns, and the metric weights early layers most. 0: every input is determined by the "
+              "gradients (expect full reconstruction by layer-wise attacks); more negative: more is left "
+              "undetermined.</p>")
+
+
 def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
     from evaluator.tuning import winners
@@ -243,6 +291,7 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
     summary = summarise(audit, rows, utility, notes)
     summary["baselines"] = baselines
     summary["tuning"] = summarise_tuning(audit, tuning)
+    summary["architecture"] = architecture(audit)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     sections = []
     if notes:
@@ -258,12 +307,20 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
     else:
         sections.append(("Privacy against utility", "<p>No utility was measured (utility.train_steps is 0).</p>"
                          + _table(summary["worst_case"], ["defense", "params", "attack", PRIVACY_METRIC])))
+    if summary["naive_vs_adaptive"]:
+        sections.append(("Naive against adaptive attacks", _table(summary["naive_vs_adaptive"], [
+            "defense", "setting", "checkpoint", "accuracy", "naive_attack", "naive_psnr", "adaptive_attack",
+            "adaptive_psnr", "gap_db"]) + "<p>The strongest attack that ignores the defense (naive) beside the "
+            "strongest one that uses what the defense does (adaptive: its likelihood, the tensors it leaves "
+            "untouched, the noise it draws). A defense judged by the naive column looks safer than it is by "
+            "the gap.</p>"))
     changed = [{"setting": k, "changes": "; ".join(u["model_changes"])} for k, u in summary["utility"].items()
                if u.get("model_changes")]
     if changed:
         sections.append(("Model changes made by defenses", _table(changed, ["setting", "changes"])
                          + "<p>What each defense changed in the model before training and attacks "
                            "(for dpsgd: what Opacus's ModuleValidator fixed).</p>"))
+    sections.append(("Architecture: layer-wise linear systems (seed 002)", _architecture_html(summary["architecture"])))
     steps = out_dir / "leakage_by_step.png"
     if plot_leakage_by_step(summary, steps):
         sections.append(("Leakage through training", _img_tag(steps)))

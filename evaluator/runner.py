@@ -80,7 +80,8 @@ def slug(text: str) -> str:
 def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
     tuned = tuned or {}
     return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
-            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks]
+            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks
+            if a.applies_to(s)]
 
 
 def tune_jobs_of(audit: Audit) -> list[TuneJob]:
@@ -89,7 +90,7 @@ def tune_jobs_of(audit: Audit) -> list[TuneJob]:
         cls = audit.registry.get("attack", a.name)
         defaults = {k: p.default for k, p in cls.params.items() if not p.required}
         trials = candidates(a.tune, a.params, defaults, derive_seed(audit.seed, "tune", a.key))
-        jobs += [TuneJob(s, a, c, i, p) for s in audit.settings for c in audit.checkpoints
+        jobs += [TuneJob(s, a, c, i, p) for s in audit.settings if a.applies_to(s) for c in audit.checkpoints
                  for i, p in enumerate(trials)]
     return jobs
 
@@ -164,7 +165,7 @@ def _attack_batch(out_dir: Path, setting: DefenseSetting, checkpoint: int, attac
     sc: Scenario = _WORKER["scenario"]
     audit, device = sc.audit, sc.device
     defense = sc.defense(setting)
-    model = sc.fresh_model(defense)
+    model = sc.fresh_model(defense, setting)
     model.load_state_dict(_checkpoints(str(checkpoint_file(out_dir, setting)))[checkpoint])
     model.train()
     share_gen, attack_gen = round_generators(device, audit.seed, setting.key, checkpoint, index, purpose)

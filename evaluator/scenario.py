@@ -111,13 +111,18 @@ class Scenario:
         """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
         return self.audit.registry.get("attack", spec.name)(**(spec.params if params is None else params))
 
-    def fresh_model(self, defense: Defense) -> nn.Module:
-        """The model at training step 0: the same initialisation for every defense setting."""
-        m = self.audit.model
+    def fresh_model(self, defense: Defense, setting: DefenseSetting | None = None) -> nn.Module:
+        """The model at training step 0: the same initialisation for every defense setting.
+
+        A setting with its own ``model:`` gets that model; otherwise the audit's.
+        """
+        m = self.audit.model if setting is None or setting.model is None else setting.model
         spec = m["name"] if ":" in m["name"] else self.audit.registry.get("model", m["name"])
         model = build_model(spec, self.data.channels, self.data.num_classes, self.audit.data["image_size"],
                             m["params"], derive_seed(self.audit.seed, "init"))
-        return defense.wrap_model(model).to(self.device)
+        with torch.random.fork_rng(devices=[]):  # layers a defense adds are initialised from the audit seed
+            torch.manual_seed(derive_seed(self.audit.seed, "wrap"))
+            return defense.wrap_model(model).to(self.device)
 
     def threat(self, model: nn.Module, defense: Defense, labels: Tensor) -> ThreatModel:
         return ThreatModel(
@@ -132,11 +137,25 @@ def check_scenario(scenario: Scenario) -> None:
     """Checks that need the data and a built model (targets fit the test split, attacks apply); before any work."""
     audit = scenario.audit
     _ = scenario.target_indices  # loads the data; too few test images is a ConfigError
-    model = scenario.fresh_model(scenario.defense(audit.settings[0]))
     problems = []
-    for i, spec in enumerate(audit.attacks):
-        why = audit.registry.get("attack", spec.name).unsupported(model, audit.data["batch_size"], audit.protocol.observed)
-        if why:
-            problems.append(f"{audit.path}: attacks[{i}]: {why}")
+    reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
+    for setting in audit.settings:
+        defense = scenario.defense(setting)
+        try:
+            model = scenario.fresh_model(defense, setting)
+        except ValueError as exc:  # the defense does not fit the model (an unknown layer name)
+            problems.append(f"{audit.path}: defenses: {setting.key}: {exc}")
+            continue
+        for i, spec in enumerate(audit.attacks):
+            attack = audit.registry.get("attack", spec.name)
+            why = spec.applies_to(setting) and (
+                attack.unsupported(model, audit.data["batch_size"], audit.protocol.observed)
+                or attack.unsupported_defense(defense))
+            if why:
+                reasons.setdefault((i, why), []).append(setting.key)
+    for (i, why), keys in reasons.items():
+        scope = sum(audit.attacks[i].applies_to(s) for s in audit.settings)
+        where = "" if len(keys) == scope else f"on {', '.join(keys)}: "
+        problems.append(f"{audit.path}: attacks[{i}]: {where}{why}")
     if problems:
         raise ConfigError(problems)

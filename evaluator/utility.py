@@ -60,7 +60,7 @@ def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str
     audit, cfg = scenario.audit, scenario.audit.utility
     start = time.perf_counter()
     defense = scenario.defense(setting)
-    model = scenario.fresh_model(defense)
+    model = scenario.fresh_model(defense, setting)
     total = max(cfg["train_steps"], max(audit.checkpoints))
     states: dict[int, dict] = {}
     accuracies: dict[int, float] = {}

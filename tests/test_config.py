@@ -58,7 +58,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 0}}]),
      "attacks[0].params.iterations: 0 is below the minimum 1"),
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"step": 3}}]),
-     "attacks[0].params.step: unknown parameter; choices: iterations, label_method, lr, priors, restarts, signed"),
+     "attacks[0].params.step: unknown parameter; choices: drop_defended, iterations, label_method, lr, priors, restarts, signed"),
     (small_audit(defenses=[{"name": "gaussian"}]), "defenses[0].params.sigma: required parameter is missing"),
     (small_audit(defenses=[{"name": "none"}, {"name": "none"}]), "defenses[1]: setting none appears twice"),
     (small_audit(data={"dataset": "digits", "image_size": 32, "targets": 2, "batch_size": 1, "params": {"crops": 3}}),
@@ -68,11 +68,11 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
      "defenses[0]: gaussian(sigma=0.1)>clip(max_norm=1.0): chain: only the last member may be random; "
      "'gaussian' at position 0 is random"),
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "gausian"}]}]),
-     "defenses[0].chain[1].name: 'gausian' is not a registered defense; choices: clip, dpsgd, gaussian, laplace, "
-     "none, prune, topk"),
+     "defenses[0].chain[1].name: 'gausian' is not a registered defense; choices: bayesian, clip, dpsgd, gaussian, "
+     "laplace, none, precode, prune, soteria, topk"),
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "dpsgd"}]}]),
-     "defenses[0]: clip(max_norm=1.0)>dpsgd: chain: 'dpsgd' transforms each example's gradient and cannot be "
-     "a chain member"),
+     "defenses[0]: clip(max_norm=1.0)>dpsgd: chain: 'dpsgd' computes its update from the model and inputs "
+     "and cannot be a chain member"),
     (small_audit(defenses=[{"name": "dpsgd", "params": {"target_epsilon": 2.0}}]),
      "defenses[0]: dpsgd(target_epsilon=2.0): dpsgd: target_epsilon needs steps and sample_rate"),
     (small_audit(utility={"train_steps": 5, "delta": 0}), "utility.delta: 0 must be greater than 0.0"),

@@ -127,3 +127,22 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
     assert summary["cells"][0]["psnr_mean"] == 20.0 and summary["cells"][0]["psnr_std"] == 0.0
     assert notes == ["none, inverting_gradients, step 0: 1 of 2 targets have a non-finite psnr "
                      "(the model or the reconstruction diverged); the cell leaves them out"]
+
+
+def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_one(write_audit):
+    from evaluator.config import load_audit
+    from evaluator.report import summarise
+
+    attacks = [{"name": "inverting_gradients", "label": "ig"}, {"name": "dlg", "label": "dlg"},
+               {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}},
+               {"name": "bayes", "label": "tuned", "role": "naive"}]
+    audit = load_audit(write_audit(small_audit(attacks=attacks)))
+    assert [a.role for a in audit.attacks] == ["naive", "naive", "adaptive", "naive"]
+    row = {"defense": "none", "setting": "none", "params": {}, "checkpoint": 0, "seconds": 1.0, "target": 0}
+    scores = {"ig": 12.0, "dlg": 14.5, "ig_drop": 21.0, "tuned": 13.0}
+    rows = [{**row, "attack": a, "psnr": v} for a, v in scores.items()]
+    rows.append({**row, "setting": "gaussian(sigma=0.1)", "defense": "gaussian", "attack": "ig", "psnr": 9.0})
+    (line,) = summarise(audit, rows, [], [])["naive_vs_adaptive"]
+    assert line == {"defense": "none", "setting": "none", "checkpoint": 0, "accuracy": None,
+                    "naive_attack": "dlg", "naive_psnr": 14.5, "adaptive_attack": "ig_drop", "adaptive_psnr": 21.0,
+                    "gap_db": 6.5}

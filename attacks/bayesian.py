@@ -1,0 +1,159 @@
+"""Attacks on Bayesian-layer networks (defense ``bayesian``).
+
+``bayesian_kl`` (seed 000): the weights' noise is unknown, so it is optimised with the
+image, regularised towards N(0, 1) by the KL term of seed 000's appendix B, under cosine
+matching with total variation (Inverting Gradients' objective).
+
+``bayesian_exact``: with one draw per forward pass, ``W = mu + softplus(rho) * eps`` gives
+``dL/dmu = dL/dW`` and ``dL/drho = dL/dW * eps * sigmoid(rho)``. After the KL term's
+gradient (which the server computes from the weights alone) is taken off, the two shared
+gradients give ``eps = (dL/drho) / (dL/dmu * sigmoid(rho))`` wherever ``dL/dW`` is non-zero
+(``eps = 0``, the prior's mean, elsewhere). The network is then deterministic and its
+update is ``dL/dW``: Inverting Gradients attacks that. It does not apply when each example
+draws its own noise (the batch's gradient mixes their draws), when only the means are
+shared, or under FedAvg (each local step draws afresh).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attacks.base import Reconstruction, ThreatModel
+from attacks.gradient_matching import InvertingGradients
+from defenses.base import Defense, SharedUpdate
+from defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
+from defenses.noise import NoDefense
+from evaluator.protocol import parameter_names
+from plugins import Param, hookimpl
+
+
+def _no_bayesian_layers(model: nn.Module, attack: str) -> str | None:
+    if not bayesian_layers(model):
+        return f"{attack}: the model has no Bayesian layers (defense bayesian)"
+    return None
+
+
+def kl_weight_of(defense: Defense) -> float:
+    """The KL weight the client trains with (0 when the audited defense is not ``bayesian``)."""
+    members = getattr(defense, "members", [defense])
+    return sum(m.kl_weight for m in members if isinstance(m, Bayesian))
+
+
+def data_gradients(observed: SharedUpdate, model: nn.Module, kl_weight: float) -> dict[str, Tensor]:
+    """The shared tensors by name with the KL term's gradient taken off (it depends on the weights only)."""
+    params = dict(model.named_parameters())
+    shared = [params[n] for n in observed.names]
+    grads = dict(zip(observed.names, observed.tensors))
+    if kl_weight == 0:
+        return grads
+    with torch.enable_grad():
+        kl = kl_weight * sum(layer.kl_divergence() for layer in bayesian_layers(model).values())
+        kl_grads = torch.autograd.grad(kl, shared, allow_unused=True)
+    return {n: g if k is None else g - k.detach() for (n, g), k in zip(grads.items(), kl_grads)}
+
+
+def recover_noise(grads: dict[str, Tensor], model: nn.Module) -> tuple[dict[str, list[Tensor]], float]:
+    """Each Bayesian layer's draw (weight, then bias) from the mean and scale gradients, and the share identified."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    noise, found, total = {}, 0, 0
+    for layer_name, layer in bayesian_layers(model).items():
+        draws = []
+        for mu, rho in layer.pairs():
+            g_mu, g_rho = grads[names[id(mu)]], grads[names[id(rho)]]
+            known = g_mu != 0
+            slope = torch.sigmoid(rho.detach())
+            draws.append(torch.where(known, g_rho / torch.where(known, g_mu, 1.0) / slope, torch.zeros_like(g_mu)))
+            found, total = found + int(known.sum()), total + known.numel()
+        noise[layer_name] = draws
+    return noise, found / max(total, 1)
+
+
+def deterministic_update(grads: dict[str, Tensor], model: nn.Module, plain: nn.Module) -> list[Tensor]:
+    """The collapsed network's update: each Bayesian layer's ``dL/dW`` is its mean's gradient."""
+    renamed = dict(grads)
+    for layer_name in bayesian_layers(model):
+        for part in ("weight", "bias"):
+            if f"{layer_name}.{part}_mu" in grads:
+                renamed[f"{layer_name}.{part}"] = grads[f"{layer_name}.{part}_mu"]
+    return [renamed[n] for n in parameter_names(plain)]
+
+
+class BayesianExact(InvertingGradients):
+    """The sampled noise read exactly from the mean and scale gradients; Inverting Gradients on the fixed network."""
+
+    name = "bayesian_exact"
+    uses_defense = True
+
+    @staticmethod
+    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+        if why := _no_bayesian_layers(model, "bayesian_exact"):
+            return why
+        if protocol != "fedsgd":
+            return "bayesian_exact: each FedAvg local step draws fresh noise; use protocol fedsgd or bayesian_kl"
+        layers = bayesian_layers(model).values()
+        if any(not rho.requires_grad for layer in layers for _, rho in layer.pairs()):
+            return ("bayesian_exact: only the means are shared (share_scales: false), so the noise is not identifiable; "
+                    "use bayesian_kl")
+        if batch_size > 1 and any(layer.per_example for layer in layers):
+            return ("bayesian_exact: each example draws its own noise (noise: per_example), and the batch's "
+                    "gradient mixes the draws; use data.batch_size 1 or bayesian_kl")
+        return None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        model = threat.model
+        grads = data_gradients(observed, model, kl_weight_of(threat.defense))
+        noise, identified = recover_noise(grads, model)
+        plain = collapse(model, noise)
+        update = SharedUpdate(deterministic_update(grads, model, plain), parameter_names(plain),
+                              observed.batch_size, observed.metadata)
+        result = super().reconstruct(update, dataclasses.replace(threat, model=plain, defense=NoDefense()), generator)
+        result.extras.update(noise_identified=identified, noise=noise)
+        return result
+
+
+def kl_to_standard_normal(eps: Tensor) -> Tensor:
+    """``KL(N(m, s^2) || N(0, 1))`` of the draws' empirical mean and std (seed 000, appendix B)."""
+    m, s = eps.mean(), eps.std()
+    return 0.5 * (-torch.log(s ** 2) + s ** 2 + m ** 2 - 1)
+
+
+class BayesianNoiseKL(InvertingGradients):
+    """Image and weight noise optimised together; the noise is pulled to N(0, 1) by a KL term (seed 000)."""
+
+    name = "bayesian_kl"
+    params = {**InvertingGradients.params,
+              "alpha_kl": Param(1e-2, float, min=0.0, help="weight of the noise's KL regulariser")}
+    uses_defense = True
+
+    @staticmethod
+    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+        if why := _no_bayesian_layers(model, "bayesian_kl"):
+            return why
+        if protocol != "fedsgd":
+            return "bayesian_kl: each FedAvg local step draws fresh noise; use protocol fedsgd"
+        return None
+
+    def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> list[Tensor]:
+        self._noise: dict[str, list[Tensor]] = {
+            name: [torch.randn(shape, generator=generator, device=threat.device).requires_grad_(True)
+                   for shape in layer.noise_shapes(threat.batch_size)]
+            for name, layer in bayesian_layers(threat.model).items()}
+        return [eps for draws in self._noise.values() for eps in draws]
+
+    def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel) -> Tensor:
+        with given_noise(threat.model, self._noise):
+            loss = super()._objective(images, labels, target, threat)
+        return loss + self.alpha_kl * sum(kl_to_standard_normal(e) for draws in self._noise.values() for e in draws)
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        result = super().reconstruct(observed, threat, generator)
+        result.extras["noise"] = {n: [e.detach() for e in draws] for n, draws in self._noise.items()}
+        return result
+
+
+@hookimpl
+def register_attacks():
+    return [BayesianExact, BayesianNoiseKL]

@@ -1,0 +1,58 @@
+"""The attack on PRECODE that recovers the bottleneck's sample, then matches gradients.
+
+For one image the decoder ``z = D b + c`` gives ``dL/dD = delta b^T`` and ``dL/dc = delta``,
+so the sample ``b`` is read off in closed form, as the input of any biased fully connected
+layer is. With ``b`` known the noise is no longer unknown: a candidate ``x`` implies
+``eps = (b - mu(x)) / scale(x)``, held constant, and its update is exactly the client's
+when ``x`` is the client's image. Cosine matching (Inverting Gradients) then runs on that
+deterministic network. On an MLP the plain ``analytic`` attack already inverts the first
+layer exactly; this attack is the one for convolutional networks with a bottleneck.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attacks.analytic import solve_input
+from attacks.base import Reconstruction, ThreatModel
+from attacks.gradient_matching import InvertingGradients
+from defenses.base import SharedUpdate
+from defenses.precode import bottleneck_of, pinned_sample
+from plugins import hookimpl
+
+
+def recover_sample(observed: SharedUpdate, model: nn.Module) -> Tensor:
+    """The bottleneck sample ``b`` (1, K) from the decoder's weight and bias gradients."""
+    decoder = bottleneck_of(model).decoder
+    names = {id(p): n for n, p in model.named_parameters()}
+    grads = dict(zip(observed.names, observed.tensors))
+    gw, gb = grads[names[id(decoder.weight)]], grads[names[id(decoder.bias)]]
+    return solve_input(gw.double(), gb.double()).to(gw.dtype).unsqueeze(0)
+
+
+class PrecodeSample(InvertingGradients):
+    """Bottleneck sample from the decoder's gradients, then Inverting Gradients with that sample pinned."""
+
+    name = "precode_sample"
+    uses_defense = True
+
+    @staticmethod
+    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+        if bottleneck_of(model) is None:
+            return "precode_sample: the model has no PRECODE bottleneck (defense precode)"
+        if batch_size != 1 or protocol != "fedsgd":
+            return ("precode_sample: the decoder's gradient gives the sample for one image under FedSGD only "
+                    "(data.batch_size 1, protocol fedsgd)")
+        return None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        sample = recover_sample(observed, threat.model).to(threat.device)
+        with pinned_sample(threat.model, sample):
+            result = super().reconstruct(observed, threat, generator)
+        result.extras["sample"] = sample
+        return result
+
+
+@hookimpl
+def register_attacks():
+    return [PrecodeSample]

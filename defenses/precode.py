@@ -1,0 +1,107 @@
+"""PRECODE (Scheliga et al. 2021): a variational bottleneck inserted before a fully connected layer.
+
+The block encodes its input to a mean and a scale, draws a fresh sample
+``b = mu + scale * eps`` every forward pass and decodes it back to the input's size;
+training adds ``kl_weight`` times the KL divergence of N(mu, scale^2) from N(0, 1).
+Everything before the block is deterministic, so the analytic inversion of a first fully
+connected layer still applies (seed 003, Sec. 5), and for one image the decoder's
+weight and bias gradients give the sample ``b`` itself (``attacks.precode``).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from defenses.base import Defense
+from defenses.stochastic import StochasticModule, with_kl
+from evaluator.protocol import LossFn
+from plugins import Param, hookimpl
+
+#: PRECODE's reference shifts the scale's pre-activation by -5, so training starts with little noise.
+SCALE_SHIFT = 5.0
+
+
+class VariationalBottleneck(StochasticModule):
+    """Encoder to (mu, scale), a fresh sample every forward pass, decoder back to ``features``."""
+
+    def __init__(self, features: int, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.encoder = nn.Linear(features, 2 * size)
+        self.decoder = nn.Linear(size, features)
+        self.pinned: Tensor | None = None  # a known sample: the noise becomes (pinned - mu) / scale, held constant
+
+    def statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        stats = self.encoder(x.flatten(1))
+        return stats[:, :self.size], F.softplus(stats[:, self.size:] - SCALE_SHIFT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mu, scale = self.statistics(x)
+        if self.pinned is None:
+            eps = self.standard_normal(tuple(mu.shape), mu)
+        else:
+            eps = ((self.pinned - mu) / scale).detach()
+        self.last_kl = 0.5 * (mu ** 2 + scale ** 2 - 2 * scale.log() - 1).sum(dim=1).mean()
+        return self.decoder(mu + scale * eps).view(x.shape)
+
+
+def bottleneck_of(model: nn.Module) -> VariationalBottleneck | None:
+    return next((m for m in model.modules() if isinstance(m, VariationalBottleneck)), None)
+
+
+@contextmanager
+def pinned_sample(model: nn.Module, sample: Tensor) -> Iterator[None]:
+    """Inside the block the model's bottleneck uses ``sample`` as its draw (and stays differentiable)."""
+    block = bottleneck_of(model)
+    block.pinned = sample
+    try:
+        yield
+    finally:
+        block.pinned = None
+
+
+def last_linear(model: nn.Module) -> str:
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not names:
+        raise ValueError("precode: the model has no fully connected (nn.Linear) layer")
+    return names[-1]
+
+
+class Precode(Defense):
+    """Inserts a variational bottleneck before a fully connected layer; trains with its KL term."""
+
+    name = "precode"
+    params = {
+        "size": Param(256, int, min=1, help="bottleneck size K"),
+        "kl_weight": Param(1e-3, float, min=0.0, help="weight beta of the KL term in the client's loss"),
+        "position": Param("last", str, help="the fully connected layer the bottleneck goes before: "
+                                            "a module name, or 'last'"),
+    }
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        name = last_linear(model) if self.position == "last" else self.position
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, nn.Linear):
+            choices = ", ".join(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+            raise ValueError(f"precode: position {name!r} is not a fully connected layer of the model; "
+                             f"choices: last, {choices}")
+        block = VariationalBottleneck(layer.in_features, self.size).to(layer.weight.device)
+        model.set_submodule(name, nn.Sequential(OrderedDict(bottleneck=block, layer=layer)))
+        self.model_changes = [f"{name}: variational bottleneck of size {self.size} inserted before it "
+                              f"({layer.in_features} -> 2x{self.size} -> {self.size} -> {layer.in_features})"]
+        return model
+
+    def client_loss(self, model: nn.Module, loss_fn: LossFn) -> LossFn:
+        return with_kl(model, loss_fn, self.kl_weight)
+
+
+@hookimpl
+def register_defenses():
+    return [Precode]

@@ -1,0 +1,41 @@
+"""Architecture analysis before any attack: seed 002's rank deficiencies and security metric.
+
+The systems are built for the audit's model at training step 0 on its first target image
+(their ranks are generic: seed 002 found the same values untrained and trained, and for
+different images).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from attacks.linear_system import conv_systems, security_metric
+from evaluator.scenario import Scenario, loss_fn
+
+
+def analyse(scenario: Scenario) -> dict[str, Any]:
+    """Per convolutional layer: input shape, equations, unknowns, rank deficiency; and the metric.
+
+    Raises ValueError when the model is not a chain the linear systems cover.
+    """
+    audit = scenario.audit
+    model = scenario.fresh_model(scenario.defense(audit.settings[0]), audit.settings[0]).double()
+    pixels, labels = scenario.target_batch(0)
+    image = scenario.normalise(pixels[:1]).double()
+    systems = conv_systems(model, loss_fn, image, labels[:1])
+    layers = [{"layer": s.name, "input_shape": list(s.input_shape), "equations": s.matrix.shape[0],
+               "unknowns": s.unknowns, "rank_deficiency": s.rank_deficiency()} for s in systems]
+    return {"model": audit.model["name"], "layers": layers,
+            "metric": security_metric([layer["rank_deficiency"] for layer in layers])}
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The analysis as a small table and one line on the metric."""
+    lines = [f"model {result['model']}: one linear system per convolutional layer (seed 002, Sec. 3)",
+             f"{'layer':<8}{'input':<14}{'equations':>10}{'unknowns':>10}{'rank deficiency':>17}"]
+    for layer in result["layers"]:
+        shape = "x".join(map(str, layer["input_shape"]))
+        lines.append(f"{layer['layer']:<8}{shape:<14}{layer['equations']:>10}{layer['unknowns']:>10}"
+                     f"{layer['rank_deficiency']:>17}")
+    lines.append(f"security metric (seed 002, Def. 3.3): {result['metric']:.1f}  (0: every convolutional "
+                 "layer's input is determined by its gradients; more negative: less leakage to expect)")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""Seed 002's layer-wise linear systems: rank deficiencies and the security metric (Table 1)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attacks.linear_system import conv_systems, security_metric
+from evaluator.cli import main
+from evaluator.models import SEED002_VARIANTS, linear_system_cnn
+
+from conftest import small_audit
+
+#: Seed 002, Table 1: rank deficiency per convolutional layer and the metric, on 32x32x3 inputs.
+TABLE_1 = {
+    "cnn2_v1": ([0], 0), "cnn2_v2": ([-1470], -1470),
+    "cnn3_v1": ([0, -4533], -2266), "cnn3_v2": ([-1470, -1050], -1995),
+    "cnn3_v3": ([0, 0], 0), "cnn3_v4": ([-2146, 0], -2146),
+    "cnn4_v1": ([0, -3965, -386], -2772), "cnn4_v2": ([0, -9316, 0], -6211),
+}
+HEAVY = {"cnn3_v3", "cnn4_v2"}  # systems of 7542 x 5400 and 13744 x 3072: a minute each on one core
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in TABLE_1])
+def test_rank_deficiencies_and_metric_are_seed_002_table_1(name):
+    model = linear_system_cnn(3, 10, 32, SEED002_VARIANTS[name]).double()
+    systems = conv_systems(model, F.cross_entropy, torch.rand(1, 3, 32, 32, dtype=torch.float64), torch.tensor([4]))
+    deficiencies = [s.rank_deficiency() for s in systems]
+    expected, metric = TABLE_1[name]
+    assert deficiencies == expected
+    assert round(security_metric(deficiencies)) == metric
+
+
+def test_the_metric_weights_early_layers_most():
+    assert security_metric([-10, 0, 0]) == -10.0
+    assert security_metric([0, 0, -10]) == pytest.approx(-10 / 3)
+    assert security_metric([]) == 0.0
+
+
+def test_the_system_holds_the_true_input():
+    model = linear_system_cnn(3, 10, 16, SEED002_VARIANTS["cnn3_v1"]).double()
+    x = torch.rand(1, 3, 16, 16, dtype=torch.float64)
+    first, second = conv_systems(model, F.cross_entropy, x, torch.tensor([2]))
+    torch.testing.assert_close(first.matrix @ x.reshape(-1), first.rhs)
+    hidden = torch.tanh(model[0](x))
+    torch.testing.assert_close(second.matrix @ hidden.reshape(-1), second.rhs)
+
+
+def test_analyse_prints_the_layers_and_the_metric(write_audit, capsys):
+    path = write_audit(small_audit(data={"dataset": "cifar10_samples", "image_size": 32, "targets": 1},
+                                   model={"name": "cnn3_v2"}))
+    assert main(["analyse", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [layer["rank_deficiency"] for layer in result["layers"]] == [-1470, -1050]
+    assert result["metric"] == -1995.0
+    assert main(["analyse", str(path)]) == 0
+    assert "security metric (seed 002, Def. 3.3): -1995.0" in capsys.readouterr().out
+
+
+def test_analyse_says_which_layer_it_cannot_cover(write_audit, capsys):
+    path = write_audit(small_audit(model={"name": "convbig"}))
+    assert main(["analyse", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"leakaudit: error: {path}: model: convbig: layer pool1 (AvgPool2d) is not a Conv2d, Linear, Flatten or "
+        "one of Tanh, Sigmoid, LeakyReLU, ReLU, Identity")

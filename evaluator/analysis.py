@@ -9,23 +9,42 @@ from __future__ import annotations
 from typing import Any
 
 from attacks.linear_system import conv_systems, security_metric
+from defenses.noise import NoDefense
+from evaluator.config import DefenseSetting
 from evaluator.scenario import Scenario, loss_fn
 
 
-def analyse(scenario: Scenario) -> dict[str, Any]:
+def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[str, Any]:
     """Per convolutional layer: input shape, equations, unknowns, rank deficiency; and the metric.
 
+    The audit's ``model:`` (undefended), or the model of ``setting`` when it has its own.
     Raises ValueError when the model is not a chain the linear systems cover.
     """
-    audit = scenario.audit
-    model = scenario.fresh_model(scenario.defense(audit.settings[0]), audit.settings[0]).double()
+    section = scenario.audit.model if setting is None or setting.model is None else setting.model
+    model = scenario.fresh_model(NoDefense(), setting).double()
     pixels, labels = scenario.target_batch(0)
     image = scenario.normalise(pixels[:1]).double()
     systems = conv_systems(model, loss_fn, image, labels[:1])
     layers = [{"layer": s.name, "input_shape": list(s.input_shape), "equations": s.matrix.shape[0],
                "unknowns": s.unknowns, "rank_deficiency": s.rank_deficiency()} for s in systems]
-    return {"model": audit.model["name"], "layers": layers,
+    return {"model": section["name"], "layers": layers,
             "metric": security_metric([layer["rank_deficiency"] for layer in layers])}
+
+
+def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
+    """``analyse`` for the audit's model and each entry's own model, or why it does not apply."""
+    out, seen = [], set()
+    for setting in [None, *scenario.audit.settings]:
+        section = scenario.audit.model if setting is None or setting.model is None else setting.model
+        key = repr((section["name"], section["params"]))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            out.append(analyse(scenario, setting))
+        except ValueError as exc:
+            out.append({"model": section["name"], "not_applicable": str(exc)})
+    return out
 
 
 def describe(result: dict[str, Any]) -> str:

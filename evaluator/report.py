@@ -244,27 +244,29 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def architecture(audit: Audit) -> dict[str, Any]:
-    """``leakaudit analyse``'s result for the audit's model, or why it does not apply."""
-    from evaluator.analysis import analyse
+def architecture(audit: Audit) -> list[dict[str, Any]]:
+    """``leakaudit analyse``'s result for every model of the audit, or why it does not apply."""
+    from evaluator.analysis import analyse_all
     from evaluator.scenario import Scenario
 
-    try:
-        return analyse(Scenario(audit))
-    except ValueError as exc:
-        return {"model": audit.model["name"], "not_applicable": str(exc)}
+    return analyse_all(Scenario(audit))
 
 
-def _architecture_html(result: dict[str, Any]) -> str:
-    if "not_applicable" in result:
-        return f"<p>Not computed for {html.escape(result['model'])}: {html.escape(result['not_applicable'])}.</p>"
-    rows = [{**layer, "input_shape": "x".join(map(str, layer["input_shape"]))} for layer in result["layers"]]
-    return (_table(rows, ["layer", "input_shape", "equations", "unknowns", "rank_deficiency"])
-            + f"<p>Security metric (seed 002, Definition 3.3): <b>{result['metric']:.1f}</b>. Each convolutional "
-              "layer's input solves a linear system from its forward and backward passes; the rank deficiency is "
-              "rank minus unknowns, and the metric weights early layers most. 0: every input is determined by the "
-              "gradients (expect full reconstruction by layer-wise attacks); more negative: more is left "
-              "undetermined.</p>")
+def _architecture_html(results: list[dict[str, Any]]) -> str:
+    parts = []
+    for result in results:
+        name = html.escape(result["model"])
+        if "not_applicable" in result:
+            parts.append(f"<p><b>{name}</b>: not computed: {html.escape(result['not_applicable'])}.</p>")
+            continue
+        rows = [{**layer, "input_shape": "x".join(map(str, layer["input_shape"]))} for layer in result["layers"]]
+        parts.append(f"<p><b>{name}</b>: security metric (seed 002, Definition 3.3) <b>{result['metric']:.1f}</b></p>"
+                     + _table(rows, ["layer", "input_shape", "equations", "unknowns", "rank_deficiency"]))
+    return "".join(parts) + (
+        "<p>Each convolutional layer's input solves a linear system from its forward and backward passes "
+        "(one target image, step 0); the rank deficiency is rank minus unknowns, and the metric is their "
+        "average weighted towards early layers. 0: every input is determined by the gradients (layer-wise "
+        "attacks such as rgap rebuild the image); more negative: more is left undetermined.</p>")
 
 
 def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:

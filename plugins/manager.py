@@ -27,6 +27,7 @@ BUILTIN_PLUGINS = (
     "attacks.bayes",
     "attacks.precode",
     "attacks.bayesian",
+    "attacks.rgap",
     "evaluator.metrics",
     "evaluator.models",
     "evaluator.datasets",

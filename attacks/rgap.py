@@ -1,0 +1,185 @@
+"""Layer-wise inversion by linear systems: ``rgap`` (Zhu and Blaschko 2021) and ``hybrid`` (seed 002).
+
+Walking from the output back to the input, every layer's input is solved from its gradients:
+a biased fully connected layer gives it in closed form (``x = dL/dW^T delta / |delta|^2``);
+an invertible activation is undone (tanh, sigmoid, leaky ReLU); a convolution's input solves
+``A x = [z; dL/dW]`` (``attacks.linear_system``) by least squares with the minimum norm.
+``hybrid`` corrects each convolution's solution by gradient matching on the truncated network
+from that layer on (cosine distance), with the linear system as a soft constraint and total
+variation on the image (seed 002, Algorithm 1 and its appendix B), before going on.
+One image, FedSGD only; the model is a chain of Conv2d, invertible activations, Flatten and
+Linear layers, with a biased last layer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from attacks.analytic import solve_input
+from attacks.base import Attack, Reconstruction, ThreatModel
+from attacks.gradient_matching import cosine_distance
+from attacks.labels import recover_labels
+from attacks.linear_system import ACTIVATIONS, conv_system, layers_of, min_norm_solution
+from attacks.priors import total_variation
+from defenses.base import SharedUpdate
+from plugins import Param, hookimpl
+
+#: Clamp before inverting tanh and sigmoid (their inverses diverge at the ends of the range).
+EPS = 1e-7
+
+
+def _inverse(act: nn.Module, a: Tensor) -> Tensor:
+    if isinstance(act, nn.Tanh):
+        return torch.atanh(a.clamp(-1 + EPS, 1 - EPS))
+    if isinstance(act, nn.Sigmoid):
+        return torch.logit(a.clamp(EPS, 1 - EPS))
+    if isinstance(act, nn.LeakyReLU):
+        return torch.where(a > 0, a, a / act.negative_slope)
+    return a  # Identity
+
+
+def _slope(act: nn.Module, z: Tensor) -> Tensor:
+    if isinstance(act, nn.Tanh):
+        return 1 - torch.tanh(z) ** 2
+    if isinstance(act, nn.Sigmoid):
+        s = torch.sigmoid(z)
+        return s * (1 - s)
+    if isinstance(act, nn.LeakyReLU):
+        return torch.where(z > 0, torch.ones_like(z), torch.full_like(z, act.negative_slope))
+    return torch.ones_like(z)
+
+
+INVERTIBLE = (nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Identity)
+
+
+def why_not_invertible(model: nn.Module) -> str | None:
+    """Why the layer-wise walk cannot run on ``model``; None when it can."""
+    try:
+        chain = layers_of(model)
+    except ValueError as exc:
+        return str(exc)
+    for name, m in chain:
+        if isinstance(m, ACTIVATIONS) and not isinstance(m, INVERTIBLE):
+            return f"layer {name}: {type(m).__name__} is not invertible (tanh, sigmoid, leaky ReLU and identity are)"
+    weights = [(n, m) for n, m in chain if isinstance(m, (nn.Conv2d, nn.Linear))]
+    if not weights or not isinstance(weights[-1][1], nn.Linear) or weights[-1][1].bias is None:
+        return "the last weight layer must be a fully connected layer with a bias"
+    for n, m in weights:
+        if isinstance(m, nn.Linear) and m.bias is None:
+            return f"layer {n}: a fully connected layer needs a bias to give its input"
+    return None
+
+
+class LayerwiseInversion(Attack):
+    """R-GAP: each layer's input from its linear system, last layer first (minimum-norm least squares)."""
+
+    name = "rgap"
+    params = {
+        "dense_limit": Param(60_000_000, int, min=1, help="largest system solved densely (entries); larger "
+                                                          "ones by conjugate gradients, matrix-free"),
+        "cg_iterations": Param(3000, int, min=1, help="conjugate-gradient steps for systems beyond dense_limit"),
+    }
+
+    @staticmethod
+    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+        if batch_size != 1 or protocol != "fedsgd":
+            return "rgap: one image under FedSGD only (data.batch_size 1, protocol fedsgd)"
+        why = why_not_invertible(model)
+        return f"rgap: {why}" if why else None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        model = threat.model
+        grads = dict(zip(observed.names, [t.to(threat.device).double() for t in observed.tensors]))
+        names = {id(p): n for n, p in model.named_parameters()}
+        chain = layers_of(model)
+        shapes = _input_shapes(model, chain, threat)
+        labels = recover_labels(observed, threat, "signs", generator)
+        value = grad = None
+        trace: list[float] = []
+        for index in range(len(chain) - 1, -1, -1):
+            name, layer = chain[index]
+            if isinstance(layer, nn.Linear):
+                delta = grads[names[id(layer.bias)]]
+                value = solve_input(grads[names[id(layer.weight)]], delta)
+                grad = layer.weight.detach().double().T @ delta
+            elif isinstance(layer, nn.Flatten):
+                value, grad = value.view(shapes[index]), grad.view(shapes[index])
+            elif isinstance(layer, nn.Conv2d):
+                z = value - (0 if layer.bias is None else layer.bias.detach().double().view(-1, 1, 1))
+                system = conv_system(name, layer, grad.unsqueeze(0), shapes[index], z,
+                                     grads[names[id(layer.weight)]])
+                value = min_norm_solution(system, self.dense_limit, self.cg_iterations).view(shapes[index])
+                value = self._correct(value, system, index, chain, grads, names, threat, labels, trace)
+                grad = system.input_gradient()
+            else:
+                z = _inverse(layer, value)
+                value, grad = z, grad * _slope(layer, z)
+        images = threat.to_pixels(value.unsqueeze(0).to(threat.mean.dtype))
+        return Reconstruction(images, labels, trace, 0.0)
+
+    def _correct(self, value: Tensor, system: Any, index: int, chain, grads, names, threat, labels,
+                 trace: list[float]) -> Tensor:
+        """R-GAP keeps the least-squares solution as it is."""
+        return value
+
+
+class HybridInversion(LayerwiseInversion):
+    """Seed 002's hybrid: each convolution's least-squares input corrected by gradient matching."""
+
+    name = "hybrid"
+    params = {
+        **LayerwiseInversion.params,
+        "iterations": Param(1000, int, min=1, help="Adam steps of the correction at each convolution"),
+        "lr": Param(0.01, float, min=0.0, exclusive_min=True, help="Adam step size"),
+        "system_weight": Param(1.0, float, min=0.0, help="weight of ||A x - b||^2 / ||b||^2 (soft constraint)"),
+        "tv": Param(0.05, float, min=0.0, help="total variation weight on the image (the first layer's input; "
+                                               "seed 002, appendix D)"),
+    }
+
+    def _correct(self, value, system, index, chain, grads, names, threat, labels, trace) -> Tensor:
+        later = nn.Sequential(*[m for _, m in chain[index:]])
+        params = {n: p.detach().double().requires_grad_(True) for n, p in later.named_parameters()}
+        order = list(params)
+        target = [grads[names[id(p)]] for p in later.parameters()]
+        x = value.clone().unsqueeze(0).requires_grad_(True)
+        optimiser = torch.optim.Adam([x], lr=self.lr)
+        rhs_norm = (system.rhs ** 2).sum().clamp_min(1e-30)
+        for _ in range(self.iterations):
+            loss = self._objective(later, params, order, x, labels, target, threat.loss_fn, system, rhs_norm,
+                                   index == 0)
+            (x.grad,) = torch.autograd.grad(loss, x)
+            optimiser.step()
+            trace.append(loss.item())
+        return x.detach().squeeze(0)
+
+    def _objective(self, later, params, order, x, labels, target, loss_fn, system, rhs_norm, first) -> Tensor:
+        with torch.enable_grad():
+            loss = loss_fn(functional_call(later, params, (x,)), labels)
+            candidate = torch.autograd.grad(loss, [params[n] for n in order], create_graph=True)
+            total = cosine_distance(target, candidate)
+            total = total + self.system_weight * ((system.apply(x.reshape(-1)) - system.rhs) ** 2).sum() / rhs_norm
+            if first and self.tv:
+                total = total + self.tv * total_variation(x)
+        return total
+
+
+def _input_shapes(model: nn.Module, chain, threat: ThreatModel) -> list[tuple[int, ...]]:
+    """Each layer's input shape (without the batch dimension), from one forward pass of zeros."""
+    shapes: list[tuple[int, ...]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape[1:])))
+             for _, m in chain]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *threat.input_shape, device=threat.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return shapes
+
+
+@hookimpl
+def register_attacks():
+    return [LayerwiseInversion, HybridInversion]

@@ -28,6 +28,7 @@ BUILTIN_PLUGINS = (
     "attacks.precode",
     "attacks.bayesian",
     "attacks.rgap",
+    "attacks.cinet",
     "evaluator.metrics",
     "evaluator.models",
     "evaluator.datasets",

@@ -65,7 +65,7 @@ class ConvSystem:
 
     def rank_deficiency(self) -> int:
         """``rank(A) - |x|``: zero when the two passes determine the input."""
-        return int(gram_eigen(self.matrix)[2].sum()) - self.unknowns
+        return numerical_rank(self.matrix) - self.unknowns
 
     def input_gradient(self) -> Tensor:
         """``dL/dx`` of the convolution's input, from ``delta`` (the transposed convolution)."""
@@ -74,17 +74,23 @@ class ConvSystem:
         return pullback(self.delta)[0].squeeze(0)
 
 
-def gram_eigen(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Eigenvalues and vectors of the smaller Gram matrix, and which eigenvalues count as non-zero.
-
-    An eigenvalue counts when it exceeds ``lambda_max * max(m, n) * eps``, the Gram matrix's own
-    rounding level: singular values below ``sigma_max * sqrt(max(m, n) * eps)`` (about 1e-6
-    relative in float64) are taken as zero. A few times faster than an SVD of ``matrix``.
-    """
+def _gram(matrix: Tensor) -> Tensor:
     m, n = matrix.shape
-    gram = matrix @ matrix.T if m < n else matrix.T @ matrix
-    values, vectors = torch.linalg.eigh(gram)
-    return values, vectors, values > values.max() * max(m, n) * torch.finfo(matrix.dtype).eps
+    return matrix @ matrix.T if m < n else matrix.T @ matrix
+
+
+def _nonzero(values: Tensor, matrix: Tensor) -> Tensor:
+    """Which Gram eigenvalues count: above ``lambda_max * max(m, n) * eps``, the Gram matrix's rounding level.
+
+    Singular values below ``sigma_max * sqrt(max(m, n) * eps)`` (about 1e-6 relative in float64)
+    are taken as zero.
+    """
+    return values > values.max() * max(matrix.shape) * torch.finfo(matrix.dtype).eps
+
+
+def numerical_rank(matrix: Tensor) -> int:
+    """Rank from the eigenvalues of the smaller Gram matrix (a few times faster than an SVD)."""
+    return int(_nonzero(torch.linalg.eigvalsh(_gram(matrix)), matrix).sum())
 
 
 def min_norm_solution(system: ConvSystem, dense_limit: int, cg_iterations: int) -> Tensor:
@@ -96,7 +102,8 @@ def min_norm_solution(system: ConvSystem, dense_limit: int, cg_iterations: int) 
 
 def _dense_min_norm(a: Tensor, b: Tensor, refinements: int = 2) -> Tensor:
     m, n = a.shape
-    values, vectors, keep = gram_eigen(a)
+    values, vectors = torch.linalg.eigh(_gram(a))
+    keep = _nonzero(values, a)
     inverse = torch.where(keep, 1 / values.clamp_min(torch.finfo(a.dtype).tiny), torch.zeros_like(values))
 
     def pinv(r: Tensor) -> Tensor:

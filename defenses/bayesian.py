@@ -73,10 +73,14 @@ class BayesianLayer(StochasticModule):
         lead = (batch,) if self.per_example else ()
         return [(*lead, *mu.shape) for mu, _ in self.pairs()]
 
-    def kl_divergence(self) -> Tensor:
-        """KL of the posterior N(mu, softplus(rho)^2) from the prior N(0, prior_sigma^2), summed."""
+    def kl_divergence(self, pairs: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
+        """KL of the posterior N(mu, softplus(rho)^2) from the prior N(0, prior_sigma^2), summed.
+
+        Of the layer's own parameters, or of ``pairs`` (those a forward pass under
+        ``functional_call`` used).
+        """
         total = 0.0
-        for mu, rho in self.pairs():
+        for mu, rho in self.pairs() if pairs is None else pairs:
             s = F.softplus(rho)
             total = total + (math.log(self.prior_sigma) - s.log()
                              + (s ** 2 + mu ** 2) / (2 * self.prior_sigma ** 2) - 0.5).sum()
@@ -86,8 +90,9 @@ class BayesianLayer(StochasticModule):
         noise = self.given_noise
         if noise is None:
             noise = [self.standard_normal(shape, x) for shape in self.noise_shapes(len(x))]
-        sampled = [mu + F.softplus(rho) * eps for (mu, rho), eps in zip(self.pairs(), noise)]
-        self.last_kl = self.kl_divergence()
+        pairs = self.pairs()
+        sampled = [mu + F.softplus(rho) * eps for (mu, rho), eps in zip(pairs, noise)]
+        self._kl_term = lambda: self.kl_divergence(pairs)
         weight, bias = sampled[0], (sampled[1] if len(sampled) > 1 else None)
         return self.apply_weights(x, weight, bias)
 

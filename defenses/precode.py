@@ -45,7 +45,7 @@ class VariationalBottleneck(StochasticModule):
             eps = self.standard_normal(tuple(mu.shape), mu)
         else:
             eps = ((self.pinned - mu) / scale).detach()
-        self.last_kl = 0.5 * (mu ** 2 + scale ** 2 - 2 * scale.log() - 1).sum(dim=1).mean()
+        self._kl_term = lambda: 0.5 * (mu ** 2 + scale ** 2 - 2 * scale.log() - 1).sum(dim=1).mean()
         return self.decoder(mu + scale * eps).view(x.shape)
 
 

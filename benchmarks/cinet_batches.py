@@ -1,0 +1,93 @@
+"""CI-Net on large batches (seed 001): SSIM, PSNR and time for batches of 64 to 256 on one averaged gradient.
+
+Case: an untrained ConvNet (seed 004's, ``--width``) or a ResNet-18 whose ReLUs are sigmoids,
+on 32x32 images drawn from the offline sets (the 20 CIFAR-10 images of the foolbox wheel are
+too few, so scikit-image's photographs and LFW faces are tiled into the batch), labels known.
+Prints one line per (model, batch): mean SSIM and PSNR of ``cinet`` and of Inverting Gradients
+at the same iteration budget, a flat grey guess, and seconds. A GPU workload: on a CPU use
+small batches and few iterations.
+
+    python benchmarks/cinet_batches.py [--device cuda] [--batches 64 128 256] [--iterations 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attacks.base import ThreatModel
+from attacks.cinet import CINet, parameter_count
+from attacks.gradient_matching import InvertingGradients
+from defenses.noise import NoDefense
+from evaluator.metrics import score
+from evaluator.models import convnet, resnet18
+from evaluator.protocol import ClientStep
+from plugins.manager import load_registry
+
+
+def sigmoid_resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """The zoo's ResNet-18 with every ReLU replaced by a sigmoid (seed 001's variant)."""
+    model = resnet18(channels, num_classes, image_size)
+    for module in list(model.modules()):
+        for child, sub in list(module.named_children()):
+            if isinstance(sub, nn.ReLU):
+                setattr(module, child, nn.Sigmoid())
+    return model
+
+
+def images(registry, count: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` RGB 32x32 images and labels in 0..9, tiled from the offline photo and face sets."""
+    pool = []
+    for name in ("cifar10_samples", "photos", "lfw"):
+        data = registry.get("dataset", name).load(image_size=32, root=None, download=False)
+        x = torch.cat([data.test_x, data.train_x])
+        pool.append(x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x)
+    x = torch.cat(pool)
+    x = x[torch.arange(count) % len(x)]
+    return x.to(device), (torch.arange(count) % 10).to(device)
+
+
+def run(model_name: str, batch: int, iterations: int, device: str, registry) -> None:
+    pixels, labels = images(registry, batch, device)
+    mean = pixels.mean(dim=(0, 2, 3)).view(-1, 1, 1)
+    std = pixels.std(dim=(0, 2, 3)).view(-1, 1, 1)
+    torch.manual_seed(0)
+    model = (convnet(3, 10, 32, width=16) if model_name == "convnet" else sigmoid_resnet18(3, 10, 32)).to(device)
+    observed = NoDefense().share(ClientStep(model, F.cross_entropy, (pixels - mean) / std, labels,
+                                            torch.Generator(device=device)))
+    threat = ThreatModel(model, F.cross_entropy, (3, 32, 32), mean, std, 10, batch, NoDefense(), labels=labels,
+                         device=torch.device(device))
+    metrics = [registry.get("metric", "ssim"), registry.get("metric", "psnr")]
+    grey = score(metrics, torch.full_like(pixels, 0.5), pixels, labels, labels)[0]
+    line = [f"{model_name} ({parameter_count(model)} parameters), batch {batch}, {iterations} iterations:",
+            f"grey SSIM {grey['ssim']:.3f}"]
+    for attack in (CINet(iterations=iterations), InvertingGradients(iterations=iterations)):
+        start = time.perf_counter()
+        rec = attack(observed, threat, torch.Generator(device=device).manual_seed(1))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        values = score(metrics, rec.images, pixels, rec.labels, labels)[0]
+        line.append(f"{attack.name} SSIM {values['ssim']:.3f} PSNR {values['psnr']:.2f} "
+                    f"({time.perf_counter() - start:.0f} s)")
+    print("; ".join(line), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--models", nargs="+", default=["convnet", "sigmoid_resnet18"],
+                        choices=["convnet", "sigmoid_resnet18"])
+    args = parser.parse_args()
+    registry = load_registry()
+    for model_name in args.models:
+        for batch in args.batches:
+            run(model_name, batch, args.iterations, args.device, registry)
+
+
+if __name__ == "__main__":
+    main()

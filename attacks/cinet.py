@@ -24,7 +24,7 @@ from defenses.base import SharedUpdate, squared_distance
 from plugins import Param, hookimpl
 
 #: Channel counts tried, smallest first, until the generator has more parameters than the model.
-CHANNEL_LADDER = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+CHANNEL_LADDER = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 START = 4  # side of the first feature map
 
 

@@ -62,7 +62,7 @@ def run(model_name: str, batch: int, iterations: int, device: str, registry) -> 
                          device=torch.device(device))
     metrics = [registry.get("metric", "ssim"), registry.get("metric", "psnr")]
     grey = score(metrics, torch.full_like(pixels, 0.5), pixels, labels, labels)[0]
-    line = [f"{model_name} ({parameter_count(model)} parameters), batch {batch}, {iterations} iterations:",
+    line = [f"{model_name} ({parameter_count(model)} parameters), batch {batch}, {iterations} iterations: "
             f"grey SSIM {grey['ssim']:.3f}"]
     for attack in (CINet(iterations=iterations), InvertingGradients(iterations=iterations)):
         start = time.perf_counter()

@@ -79,8 +79,8 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
                  "build your model with it, or audit from YAML" for s, d in defenses if d.wrap_model(model) is not model]
     problems += [f"attacks: {s.label}: {why}" for s in specs
                  if (why := registry.get("attack", s.name).unsupported(model, len(inputs), protocol.observed))]
-    problems += [f"attacks: {a.label}: {why}" for _, d in defenses for a in specs
-                 if a.applies_to(_) and (why := registry.get("attack", a.name).unsupported_defense(d))]
+    problems += [f"attacks: {a.label}: {why}" for setting, d in defenses for a in specs
+                 if a.applies_to(setting) and (why := registry.get("attack", a.name).unsupported_defense(d))]
     if problems:
         raise ConfigError([f"audit_batch: {p.replace('defenses[0]', 'defense')}" for p in problems])
     device = inputs.device

@@ -65,7 +65,8 @@ PROTOCOL_KEYS = {"fedsgd": set(), "fedavg": {"local_epochs", "local_batch_size",
 ROLES = ("naive", "adaptive")
 ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
           "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)"),
-          "defenses": Param(None, list, help="run only on settings of these defenses (a chain: any member)"),
+          "defenses": Param(None, list, help="run only on settings with a defense (or chain member) of these "
+                                             "names, or with these labels"),
           "role": Param(None, str, choices=ROLES, help="how the report counts it (default: adaptive when the "
                                                        "attack uses what the defense does)")}
 UTILITY = {

@@ -30,9 +30,12 @@ from evaluator.protocol import parameter_names
 from plugins import Param, hookimpl
 
 
-def _no_bayesian_layers(model: nn.Module, attack: str) -> str | None:
+def _needs_bayesian_fedsgd(model: nn.Module, protocol: str, attack: str, instead: str = "") -> str | None:
+    """Why an attack on Bayesian layers cannot run: no such layers, or FedAvg's fresh draw per local step."""
     if not bayesian_layers(model):
         return f"{attack}: the model has no Bayesian layers (defense bayesian)"
+    if protocol != "fedsgd":
+        return f"{attack}: each FedAvg local step draws fresh noise; use protocol fedsgd{instead}"
     return None
 
 
@@ -89,10 +92,8 @@ class BayesianExact(InvertingGradients):
 
     @staticmethod
     def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
-        if why := _no_bayesian_layers(model, "bayesian_exact"):
+        if why := _needs_bayesian_fedsgd(model, protocol, "bayesian_exact", " or bayesian_kl"):
             return why
-        if protocol != "fedsgd":
-            return "bayesian_exact: each FedAvg local step draws fresh noise; use protocol fedsgd or bayesian_kl"
         layers = bayesian_layers(model).values()
         if any(not rho.requires_grad for layer in layers for _, rho in layer.pairs()):
             return ("bayesian_exact: only the means are shared (share_scales: false), so the noise is not identifiable; "
@@ -130,11 +131,7 @@ class BayesianNoiseKL(InvertingGradients):
 
     @staticmethod
     def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
-        if why := _no_bayesian_layers(model, "bayesian_kl"):
-            return why
-        if protocol != "fedsgd":
-            return "bayesian_kl: each FedAvg local step draws fresh noise; use protocol fedsgd"
-        return None
+        return _needs_bayesian_fedsgd(model, protocol, "bayesian_kl")
 
     def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> list[Tensor]:
         self._noise: dict[str, list[Tensor]] = {

@@ -152,6 +152,27 @@ class DeterministicDefense(Defense):
         return -0.5 * squared_distance(observed.tensors, self.transform(candidate))
 
 
+#: Ways to name a model's fully connected layer besides its module name.
+LINEAR_BY_POSITION = {"largest": lambda linears: max(linears, key=lambda n: linears[n].weight.numel()),
+                      "last": lambda linears: list(linears)[-1]}
+
+
+def fully_connected_layer(model: nn.Module, name: str, who: str, key: str, special: str) -> str:
+    """The module name of the fully connected layer ``name``, or of the ``special`` one (largest, last).
+
+    ValueError, naming ``who``'s ``key`` and the choices, when there is no such layer.
+    """
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if not linears:
+        raise ValueError(f"{who}: the model has no fully connected (nn.Linear) layer")
+    if name == special:
+        return LINEAR_BY_POSITION[special](linears)
+    if name not in linears:
+        raise ValueError(f"{who}: {key} {name!r} is not a fully connected layer of the model; "
+                         f"choices: {special}, {', '.join(linears)}")
+    return name
+
+
 def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
     """Sum over all tensors of the squared Euclidean distance."""
     return sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate))

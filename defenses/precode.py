@@ -16,7 +16,7 @@ from typing import Iterator
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from defenses.base import Defense
+from defenses.base import Defense, fully_connected_layer
 from defenses.stochastic import StochasticModule, with_kl
 from evaluator.protocol import LossFn
 from plugins import Param, hookimpl
@@ -64,13 +64,6 @@ def pinned_sample(model: nn.Module, sample: Tensor) -> Iterator[None]:
         block.pinned = None
 
 
-def last_linear(model: nn.Module) -> str:
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not names:
-        raise ValueError("precode: the model has no fully connected (nn.Linear) layer")
-    return names[-1]
-
-
 class Precode(Defense):
     """Inserts a variational bottleneck before a fully connected layer; trains with its KL term."""
 
@@ -83,15 +76,8 @@ class Precode(Defense):
     }
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        name = last_linear(model) if self.position == "last" else self.position
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            layer = None
-        if not isinstance(layer, nn.Linear):
-            choices = ", ".join(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
-            raise ValueError(f"precode: position {name!r} is not a fully connected layer of the model; "
-                             f"choices: last, {choices}")
+        name = fully_connected_layer(model, self.position, "precode", "position", "last")
+        layer = model.get_submodule(name)
         block = VariationalBottleneck(layer.in_features, self.size).to(layer.weight.device)
         model.set_submodule(name, nn.Sequential(OrderedDict(bottleneck=block, layer=layer)))
         self.model_changes = [f"{name}: variational bottleneck of size {self.size} inserted before it "

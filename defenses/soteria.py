@@ -14,25 +14,12 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from defenses.base import Defense, SharedUpdate
+from defenses.base import Defense, SharedUpdate, fully_connected_layer
 from evaluator.protocol import ClientStep, Protocol, parameter_names
 from plugins import Param, hookimpl
 
 #: Features whose input-gradient is computed in one batched backward pass.
 CHUNK = 256
-
-
-def resolve_linear(model: nn.Module, name: str, who: str) -> str:
-    """The module name of a fully connected layer: ``name`` itself, or the largest one for ``largest``."""
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if not linears:
-        raise ValueError(f"{who}: the model has no fully connected (nn.Linear) layer")
-    if name == "largest":
-        return max(linears, key=lambda n: linears[n].weight.numel())
-    if name not in linears:
-        raise ValueError(f"{who}: layer {name!r} is not a fully connected layer of the model; "
-                         f"choices: largest, {', '.join(linears)}")
-    return name
 
 
 def feature_scores(model: nn.Module, layer: nn.Module, inputs: Tensor) -> Tensor:
@@ -97,7 +84,7 @@ class Soteria(Defense):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Leaves the model as it is; resolves (and checks) the defended layer."""
-        self.layer_name = resolve_linear(model, self.layer, "soteria")
+        self.layer_name = fully_connected_layer(model, self.layer, "soteria", "layer", "largest")
         return model
 
     def share(self, step: ClientStep) -> SharedUpdate:

@@ -63,9 +63,9 @@ def noise_from(model: nn.Module, generator: torch.Generator | None) -> Iterator[
 
 def with_kl(model: nn.Module, loss_fn: LossFn, weight: float) -> LossFn:
     """``loss_fn`` plus ``weight`` times the KL terms the model's stochastic layers recorded on this forward."""
-    modules = stochastic_modules(model)
     if weight == 0:
         return loss_fn
+    modules = stochastic_modules(model)
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
         return loss_fn(logits, targets) + weight * sum(m.last_kl for m in modules)

@@ -20,7 +20,7 @@ def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[s
     The audit's ``model:`` (undefended), or the model of ``setting`` when it has its own.
     Raises ValueError when the model is not a chain the linear systems cover.
     """
-    section = scenario.audit.model if setting is None or setting.model is None else setting.model
+    section = scenario.model_section(setting)
     model = scenario.fresh_model(NoDefense(), setting).double()
     pixels, labels = scenario.target_batch(0)
     image = scenario.normalise(pixels[:1]).double()
@@ -35,7 +35,7 @@ def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
     """``analyse`` for the audit's model and each entry's own model, or why it does not apply."""
     out, seen = [], set()
     for setting in [None, *scenario.audit.settings]:
-        section = scenario.audit.model if setting is None or setting.model is None else setting.model
+        section = scenario.model_section(setting)
         key = repr((section["name"], section["params"]))
         if key in seen:
             continue

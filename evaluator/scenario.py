@@ -111,12 +111,16 @@ class Scenario:
         """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
         return self.audit.registry.get("attack", spec.name)(**(spec.params if params is None else params))
 
+    def model_section(self, setting: DefenseSetting | None = None) -> dict:
+        """The ``model:`` section a setting uses: its own, or the audit's."""
+        return self.audit.model if setting is None or setting.model is None else setting.model
+
     def fresh_model(self, defense: Defense, setting: DefenseSetting | None = None) -> nn.Module:
         """The model at training step 0: the same initialisation for every defense setting.
 
         A setting with its own ``model:`` gets that model; otherwise the audit's.
         """
-        m = self.audit.model if setting is None or setting.model is None else setting.model
+        m = self.model_section(setting)
         spec = m["name"] if ":" in m["name"] else self.audit.registry.get("model", m["name"])
         model = build_model(spec, self.data.channels, self.data.num_classes, self.audit.data["image_size"],
                             m["params"], derive_seed(self.audit.seed, "init"))

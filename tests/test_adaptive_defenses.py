@@ -440,3 +440,29 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
     again = [json.loads(line) for line in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
     key = lambda r: (r["setting"], r["attack"], r["target"])  # noqa: E731
     assert [(key(r), r["psnr"]) for r in sorted(rows, key=key)] == [(key(r), r["psnr"]) for r in sorted(again, key=key)]
+
+
+@pytest.mark.parametrize("section, entry, expected", [
+    ("defenses", {"name": "soteria", "params": {"fraction": 1.5}}, "defenses[0].params.fraction: 1.5 is above the maximum 1.0"),
+    ("defenses", {"name": "precode", "params": {"size": 0}}, "defenses[0].params.size: 0 is below the minimum 1"),
+    ("defenses", {"name": "bayesian", "params": {"init_scale": 0.0}},
+     "defenses[0].params.init_scale: 0.0 must be greater than 0.0"),
+    ("defenses", {"name": "bayesian", "params": {"share_scales": "no"}},
+     "defenses[0].params.share_scales: 'no' is not of type bool"),
+    ("attacks", {"name": "bayesian_kl", "params": {"alpha_kl": -1.0}},
+     "attacks[0].params.alpha_kl: -1.0 is below the minimum 0.0"),
+    ("attacks", {"name": "rgap", "params": {"dense_limit": 0}}, "attacks[0].params.dense_limit: 0 is below the minimum 1"),
+    ("attacks", {"name": "rgap", "params": {"cg_iterations": 0}},
+     "attacks[0].params.cg_iterations: 0 is below the minimum 1"),
+    ("attacks", {"name": "cinet", "params": {"channels": 0}}, "attacks[0].params.channels: 0 is below the minimum 1"),
+    ("attacks", {"name": "cinet", "params": {"latent": 0}}, "attacks[0].params.latent: 0 is below the minimum 1"),
+    ("attacks", {"name": "inverting_gradients", "params": {"drop_defended": "yes"}},
+     "attacks[0].params.drop_defended: 'yes' is not of type bool"),
+])
+def test_new_parameters_fail_with_one_line(write_audit, section, entry, expected):
+    from evaluator.config import ConfigError, load_audit
+
+    path = write_audit(small_audit(**{section: [entry]}))
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    assert info.value.lines == [f"{path}: {expected}"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attacks.base import Attack, Reconstruction, ThreatModel
-from attacks.labels import recover_labels
-from defenses.base import SharedUpdate
-from plugins import hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.attacks.labels import recover_labels
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins import hookimpl
 
 #: Elementwise activations whose derivative is a function of their output.
 DERIVATIVE_FROM_OUTPUT = {
@@ -42,10 +43,9 @@ class AnalyticInversion(Attack):
 
     name = "analytic"
 
-    @staticmethod
-    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         """Why this attack cannot apply to the scenario, or None."""
-        if batch_size != 1 or protocol != "fedsgd":
+        if batch_size != 1 or not protocol.sends_gradient:
             return "analytic: exact for one image and FedSGD only (data.batch_size 1, protocol fedsgd)"
         try:
             first, act, nxt = _input_layers(model)
@@ -57,7 +57,7 @@ class AnalyticInversion(Attack):
         return None
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
-        why = self.unsupported(threat.model, threat.batch_size, threat.protocol.observed)
+        why = self.unsupported(threat.model, threat.batch_size, threat.protocol)
         if why:
             raise ValueError(why)
         grads = dict(zip(observed.names, observed.tensors))

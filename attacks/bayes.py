@@ -14,12 +14,12 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from attacks.base import Attack, Reconstruction, ThreatModel
-from attacks.gradient_matching import LABEL_METHOD, PRIOR_WEIGHTS, cosine_distance, random_images
-from attacks.labels import recover_labels
-from attacks.priors import check_priors, prior_penalty
-from defenses.base import SharedUpdate, squared_distance
-from plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.attacks.gradient_matching import LABEL_METHOD, PRIOR_WEIGHTS, cosine_distance, random_images
+from leakaudit.attacks.labels import recover_labels
+from leakaudit.attacks.priors import check_priors, prior_penalty
+from leakaudit.plugins.defense import SharedUpdate, squared_distance
+from leakaudit.plugins import Param, hookimpl
 
 
 def sample_in_ball(centre: Tensor, radius: float, samples: int, generator: torch.Generator) -> Tensor:
@@ -98,8 +98,7 @@ class BayesOptimal(LikelihoodAttack):
     name = "bayes"
     uses_defense = True
 
-    @staticmethod
-    def unsupported_defense(defense) -> str | None:
+    def unsupported_defense(self, defense) -> str | None:
         if defense.has_likelihood():
             return None
         return (f"bayes: defense {defense.name!r} declares no log_likelihood (its noise is drawn inside the "

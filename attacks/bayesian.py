@@ -21,20 +21,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attacks.base import Reconstruction, ThreatModel
-from attacks.gradient_matching import InvertingGradients
-from defenses.base import Defense, SharedUpdate
-from defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
-from defenses.noise import NoDefense
-from evaluator.protocol import parameter_names
-from plugins import Param, hookimpl
+from leakaudit.plugins.attack import Reconstruction, ThreatModel
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.plugins.protocol import Protocol, parameter_names
+from leakaudit.plugins import Param, hookimpl
 
 
-def _needs_bayesian_fedsgd(model: nn.Module, protocol: str, attack: str, instead: str = "") -> str | None:
+def _needs_bayesian_fedsgd(model: nn.Module, protocol: Protocol, attack: str, instead: str = "") -> str | None:
     """Why an attack on Bayesian layers cannot run: no such layers, or FedAvg's fresh draw per local step."""
     if not bayesian_layers(model):
         return f"{attack}: the model has no Bayesian layers (defense bayesian)"
-    if protocol != "fedsgd":
+    if not protocol.sends_gradient:
         return f"{attack}: each FedAvg local step draws fresh noise; use protocol fedsgd{instead}"
     return None
 
@@ -90,8 +90,7 @@ class BayesianExact(InvertingGradients):
     name = "bayesian_exact"
     uses_defense = True
 
-    @staticmethod
-    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if why := _needs_bayesian_fedsgd(model, protocol, "bayesian_exact", " or bayesian_kl"):
             return why
         layers = bayesian_layers(model).values()
@@ -129,8 +128,7 @@ class BayesianNoiseKL(InvertingGradients):
               "alpha_kl": Param(1e-2, float, min=0.0, help="weight of the noise's KL regulariser")}
     uses_defense = True
 
-    @staticmethod
-    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         return _needs_bayesian_fedsgd(model, protocol, "bayesian_kl")
 
     def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> list[Tensor]:

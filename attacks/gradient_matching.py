@@ -11,11 +11,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from attacks.base import Attack, Reconstruction, ThreatModel
-from attacks.labels import METHODS, recover_labels
-from attacks.priors import PRIORS, check_priors, prior_penalty
-from defenses.base import SharedUpdate, squared_distance
-from plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.attacks.labels import METHODS, recover_labels
+from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
+from leakaudit.plugins.defense import SharedUpdate, squared_distance
+from leakaudit.plugins import Param, hookimpl
 
 
 def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attacks.base import ThreatModel
-from defenses.base import SharedUpdate
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
 
 METHODS = ("auto", "signs", "feature_fit", "geng")
 
@@ -35,9 +35,8 @@ def output_layer(model: nn.Module) -> nn.Linear:
 def _mean_gradients(update: SharedUpdate, threat: ThreatModel) -> tuple[Tensor, Tensor | None]:
     """Output-layer tensors rescaled to a mean gradient (FedAvg sends lr * steps * ~gradient)."""
     w, b = last_layer_gradients(update)
-    p = threat.protocol
-    if p.name == "fedavg":
-        scale = 1.0 / (p.local_lr * p.local_steps(threat.batch_size))
+    scale = threat.protocol.gradient_scale(threat.batch_size)
+    if scale != 1.0:
         w, b = w * scale, (None if b is None else b * scale)
     return w, b
 

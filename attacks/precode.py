@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attacks.analytic import solve_input
-from attacks.base import Reconstruction, ThreatModel
-from attacks.gradient_matching import InvertingGradients
-from defenses.base import SharedUpdate
-from defenses.precode import bottleneck_of, pinned_sample
-from plugins import hookimpl
+from leakaudit.attacks.analytic import solve_input
+from leakaudit.plugins.attack import Reconstruction, ThreatModel
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.defenses.precode import bottleneck_of, pinned_sample
+from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins import hookimpl
 
 
 def recover_sample(observed: SharedUpdate, model: nn.Module) -> Tensor:
@@ -36,11 +37,10 @@ class PrecodeSample(InvertingGradients):
     name = "precode_sample"
     uses_defense = True
 
-    @staticmethod
-    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if bottleneck_of(model) is None:
             return "precode_sample: the model has no PRECODE bottleneck (defense precode)"
-        if batch_size != 1 or protocol != "fedsgd":
+        if batch_size != 1 or not protocol.sends_gradient:
             return ("precode_sample: the decoder's gradient gives the sample for one image under FedSGD only "
                     "(data.batch_size 1, protocol fedsgd)")
         return None

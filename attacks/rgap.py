@@ -18,14 +18,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from attacks.analytic import solve_input
-from attacks.base import Attack, Reconstruction, ThreatModel
-from attacks.gradient_matching import cosine_distance
-from attacks.labels import recover_labels
-from attacks.linear_system import ACTIVATIONS, conv_system, layers_of, min_norm_solution
-from attacks.priors import total_variation
-from defenses.base import SharedUpdate
-from plugins import Param, hookimpl
+from leakaudit.attacks.analytic import solve_input
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.attacks.gradient_matching import cosine_distance
+from leakaudit.attacks.labels import recover_labels
+from leakaudit.attacks.linear_system import ACTIVATIONS, conv_system, layers_of, min_norm_solution
+from leakaudit.attacks.priors import total_variation
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins import Param, hookimpl
 
 #: Clamp before inverting tanh and sigmoid (their inverses diverge at the ends of the range).
 EPS = 1e-7
@@ -83,9 +84,8 @@ class LayerwiseInversion(Attack):
         "cg_iterations": Param(3000, int, min=1, help="conjugate-gradient steps for systems beyond dense_limit"),
     }
 
-    @staticmethod
-    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
-        if batch_size != 1 or protocol != "fedsgd":
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if batch_size != 1 or not protocol.sends_gradient:
             return "rgap: one image under FedSGD only (data.batch_size 1, protocol fedsgd)"
         why = why_not_invertible(model)
         return f"rgap: {why}" if why else None

@@ -14,14 +14,14 @@ import time
 
 import torch
 
-from attacks.base import ThreatModel
-from attacks.gradient_matching import InvertingGradients
-from defenses.noise import NoDefense
-from evaluator.datasets import load_digits
-from evaluator.metrics import psnr
-from evaluator.models import lenet_zhu
-from evaluator.protocol import ClientStep
-from evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.datasets import load_digits
+from leakaudit.evaluator.metrics import psnr
+from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.plugins.protocol import ClientStep
+from leakaudit.evaluator.scenario import loss_fn
 
 
 def case(device: str, index: int = 0):

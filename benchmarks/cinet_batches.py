@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attacks.base import ThreatModel
-from attacks.cinet import CINet, parameter_count
-from attacks.gradient_matching import InvertingGradients
-from defenses.noise import NoDefense
-from evaluator.metrics import score
-from evaluator.models import convnet, resnet18
-from evaluator.protocol import ClientStep
-from plugins.manager import load_registry
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.cinet import CINet, parameter_count
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.metrics import score
+from leakaudit.evaluator.models import convnet, resnet18
+from leakaudit.plugins.protocol import ClientStep
+from leakaudit.plugins.manager import load_registry
 
 
 def sigmoid_resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:

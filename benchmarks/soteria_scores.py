@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from defenses import soteria
-from evaluator.models import convbig
+from leakaudit.defenses import soteria
+from leakaudit.evaluator.models import convbig
 
 
 def loop_scores(model, x: torch.Tensor, features: int) -> torch.Tensor:

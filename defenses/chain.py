@@ -6,7 +6,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from defenses.base import Defense, SharedUpdate
+from leakaudit.plugins.defense import Defense, SharedUpdate
 
 
 class Chain(Defense):

@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
-from defenses.base import Defense, SharedUpdate, squared_distance
-from evaluator.protocol import ClientStep, Protocol, TrainingRun, parameter_names, quiet_hooks, trainable
-from plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, SharedUpdate, squared_distance
+from leakaudit.plugins.protocol import ClientStep, FedSGD, OwnStep, Protocol, TrainingRun, parameter_names, quiet_hooks, trainable
+from leakaudit.plugins import Param, hookimpl
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 
@@ -70,9 +70,9 @@ class DPSGD(Defense):
         return fixed
 
     def unsupported(self, protocol: Protocol) -> str | None:
-        if protocol.name == "fedsgd":
+        if isinstance(protocol, FedSGD):
             return None
-        if protocol.name == "step":
+        if isinstance(protocol, OwnStep):
             return ("dpsgd computes the update itself with Opacus, so it cannot wrap your own step; "
                     "audit a step that does DP-SGD with defense none, or use protocol: fedsgd")
         return "dpsgd shares one DP-SGD step per round; use protocol: fedsgd"

@@ -6,8 +6,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from defenses.base import Defense, DeterministicDefense, SharedUpdate
-from plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
+from leakaudit.plugins import Param, hookimpl
 
 
 def gaussian_log_density(residual: Tensor, scale: float) -> Tensor:

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from defenses.base import Defense, DeterministicDefense, SharedUpdate
-from defenses.noise import NOISE
-from plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
+from leakaudit.defenses.noise import NOISE
+from leakaudit.plugins import Param, hookimpl
 
 
 class RandomPrune(Defense):

@@ -14,9 +14,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from defenses.base import Defense, SharedUpdate, fully_connected_layer
-from evaluator.protocol import ClientStep, Protocol, parameter_names
-from plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, SharedUpdate
+
+from leakaudit.defenses.layers import fully_connected_layer
+from leakaudit.plugins.protocol import ClientStep, FedSGD, Protocol, parameter_names
+from leakaudit.plugins import Param, hookimpl
 
 #: Features whose input-gradient is computed in one batched backward pass.
 CHUNK = 256
@@ -78,7 +80,7 @@ class Soteria(Defense):
         self.layer_name: str | None = None if self.layer == "largest" else self.layer
 
     def unsupported(self, protocol: Protocol) -> str | None:
-        if protocol.name != "fedsgd":
+        if not isinstance(protocol, FedSGD):
             return "soteria prunes one gradient computed on the batch's representation; use protocol: fedsgd"
         return None
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from attacks.linear_system import conv_systems, security_metric
-from defenses.noise import NoDefense
-from evaluator.config import DefenseSetting
-from evaluator.scenario import Scenario, loss_fn
+from leakaudit.attacks.linear_system import conv_systems, security_metric
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.config import DefenseSetting
+from leakaudit.evaluator.scenario import Scenario, loss_fn
 
 
 def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[str, Any]:

@@ -12,12 +12,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from attacks.base import ThreatModel
-from evaluator.config import ConfigError, _check_attacks, _check_metrics, _expand_defenses
-from evaluator.metrics import score
-from evaluator.protocol import FEDSGD, ClientStep, LossFn, Protocol, StepFn, opacus_hooks_off
-from evaluator.scenario import round_generators
-from plugins.manager import load_registry
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.evaluator.config import ConfigError, _check_attacks, _check_metrics, _expand_defenses
+from leakaudit.evaluator.metrics import score
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
+from leakaudit.evaluator.scenario import round_generators
+from leakaudit.plugins.manager import load_registry
 
 DEFAULT_METRICS = ("psnr", "ssim", "mse", "label_accuracy")
 
@@ -65,7 +65,7 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
 def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn, lr, known_labels, metrics,
            draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
     registry = load_registry(list(plugins_dirs))
-    protocol = FEDSGD if step_fn is None else Protocol("step", function=step_fn, lr=lr)
+    protocol = FEDSGD if step_fn is None else OwnStep(function=step_fn, lr=lr)
     problems = _check_call(step_fn, lr, inputs, labels)
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = _expand_defenses([entry], registry, problems, protocol)
@@ -78,9 +78,9 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
                  "build your model with it, or audit from YAML" for s, d in defenses if d.wrap_model(model) is not model]
     problems += [f"attacks: {s.label}: {why}" for s in specs
-                 if (why := registry.get("attack", s.name).unsupported(model, len(inputs), protocol.observed))]
+                 if (why := s.build(registry).unsupported(model, len(inputs), protocol))]
     problems += [f"attacks: {a.label}: {why}" for setting, d in defenses for a in specs
-                 if a.applies_to(setting) and (why := registry.get("attack", a.name).unsupported_defense(d))]
+                 if a.applies_to(setting) and (why := a.build(registry).unsupported_defense(d))]
     if problems:
         raise ConfigError([f"audit_batch: {p.replace('defenses[0]', 'defense')}" for p in problems])
     device = inputs.device
@@ -100,7 +100,7 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
         for spec in (s for s in specs if s.applies_to(setting)):
             _, attack_gen = round_generators(device, seed, setting.key, step, index)  # the same start for every attack
-            rec = registry.get("attack", spec.name)(**spec.params)(observed, threat, attack_gen)
+            rec = spec.build(registry)(observed, threat, attack_gen)
             values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
             results.append(BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds))
     return results

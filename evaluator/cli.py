@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from plugins.spec import PluginError
+from leakaudit.plugins.spec import PluginError
 
 EXIT_BAD_INPUT = 2
 
@@ -42,7 +42,7 @@ def _fail(lines: list[str]) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from plugins.manager import load_registry
+    from leakaudit.plugins.manager import load_registry
 
     registry = load_registry(args.plugins_dir)
     entries = list(registry)
@@ -59,12 +59,12 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from evaluator.config import load_audit
-    from evaluator.scenario import Scenario, check_scenario
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.scenario import Scenario, check_scenario
 
     audit = load_audit(args.config, args.plugins_dir)
     check_scenario(Scenario(audit))
-    from evaluator.runner import jobs_of
+    from leakaudit.evaluator.runner import jobs_of
 
     print(f"{args.config}: valid: {len(audit.settings)} defense settings x {len(audit.checkpoints)} checkpoints "
           f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks: {len(jobs_of(audit))} attack jobs")
@@ -72,9 +72,9 @@ def cmd_validate(args) -> int:
 
 
 def cmd_analyse(args) -> int:
-    from evaluator.analysis import analyse, describe
-    from evaluator.config import load_audit
-    from evaluator.scenario import Scenario
+    from leakaudit.evaluator.analysis import analyse, describe
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.scenario import Scenario
 
     audit = load_audit(args.config, args.plugins_dir)
     try:
@@ -86,8 +86,8 @@ def cmd_analyse(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from evaluator.config import load_audit
-    from evaluator.runner import run_audit
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.runner import run_audit
 
     audit = load_audit(args.config, args.plugins_dir)
     if args.workers is not None and args.workers < 1:
@@ -102,8 +102,8 @@ def cmd_run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evaluator.config import ConfigError
-    from evaluator.runner import RunError
+    from leakaudit.evaluator.config import ConfigError
+    from leakaudit.evaluator.runner import RunError
 
     args = _parser().parse_args(argv)
     try:

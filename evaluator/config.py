@@ -12,11 +12,13 @@ from typing import Any
 import torch
 import yaml
 
-from evaluator.models import ModelSpec, import_factory
-from evaluator.protocol import PROTOCOLS, Protocol
-from evaluator.tuning import TuneSpec, check_tune
-from plugins.manager import Registry, load_registry
-from plugins.spec import Param, PluginError, check_params
+from leakaudit.plugins.components import ModelSpec
+
+from leakaudit.plugins.factories import import_factory
+from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
+from leakaudit.evaluator.tuning import TuneSpec, check_tune
+from leakaudit.plugins.manager import Registry, load_registry
+from leakaudit.plugins.spec import Param, PluginError, check_params
 
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
 
@@ -53,15 +55,6 @@ DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({
            "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)")}
 SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}
 MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
-PROTOCOL = {
-    "name": Param("fedsgd", str, choices=PROTOCOLS),
-    "local_epochs": Param(1, int, min=1, help="fedavg: passes over the client's images"),
-    "local_batch_size": Param(None, int, min=1, help="fedavg: minibatch size (default: all images)"),
-    "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="fedavg: local SGD step size"),
-    "function": Param(None, str, help="step: 'package.module:train_step', called as train_step(model, inputs, labels)"),
-    "lr": Param(None, float, min=0.0, exclusive_min=True, help="step: the SGD step size of your step function"),
-}
-PROTOCOL_KEYS = {"fedsgd": set(), "fedavg": {"local_epochs", "local_batch_size", "local_lr"}, "step": {"function", "lr"}}
 ROLES = ("naive", "adaptive")
 ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
           "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)"),
@@ -118,7 +111,7 @@ class DefenseSetting:
 
     def build(self, registry: Registry):
         """The defense object (a ``defenses.chain.Chain`` for several members)."""
-        from defenses.chain import Chain
+        from leakaudit.defenses.chain import Chain
 
         parts = [registry.get("defense", n)(**p) for n, p in self.members]
         return parts[0] if len(parts) == 1 else Chain(parts)
@@ -136,6 +129,10 @@ class AttackSpec:
     @property
     def key(self) -> str:
         return self.label
+
+    def build(self, registry: Registry, params: dict | None = None):
+        """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
+        return registry.get("attack", self.name)(**(self.params if params is None else params))
 
     def applies_to(self, setting: DefenseSetting) -> bool:
         """Whether the attack runs on this setting (``defenses:`` names one of its members, or its label)."""
@@ -161,7 +158,7 @@ class Audit:
     utility: dict[str, Any]
     metrics: list[str]
     threat: dict[str, Any]
-    protocol: Protocol = field(default_factory=Protocol)
+    protocol: Protocol = FEDSGD
     registry: Registry = field(repr=False, default=None)
 
     @property
@@ -339,7 +336,7 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
 
 
 def _expand_defenses(value: Any, registry: Registry, problems: list[str],
-                     protocol: Protocol = Protocol()) -> list[DefenseSetting]:
+                     protocol: Protocol = FEDSGD) -> list[DefenseSetting]:
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
         item = _section(item, DEFENSE, where, problems)
@@ -480,26 +477,33 @@ def _check_metrics(value: Any, registry: Registry, problems: list[str], image_si
 
 
 def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
+    """The protocol type named by ``protocol:`` (a name or a mapping), built from its own ``params``."""
     if isinstance(value, str):
         value = {"name": value}
     if not isinstance(value, dict):
-        return Protocol()
-    section = _section(value, PROTOCOL, "protocol", problems)
-    allowed = PROTOCOL_KEYS.get(section["name"], set())
-    for key in sorted(set(value) & set(PROTOCOL) - allowed - {"name"}):
-        owner = next(n for n, keys in PROTOCOL_KEYS.items() if key in keys)
-        problems.append(f"protocol.{key}: only applies to protocol {owner}")
-    if section["name"] == "step":
-        for key in ("function", "lr"):
-            if section[key] is None:
-                problems.append(f"protocol.{key}: required for protocol step")
-        if section["function"] is not None:
-            _check_factory(section, "function", "protocol.function", problems)
-    b = section["local_batch_size"]
+        return FEDSGD
+    name = value.get("name", "fedsgd")
+    cls = PROTOCOLS.get(name)
+    if cls is None:
+        problems.append(f"protocol.name: {name!r} is not a protocol; choices: {', '.join(PROTOCOLS)}")
+        return FEDSGD
+    settings = {k: v for k, v in value.items() if k != "name"}
+    owners = {k: n for n, c in PROTOCOLS.items() for k in c.params}
+    for key in sorted(k for k in settings if k not in cls.params and k in owners):
+        problems.append(f"protocol.{key}: only applies to protocol {owners[key]}")
+        del settings[key]
+    found = check_params(cls.params, settings, "protocol")
+    if found:
+        problems.extend(p.replace("required parameter is missing", f"required for protocol {name}") for p in found)
+        return FEDSGD
+    section = {k: p.default for k, p in cls.params.items() if not p.required} | settings
+    if "function" in section:
+        _check_factory(section, "function", "protocol.function", problems)
+    b = section.get("local_batch_size")
     if b is not None and b > data["batch_size"]:
         problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "
                         "(the images each client holds)")
-    return Protocol(**section)
+    return cls(**section)
 
 
 def _check_device(device: str, problems: list[str]) -> str:

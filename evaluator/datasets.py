@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,46 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plugins import Param, hookimpl
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.components import DatasetSpec, ImageData
 
 SPLIT_SEED = 20240611  # fixed: train/test splits never depend on the audit seed
 
 
-@dataclass
-class ImageData:
-    """Train and test splits as tensors in [0, 1] pixel space, with the normalisation models see."""
-
-    name: str
-    train_x: Tensor
-    train_y: Tensor
-    test_x: Tensor
-    test_y: Tensor
-    num_classes: int
-    mean: Tensor = field(init=False)
-    std: Tensor = field(init=False)
-
-    def __post_init__(self):
-        dims = (0, 2, 3)
-        self.mean = self.train_x.mean(dim=dims)
-        self.std = self.train_x.std(dim=dims).clamp_min(1e-3)
-
-    @property
-    def channels(self) -> int:
-        return self.train_x.shape[1]
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """A named loader ``load(image_size=, root=, download=, **params) -> ImageData``.
-
-    ``check(data_section) -> list[str]`` reports problems (a missing folder) before any work.
-    """
-
-    name: str
-    load: Callable[..., ImageData]
-    params: dict[str, Param] = field(default_factory=dict)
-    summary: str = ""
-    check: Callable[[dict[str, Any]], list[str]] | None = None
 
 
 def resize(images: Tensor, size: int) -> Tensor:
@@ -204,8 +169,8 @@ def _torchvision_loader(name: str) -> Callable[..., ImageData]:
 
 def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
     """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
-    from evaluator.config import ConfigError
-    from evaluator.models import call_with_accepted, import_factory
+    from leakaudit.evaluator.config import ConfigError
+    from leakaudit.plugins.factories import call_with_accepted, import_factory
 
     offered = {"image_size": section["image_size"], "root": section["root"], "download": section["download"]}
     data = call_with_accepted(import_factory(section["factory"]), offered, section["params"])

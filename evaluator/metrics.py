@@ -5,7 +5,6 @@ import importlib.util
 import pickle
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -14,23 +13,9 @@ import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from plugins import hookimpl
+from leakaudit.plugins import hookimpl
+from leakaudit.plugins.components import Metric, MetricUnavailable
 
-
-class MetricUnavailable(RuntimeError):
-    """The metric cannot be computed here (a weight file is missing); the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Metric:
-    """A named score. Image metrics map aligned (B, C, H, W) pairs to (B,); label metrics to a float."""
-
-    name: str
-    fn: Callable
-    higher_is_better: bool
-    on: str = "images"
-    summary: str = ""
-    min_size: int = 1  # smallest image side the metric can score (checked against data.image_size)
 
 
 def mse(rec: Tensor, orig: Tensor) -> Tensor:

@@ -1,28 +1,17 @@
 """The model zoo: the networks the gradient-inversion literature attacks, plus users' own factories."""
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from evaluator.protocol import unwrap
-from plugins import Param, hookimpl
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A named model builder: ``build(channels=, num_classes=, image_size=, **params) -> nn.Module``."""
-
-    name: str
-    build: Callable[..., nn.Module]
-    params: dict[str, Param] = field(default_factory=dict)
-    summary: str = ""
+from leakaudit.plugins.protocol import unwrap
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.components import ModelSpec
+from leakaudit.plugins.factories import call_with_accepted, import_factory
 
 
 def lenet_zhu(channels: int, num_classes: int, image_size: int) -> nn.Module:
@@ -198,32 +187,6 @@ ZOO = [
 @hookimpl
 def register_models():
     return ZOO
-
-
-def import_factory(path: str) -> Callable[..., Any]:
-    """Resolve ``"package.module:attribute"``; raise ValueError with a one-line reason."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
-
-
-def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:
-    """Call a user's factory with ``params`` plus whichever of ``offered`` its signature accepts."""
-    try:
-        sig = inspect.signature(factory)
-        takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        kwargs = {k: v for k, v in offered.items() if takes_all or k in sig.parameters}
-    except (TypeError, ValueError):
-        kwargs = {}
-    return factory(**kwargs, **params)
 
 
 def build_model(spec_or_path: ModelSpec | str, channels: int, num_classes: int, image_size: int,

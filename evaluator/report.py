@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from evaluator.config import Audit  # noqa: E402
+from leakaudit.evaluator.config import Audit  # noqa: E402
 
 PRIVACY_METRIC = "psnr"
 SECOND_METRICS = ("lpips", "ssim")  # the privacy-utility plot's second panel shows the first one measured
@@ -190,7 +190,7 @@ def plot_leakage_by_step(summary: dict, path: Path) -> bool:
 
 def plot_reconstructions(audit: Audit, out_dir: Path, path: Path, max_images: int = 8) -> bool:
     """Originals on top, then one row of reconstructions per (setting, attack) at the first checkpoint."""
-    from evaluator.runner import AttackJob, recon_file
+    from leakaudit.evaluator.runner import AttackJob, recon_file
 
     ckpt = audit.checkpoints[0]
     rows: list[tuple[str, torch.Tensor]] = []
@@ -246,8 +246,8 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def architecture(audit: Audit) -> list[dict[str, Any]]:
     """``leakaudit analyse``'s result for every model of the audit, or why it does not apply."""
-    from evaluator.analysis import analyse_all
-    from evaluator.scenario import Scenario
+    from leakaudit.evaluator.analysis import analyse_all
+    from leakaudit.evaluator.scenario import Scenario
 
     return analyse_all(Scenario(audit))
 
@@ -271,7 +271,7 @@ def _architecture_html(results: list[dict[str, Any]]) -> str:
 
 def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
-    from evaluator.tuning import winners
+    from leakaudit.evaluator.tuning import winners
 
     best = winners(trials, audit.registry)
     out = []

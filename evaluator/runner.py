@@ -16,13 +16,13 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from attacks.base import Reconstruction
-from evaluator.config import Audit, AttackSpec, DefenseSetting, load_audit
-from evaluator.metrics import score
-from evaluator.protocol import ClientStep
-from evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn, round_generators
-from evaluator.tuning import candidates, winners
-from evaluator.utility import privacy_spent, train_under_defense
+from leakaudit.plugins.attack import Reconstruction
+from leakaudit.evaluator.config import Audit, AttackSpec, DefenseSetting, load_audit
+from leakaudit.evaluator.metrics import score
+from leakaudit.plugins.protocol import ClientStep
+from leakaudit.evaluator.scenario import Scenario, check_scenario, derive_seed, generator, loss_fn, round_generators
+from leakaudit.evaluator.tuning import candidates, winners
+from leakaudit.evaluator.utility import privacy_spent, train_under_defense
 
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
@@ -264,7 +264,7 @@ def _execute(fn: Callable, items: Iterable, audit: Audit, workers: int, desc: st
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
               workers: int | None = None) -> dict[str, Any]:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
-    from evaluator.report import write_report
+    from leakaudit.evaluator.report import write_report
 
     out_dir = Path(out_dir)
     scenario = Scenario(audit)

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attacks.base import ThreatModel
-from defenses.base import Defense
-from evaluator.config import Audit, AttackSpec, ConfigError, DefenseSetting
-from evaluator.datasets import ImageData, load_factory_data
-from evaluator.models import build_model
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.defense import Defense
+from leakaudit.evaluator.config import Audit, AttackSpec, ConfigError, DefenseSetting
+from leakaudit.evaluator.datasets import load_factory_data
+from leakaudit.plugins.components import ImageData
+from leakaudit.evaluator.models import build_model
 
 
 def derive_seed(*parts: object) -> int:
@@ -109,7 +110,7 @@ class Scenario:
 
     def attack(self, spec: AttackSpec, params: dict | None = None):
         """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
-        return self.audit.registry.get("attack", spec.name)(**(spec.params if params is None else params))
+        return spec.build(self.audit.registry, params)
 
     def model_section(self, setting: DefenseSetting | None = None) -> dict:
         """The ``model:`` section a setting uses: its own, or the audit's."""
@@ -151,9 +152,9 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"{audit.path}: defenses: {setting.key}: {exc}")
             continue
         for i, spec in enumerate(audit.attacks):
-            attack = audit.registry.get("attack", spec.name)
+            attack = scenario.attack(spec)
             why = spec.applies_to(setting) and (
-                attack.unsupported(model, audit.data["batch_size"], audit.protocol.observed)
+                attack.unsupported(model, audit.data["batch_size"], audit.protocol)
                 or attack.unsupported_defense(defense))
             if why:
                 reasons.setdefault((i, why), []).append(setting.key)

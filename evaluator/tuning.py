@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from plugins.spec import Param, check_params
+from leakaudit.plugins.spec import Param, check_params
 
 TUNE = {
     "budget": Param(8, int, min=1, help="settings tried, the untuned one included"),

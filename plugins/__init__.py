@@ -1,14 +1,14 @@
-"""leakaudit's plugin system: hook markers, parameter specs, discovery and the name registry.
+"""leakaudit's plugin layer, the bottom of the package: the contracts a plugin implements
+(``defense``, ``attack``, ``protocol``, ``components``), hook markers, parameter specs, discovery
+and the name registry. Nothing here imports the defense or attack families or the engine.
 
-Plugin authors need two names from here::
+Plugin authors import from the top-level package::
 
-    from plugins import hookimpl, Param
-
-and the base classes from their rooms (``defenses.Defense``, ``attacks.Attack``).
+    from leakaudit import Defense, Param, hookimpl
 """
 import pluggy
 
-from plugins.spec import Param, PluginError
+from leakaudit.plugins.spec import Param, PluginError
 
 PROJECT = "leakaudit"
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -1,21 +1,21 @@
 """Every hook a leakaudit plugin may implement.
 
-A plugin is any module or object with functions marked ``@plugins.hookimpl`` whose
+A plugin is any module or object with functions marked ``@leakaudit.hookimpl`` whose
 names match the functions below. Built-in defenses, attacks, metrics, models and
 datasets register through these very hooks. Each ``register_*`` hook returns an
 iterable of components; a name registered twice is an error naming both plugins.
 """
 from __future__ import annotations
 
-from plugins import hookspec
+from leakaudit.plugins import hookspec
 
 
 @hookspec
 def register_defenses():
-    """Return defense classes (subclasses of ``defenses.Defense``).
+    """Return defense classes (subclasses of ``leakaudit.Defense``).
 
     Each class carries ``name`` (the YAML name), ``params`` (a dict of
-    ``plugins.Param``) and a docstring whose first line is shown by
+    ``leakaudit.Param``) and a docstring whose first line is shown by
     ``leakaudit plugins``. Its ``log_likelihood`` is what the Bayes-optimal
     attacker maximises, so it must match how ``share`` samples.
     """
@@ -23,17 +23,17 @@ def register_defenses():
 
 @hookspec
 def register_attacks():
-    """Return attack classes (subclasses of ``attacks.Attack``).
+    """Return attack classes (subclasses of ``leakaudit.Attack``).
 
     ``reconstruct(observed, threat, generator)`` gets the shared update, the
-    attacker's knowledge (``attacks.ThreatModel``) and a seeded generator, and
-    returns an ``attacks.Reconstruction`` in [0, 1] pixel space.
+    attacker's knowledge (``leakaudit.ThreatModel``) and a seeded generator, and
+    returns an ``leakaudit.Reconstruction`` in [0, 1] pixel space.
     """
 
 
 @hookspec
 def register_metrics():
-    """Return ``evaluator.metrics.Metric`` objects.
+    """Return ``leakaudit.Metric`` objects.
 
     Image metrics receive reconstructions already matched to their originals by
     best assignment and return one value per image; label metrics score the
@@ -43,7 +43,7 @@ def register_metrics():
 
 @hookspec
 def register_models():
-    """Return ``evaluator.models.ModelSpec`` objects (name, builder, params).
+    """Return ``leakaudit.ModelSpec`` objects (name, builder, params).
 
     The builder is called as ``build(channels=, num_classes=, image_size=, **params)``
     and returns a fresh ``torch.nn.Module`` initialised from torch's global RNG,
@@ -53,9 +53,9 @@ def register_models():
 
 @hookspec
 def register_datasets():
-    """Return ``evaluator.datasets.DatasetSpec`` objects (name, loader, params).
+    """Return ``leakaudit.DatasetSpec`` objects (name, loader, params).
 
-    The loader returns an ``evaluator.datasets.ImageData`` with train and test
+    The loader returns an ``leakaudit.ImageData`` with train and test
     splits in [0, 1] pixel space; it must not reach the network unless the audit
     says ``download: true``.
     """
@@ -66,5 +66,5 @@ def report_extras(summary, audit, out_dir):
     """Return a list of ``(title, html)`` sections appended to ``report.html``.
 
     ``summary`` is the dict written to ``summary.json``, ``audit`` the validated
-    ``evaluator.config.Audit`` and ``out_dir`` the run's ``pathlib.Path``.
+    ``leakaudit.Audit`` and ``out_dir`` the run's ``pathlib.Path``.
     """

@@ -11,27 +11,27 @@ from typing import Any, Iterable
 
 import pluggy
 
-from plugins import PROJECT, PluginError, hookspecs
+from leakaudit.plugins import PROJECT, PluginError, hookspecs
 
 #: Built-in plugin modules, registered exactly like outside plugins.
 BUILTIN_PLUGINS = (
-    "defenses.noise",
-    "defenses.pruning",
-    "defenses.clipping",
-    "defenses.dpsgd",
-    "defenses.soteria",
-    "defenses.precode",
-    "defenses.bayesian",
-    "attacks.gradient_matching",
-    "attacks.analytic",
-    "attacks.bayes",
-    "attacks.precode",
-    "attacks.bayesian",
-    "attacks.rgap",
-    "attacks.cinet",
-    "evaluator.metrics",
-    "evaluator.models",
-    "evaluator.datasets",
+    "leakaudit.defenses.noise",
+    "leakaudit.defenses.pruning",
+    "leakaudit.defenses.clipping",
+    "leakaudit.defenses.dpsgd",
+    "leakaudit.defenses.soteria",
+    "leakaudit.defenses.precode",
+    "leakaudit.defenses.bayesian",
+    "leakaudit.attacks.gradient_matching",
+    "leakaudit.attacks.analytic",
+    "leakaudit.attacks.bayes",
+    "leakaudit.attacks.precode",
+    "leakaudit.attacks.bayesian",
+    "leakaudit.attacks.rgap",
+    "leakaudit.attacks.cinet",
+    "leakaudit.evaluator.metrics",
+    "leakaudit.evaluator.models",
+    "leakaudit.evaluator.datasets",
 )
 
 #: Registry kinds and the hook that fills each.

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAKAUDIT = [sys.executable, "-m", "evaluator.cli"]
+LEAKAUDIT = [sys.executable, "-m", "leakaudit"]
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def _seeded():
 
 @pytest.fixture(scope="session")
 def registry():
-    from plugins.manager import load_registry
+    from leakaudit.plugins.manager import load_registry
 
     return load_registry()
 

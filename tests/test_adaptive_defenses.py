@@ -6,19 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attacks.analytic import AnalyticInversion
-from attacks.base import ThreatModel
-from attacks.bayesian import (BayesianExact, BayesianNoiseKL, data_gradients, kl_to_standard_normal, recover_noise)
-from attacks.gradient_matching import InvertingGradients
-from attacks.labels import labels_from_signs
-from attacks.precode import PrecodeSample, recover_sample
-from defenses.bayesian import Bayesian, bayesian_layers, collapse
-from defenses.noise import NoDefense
-from defenses.precode import Precode, bottleneck_of
-from defenses.soteria import Soteria, feature_scores, pruning_mask
-from evaluator.cli import main
-from evaluator.models import convbig, lenet_zhu, mlp
-from evaluator.protocol import ClientStep, parameter_names
+from leakaudit.attacks.analytic import AnalyticInversion
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.bayesian import (BayesianExact, BayesianNoiseKL, data_gradients, kl_to_standard_normal, recover_noise)
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.attacks.labels import labels_from_signs
+from leakaudit.attacks.precode import PrecodeSample, recover_sample
+from leakaudit.defenses.bayesian import Bayesian, bayesian_layers, collapse
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.defenses.precode import Precode, bottleneck_of
+from leakaudit.defenses.soteria import Soteria, feature_scores, pruning_mask
+from leakaudit.evaluator.cli import main
+from leakaudit.evaluator.models import convbig, lenet_zhu, mlp
+from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep, parameter_names
 
 from conftest import small_audit
 
@@ -175,9 +175,9 @@ def test_the_bottleneck_sample_is_read_from_the_decoder_gradients():
 
 def test_precode_sample_attack_applies_only_where_the_sample_is_identifiable():
     model, _ = precode_mlp()
-    assert PrecodeSample.unsupported(model, 1, "fedsgd") is None
-    assert "one image" in PrecodeSample.unsupported(model, 2, "fedsgd")
-    assert "no PRECODE bottleneck" in PrecodeSample.unsupported(mlp(3, 10, 16), 1, "fedsgd")
+    assert PrecodeSample().unsupported(model, 1, FEDSGD) is None
+    assert "one image" in PrecodeSample().unsupported(model, 2, FEDSGD)
+    assert "no PRECODE bottleneck" in PrecodeSample().unsupported(mlp(3, 10, 16), 1, FEDSGD)
 
 
 def test_a_pinned_sample_makes_the_client_update_exactly_reproducible():
@@ -185,7 +185,7 @@ def test_a_pinned_sample_makes_the_client_update_exactly_reproducible():
     model, defense = precode_mlp()
     x, y = torch.rand(1, 3, 16, 16), torch.tensor([5])
     sent = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(2)))
-    from defenses.precode import pinned_sample
+    from leakaudit.defenses.precode import pinned_sample
 
     with pinned_sample(model, recover_sample(sent, model)):
         candidate = threat_for(model, defense).candidate_update(x, y)
@@ -261,7 +261,7 @@ def test_bayesian_exact_rebuilds_what_the_attack_on_the_deterministic_network_re
     rec = BayesianExact(iterations=40)(sent, threat_for(model, defense), torch.Generator().manual_seed(1))
     fixed = collapse(model, replay_noise(model, 4))
     step = ClientStep(fixed, loss_fn, x, y, torch.Generator())
-    from defenses.base import SharedUpdate
+    from leakaudit.plugins.defense import SharedUpdate
 
     plain = SharedUpdate(step.clean_update(), parameter_names(fixed), 1)
     reference = InvertingGradients(iterations=40)(plain, threat_for(fixed, NoDefense()), torch.Generator().manual_seed(1))
@@ -281,14 +281,14 @@ def test_labels_come_from_the_mean_weights_of_a_bayesian_last_layer():
 
 def test_bayesian_exact_says_when_the_noise_is_not_identifiable():
     _, mean_only, _ = bayesian_lenet(share_scales=False)
-    assert "only the means are shared" in BayesianExact.unsupported(mean_only, 1, "fedsgd")
+    assert "only the means are shared" in BayesianExact().unsupported(mean_only, 1, FEDSGD)
     _, per_example, _ = bayesian_lenet(noise="per_example")
-    assert BayesianExact.unsupported(per_example, 1, "fedsgd") is None
-    assert "each example draws its own noise" in BayesianExact.unsupported(per_example, 2, "fedsgd")
+    assert BayesianExact().unsupported(per_example, 1, FEDSGD) is None
+    assert "each example draws its own noise" in BayesianExact().unsupported(per_example, 2, FEDSGD)
     _, model, _ = bayesian_lenet()
-    assert "FedAvg" in BayesianExact.unsupported(model, 1, "fedavg")
-    assert "no Bayesian layers" in BayesianExact.unsupported(lenet_zhu(3, 10, 16), 1, "fedsgd")
-    assert BayesianNoiseKL.unsupported(mean_only, 4, "fedsgd") is None
+    assert "FedAvg" in BayesianExact().unsupported(model, 1, FedAvg())
+    assert "no Bayesian layers" in BayesianExact().unsupported(lenet_zhu(3, 10, 16), 1, FEDSGD)
+    assert BayesianNoiseKL().unsupported(mean_only, 4, FEDSGD) is None
 
 
 def test_per_example_noise_draws_one_weight_per_example():
@@ -355,7 +355,7 @@ def test_an_adaptive_attack_on_a_defense_it_does_not_fit_is_refused(write_audit,
      "defenses[0].params.noise: 'per_batch' is not one of the choices; choices: per_pass, per_example"),
 ])
 def test_new_audit_keys_fail_with_one_line(write_audit, audit, expected):
-    from evaluator.config import ConfigError, load_audit
+    from leakaudit.evaluator.config import ConfigError, load_audit
 
     path = write_audit(audit)
     with pytest.raises(ConfigError) as info:
@@ -379,8 +379,8 @@ def test_a_defense_that_does_not_fit_the_model_is_named_before_work(write_audit,
 
 
 def test_a_setting_with_its_own_model_is_built_with_it(write_audit):
-    from evaluator.config import load_audit
-    from evaluator.scenario import Scenario
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.scenario import Scenario
 
     path = write_audit(small_audit(defenses=[{"name": "none"}, {"name": "precode", "params": {"size": 8},
                                                                 "model": {"name": "mlp", "params": {"width": 32}}}]))
@@ -413,8 +413,8 @@ def test_bayes_is_refused_where_the_defense_declares_no_likelihood(write_audit, 
 def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_path):
     import json
 
-    from evaluator.config import load_audit
-    from evaluator.runner import run_audit
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.runner import run_audit
 
     ig = {"iterations": 30, "priors": {"tv": 1e-3}}
     audit = load_audit(write_audit(small_audit(
@@ -460,7 +460,7 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
      "attacks[0].params.drop_defended: 'yes' is not of type bool"),
 ])
 def test_new_parameters_fail_with_one_line(write_audit, section, entry, expected):
-    from evaluator.config import ConfigError, load_audit
+    from leakaudit.evaluator.config import ConfigError, load_audit
 
     path = write_audit(small_audit(**{section: [entry]}))
     with pytest.raises(ConfigError) as info:

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from attacks.base import ThreatModel
-from attacks.gradient_matching import InvertingGradients, cosine_distance, step_decay_milestones
-from attacks.labels import labels_from_signs
-from attacks.priors import total_variation
-from defenses.noise import GaussianNoise, NoDefense
-from evaluator.datasets import load_digits
-from evaluator.metrics import psnr
-from evaluator.models import lenet_zhu, mlp
-from evaluator.protocol import ClientStep
-from evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.gradient_matching import InvertingGradients, cosine_distance, step_decay_milestones
+from leakaudit.attacks.labels import labels_from_signs
+from leakaudit.attacks.priors import total_variation
+from leakaudit.defenses.noise import GaussianNoise, NoDefense
+from leakaudit.evaluator.datasets import load_digits
+from leakaudit.evaluator.metrics import psnr
+from leakaudit.evaluator.models import lenet_zhu, mlp
+from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep
+from leakaudit.evaluator.scenario import loss_fn
 
 
 def test_label_from_gradient_signs_is_exact_for_one_image():
@@ -67,9 +67,9 @@ def test_inverting_gradients_fails_under_strong_noise():
 
 
 def _scenario(model, index=0, size=16, protocol=None):
-    from evaluator.protocol import Protocol
+    from leakaudit.plugins.protocol import FedAvg, FedSGD
 
-    protocol = protocol or Protocol()
+    protocol = protocol or FedSGD()
     data = load_digits(image_size=size)
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
     pixels, label = data.test_x[index:index + 1], data.test_y[index:index + 1]
@@ -79,7 +79,7 @@ def _scenario(model, index=0, size=16, protocol=None):
 
 
 def test_dlg_with_lbfgs_rebuilds_a_digit_from_untrained_lenet():
-    from attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage
+    from leakaudit.attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage
 
     torch.manual_seed(0)
     observed, threat, pixels, label = _scenario(lenet_zhu(1, 10, 16))
@@ -90,7 +90,7 @@ def test_dlg_with_lbfgs_rebuilds_a_digit_from_untrained_lenet():
 
 
 def test_analytic_inverts_an_mlp_exactly():
-    from attacks.analytic import AnalyticInversion
+    from leakaudit.attacks.analytic import AnalyticInversion
 
     torch.manual_seed(0)
     observed, threat, pixels, label = _scenario(mlp(1, 10, 16, width=64))
@@ -99,7 +99,7 @@ def test_analytic_inverts_an_mlp_exactly():
 
 
 def test_analytic_without_bias_uses_the_next_layer():
-    from attacks.analytic import AnalyticInversion
+    from leakaudit.attacks.analytic import AnalyticInversion
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 64, bias=False), torch.nn.ReLU(),
@@ -109,18 +109,18 @@ def test_analytic_without_bias_uses_the_next_layer():
 
 
 def test_analytic_says_where_it_does_not_apply():
-    from attacks.analytic import AnalyticInversion
+    from leakaudit.attacks.analytic import AnalyticInversion
 
-    assert "must start with a fully connected layer" in AnalyticInversion.unsupported(lenet_zhu(1, 10, 16), 1, "fedsgd")
-    assert "exact for one image" in AnalyticInversion.unsupported(mlp(1, 10, 16), 2, "fedsgd")
-    assert AnalyticInversion.unsupported(mlp(1, 10, 16), 1, "fedsgd") is None
+    assert "must start with a fully connected layer" in AnalyticInversion().unsupported(lenet_zhu(1, 10, 16), 1, FEDSGD)
+    assert "exact for one image" in AnalyticInversion().unsupported(mlp(1, 10, 16), 2, FEDSGD)
+    assert AnalyticInversion().unsupported(mlp(1, 10, 16), 1, FEDSGD) is None
 
 
 def test_inverting_gradients_unrolls_federated_averaging():
-    from evaluator.protocol import Protocol
+    from leakaudit.plugins.protocol import FedAvg, FedSGD
 
     torch.manual_seed(0)
-    protocol = Protocol("fedavg", local_epochs=5, local_batch_size=1, local_lr=0.1)
+    protocol = FedAvg(local_epochs=5, local_batch_size=1, local_lr=0.1)
     observed, threat, pixels, _ = _scenario(lenet_zhu(1, 10, 16), protocol=protocol)
     rec = InvertingGradients(iterations=600)(observed, threat, torch.Generator().manual_seed(2))
     assert psnr(rec.images, pixels).item() > 18.0

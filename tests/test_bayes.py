@@ -7,16 +7,16 @@ import shutil
 import pytest
 import torch
 
-from attacks.base import ThreatModel
-from attacks.bayes import BayesOptimal, CosineMatching, L1Matching, L2Matching, sample_in_ball
-from defenses.noise import GaussianNoise
-from evaluator.config import load_audit
-from evaluator.datasets import load_digits
-from evaluator.metrics import psnr
-from evaluator.models import lenet_zhu
-from evaluator.protocol import ClientStep
-from evaluator.runner import run_audit
-from evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.bayes import BayesOptimal, CosineMatching, L1Matching, L2Matching, sample_in_ball
+from leakaudit.defenses.noise import GaussianNoise
+from leakaudit.evaluator.config import load_audit
+from leakaudit.evaluator.datasets import load_digits
+from leakaudit.evaluator.metrics import psnr
+from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.plugins.protocol import ClientStep
+from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.scenario import loss_fn
 
 from conftest import ROOT, small_audit
 
@@ -54,7 +54,7 @@ def test_bayes_on_gaussian_noise_is_l2_up_to_scale():
 
 @pytest.mark.parametrize("cls", [BayesOptimal, L2Matching, L1Matching, CosineMatching])
 def test_every_variant_rebuilds_an_undefended_digit(cls):
-    from defenses.noise import NoDefense
+    from leakaudit.defenses.noise import NoDefense
 
     observed, threat, pixels = _case(NoDefense())
     rec = cls(iterations=400, lr=0.1, lr_decay=0.1)(observed, threat, torch.Generator().manual_seed(0))

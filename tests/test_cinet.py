@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.base import ThreatModel
-from attacks.cinet import CHANNEL_LADDER, CINet, parameter_count
-from attacks.gradient_matching import InvertingGradients
-from defenses.noise import NoDefense
-from evaluator.metrics import score
-from evaluator.models import lenet_zhu
-from evaluator.protocol import ClientStep
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.cinet import CHANNEL_LADDER, CINet, parameter_count
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.metrics import score
+from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.plugins.protocol import ClientStep
 
 
 def batch16(registry):

@@ -6,8 +6,8 @@ import subprocess
 import pytest
 import yaml
 
-from evaluator.cli import main
-from evaluator.config import ConfigError, load_audit
+from leakaudit.evaluator.cli import main
+from leakaudit.evaluator.config import ConfigError, load_audit
 
 from conftest import LEAKAUDIT, ROOT, small_audit
 
@@ -81,7 +81,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
     (small_audit(defenses=[{"name": "prune", "params": {"noise": "gaussian"}}]),
      "defenses[0]: prune(noise=gaussian): prune: noise 'gaussian' needs scale > 0, got 0.0"),
     (small_audit(protocol={"name": "fedsgd", "local_lr": 0.1}), "protocol.local_lr: only applies to protocol fedavg"),
-    (small_audit(protocol="fedprox"), "protocol.name: 'fedprox' is not one of the choices; choices: fedsgd, fedavg"),
+    (small_audit(protocol="fedprox"), "protocol.name: 'fedprox' is not a protocol; choices: fedsgd, fedavg, step"),
     (small_audit(protocol={"name": "fedavg", "local_batch_size": 4}),
      "protocol.local_batch_size: 4 is larger than data.batch_size 1 (the images each client holds)"),
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"priors": {"tvv": 1.0}}}]),

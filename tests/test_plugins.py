@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from plugins import PluginError
-from plugins.manager import load_registry
+from leakaudit.plugins import PluginError
+from leakaudit.plugins.manager import load_registry
 
 from conftest import LEAKAUDIT, ROOT, small_audit
 
@@ -24,7 +24,7 @@ def test_builtins_register_through_the_hooks(registry):
     assert {"psnr", "ssim", "mse", "lpips", "label_accuracy"} <= set(registry.names("metric"))
     assert {"lenet_zhu", "convnet", "resnet18", "resnet20", "mlp"} <= set(registry.names("model"))
     assert {"digits", "lfw", "photos", "cifar10", "imagefolder"} <= set(registry.names("dataset"))
-    assert registry.entries["defense"]["gaussian"].origin == "builtin:defenses.noise"
+    assert registry.entries["defense"]["gaussian"].origin == "builtin:leakaudit.defenses.noise"
 
 
 def test_plugins_command_lists_every_kind_with_origin():
@@ -32,13 +32,13 @@ def test_plugins_command_lists_every_kind_with_origin():
     entries = json.loads(proc.stdout)
     assert {e["kind"] for e in entries} == {"defense", "attack", "metric", "model", "dataset"}
     ig = next(e for e in entries if e["name"] == "inverting_gradients")
-    assert ig["origin"] == "builtin:attacks.gradient_matching" and "Cosine" in ig["summary"]
+    assert ig["origin"] == "builtin:leakaudit.attacks.gradient_matching" and "Cosine" in ig["summary"]
 
 
 def test_name_clash_names_both_plugins(tmp_path):
     (tmp_path / "clash.py").write_text(textwrap.dedent("""
-        from plugins import hookimpl
-        from defenses.noise import GaussianNoise
+        from leakaudit import hookimpl
+        from leakaudit.defenses.noise import GaussianNoise
 
         class Mine(GaussianNoise):
             '''Another gaussian.'''
@@ -50,7 +50,7 @@ def test_name_clash_names_both_plugins(tmp_path):
     with pytest.raises(PluginError) as info:
         load_registry([tmp_path])
     msg = str(info.value)
-    assert "'gaussian'" in msg and "builtin:defenses.noise" in msg and f"file:{tmp_path / 'clash.py'}" in msg
+    assert "'gaussian'" in msg and "builtin:leakaudit.defenses.noise" in msg and f"file:{tmp_path / 'clash.py'}" in msg
 
 
 def test_broken_dropin_names_the_file(tmp_path):
@@ -60,7 +60,7 @@ def test_broken_dropin_names_the_file(tmp_path):
 
 
 def test_unknown_hook_is_rejected(tmp_path):
-    (tmp_path / "typo.py").write_text("from plugins import hookimpl\n\n@hookimpl\ndef register_defences():\n    return []\n")
+    (tmp_path / "typo.py").write_text("from leakaudit import hookimpl\n\n@hookimpl\ndef register_defences():\n    return []\n")
     with pytest.raises(PluginError, match="register_defences"):
         load_registry([tmp_path])
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attacks.priors import check_priors, l2_norm, pixel_range, prior_penalty, total_variation_isotropic
-from evaluator.models import lenet_zhu
-from evaluator.protocol import Protocol, client_update, fedsgd_update
-from evaluator.scenario import loss_fn
+from leakaudit.attacks.priors import check_priors, l2_norm, pixel_range, prior_penalty, total_variation_isotropic
+from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.plugins.protocol import FedAvg, fedsgd_update
+from leakaudit.evaluator.scenario import loss_fn
 
 
 def test_one_local_step_is_lr_times_the_gradient():
     torch.manual_seed(0)
     model = lenet_zhu(1, 10, 16)
     x, y = torch.rand(2, 1, 16, 16), torch.tensor([1, 4])
-    delta = client_update(model, loss_fn, x, y, Protocol("fedavg", local_epochs=1, local_lr=0.1))
+    delta = FedAvg(local_epochs=1, local_lr=0.1).attacker_update(model, loss_fn, x, y, create_graph=False)
     grad = fedsgd_update(model, loss_fn, x, y)
     assert all(torch.allclose(d, 0.1 * g, atol=1e-7) for d, g in zip(delta, grad))
 
@@ -23,7 +23,7 @@ def test_local_steps_match_plain_sgd_and_stay_differentiable():
     torch.manual_seed(0)
     model = lenet_zhu(1, 10, 16)
     x, y = torch.rand(4, 1, 16, 16), torch.tensor([1, 4, 4, 2])
-    protocol = Protocol("fedavg", local_epochs=2, local_batch_size=2, local_lr=0.05)
+    protocol = FedAvg(local_epochs=2, local_batch_size=2, local_lr=0.05)
     assert protocol.local_steps(4) == 4
     copy = lenet_zhu(1, 10, 16)
     copy.load_state_dict(model.state_dict())
@@ -33,11 +33,11 @@ def test_local_steps_match_plain_sgd_and_stay_differentiable():
             sgd.zero_grad()
             loss_fn(copy(x[i:i + 2]), y[i:i + 2]).backward()
             sgd.step()
-    delta = client_update(model, loss_fn, x, y, protocol)
+    delta = protocol.attacker_update(model, loss_fn, x, y, create_graph=False)
     for d, p0, p1 in zip(delta, model.parameters(), copy.parameters()):
         assert torch.allclose(d, p0 - p1, atol=1e-6)
     xr = x.clone().requires_grad_(True)
-    total = sum(d.sum() for d in client_update(model, loss_fn, xr, y, protocol, create_graph=True))
+    total = sum(d.sum() for d in protocol.attacker_update(model, loss_fn, xr, y, create_graph=True))
     assert torch.autograd.grad(total, xr)[0].abs().sum() > 0
 
 

@@ -5,16 +5,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.base import ThreatModel
-from attacks.rgap import HybridInversion, LayerwiseInversion
-from attacks.linear_system import ConvSystem, _cgls, _dense_min_norm, conv_systems
-from defenses.noise import NoDefense
-from evaluator.models import SEED002_VARIANTS, lenet_zhu, linear_system_cnn, mlp
-from evaluator.protocol import ClientStep
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.rgap import HybridInversion, LayerwiseInversion
+from leakaudit.attacks.linear_system import ConvSystem, _cgls, _dense_min_norm, conv_systems
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.models import SEED002_VARIANTS, lenet_zhu, linear_system_cnn, mlp
+from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep
 
 
 def case(name: str, size: int, index: int = 0):
-    from plugins.manager import load_registry
+    from leakaudit.plugins.manager import load_registry
 
     data = load_registry().get("dataset", "cifar10_samples").load(image_size=size, root=None, download=False)
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
@@ -60,14 +60,14 @@ def test_matrix_free_conjugate_gradients_reach_the_dense_minimum_norm_solution()
 
 
 def test_rgap_says_where_it_does_not_apply():
-    assert "ReLU is not invertible" in LayerwiseInversion.unsupported(
-        mlp(3, 10, 8), 1, "fedsgd")
-    assert LayerwiseInversion.unsupported(lenet_zhu(3, 10, 16), 1, "fedsgd") is None
-    assert "one image" in LayerwiseInversion.unsupported(lenet_zhu(3, 10, 16), 2, "fedsgd")
+    assert "ReLU is not invertible" in LayerwiseInversion().unsupported(
+        mlp(3, 10, 8), 1, FEDSGD)
+    assert LayerwiseInversion().unsupported(lenet_zhu(3, 10, 16), 1, FEDSGD) is None
+    assert "one image" in LayerwiseInversion().unsupported(lenet_zhu(3, 10, 16), 2, FEDSGD)
 
 
 def test_bad_hybrid_settings_and_models_fail_before_work(write_audit, capsys):
-    from evaluator.cli import main
+    from leakaudit.evaluator.cli import main
 
     from conftest import small_audit
 

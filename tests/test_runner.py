@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from evaluator import runner
-from evaluator.config import load_audit
-from evaluator.runner import RunError, run_audit
+from leakaudit.evaluator import runner
+from leakaudit.evaluator.config import load_audit
+from leakaudit.evaluator.runner import RunError, run_audit
 
 from conftest import LEAKAUDIT, small_audit
 
@@ -115,8 +115,8 @@ def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
 
 
 def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
-    from evaluator.config import load_audit
-    from evaluator.report import summarise
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.report import summarise
 
     audit = load_audit(write_audit(small_audit()))
     row = {"defense": "none", "setting": "none", "params": {}, "attack": "inverting_gradients", "checkpoint": 0,
@@ -130,8 +130,8 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
 
 
 def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_one(write_audit):
-    from evaluator.config import load_audit
-    from evaluator.report import summarise
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.report import summarise
 
     attacks = [{"name": "inverting_gradients", "label": "ig"}, {"name": "dlg", "label": "dlg"},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}},

@@ -6,9 +6,9 @@ import importlib.util
 import pytest
 import torch
 
-from evaluator import datasets
-from evaluator.config import ConfigError, load_audit
-from evaluator.models import ZOO, build_model
+from leakaudit.evaluator import datasets
+from leakaudit.evaluator.config import ConfigError, load_audit
+from leakaudit.evaluator.models import ZOO, build_model
 
 from conftest import small_audit
 
@@ -85,7 +85,7 @@ def test_imagefolder_reads_a_local_folder(tmp_path):
 
 
 def test_cnn_bayes_has_flax_default_initialisation():
-    from evaluator.models import cnn_bayes
+    from leakaudit.evaluator.models import cnn_bayes
 
     torch.manual_seed(0)
     model = cnn_bayes(1, 10, 28)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from evaluator.config import load_audit
-from evaluator.runner import run_audit
+from leakaudit.evaluator.config import load_audit
+from leakaudit.evaluator.runner import run_audit
 
 from conftest import ROOT
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from evaluator import runner
-from evaluator.config import ConfigError, load_audit
-from evaluator.runner import run_audit
-from evaluator.tuning import TuneSpec, candidates, with_value
+from leakaudit.evaluator import runner
+from leakaudit.evaluator.config import ConfigError, load_audit
+from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.tuning import TuneSpec, candidates, with_value
 
 from conftest import small_audit
 

@@ -3,7 +3,7 @@
 It trains a CNN on scikit-learn's handwritten digits with its own SGD step, the
 step that runs on every client in every round. ``audit.yaml`` beside this file
 audits the same step from YAML (``leakaudit run audit.yaml``); running this file
-audits it from Python with ``evaluator.api.audit_batch`` inside the training loop.
+audits it from Python with ``leakaudit.audit_batch`` inside the training loop.
 
     python examples/own_training/digits_client.py
 """
@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from evaluator.api import audit_batch
-from evaluator.datasets import ImageData, resize
+from leakaudit import ImageData, audit_batch
 
 LR = 0.05          # the step size of train_step below
 IMAGE_SIZE = 16
@@ -35,7 +34,8 @@ def load_data(image_size: int = IMAGE_SIZE) -> ImageData:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    x = resize(torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0, image_size)
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", antialias=True).clamp(0, 1)
     y = torch.tensor(digits.target)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
     test, train = order[:360], order[360:]

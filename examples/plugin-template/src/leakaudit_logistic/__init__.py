@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from defenses import Defense, SharedUpdate
-from plugins import Param, hookimpl
+from leakaudit import Defense, Param, SharedUpdate, hookimpl
 
 
 class LogisticNoise(Defense):

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from evaluator.protocol import LossFn
+from leakaudit.plugins.protocol import LossFn
 
 
 class StochasticModule(nn.Module):

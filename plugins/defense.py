@@ -7,9 +7,9 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from defenses.stochastic import noise_from
-from evaluator.protocol import ClientStep, LossFn, Protocol, TrainingRun, parameter_names, trainable
-from plugins.spec import Param, resolve_params
+from leakaudit.plugins.stochastic import noise_from
+from leakaudit.plugins.protocol import ClientStep, LossFn, Protocol, TrainingRun, parameter_names, trainable
+from leakaudit.plugins.spec import Param, resolve_params
 
 
 @dataclass
@@ -38,6 +38,10 @@ class Defense:
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
     deterministic: ClassVar[bool] = False
+    #: The undefended reference: the report draws it as the point every defense is compared with.
+    baseline: ClassVar[bool] = False
+    #: The paper the defense comes from (author, year), shown by ``leakaudit plugins``.
+    paper: ClassVar[str] = ""
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)
@@ -152,25 +156,6 @@ class DeterministicDefense(Defense):
         return -0.5 * squared_distance(observed.tensors, self.transform(candidate))
 
 
-#: Ways to name a model's fully connected layer besides its module name.
-LINEAR_BY_POSITION = {"largest": lambda linears: max(linears, key=lambda n: linears[n].weight.numel()),
-                      "last": lambda linears: list(linears)[-1]}
-
-
-def fully_connected_layer(model: nn.Module, name: str, who: str, key: str, special: str) -> str:
-    """The module name of the fully connected layer ``name``, or of the ``special`` one (largest, last).
-
-    ValueError, naming ``who``'s ``key`` and the choices, when there is no such layer.
-    """
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if not linears:
-        raise ValueError(f"{who}: the model has no fully connected (nn.Linear) layer")
-    if name == special:
-        return LINEAR_BY_POSITION[special](linears)
-    if name not in linears:
-        raise ValueError(f"{who}: {key} {name!r} is not a fully connected layer of the model; "
-                         f"choices: {special}, {', '.join(linears)}")
-    return name
 
 
 def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:

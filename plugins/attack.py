@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from defenses.base import Defense, SharedUpdate
-from defenses.stochastic import noise_from
-from evaluator.protocol import FEDSGD, LossFn, Protocol, client_update
-from plugins.spec import Param, resolve_params
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.stochastic import noise_from
+from leakaudit.plugins.protocol import FEDSGD, LossFn, Protocol
+from leakaudit.plugins.spec import Param, resolve_params
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ThreatModel:
         The loss is the client's: the task loss plus any term the defense trains with.
         """
         loss_fn = self.defense.client_loss(self.model, self.loss_fn)
-        return client_update(self.model, loss_fn, images, targets, self.protocol, create_graph=True)
+        return self.protocol.attacker_update(self.model, loss_fn, images, targets, create_graph=True)
 
     def normalise(self, pixels: Tensor) -> Tensor:
         return (pixels - self.mean) / self.std
@@ -65,6 +65,8 @@ class Attack:
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
+    #: The paper the attack comes from (author, year), shown by ``leakaudit plugins``.
+    paper: ClassVar[str] = ""
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)
@@ -87,16 +89,14 @@ class Attack:
         """Whether this configured attack uses what the defense does (adaptive); sets its default report role."""
         return self.uses_defense
 
-    @staticmethod
-    def unsupported(model: nn.Module, batch_size: int, protocol: str) -> str | None:
-        """Why the attack cannot apply to this model, batch size and protocol; None when it can.
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        """Why this configured attack cannot apply to this model, batch size and protocol; None when it can.
 
         Checked before any work starts, so an impossible audit fails at once.
         """
         return None
 
-    @staticmethod
-    def unsupported_defense(defense: Defense) -> str | None:
+    def unsupported_defense(self, defense: Defense) -> str | None:
         """Why the attack cannot run against this defense; None when it can. Checked before any work."""
         return None
 

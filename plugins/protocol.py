@@ -1,62 +1,121 @@
-"""What one client computes in one federated round: FedSGD's gradient, FedAvg's local-training
-delta, or the update a user's own training step makes."""
+"""What one client computes in one federated round, as types: FedSGD's gradient, FedAvg's
+local-training delta, or the update a user's own training step makes.
+
+Each protocol knows how the client computes its clean update (``client_update``) and how an
+attacker models it for a candidate input (``attacker_update``, differentiable); the engine,
+defenses and attacks ask the protocol instead of comparing names.
+"""
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from leakaudit.plugins.factories import import_factory
+from leakaudit.plugins.spec import Param
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 StepFn = Callable[[nn.Module, Tensor, Tensor], Any]
-PROTOCOLS = ("fedsgd", "fedavg", "step")
+
+
+class Protocol:
+    """Base of the protocol types: how a client turns its private batch into the update it sends."""
+
+    name: ClassVar[str]
+    #: The protocol's YAML settings (``protocol: {name: ..., <key>: ...}``), checked before any work.
+    params: ClassVar[dict[str, Param]] = {}
+    #: Whether the sent tensors are (a multiple of) one gradient of the batch loss at the current
+    #: weights, so that layer-wise and closed-form attacks, and gradient-level defenses, apply.
+    sends_gradient: ClassVar[bool] = True
+
+    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor) -> list[Tensor]:
+        """The clean update the client computes on its batch (detached)."""
+        return [g.detach() for g in self.attacker_update(model, loss_fn, inputs, labels, create_graph=False)]
+
+    def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
+                        create_graph: bool = True) -> list[Tensor]:
+        """The update the attacker models for candidate ``images``: FedSGD's gradient unless overridden."""
+        return fedsgd_update(model, loss_fn, images, targets, create_graph)
+
+    def gradient_scale(self, images: int) -> float:
+        """The factor that turns the sent tensors back into a mean gradient (1 for a gradient)."""
+        return 1.0
+
+    def local_steps(self, images: int) -> int:
+        """How many local SGD steps the client takes on ``images`` images."""
+        return 1
 
 
 @dataclass(frozen=True)
-class Protocol:
-    """How a client turns its images into an update.
+class FedSGD(Protocol):
+    """The client sends the gradient of the mean loss over its whole batch."""
 
-    ``fedsgd``: the gradient of the mean loss over all the client's images.
-    ``fedavg``: ``local_epochs`` passes over the images in order, in minibatches of
-    ``local_batch_size`` (all images when None), SGD at ``local_lr``; the client
-    sends ``theta_before - theta_after`` (seed 004, Sec. 6).
-    ``step``: the user's own training step ``function(model, inputs, labels)`` runs once;
-    the client sends ``(theta_before - theta_after) / lr``, the gradient an SGD step at
-    ``lr`` applied, and the attacker models it as FedSGD's.
+    name: ClassVar[str] = "fedsgd"
+
+
+@dataclass(frozen=True)
+class FedAvg(Protocol):
+    """``local_epochs`` passes over the client's images in order, in minibatches of ``local_batch_size``
+    (all images when None), SGD at ``local_lr``; the client sends ``theta_before - theta_after``
+    (Geiping et al. 2020, Sec. 6). Attackers unroll the local steps.
     """
 
-    name: str = "fedsgd"
     local_epochs: int = 1
     local_batch_size: int | None = None
     local_lr: float = 1e-4
-    function: str | StepFn | None = None
-    lr: float | None = None
 
-    @property
-    def observed(self) -> str:
-        """What the attacker models the update as: ``fedavg``'s delta or ``fedsgd``'s gradient."""
-        return "fedavg" if self.name == "fedavg" else "fedsgd"
+    name: ClassVar[str] = "fedavg"
+    params: ClassVar[dict[str, Param]] = {
+        "local_epochs": Param(1, int, min=1, help="passes over the client's images"),
+        "local_batch_size": Param(None, int, min=1, help="minibatch size (default: all images)"),
+        "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="local SGD step size"),
+    }
+    sends_gradient: ClassVar[bool] = False
 
-    def step_function(self) -> StepFn:
-        """The user's step callable (imported from ``package.module:function`` when given as text)."""
-        if callable(self.function):
-            return self.function
-        from evaluator.models import import_factory
+    def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
+                        create_graph: bool = True) -> list[Tensor]:
+        return fedavg_update(model, loss_fn, images, targets, self, create_graph)
 
-        return import_factory(self.function)
+    def gradient_scale(self, images: int) -> float:
+        return 1.0 / (self.local_lr * self.local_steps(images))
 
     def local_steps(self, images: int) -> int:
-        if self.name != "fedavg":
-            return 1
         b = self.local_batch_size or images
         return self.local_epochs * -(-images // b)
 
 
-FEDSGD = Protocol()
+@dataclass(frozen=True)
+class OwnStep(Protocol):
+    """The user's own training step ``function(model, inputs, labels)`` runs once; the client sends
+    ``(theta_before - theta_after) / lr``, the gradient an SGD step at ``lr`` applied, and the
+    attacker models it as FedSGD's gradient.
+    """
+
+    function: str | StepFn | None = None
+    lr: float | None = None
+
+    name: ClassVar[str] = "step"
+    params: ClassVar[dict[str, Param]] = {
+        "function": Param(type=str, help="'package.module:train_step', called as train_step(model, inputs, labels)"),
+        "lr": Param(type=float, min=0.0, exclusive_min=True, help="the SGD step size of your step function"),
+    }
+
+    def step_function(self) -> StepFn:
+        """The user's step callable (imported from ``package.module:function`` when given as text)."""
+        return self.function if callable(self.function) else import_factory(self.function)
+
+    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor) -> list[Tensor]:
+        return captured_update(model, self.step_function(), inputs, labels, self.lr)
+
+
+#: The protocol types by YAML name.
+PROTOCOLS: dict[str, type[Protocol]] = {p.name: p for p in (FedSGD, FedAvg, OwnStep)}
+FEDSGD = FedSGD()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -118,7 +177,7 @@ def fedsgd_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
     return list(torch.autograd.grad(loss, trainable(model), create_graph=create_graph))
 
 
-def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, protocol: Protocol,
+def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, protocol: FedAvg,
                   create_graph: bool = False) -> list[Tensor]:
     """``theta_before - theta_after`` of local SGD, unrolled so it can stay differentiable in ``inputs``."""
     names = parameter_names(model)
@@ -131,14 +190,6 @@ def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
             grads = torch.autograd.grad(loss, list(current.values()), create_graph=create_graph)
             current = {n: p - protocol.local_lr * g for (n, p), g in zip(current.items(), grads)}
     return [start[n] - current[n] for n in names]
-
-
-def client_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-                  protocol: Protocol = FEDSGD, create_graph: bool = False) -> list[Tensor]:
-    """The clean update of ``protocol`` for this batch."""
-    if protocol.name == "fedavg":
-        return fedavg_update(model, loss_fn, inputs, targets, protocol, create_graph)
-    return fedsgd_update(model, loss_fn, inputs, targets, create_graph)
 
 
 @torch.no_grad()
@@ -175,10 +226,8 @@ class ClientStep:
     protocol: Protocol = field(default=FEDSGD)
 
     def clean_update(self) -> list[Tensor]:
-        """The update before any defense touches it (the user's step's, under protocol ``step``)."""
-        if self.protocol.name == "step":
-            return captured_update(self.model, self.protocol.step_function(), self.inputs, self.labels, self.protocol.lr)
-        return [g.detach() for g in client_update(self.model, self.loss_fn, self.inputs, self.labels, self.protocol)]
+        """The update before any defense touches it."""
+        return self.protocol.client_update(self.model, self.loss_fn, self.inputs, self.labels)
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""What the metric, model and dataset hooks return: small typed specs the engine reads its metadata from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from leakaudit.plugins.spec import Param
+
+
+class MetricUnavailable(RuntimeError):
+    """The metric cannot be computed here (a weight file is missing); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A named score. Image metrics map aligned (B, C, H, W) pairs to (B,); label metrics to a float.
+
+    ``higher_is_better`` is the direction of leakage for a reconstruction score: the engine picks the
+    strongest attack and draws its plots from it, never from a table of metric names.
+    """
+
+    name: str
+    fn: Callable
+    higher_is_better: bool
+    on: str = "images"
+    summary: str = ""
+    min_size: int = 1  # smallest image side the metric can score (checked against data.image_size)
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether score ``a`` shows more leakage than ``b``."""
+        return a > b if self.higher_is_better else a < b
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model builder: ``build(channels=, num_classes=, image_size=, **params) -> nn.Module``."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    params: dict[str, Param] = field(default_factory=dict)
+    summary: str = ""
+    paper: str = ""
+
+
+@dataclass
+class ImageData:
+    """Train and test splits as tensors in [0, 1] pixel space, with the normalisation models see."""
+
+    name: str
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    num_classes: int
+    mean: Tensor = field(init=False)
+    std: Tensor = field(init=False)
+
+    def __post_init__(self):
+        dims = (0, 2, 3)
+        self.mean = self.train_x.mean(dim=dims)
+        self.std = self.train_x.std(dim=dims).clamp_min(1e-3)
+
+    @property
+    def channels(self) -> int:
+        return self.train_x.shape[1]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A named loader ``load(image_size=, root=, download=, **params) -> ImageData``.
+
+    ``check(data_section) -> list[str]`` reports problems (a missing folder) before any work.
+    """
+
+    name: str
+    load: Callable[..., ImageData]
+    params: dict[str, Param] = field(default_factory=dict)
+    summary: str = ""
+    check: Callable[[dict[str, Any]], list[str]] | None = None

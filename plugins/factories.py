@@ -1,0 +1,32 @@
+"""Users' own code named in an audit file: ``"package.module:attribute"`` resolved and called."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+
+def import_factory(path: str) -> Callable[..., Any]:
+    """Resolve ``"package.module:attribute"``; raise ValueError with a one-line reason."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:
+    """Call a user's factory with ``params`` plus whichever of ``offered`` its signature accepts."""
+    try:
+        sig = inspect.signature(factory)
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        kwargs = {k: v for k, v in offered.items() if takes_all or k in sig.parameters}
+    except (TypeError, ValueError):
+        kwargs = {}
+    return factory(**kwargs, **params)

@@ -165,6 +165,8 @@ def conv_system(name: str, conv: nn.Conv2d, delta: Tensor, input_shape: tuple[in
 def conv_systems(model: nn.Module, loss_fn, image: Tensor, label: Tensor) -> list[ConvSystem]:
     """The linear system of every convolutional layer for one image, from its true passes."""
     convs = [(n, m) for n, m in layers_of(model) if isinstance(m, nn.Conv2d)]
+    if not convs:
+        raise ValueError("the model has no convolutional layer, so there is no convolutional system to analyse")
     inputs, outputs = {}, {}
 
     def keep(name: str):

@@ -37,6 +37,7 @@ class NoDefense(DeterministicDefense):
     """Shares the clean update: the reference point of every audit."""
 
     name = "none"
+    baseline = True
 
 
 class AdditiveNoise(Defense):

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from leakaudit import __version__
 from leakaudit.plugins.spec import PluginError
 
 EXIT_BAD_INPUT = 2
@@ -14,6 +15,7 @@ EXIT_BAD_INPUT = 2
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leakaudit", description=(
         "Audit federated-learning privacy defenses against gradient-inversion attacks that know them."))
+    p.add_argument("--version", action="version", version=f"leakaudit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an audit file and write results and a report")
     run.add_argument("config", help="audit YAML file")
@@ -95,9 +97,11 @@ def cmd_run(args) -> int:
     summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers)
     out = Path(args.out)
     print(f"wrote {out / 'report.html'}, {out / 'results.jsonl'}, {out / 'results.csv'}, {out / 'summary.json'}")
+    leak = summary["leakage_metric"]
     for w in summary["worst_case"]:
         acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
-        print(f"  {w['setting']:<28} accuracy {acc:>6}   worst-case PSNR {w['psnr']:6.2f} dB ({w['attack']}, step {w['checkpoint']})")
+        print(f"  {w['setting']:<28} accuracy {acc:>6}   worst-case {leak} {w[leak]:8.3f} "
+              f"({w['attack']}, step {w['checkpoint']})")
     return 0
 
 

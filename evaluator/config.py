@@ -34,6 +34,8 @@ TOP = {
     "attacks": Param(type=list),
     "utility": Param({}, dict),
     "metrics": Param(list(DEFAULT_METRICS), list),
+    "leakage_metric": Param(None, str, help="the metric that ranks attacks and draws the privacy axis "
+                                            "(default: psnr when measured, else the first of metrics)"),
     "threat": Param({}, dict),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
 }
@@ -109,6 +111,10 @@ class DefenseSetting:
         own = "" if self.model is None else f"@{_call(self.model['name'], self.model['params'])}"
         return self.label or ">".join(_call(n, p) for n, p in self.members) + own
 
+    def is_baseline(self, registry: Registry) -> bool:
+        """Whether the setting is the undefended reference (every member's defense says ``baseline``)."""
+        return all(registry.get("defense", n).baseline for n, _ in self.members)
+
     def build(self, registry: Registry):
         """The defense object (a ``defenses.chain.Chain`` for several members)."""
         from leakaudit.defenses.chain import Chain
@@ -160,6 +166,7 @@ class Audit:
     threat: dict[str, Any]
     protocol: Protocol = FEDSGD
     registry: Registry = field(repr=False, default=None)
+    leakage_metric: str = "psnr"
 
     @property
     def checkpoints(self) -> list[int]:
@@ -237,12 +244,20 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     attacks = _check_attacks(top.get("attacks"), registry, problems)
     _check_attack_scope(attacks, settings, registry, problems)
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems, data["image_size"])
+    leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, problems)
     device = _check_device(top.get("device", "auto"), problems)
-    workers = top.get("workers") or (1 if device == "cuda" else len(os.sched_getaffinity(0)))
+    workers = top.get("workers") or (1 if device == "cuda" else available_cores())
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
-                 attacks, utility, metrics, threat, protocol, registry)
+                 attacks, utility, metrics, threat, protocol, registry, leakage)
+
+
+def available_cores() -> int:
+    """Cores this process may use: its CPU affinity where the OS reports one (Linux), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _importable_beside(path: Path) -> None:
@@ -474,6 +489,15 @@ def _check_metrics(value: Any, registry: Registry, problems: list[str], image_si
             problems.append(f"metrics[{i}]: {m} needs images of at least {metric.min_size} px and data.image_size "
                             f"is {image_size}; drop {m} or raise data.image_size")
     return list(value)
+
+
+def _check_leakage_metric(value: str | None, metrics: list[str], registry: Registry, problems: list[str]) -> str:
+    """The metric that ranks attacks: ``leakage_metric:``, else psnr when measured, else the first metric."""
+    if value is None:
+        return "psnr" if "psnr" in metrics or not metrics else metrics[0]
+    if value not in metrics:
+        problems.append(f"leakage_metric: {value!r} is not one of this audit's metrics; choices: {', '.join(metrics)}")
+    return value
 
 
 def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:

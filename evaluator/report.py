@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import statistics
 from collections import defaultdict
@@ -17,9 +16,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from leakaudit.evaluator.config import Audit  # noqa: E402
+from leakaudit.evaluator.rundir import REPORT, SUMMARY, AttackJob, RunFolder  # noqa: E402
+from leakaudit.evaluator.tuning import winners  # noqa: E402
 
-PRIVACY_METRIC = "psnr"
-SECOND_METRICS = ("lpips", "ssim")  # the privacy-utility plot's second panel shows the first one measured
+SECOND_METRICS = ("lpips", "ssim", "psnr")  # the privacy-utility plot's second panel: the first measured besides
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -50,44 +50,54 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                              "(the model or the reconstruction diverged); the cell leaves them out")
         cell["seconds_mean"] = _mean_std([r["seconds"] for r in rs])[0]
         cells.append(cell)
+    leakage = audit.registry.get("metric", audit.leakage_metric)
     worst = []
     for s in audit.settings:
-        mine = [c for c in cells if c["setting"] == s.key and c.get(f"{PRIVACY_METRIC}_mean") is not None]
+        mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
         if mine:
-            top = max(mine, key=lambda c: c[f"{PRIVACY_METRIC}_mean"])
-            worst.append({"defense": s.name, "setting": s.key, "params": s.params, "accuracy": top["accuracy"],
+            top = _strongest(mine, leakage)
+            worst.append({"defense": s.name, "setting": s.key, "params": s.params,
+                          "baseline": s.is_baseline(audit.registry), "accuracy": top["accuracy"],
                           "epsilon": top["epsilon"], "attack": top["attack"], "checkpoint": top["checkpoint"],
-                          **{m: top.get(f"{m}_mean") for m in (PRIVACY_METRIC, *SECOND_METRICS)
-                             if f"{m}_mean" in top}})
-    return {"audit": audit.name, "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
+                          **{m: top.get(f"{m}_mean") for m in (leakage.name, *SECOND_METRICS) if f"{m}_mean" in top}})
+    return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better, "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
                         for u in utility},
-            "cells": cells, "worst_case": worst, "naive_vs_adaptive": naive_vs_adaptive(cells), "warnings": notes}
+            "cells": cells, "worst_case": worst, "naive_vs_adaptive": naive_vs_adaptive(cells, leakage),
+            "warnings": notes}
 
 
-def naive_vs_adaptive(cells: list[dict]) -> list[dict[str, Any]]:
-    """Per setting and step: the strongest naive and the strongest adaptive attack's mean PSNR, and the gap.
+def _strongest(cells: list[dict], metric) -> dict:
+    """The cell whose mean ``metric`` shows the most leakage."""
+    key = f"{metric.name}_mean"
+    return max(cells, key=lambda c: c[key]) if metric.higher_is_better else min(cells, key=lambda c: c[key])
 
-    Only where both kinds ran: the gap is how much safer the defense looks than it is.
+
+def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
+    """Per setting and step: the strongest naive and the strongest adaptive attack's mean leakage score, and the gap.
+
+    Only where both kinds ran. ``gap`` is in the metric's units, positive when the adaptive attack leaks
+    more: how much safer the defense looks than it is.
     """
+    key = f"{metric.name}_mean"
     best: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for c in cells:
-        v = c.get(f"{PRIVACY_METRIC}_mean")
-        if v is None:
+        if c.get(key) is None:
             continue
         slot = best[(c["setting"], c["checkpoint"])]
-        if c["role"] not in slot or v > slot[c["role"]][f"{PRIVACY_METRIC}_mean"]:
+        if c["role"] not in slot or metric.better(c[key], slot[c["role"]][key]):
             slot[c["role"]] = c
     out = []
     for (setting, ckpt), slot in best.items():
         if len(slot) == 2:
             naive, adaptive = slot["naive"], slot["adaptive"]
-            n, a = naive[f"{PRIVACY_METRIC}_mean"], adaptive[f"{PRIVACY_METRIC}_mean"]
-            out.append({"defense": naive["defense"], "setting": setting, "checkpoint": ckpt,
-                        "accuracy": naive["accuracy"], "naive_attack": naive["attack"], "naive_psnr": n,
-                        "adaptive_attack": adaptive["attack"], "adaptive_psnr": a, "gap_db": a - n})
+            n, a = naive[key], adaptive[key]
+            out.append({"defense": naive["defense"], "setting": setting, "checkpoint": ckpt, "metric": metric.name,
+                        "accuracy": naive["accuracy"], "naive_attack": naive["attack"], "naive_score": n,
+                        "adaptive_attack": adaptive["attack"], "adaptive_score": a,
+                        "gap": (a - n) if metric.higher_is_better else (n - a)})
     return out
 
 
@@ -96,17 +106,22 @@ def _point_label(params: dict) -> str:
 
 
 def _baseline_line(ax, summary: dict) -> None:
-    guess = summary.get("baselines", {}).get("random", {}).get(PRIVACY_METRIC)
+    guess = summary.get("baselines", {}).get("random", {}).get(summary.get("leakage_metric"))
     if guess is not None:
         ax.axhline(guess, color="grey", linestyle="--", linewidth=1, label="random guess")
 
 
-def _second_metric(points: list[dict]) -> str | None:
-    return next((m for m in SECOND_METRICS if any(w.get(m) is not None for w in points)), None)
+def _second_metric(points: list[dict], first: str) -> str | None:
+    return next((m for m in SECOND_METRICS if m != first and any(w.get(m) is not None for w in points)), None)
+
+
+def _axis_label(metric: str, summary: dict) -> str:
+    higher = summary["higher_is_more_leakage"] if metric == summary["leakage_metric"] else metric != "lpips"
+    return f"{metric.upper()} of the strongest attack ({'higher' if higher else 'lower'}: more leakage)"
 
 
 def plot_privacy_utility(summary: dict, path: Path) -> bool:
-    """Accuracy against the worst-case attack's PSNR (and LPIPS or SSIM), one line per defense.
+    """Accuracy against the worst-case attack's leakage score (and LPIPS, SSIM or PSNR), one line per defense.
 
     Points are labelled with the parameters that vary and, where the defense has a formal
     guarantee, its epsilon. False when there is no utility to plot.
@@ -114,8 +129,9 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
     points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
     if not points:
         return False
-    second = _second_metric(points)
-    panels = [PRIVACY_METRIC] + ([second] if second else [])
+    first = summary["leakage_metric"]
+    second = _second_metric(points, first)
+    panels = [first] + ([second] if second else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.4), squeeze=False)
     by_defense: dict[str, list[dict]] = defaultdict(list)
     for w in points:
@@ -124,7 +140,7 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
         for defense, ws in by_defense.items():
             ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
             xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
-            if defense == "none":
+            if all(w["baseline"] for w in ws):
                 ax.scatter(xs, ys, marker="*", s=180, color="black", zorder=3, label="no defense")
                 continue
             ax.plot(xs, ys, marker="o", label=defense)
@@ -132,10 +148,8 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
                 ax.annotate(_point_text(w, ws), (w["accuracy"], w[metric]), fontsize=7,
                             textcoords="offset points", xytext=(4, 4))
         ax.set_title(f"{summary['audit']}: privacy-utility ({metric})")
-        label = {"psnr": "PSNR of the strongest attack, dB (leakage)",
-                 "lpips": "LPIPS of the strongest attack (lower: more leakage)",
-                 "ssim": "SSIM of the strongest attack (higher: more leakage)"}[metric]
-        _style(ax, summary if metric == PRIVACY_METRIC else {}, "test accuracy under the defense (utility)", label)
+        _style(ax, summary if metric == first else {}, "test accuracy under the defense (utility)",
+               _axis_label(metric, summary))
     _save(fig, path)
     return True
 
@@ -172,26 +186,27 @@ def _finish(fig, ax, summary: dict, path: Path, xlabel: str, ylabel: str) -> Non
 
 
 def plot_leakage_by_step(summary: dict, path: Path) -> bool:
-    """PSNR of the strongest attack against training step, one line per setting."""
+    """The strongest attack's leakage score against training step, one line per setting."""
     if len(summary["checkpoints"]) < 2:
         return False
+    metric, sign = summary["leakage_metric"], 1 if summary["higher_is_more_leakage"] else -1
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     best: dict[str, dict[int, float]] = defaultdict(dict)
     for c in summary["cells"]:
-        v = c.get(f"{PRIVACY_METRIC}_mean")
+        v = c.get(f"{metric}_mean")
         if v is not None:
-            best[c["setting"]][c["checkpoint"]] = max(v, best[c["setting"]].get(c["checkpoint"], -1e9))
+            old = best[c["setting"]].get(c["checkpoint"])
+            best[c["setting"]][c["checkpoint"]] = v if old is None or sign * v > sign * old else old
     for setting, by_step in best.items():
         steps = sorted(by_step)
         ax.plot(steps, [by_step[s] for s in steps], marker="o", label=setting)
-    _finish(fig, ax, summary, path, "training step of the attacked model", "PSNR of the strongest attack, dB")
+    _finish(fig, ax, summary, path, "training step of the attacked model", _axis_label(metric, summary))
     return True
 
 
-def plot_reconstructions(audit: Audit, out_dir: Path, path: Path, max_images: int = 8) -> bool:
+def plot_reconstructions(folder: RunFolder, path: Path, max_images: int = 8) -> bool:
     """Originals on top, then one row of reconstructions per (setting, attack) at the first checkpoint."""
-    from leakaudit.evaluator.runner import AttackJob, recon_file
-
+    audit = folder.audit
     ckpt = audit.checkpoints[0]
     rows: list[tuple[str, torch.Tensor]] = []
     originals = None
@@ -199,9 +214,8 @@ def plot_reconstructions(audit: Audit, out_dir: Path, path: Path, max_images: in
         for a in audit.attacks:
             recs, origs = [], []
             for t in range(audit.num_batches):
-                f = recon_file(out_dir, AttackJob(s, a, ckpt, t))
-                if f.exists():
-                    saved = torch.load(f, weights_only=True)
+                saved = folder.load_reconstruction(AttackJob(s, a, ckpt, t))
+                if saved is not None:
                     recs.append(saved["reconstruction"])
                     origs.append(saved["original"])
             if recs:
@@ -244,13 +258,6 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def architecture(audit: Audit) -> list[dict[str, Any]]:
-    """``leakaudit analyse``'s result for every model of the audit, or why it does not apply."""
-    from leakaudit.evaluator.analysis import analyse_all
-    from leakaudit.evaluator.scenario import Scenario
-
-    return analyse_all(Scenario(audit))
-
 
 def _architecture_html(results: list[dict[str, Any]]) -> str:
     parts = []
@@ -271,8 +278,6 @@ def _architecture_html(results: list[dict[str, Any]]) -> str:
 
 def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
-    from leakaudit.evaluator.tuning import winners
-
     best = winners(trials, audit.registry)
     out = []
     for key, win in best.items():
@@ -287,32 +292,42 @@ def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[dict], notes: list[str],
-                 baselines: dict[str, dict[str, float | None]], tuning: list[dict]) -> dict:
-    """Write summary.json, the figures and a self-contained report.html; return the summary."""
+def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes: list[str],
+                 baselines: dict[str, dict[str, float | None]], tuning: list[dict],
+                 architecture: list[dict[str, Any]]) -> dict:
+    """Write summary.json, the figures and a self-contained report.html; return the summary.
+
+    Everything it shows was computed during the run (rows, utility, baselines, the architecture
+    analysis), so writing the report does no attack or analysis work of its own.
+    """
+    audit, out_dir = folder.audit, folder.path
     summary = summarise(audit, rows, utility, notes)
     summary["baselines"] = baselines
     summary["tuning"] = summarise_tuning(audit, tuning)
-    summary["architecture"] = architecture(audit)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["architecture"] = architecture
+    folder.write_json(SUMMARY, summary)
+    leak = summary["leakage_metric"]
     sections = []
     if notes:
         sections.append(("Warnings", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"))
     pu = out_dir / "privacy_utility.png"
     if plot_privacy_utility(summary, pu):
         sections.append(("Privacy against utility", _img_tag(pu) + _table(
-            summary["worst_case"], ["defense", "params", "accuracy", "epsilon", "attack", "checkpoint", PRIVACY_METRIC,
-                                    *[m for m in SECOND_METRICS if m in audit.metrics]])
-            + "<p>Leakage is the mean PSNR of the strongest attack at its most leaking training step. Epsilon, "
+            summary["worst_case"], ["defense", "params", "accuracy", "epsilon", "attack", "checkpoint", leak,
+                                    *[m for m in SECOND_METRICS if m in audit.metrics and m != leak]])
+            + f"<p>Leakage is the mean {leak} of the strongest attack at its most leaking training step. Epsilon, "
               f"where a defense has a formal guarantee, is at delta {audit.utility['delta']:g} after the utility "
               "training's steps at Opacus's sample rate, 1 / ceil(training images / batch size).</p>"))
     else:
-        sections.append(("Privacy against utility", "<p>No utility was measured (utility.train_steps is 0).</p>"
-                         + _table(summary["worst_case"], ["defense", "params", "attack", PRIVACY_METRIC])))
+        why = ("utility.train_steps is 0" if audit.utility["train_steps"] == 0
+               else f"no setting has a finite {leak} score")
+        sections.append(("Privacy against utility", f"<p>No privacy-utility plot: {why}.</p>"
+                         + _table(summary["worst_case"], ["defense", "params", "attack", leak])))
     if summary["naive_vs_adaptive"]:
         sections.append(("Naive against adaptive attacks", _table(summary["naive_vs_adaptive"], [
-            "defense", "setting", "checkpoint", "accuracy", "naive_attack", "naive_psnr", "adaptive_attack",
-            "adaptive_psnr", "gap_db"]) + "<p>The strongest attack that ignores the defense (naive) beside the "
+            "defense", "setting", "checkpoint", "accuracy", "naive_attack", "naive_score", "adaptive_attack",
+            "adaptive_score", "gap"]) + f"<p>Scores are mean {leak}; the gap is positive where the adaptive attack "
+            "leaks more. The strongest attack that ignores the defense (naive) beside the "
             "strongest one that uses what the defense does (adaptive: its likelihood, the tensors it leaves "
             "untouched, the noise it draws). A defense judged by the naive column looks safer than it is by "
             "the gap.</p>"))
@@ -338,7 +353,7 @@ def write_report(audit: Audit, out_dir: Path, rows: list[dict], utility: list[di
     sections.append(("All results (mean over targets)", _table(
         summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", "epsilon", *metric_cols, "seconds_mean"])))
     grid = out_dir / "reconstructions.png"
-    if plot_reconstructions(audit, out_dir, grid):
+    if plot_reconstructions(folder, grid):
         sections.append((f"Reconstructions at step {audit.checkpoints[0]}", _img_tag(grid)))
     pm = audit.registry.pm
     if pm is not None:
@@ -355,5 +370,5 @@ th{{background:#f3f3f3}}img{{max-width:100%}}pre{{background:#f7f7f7;padding:1em
 {audit.data['targets']} target images in batches of {audit.data['batch_size']}, checkpoints {audit.checkpoints},
 device {audit.device}, seed {audit.seed}.</p>
 {body}</body></html>"""
-    (out_dir / "report.html").write_text(page)
+    folder.write_text(REPORT, page)
     return summary

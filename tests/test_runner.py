@@ -75,8 +75,8 @@ def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch)
     lines = (out / "results.jsonl").read_text().splitlines()
     (out / "results.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed mid-write
     calls = []
-    real = runner.attack_job
-    monkeypatch.setattr(runner, "attack_job", lambda out_dir, job: calls.append(job.key) or real(out_dir, job))
+    real = runner.AuditWorker.attack
+    monkeypatch.setattr(runner.AuditWorker, "attack", lambda self, job: calls.append(job.key) or real(self, job))
     run_audit(audit, out, resume=True, progress=False)
     assert len(calls) == len(full) - 2
     assert _numbers(_rows(out)) == _numbers(full)
@@ -143,6 +143,23 @@ def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_o
     rows = [{**row, "attack": a, "psnr": v} for a, v in scores.items()]
     rows.append({**row, "setting": "gaussian(sigma=0.1)", "defense": "gaussian", "attack": "ig", "psnr": 9.0})
     (line,) = summarise(audit, rows, [], [])["naive_vs_adaptive"]
-    assert line == {"defense": "none", "setting": "none", "checkpoint": 0, "accuracy": None,
-                    "naive_attack": "dlg", "naive_psnr": 14.5, "adaptive_attack": "ig_drop", "adaptive_psnr": 21.0,
-                    "gap_db": 6.5}
+    assert line == {"defense": "none", "setting": "none", "checkpoint": 0, "metric": "psnr", "accuracy": None,
+                    "naive_attack": "dlg", "naive_score": 14.5, "adaptive_attack": "ig_drop", "adaptive_score": 21.0,
+                    "gap": 6.5}
+
+
+def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.report import summarise
+
+    attacks = [{"name": "inverting_gradients", "label": "ig"},
+               {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}}]
+    audit = load_audit(write_audit(small_audit(attacks=attacks, metrics=["mse", "ssim"])))
+    assert audit.leakage_metric == "mse"
+    row = {"defense": "none", "setting": "none", "params": {}, "checkpoint": 0, "seconds": 1.0, "target": 0,
+           "ssim": 0.5}
+    rows = [{**row, "attack": "ig", "mse": 0.02}, {**row, "attack": "ig_drop", "mse": 0.05}]
+    summary = summarise(audit, rows, [], [])
+    assert summary["worst_case"][0]["attack"] == "ig" and summary["worst_case"][0]["mse"] == 0.02
+    (line,) = summary["naive_vs_adaptive"]
+    assert line["gap"] == pytest.approx(-0.03)  # the adaptive attack leaked less: a negative gap

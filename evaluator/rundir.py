@@ -1,0 +1,201 @@
+"""The run folder: its file names, the append-only JSONL and CSV tables, and the job and row types.
+
+Everything a run writes goes through here, so resume, the report and ``leakaudit analyse`` agree
+on where each result lives. Rows are appended as they are produced; a kill loses at most the row
+in flight.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import yaml
+
+from leakaudit.evaluator.config import Audit, AttackSpec, DefenseSetting
+from leakaudit.evaluator.scenario import derive_seed
+
+RESULTS = "results.jsonl"
+RESULTS_CSV = "results.csv"
+UTILITY = "utility.jsonl"
+TUNING = "tuning.jsonl"
+ARCHITECTURE = "architecture.json"
+SUMMARY = "summary.json"
+REPORT = "report.html"
+AUDIT_COPY = "audit.yaml"
+
+
+class RunError(Exception):
+    """The run cannot start or go on (one line, says what to do)."""
+
+
+@dataclass(frozen=True)
+class AttackJob:
+    """One cell of the audit: a defense setting, a checkpoint, a target batch and an attack.
+
+    ``params`` replaces the attack's audit parameters (the tuned winner) when set.
+    """
+
+    setting: DefenseSetting
+    attack: AttackSpec
+    checkpoint: int
+    target: int
+    params: dict | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.setting.key, self.attack.key, self.checkpoint, self.target)
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    """One trial of an attack's hyperparameter search on the tuning images."""
+
+    setting: DefenseSetting
+    attack: AttackSpec
+    checkpoint: int
+    trial: int
+    params: dict
+
+    @property
+    def key(self) -> tuple:
+        return (self.setting.key, self.attack.key, self.checkpoint, self.trial)
+
+
+def row_key(row: dict[str, Any]) -> tuple:
+    """The ``AttackJob.key`` of a results row."""
+    return (row["setting"], row["attack"], row["checkpoint"], row["target"])
+
+
+def trial_key(row: dict[str, Any]) -> tuple:
+    """The ``TuneJob.key`` of a tuning row."""
+    return (row["setting"], row["attack"], row["checkpoint"], row["trial"])
+
+
+def slug(text: str) -> str:
+    """A file-name-safe, unique name for a setting key."""
+    safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", text)[:60]
+    return f"{safe}-{derive_seed(text) % 16 ** 6:06x}"
+
+
+class JsonlTable:
+    """An append-only JSON-lines file that survives a kill mid-write (a torn last line is dropped)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows, lines = [], self.path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i != len(lines) - 1:
+                    raise RunError(f"{self.path}: line {i + 1} is not JSON; the file was edited by hand") from None
+                self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+
+    def append(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+
+
+class CsvTable:
+    """``results.csv``: rows appended as they land, rewritten in job order when the run ends."""
+
+    def __init__(self, path: Path, metrics: list[str]):
+        self.path = path
+        self.columns = ["defense", "setting", "params", "attack", "checkpoint", "target", "epsilon", *metrics,
+                        "seconds"]
+
+    def _write(self, rows: Iterable[dict], mode: str) -> None:
+        new = mode == "w" or not self.path.exists()
+        with self.path.open(mode, newline="") as fh:
+            writer = csv.DictWriter(fh, self.columns, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            for r in rows:
+                writer.writerow({**r, "params": json.dumps(r["params"], sort_keys=True)})
+
+    def append(self, row: dict) -> None:
+        self._write([row], "a")
+
+    def rewrite(self, rows: list[dict]) -> None:
+        self._write(rows, "w")
+
+
+class RunFolder:
+    """One run's ``--out`` folder: where each table, checkpoint and reconstruction lives."""
+
+    def __init__(self, path: str | Path, audit: Audit):
+        self.path = Path(path)
+        self.audit = audit
+        self.results = JsonlTable(self.path / RESULTS)
+        self.results_csv = CsvTable(self.path / RESULTS_CSV, audit.metrics)
+        self.utility = JsonlTable(self.path / UTILITY)
+        self.tuning = JsonlTable(self.path / TUNING)
+
+    def prepare(self, resume: bool) -> None:
+        """Refuse to overwrite results (without ``resume``) or to resume a changed audit; save the audit file."""
+        saved = self.path / AUDIT_COPY
+        if self.results.path.exists() and not resume:
+            raise RunError(f"{self.results.path} already exists; pass --resume to continue that run, "
+                           "or choose another --out")
+        if resume and saved.exists():
+            drop = lambda d: {k: v for k, v in (d or {}).items() if k != "workers"}  # noqa: E731
+            if drop(yaml.safe_load(saved.read_text())) != drop(yaml.safe_load(self.audit.text)):
+                raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
+                               f"(saved as {saved}); choose another --out")
+        self.path.mkdir(parents=True, exist_ok=True)
+        saved.write_text(self.audit.text)
+
+    def checkpoint_file(self, setting: DefenseSetting) -> Path:
+        """The trained model's states at the audited steps, written by utility training."""
+        return self.path / "cache" / "train" / f"{slug(setting.key)}.pt"
+
+    def recon_file(self, job: AttackJob) -> Path:
+        """One job's originals, reconstruction, labels and loss trace."""
+        return (self.path / "cache" / "recon" / slug(job.setting.key)
+                / f"{slug(job.attack.key)}-c{job.checkpoint}-t{job.target}.pt")
+
+    def save_checkpoints(self, setting: DefenseSetting, states: dict[int, dict]) -> None:
+        """Write a setting's checkpoints atomically (a kill leaves the old file or none)."""
+        path = self.checkpoint_file(setting)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({k: {n: t.cpu() for n, t in s.items()} for k, s in states.items()}, tmp)
+        tmp.replace(path)
+
+    def save_reconstruction(self, job: AttackJob, record: dict[str, Any]) -> None:
+        path = self.recon_file(job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(record, path)
+
+    def load_reconstruction(self, job: AttackJob) -> dict[str, Any] | None:
+        path = self.recon_file(job)
+        return torch.load(path, weights_only=True) if path.exists() else None
+
+    def trained_settings(self) -> set[str]:
+        """Keys of the settings whose utility row and checkpoints are both on disk."""
+        files = {s.key: self.checkpoint_file(s) for s in self.audit.settings}
+        return {r["setting"] for r in self.utility.read() if r["setting"] in files and files[r["setting"]].exists()}
+
+    def read_json(self, name: str) -> Any | None:
+        path = self.path / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def write_json(self, name: str, value: Any) -> None:
+        tmp = self.path / f"{name}.tmp"
+        tmp.write_text(json.dumps(value, indent=2))
+        tmp.replace(self.path / name)
+
+    def write_text(self, name: str, text: str) -> Path:
+        (self.path / name).write_text(text)
+        return self.path / name

@@ -131,21 +131,22 @@ class BayesianNoiseKL(InvertingGradients):
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         return _needs_bayesian_fedsgd(model, protocol, "bayesian_kl")
 
-    def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> list[Tensor]:
-        self._noise: dict[str, list[Tensor]] = {
-            name: [torch.randn(shape, generator=generator, device=threat.device).requires_grad_(True)
-                   for shape in layer.noise_shapes(threat.batch_size)]
-            for name, layer in bayesian_layers(threat.model).items()}
-        return [eps for draws in self._noise.values() for eps in draws]
+    def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> dict[str, list[Tensor]]:
+        """One draw per Bayesian layer's noise tensor, by layer name, optimised with the image."""
+        return {name: [torch.randn(shape, generator=generator, device=threat.device).requires_grad_(True)
+                       for shape in layer.noise_shapes(threat.batch_size)]
+                for name, layer in bayesian_layers(threat.model).items()}
 
-    def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel) -> Tensor:
-        with given_noise(threat.model, self._noise):
-            loss = super()._objective(images, labels, target, threat)
-        return loss + self.alpha_kl * sum(kl_to_standard_normal(e) for draws in self._noise.values() for e in draws)
+    def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
+                   keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:
+        with given_noise(threat.model, extra):
+            loss = super()._objective(images, labels, target, threat, keep, extra)
+        return loss + self.alpha_kl * sum(kl_to_standard_normal(e) for draws in extra.values() for e in draws)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         result = super().reconstruct(observed, threat, generator)
-        result.extras["noise"] = {n: [e.detach() for e in draws] for n, draws in self._noise.items()}
+        noise = result.extras.pop("variables", {})
+        result.extras["noise"] = {n: [e.detach() for e in draws] for n, draws in noise.items()}
         return result
 
 

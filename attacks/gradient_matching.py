@@ -37,6 +37,11 @@ def random_images(threat: ThreatModel, generator: torch.Generator) -> Tensor:
     return torch.randn(shape, generator=generator, device=threat.device)
 
 
+def kept(tensors: list[Tensor], keep: list[bool] | None) -> list[Tensor]:
+    """The tensors an attack matches: all, or those ``keep`` marks."""
+    return tensors if keep is None else [t for t, k in zip(tensors, keep) if k]
+
+
 def matched_tensors(observed: SharedUpdate, threat: ThreatModel) -> list[bool]:
     """Per shared tensor, whether an informed attacker matches it (not rewritten by the defense)."""
     dropped = threat.defense.defended_tensors(observed.names)
@@ -72,40 +77,41 @@ class InvertingGradients(Attack):
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         labels = recover_labels(observed, threat, self.label_method, generator)
-        self._keep = matched_tensors(observed, threat) if self.drop_defended else None
-        target = self._kept([t.to(threat.device) for t in observed.tensors])
-        best, best_loss, traces = None, float("inf"), []
+        keep = matched_tensors(observed, threat) if self.drop_defended else None
+        target = kept([t.to(threat.device) for t in observed.tensors], keep)
+        best, best_extra, best_loss, traces = None, {}, float("inf"), []
         for _ in range(self.restarts):
-            images, trace = self._one_run(target, labels, threat, generator)
+            images, extra, trace = self._one_run(target, labels, threat, generator, keep)
             with torch.no_grad():
-                final = self._objective(images, labels, target, threat).item()
+                final = self._objective(images, labels, target, threat, keep, extra).item()
             traces.append(trace)
             if final < best_loss:
-                best, best_loss = images, final
-        return Reconstruction(threat.to_pixels(best.detach()), labels, traces[0], 0.0, {"match_loss": best_loss})
+                best, best_extra, best_loss = images, extra, final
+        extras = {"match_loss": best_loss, **({"variables": best_extra} if best_extra else {})}
+        return Reconstruction(threat.to_pixels(best.detach()), labels, traces[0], 0.0, extras)
 
-    def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel) -> Tensor:
+    def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
+                   keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:
+        """The matching loss of one candidate; ``extra`` holds the unknowns optimised beside the images."""
         lo, hi = threat.box()
         with torch.enable_grad():
-            candidate = self._kept(threat.candidate_update(images, labels))
+            candidate = kept(threat.candidate_update(images, labels), keep)
             return cosine_distance(target, candidate) + prior_penalty(images, self.priors, lo, hi)
 
-    def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> list[Tensor]:
+    def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> dict[str, list[Tensor]]:
         """Unknowns optimised beside the images (none here; drawn after the start image, so starts stay paired)."""
-        return []
+        return {}
 
-    def _kept(self, tensors: list[Tensor]) -> list[Tensor]:
-        return tensors if self._keep is None else [t for t, k in zip(tensors, self._keep) if k]
-
-    def _one_run(self, target, labels, threat, generator) -> tuple[Tensor, list[float]]:
+    def _one_run(self, target, labels, threat, generator, keep) -> tuple[Tensor, dict[str, list[Tensor]], list[float]]:
         lo, hi = threat.box()
         images = random_images(threat, generator).requires_grad_(True)
-        variables = [images, *self._extra_variables(threat, generator)]
+        extra = self._extra_variables(threat, generator)
+        variables = [images, *(v for vs in extra.values() for v in vs)]
         optimiser = torch.optim.Adam(variables, lr=self.lr)
         schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, step_decay_milestones(self.iterations), 0.1)
         trace = torch.empty(self.iterations, device=threat.device)
         for it in range(self.iterations):
-            loss = self._objective(images, labels, target, threat)
+            loss = self._objective(images, labels, target, threat, keep, extra)
             for v, grad in zip(variables, torch.autograd.grad(loss, variables)):
                 v.grad = grad.sign() if self.signed else grad
             optimiser.step()
@@ -113,14 +119,13 @@ class InvertingGradients(Attack):
             with torch.no_grad():
                 images.copy_(torch.maximum(torch.minimum(images, hi), lo))
             trace[it] = loss.detach()
-        return images, trace.tolist()
+        return images, extra, trace.tolist()
 
 
 class DeepLeakage(Attack):
     """Euclidean gradient matching by L-BFGS on the image and a soft label jointly, with restarts (Zhu et al.)."""
 
     name = "dlg"
-    joint_labels = True
     params = {
         "iterations": Param(300, int, min=1, help="L-BFGS steps per restart"),
         "lr": Param(1.0, float, min=0.0, exclusive_min=True, help="L-BFGS step size"),

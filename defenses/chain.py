@@ -23,7 +23,7 @@ class Chain(Defense):
         super().__init__()
         if len(members) < 2:
             raise ValueError("chain: needs at least two members")
-        for i, m in enumerate(members):
+        for m in members:
             if m.shares_itself():
                 raise ValueError(f"chain: {m.name!r} computes its update from the model and inputs "
                                  "and cannot be a chain member")

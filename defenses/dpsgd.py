@@ -92,7 +92,6 @@ class DPSGD(Defense):
             module=model, optimizer=torch.optim.SGD(trainable(model), lr=run.lr, momentum=run.momentum),
             data_loader=loader, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
             noise_generator=run.noise_generator, wrap_model=False)
-        self.engine = engine  # the last utility training's PrivacyEngine: its accountant is the run's epsilon
         epochs = itertools.chain.from_iterable(itertools.repeat(loader))  # a fresh Poisson pass each time round
         try:
             for x, y in itertools.islice(epochs, run.steps):

@@ -6,6 +6,7 @@ seeds and code as a YAML audit of the same model, batch and step.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,7 @@ from leakaudit.evaluator.scenario import round_generators
 from leakaudit.plugins.manager import load_registry
 
 DEFAULT_METRICS = ("psnr", "ssim", "mse", "label_accuracy")
+PIXEL_SLACK = 0.02  # how far outside [0, 1] denormalised inputs may stray (resampling overshoot) before it is an error
 
 
 @dataclass
@@ -34,39 +36,65 @@ class BatchAudit:
     seconds: float
 
 
-def _channel_stats(value: float | Sequence[float] | Tensor, channels: int, device: torch.device) -> Tensor:
+Stats = float | Sequence[float] | Tensor
+
+
+def _channel_stats(value: Stats, channels: int, device: torch.device) -> Tensor:
     t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1, 1, 1)
     return t.expand(channels, 1, 1) if t.numel() == 1 else t
+
+
+def _normalisation(mean: Stats | None, std: Stats | None, normalize: Any) -> tuple[Stats, Stats] | str:
+    """``(mean, std)`` from the arguments or a torchvision ``Normalize``; a one-line problem otherwise."""
+    if normalize is not None:
+        if mean is not None or std is not None:
+            return "normalize: give either normalize or mean and std, not both"
+        if not (hasattr(normalize, "mean") and hasattr(normalize, "std")):
+            return f"normalize: {type(normalize).__name__} has no mean and std; pass torchvision.transforms.Normalize"
+        return normalize.mean, normalize.std
+    if mean is None or std is None:
+        return ("mean, std: required: the normalisation your inputs went through (inputs * std + mean are the "
+                "pixels in [0, 1]; mean=0, std=1 for raw pixels), or normalize=torchvision.transforms.Normalize(...)")
+    return mean, std
+
+
+def _changes_architecture(defense, model: nn.Module) -> bool:
+    """Whether ``wrap_model`` would change the model, tried on a copy so the caller's model stays as it is."""
+    trial = copy.deepcopy(model)
+    wrapped = defense.wrap_model(trial)
+    return bool(defense.model_changes) or [type(m) for m in wrapped.modules()] != [type(m) for m in model.modules()]
 
 
 def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor, *,
                 defense: str | dict[str, Any] = "none",
                 attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",),
-                mean: float | Sequence[float] | Tensor = 0.0, std: float | Sequence[float] | Tensor = 1.0,
+                mean: Stats | None = None, std: Stats | None = None, normalize: Any = None,
                 step_fn: StepFn | None = None, lr: float | None = None, known_labels: bool = False,
                 metrics: Sequence[str] = DEFAULT_METRICS, seed: int = 0, step: int = 0, batch_index: int = 0,
                 plugins_dirs: Sequence[str] = ()) -> list[BatchAudit]:
     """Attack the update this batch makes on ``model`` as it is now and score what comes back.
 
     ``inputs`` are what the model consumes; ``inputs * std + mean`` are the pixels in [0, 1]
-    the attacks rebuild. ``defense`` and ``attacks`` take the names or mappings of a YAML
+    the attacks rebuild: give ``mean`` and ``std`` (0 and 1 for raw pixels), or the torchvision
+    ``Normalize`` your inputs went through as ``normalize``. ``defense`` and ``attacks`` take the names or mappings of a YAML
     audit's ``defenses`` and ``attacks`` entries (a sweep gives one result per setting).
     With ``step_fn(model, inputs, labels)`` and its SGD ``lr``, the update is the one your
     own step makes (``protocol: step``); the model is left as it was. ``seed``, ``step`` and
     ``batch_index`` give the noise and attack starts of target batch ``batch_index`` at
     checkpoint ``step`` of a YAML audit with that seed, so the two give the same numbers.
-    Raises ConfigError, one line per problem, before any work.
+    Raises ConfigError, one line per problem, before any work; ``model`` is never changed.
     """
+    stats = _normalisation(mean, std, normalize)
     with opacus_hooks_off(model) as plain:
-        return _audit(plain, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn, lr, known_labels,
+        return _audit(plain, loss_fn, inputs, labels, defense, attacks, stats, step_fn, lr, known_labels,
                       metrics, (seed, step, batch_index), plugins_dirs)
 
 
-def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn, lr, known_labels, metrics,
-           draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
+def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats, Stats] | str, step_fn, lr,
+           known_labels, metrics, draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
     registry = load_registry(list(plugins_dirs))
     protocol = FEDSGD if step_fn is None else OwnStep(function=step_fn, lr=lr)
-    problems = _check_call(step_fn, lr, inputs, labels)
+    problems = _check_call(step_fn, lr, inputs, labels) + ([stats] if isinstance(stats, str) else [])
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = _expand_defenses([entry], registry, problems, protocol)
     specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems)
@@ -76,7 +104,7 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
                  for s in settings if s.model is not None]
     defenses = [(s, s.build(registry)) for s in settings]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
-                 "build your model with it, or audit from YAML" for s, d in defenses if d.wrap_model(model) is not model]
+                 "build your model with it, or audit from YAML" for s, d in defenses if _changes_architecture(d, model)]
     problems += [f"attacks: {s.label}: {why}" for s in specs
                  if (why := s.build(registry).unsupported(model, len(inputs), protocol))]
     problems += [f"attacks: {a.label}: {why}" for setting, d in defenses for a in specs
@@ -85,8 +113,14 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, mean, std, step_fn,
         raise ConfigError([f"audit_batch: {p.replace('defenses[0]', 'defense')}" for p in problems])
     device = inputs.device
     channels = inputs.shape[1]
+    mean, std = stats
     mean_t, std_t = _channel_stats(mean, channels, device), _channel_stats(std, channels, device)
-    pixels = (inputs * std_t + mean_t).clamp(0, 1)
+    raw = inputs * std_t + mean_t
+    lo, hi = float(raw.min()), float(raw.max())
+    if lo < -PIXEL_SLACK or hi > 1 + PIXEL_SLACK:
+        raise ConfigError([f"audit_batch: mean, std: inputs * std + mean spans [{lo:.3g}, {hi:.3g}], not the pixel "
+                           "range [0, 1]; pass the mean and std your inputs were normalised with"])
+    pixels = raw.clamp(0, 1)
     with torch.no_grad():
         num_classes = model(inputs[:1]).shape[1]
     scorers = [registry.get("metric", m) for m in metrics]

@@ -120,7 +120,11 @@ def test_exponent_floats_read_as_numbers(tmp_path):
 
 def test_all_problems_are_reported_at_once(write_audit):
     path = write_audit(small_audit(seed=-1, defenses=[{"name": "nope"}], metrics=["psnr", "nope"]))
-    assert len(problems(path)) == 3
+    lines = [line.removeprefix(f"{path}: ") for line in problems(path)]
+    assert [line.split(":")[0] for line in lines] == ["seed", "defenses[0].name", "metrics[1]"]
+    assert lines[0] == "seed: -1 is below the minimum 0"
+    assert lines[1].startswith("defenses[0].name: 'nope' is not a registered defense; choices: ")
+    assert lines[2].startswith("metrics[1]: 'nope' is not a registered metric; choices: ")
 
 
 def test_validate_command_exits_2_with_one_line(write_audit, capsys):

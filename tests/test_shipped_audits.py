@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.runner import jobs_of, run_audit
+from leakaudit.evaluator.scenario import Scenario, check_scenario
 
 from conftest import ROOT
 
@@ -28,8 +29,13 @@ def _psnr(summary: dict, setting: str, attack: str) -> float:
 
 
 def test_every_shipped_audit_is_valid():
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
-        load_audit(path)
+    """Each shipped file passes validation and the checks that need its data and built models."""
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(paths) >= 11
+    for path in paths:
+        audit = load_audit(path)
+        check_scenario(Scenario(audit))
+        assert audit.settings and audit.attacks and jobs_of(audit), path
 
 
 def test_batch_of_four_beats_the_random_guess(tmp_path):

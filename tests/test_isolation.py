@@ -1,0 +1,126 @@
+"""Regression tests: what one call or one audit must not leak into the next, and outputs that must not go missing."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import Normalize
+
+from leakaudit.attacks.bayesian import BayesianNoiseKL
+from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.defenses.bayesian import Bayesian
+from leakaudit.defenses.soteria import Soteria
+from leakaudit.evaluator.api import audit_batch
+from leakaudit.evaluator.config import ConfigError, load_audit
+from leakaudit.evaluator.datasets import load_digits
+from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import ClientStep
+
+from conftest import small_audit
+
+
+def _digit(index: int = 0):
+    data = load_digits(16)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    return (data.test_x[index:index + 1] - mean) / std, data.test_y[index:index + 1], data
+
+
+@pytest.mark.parametrize("defense", ["precode", "bayesian"])
+def test_audit_batch_leaves_the_callers_model_untouched(defense):
+    model = lenet_zhu(1, 10, 16)
+    before = [(n, type(m)) for n, m in model.named_modules()]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y, data = _digit()
+    with pytest.raises(ConfigError, match=f"audit_batch: defense: {defense}.*changes the architecture"):
+        audit_batch(model, F.cross_entropy, x, y, defense=defense, mean=data.mean, std=data.std)
+    assert [(n, type(m)) for n, m in model.named_modules()] == before
+    assert model.state_dict().keys() == weights.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_audit_batch_needs_the_normalisation_and_reads_a_torchvision_normalize():
+    x, y, data = _digit()
+    with pytest.raises(ConfigError) as info:
+        audit_batch(lenet_zhu(1, 10, 16), F.cross_entropy, x, y)
+    assert info.value.lines[0].startswith("audit_batch: mean, std: required")
+    with pytest.raises(ConfigError, match=r"audit_batch: mean, std: inputs \* std \+ mean spans"):
+        audit_batch(lenet_zhu(1, 10, 16), F.cross_entropy, x, y, mean=0.0, std=1.0)  # normalised inputs as pixels
+    attack = [{"name": "inverting_gradients", "params": {"iterations": 5}}]
+    model = lenet_zhu(1, 10, 16)
+    given = audit_batch(model, F.cross_entropy, x, y, attacks=attack, mean=data.mean, std=data.std)
+    read = audit_batch(model, F.cross_entropy, x, y, attacks=attack,
+                       normalize=Normalize(data.mean.tolist(), data.std.tolist()))
+    assert read[0].metrics == given[0].metrics
+
+
+def test_two_audits_in_one_process_each_report_their_own_epsilon(write_audit, tmp_path):
+    epsilons = []
+    for steps in (5, 50):
+        audit = small_audit(defenses=[{"name": "dpsgd", "params": {"noise_multiplier": 1.0}}],
+                            utility={"train_steps": steps, "batch_size": 8},
+                            attacks=[{"name": "inverting_gradients", "params": {"iterations": 2}}])
+        out = tmp_path / f"out{steps}"
+        run_audit(load_audit(write_audit(audit, name=f"a{steps}.yaml")), out, progress=False)
+        (utility,) = [json.loads(line) for line in (out / "utility.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        assert all(r["epsilon"] == utility["epsilon"] for r in rows)
+        epsilons.append(utility["epsilon"])
+    assert epsilons[1] > epsilons[0]
+
+
+def test_an_audit_without_psnr_keeps_its_main_outputs(write_audit, tmp_path):
+    attacks = [{"name": "inverting_gradients", "label": "ig", "params": {"iterations": 20}},
+               {"name": "inverting_gradients", "label": "ig_drop", "params": {"iterations": 20, "drop_defended": True}}]
+    audit = load_audit(write_audit(small_audit(metrics=["ssim", "mse"], attacks=attacks)))
+    assert audit.leakage_metric == "ssim"
+    summary = run_audit(audit, tmp_path / "out", progress=False)
+    assert {w["setting"] for w in summary["worst_case"]} == {"none", "gaussian(sigma=0.1)"}
+    assert all(w["ssim"] is not None for w in summary["worst_case"])
+    assert len(summary["naive_vs_adaptive"]) == 2 and summary["naive_vs_adaptive"][0]["metric"] == "ssim"
+    assert (tmp_path / "out" / "privacy_utility.png").exists()
+    assert "No utility was measured" not in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_a_model_without_convolutions_runs_to_its_report(write_audit, tmp_path):
+    audit = small_audit(model={"name": "mlp", "params": {"width": 32, "depth": 1}, "checkpoints": [0]})
+    summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
+    (analysis,) = summary["architecture"]
+    assert "no convolutional layer" in analysis["not_applicable"]
+    assert (tmp_path / "out" / "report.html").exists()
+
+
+def _problem(model, defense, batch: int = 1):
+    data = load_digits(16)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    x, y = (data.test_x[:batch] - mean) / std, data.test_y[:batch]
+    observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(0)))
+    threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, batch, defense, labels=y)
+    return observed, threat
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (InvertingGradients(iterations=3, drop_defended=True), Soteria(fraction=0.5), lenet_zhu(1, 10, 16)),
+    lambda: (BayesianNoiseKL(iterations=3), Bayesian(), lenet_zhu(1, 10, 16)),
+])
+def test_attacks_keep_no_state_between_calls(make):
+    attack, defense, model = make()
+    model = defense.wrap_model(model)
+    settings = dict(vars(attack))
+    first = attack(*_problem(model, defense), torch.Generator().manual_seed(1))
+    assert vars(attack) == settings
+    attack(*_problem(model, defense, batch=2), torch.Generator().manual_seed(2))
+    again = attack(*_problem(model, defense), torch.Generator().manual_seed(1))
+    assert torch.equal(first.images, again.images)
+
+
+def test_default_workers_need_no_cpu_affinity_call(write_audit, monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS and Windows have none
+    audit = small_audit()
+    del audit["workers"]
+    assert load_audit(write_audit(audit)).workers == (os.cpu_count() or 1)

@@ -1,4 +1,4 @@
-"""Analytic inversion of a fully connected input layer (seed 004, Prop. 3.1 and its supplement)."""
+"""Analytic inversion of a fully connected input layer (Geiping et al. 2020, Prop. 3.1 and its supplement)."""
 from __future__ import annotations
 
 import torch
@@ -42,6 +42,7 @@ class AnalyticInversion(Attack):
     """Closed-form input of a fully connected first layer from its weight and bias gradients (exact, one image)."""
 
     name = "analytic"
+    paper = "Geiping et al. 2020"
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         """Why this attack cannot apply to the scenario, or None."""

@@ -1,11 +1,11 @@
-"""The Bayes-optimal adversary (seed 003) and its distance-based relatives l2, l1, cos.
+"""The Bayes-optimal adversary (Balunovic et al. 2022) and its distance-based relatives l2, l1, cos.
 
 All four maximise ``(1/k) sum_i [w log p(g | x_i) - beta R(x_i)]`` over images ``x``,
 with ``x_i`` drawn uniformly from the delta-ball around ``x`` (k = 1 at the centre by
 default), Adam with an exponentially decaying step and the box constraint. They
 differ only in ``log p(g | x)``: ``bayes`` asks the audited defense for its own
 likelihood; ``l2``, ``l1`` and ``cos`` assume a Gaussian, a Laplacian and a
-direction-only observation, whatever the defense really does (seed 003, Table 1).
+direction-only observation, whatever the defense really does (Balunovic et al. 2022, Table 1).
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ class BayesOptimal(LikelihoodAttack):
     """The approximate Bayes-optimal adversary: the audited defense's own log p(g|x) plus a weighted prior."""
 
     name = "bayes"
+    paper = "Balunovic et al. 2022"
     uses_defense = True
 
     def unsupported_defense(self, defense) -> str | None:
@@ -115,6 +116,7 @@ class L2Matching(LikelihoodAttack):
     """Squared Euclidean gradient distance (the Bayes adversary of Gaussian noise), same optimiser as bayes."""
 
     name = "l2"
+    paper = "Balunovic et al. 2022"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return squared_distance(observed.tensors, candidate)
@@ -124,6 +126,7 @@ class L1Matching(LikelihoodAttack):
     """L1 gradient distance (the Bayes adversary of Laplacian noise), same optimiser as bayes."""
 
     name = "l1"
+    paper = "Balunovic et al. 2022"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return sum((o - c).abs().sum() for o, c in zip(observed.tensors, candidate))
@@ -133,6 +136,7 @@ class CosineMatching(LikelihoodAttack):
     """Cosine gradient distance (direction only), same optimiser as bayes."""
 
     name = "cos"
+    paper = "Balunovic et al. 2022"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return cosine_distance(observed.tensors, candidate)

@@ -1,7 +1,7 @@
 """Attacks on Bayesian-layer networks (defense ``bayesian``).
 
-``bayesian_kl`` (seed 000): the weights' noise is unknown, so it is optimised with the
-image, regularised towards N(0, 1) by the KL term of seed 000's appendix B, under cosine
+``bayesian_kl`` (Chen et al. 2024): the weights' noise is unknown, so it is optimised with the
+image, regularised towards N(0, 1) by the KL term of Chen et al.'s (2024) appendix B, under cosine
 matching with total variation (Inverting Gradients' objective).
 
 ``bayesian_exact``: with one draw per forward pass, ``W = mu + softplus(rho) * eps`` gives
@@ -88,6 +88,7 @@ class BayesianExact(InvertingGradients):
     """The sampled noise read exactly from the mean and scale gradients; Inverting Gradients on the fixed network."""
 
     name = "bayesian_exact"
+    paper = "Chen et al. 2024"
     uses_defense = True
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
@@ -115,15 +116,16 @@ class BayesianExact(InvertingGradients):
 
 
 def kl_to_standard_normal(eps: Tensor) -> Tensor:
-    """``KL(N(m, s^2) || N(0, 1))`` of the draws' empirical mean and std (seed 000, appendix B)."""
+    """``KL(N(m, s^2) || N(0, 1))`` of the draws' empirical mean and std (Chen et al. 2024, appendix B)."""
     m, s = eps.mean(), eps.std()
     return 0.5 * (-torch.log(s ** 2) + s ** 2 + m ** 2 - 1)
 
 
 class BayesianNoiseKL(InvertingGradients):
-    """Image and weight noise optimised together; the noise is pulled to N(0, 1) by a KL term (seed 000)."""
+    """Image and weight noise optimised together; the noise is pulled to N(0, 1) by a KL term (Chen et al. 2024)."""
 
     name = "bayesian_kl"
+    paper = "Chen et al. 2024"
     params = {**InvertingGradients.params,
               "alpha_kl": Param(1e-2, float, min=0.0, help="weight of the noise's KL regulariser")}
     uses_defense = True

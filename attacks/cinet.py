@@ -1,11 +1,11 @@
-"""CI-Net (seed 001): a whole batch from one over-parameterised convolutional generator.
+"""CI-Net (Zhang et al. 2023): a whole batch from one over-parameterised convolutional generator.
 
 The generator maps fixed random latents (one per image) through a "linear to conv" layer and
 blocks of nearest-neighbour upsampling, 3x3 convolution with spectral normalisation and
 LeakyReLU, to a direct 3x3 output layer; its channel count is the smallest of a ladder whose
 parameters outnumber the attacked model's. Only the generator's weights are trained, by
 signed gradient steps on the squared distance between the batch's gradient and the observed
-one, with labels read from the gradient (seed 001, Algorithm 1). The images share the
+one, with labels read from the gradient (Zhang et al. 2023, Algorithm 1). The images share the
 generator's convolutional prior, which is what helps at large batch sizes.
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ class CINet(Attack):
     """A convolutional generator trained by signed gradient steps to match the batch's gradient."""
 
     name = "cinet"
+    paper = "Zhang et al. 2023"
     params = {
         "iterations": Param(2000, int, min=1, help="signed gradient steps on the generator"),
         "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="step size of the signed steps"),

@@ -19,7 +19,7 @@ from leakaudit.plugins import Param, hookimpl
 
 
 def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
-    """1 - cosine similarity of the whole updates, all layers jointly (seed 004, Eq. 4)."""
+    """1 - cosine similarity of the whole updates, all layers jointly (Geiping et al. 2020, Eq. 4)."""
     dot = sum((o * c).sum() for o, c in zip(observed, candidate))
     norm_o = sum((o * o).sum() for o in observed).sqrt()
     norm_c = sum((c * c).sum() for c in candidate).sqrt()
@@ -27,12 +27,12 @@ def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> 
 
 
 def step_decay_milestones(iterations: int) -> list[int]:
-    """Learning-rate drops at 3/8, 5/8 and 7/8 of the run, as in seed 004."""
+    """Learning-rate drops at 3/8, 5/8 and 7/8 of the run, as in Geiping et al. 2020."""
     return [iterations * k // 8 for k in (3, 5, 7)]
 
 
 def random_images(threat: ThreatModel, generator: torch.Generator) -> Tensor:
-    """A standard-normal start in normalised space, as in seed 004."""
+    """A standard-normal start in normalised space, as in Geiping et al. 2020."""
     shape = (threat.batch_size, *threat.input_shape)
     return torch.randn(shape, generator=generator, device=threat.device)
 
@@ -56,6 +56,7 @@ class InvertingGradients(Attack):
     """Cosine gradient matching with total variation, signed Adam and a box constraint (Geiping et al.)."""
 
     name = "inverting_gradients"
+    paper = "Geiping et al. 2020"
     params = {
         "iterations": Param(4800, int, min=1, help="optimisation steps per restart"),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam step size"),
@@ -64,7 +65,7 @@ class InvertingGradients(Attack):
         "signed": Param(True, bool, help="use the sign of the image gradient (adversarial-attack style)"),
         "label_method": LABEL_METHOD,
         "drop_defended": Param(False, bool, help="leave out of the match the tensors the defense declares "
-                                                 "rewritten (Soteria's layer: the attack of seed 003, Sec. 5)"),
+                                                 "rewritten (Soteria's layer: the attack of Balunovic et al. 2022, Sec. 5)"),
     }
 
     def __init__(self, **settings: Any) -> None:
@@ -126,6 +127,7 @@ class DeepLeakage(Attack):
     """Euclidean gradient matching by L-BFGS on the image and a soft label jointly, with restarts (Zhu et al.)."""
 
     name = "dlg"
+    paper = "Zhu et al. 2019"
     params = {
         "iterations": Param(300, int, min=1, help="L-BFGS steps per restart"),
         "lr": Param(1.0, float, min=0.0, exclusive_min=True, help="L-BFGS step size"),
@@ -193,6 +195,7 @@ class ImprovedDeepLeakage(DeepLeakage):
     """The label read from the gradient's signs, then Euclidean matching by L-BFGS on the image only (Zhao et al.)."""
 
     name = "idlg"
+    paper = "Zhao et al. 2020"
     params = {**DeepLeakage.params, "label_method": LABEL_METHOD}
 
     def _labels(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor:

@@ -1,9 +1,9 @@
-"""Each layer's input as the unknown of a linear system (R-GAP; seed 002, Sec. 3).
+"""Each layer's input as the unknown of a linear system (R-GAP; Chen & Campbell 2022, Sec. 3).
 
 For a convolution ``z = W * x`` (bias moved to the left) the forward pass gives ``W_circ x = z``
 and the backward pass ``dL/dW = G(delta) x``, with ``delta = dL/dz``: both are linear in ``x``.
 Stacked, they form ``A x = [z; dL/dW]``. Its rank deficiency ``rank(A) - |x|`` (zero or
-negative) says how much of the layer's input the two passes cannot pin down, and seed 002's
+negative) says how much of the layer's input the two passes cannot pin down, and Chen & Campbell's (2022)
 security metric (Definition 3.3) is its position-weighted average over the ``L``
 convolutional layers, ``(1/L) sum_i (L - i + 1) rd_i``, so an early loss counts most. A
 fully connected layer with a bias gives its input exactly and does not enter the metric.
@@ -194,6 +194,6 @@ def conv_systems(model: nn.Module, loss_fn, image: Tensor, label: Tensor) -> lis
 
 
 def security_metric(deficiencies: list[int]) -> float:
-    """Seed 002's metric: ``(1/L) sum_i (L - i + 1) rd_i`` over the convolutional layers (i from 1)."""
+    """Chen & Campbell's (2022) metric: ``(1/L) sum_i (L - i + 1) rd_i`` over the convolutional layers (i from 1)."""
     n = len(deficiencies)
     return sum((n - i) * rd for i, rd in enumerate(deficiencies)) / n if n else 0.0

@@ -35,6 +35,7 @@ class PrecodeSample(InvertingGradients):
     """Bottleneck sample from the decoder's gradients, then Inverting Gradients with that sample pinned."""
 
     name = "precode_sample"
+    paper = "Balunovic et al. 2022"
     uses_defense = True
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:

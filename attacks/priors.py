@@ -11,7 +11,7 @@ from torch import Tensor
 
 
 def total_variation(images: Tensor) -> Tensor:
-    """Anisotropic total variation: mean absolute difference of neighbouring pixels (seed 004, Eq. 4)."""
+    """Anisotropic total variation: mean absolute difference of neighbouring pixels (Geiping et al. 2020, Eq. 4)."""
     dx = (images[..., :, 1:] - images[..., :, :-1]).abs().mean()
     dy = (images[..., 1:, :] - images[..., :-1, :]).abs().mean()
     return dx + dy

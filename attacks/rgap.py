@@ -1,4 +1,4 @@
-"""Layer-wise inversion by linear systems: ``rgap`` (Zhu and Blaschko 2021) and ``hybrid`` (seed 002).
+"""Layer-wise inversion by linear systems: ``rgap`` (Zhu and Blaschko 2021) and ``hybrid`` (Chen & Campbell 2022).
 
 Walking from the output back to the input, every layer's input is solved from its gradients:
 a biased fully connected layer gives it in closed form (``x = dL/dW^T delta / |delta|^2``);
@@ -6,7 +6,7 @@ an invertible activation is undone (tanh, sigmoid, leaky ReLU); a convolution's 
 ``A x = [z; dL/dW]`` (``attacks.linear_system``) by least squares with the minimum norm.
 ``hybrid`` corrects each convolution's solution by gradient matching on the truncated network
 from that layer on (cosine distance), with the linear system as a soft constraint and total
-variation on the image (seed 002, Algorithm 1 and its appendix B), before going on.
+variation on the image (Chen & Campbell 2022, Algorithm 1 and its appendix B), before going on.
 One image, FedSGD only; the model is a chain of Conv2d, invertible activations, Flatten and
 Linear layers, with a biased last layer.
 """
@@ -78,6 +78,7 @@ class LayerwiseInversion(Attack):
     """R-GAP: each layer's input from its linear system, last layer first (minimum-norm least squares)."""
 
     name = "rgap"
+    paper = "Zhu & Blaschko 2021"
     params = {
         "dense_limit": Param(60_000_000, int, min=1, help="largest system solved densely (entries); larger "
                                                           "ones by conjugate gradients, matrix-free"),
@@ -127,16 +128,17 @@ class LayerwiseInversion(Attack):
 
 
 class HybridInversion(LayerwiseInversion):
-    """Seed 002's hybrid: each convolution's least-squares input corrected by gradient matching."""
+    """Chen & Campbell's (2022) hybrid: each convolution's least-squares input corrected by gradient matching."""
 
     name = "hybrid"
+    paper = "Chen & Campbell 2022"
     params = {
         **LayerwiseInversion.params,
         "iterations": Param(1000, int, min=1, help="Adam steps of the correction at each convolution"),
         "lr": Param(0.01, float, min=0.0, exclusive_min=True, help="Adam step size"),
         "system_weight": Param(1.0, float, min=0.0, help="weight of ||A x - b||^2 / ||b||^2 (soft constraint)"),
         "tv": Param(0.05, float, min=0.0, help="total variation weight on the image (the first layer's input; "
-                                               "seed 002, appendix D)"),
+                                               "Chen & Campbell 2022, appendix D)"),
     }
 
     def _correct(self, value, system, index, chain, grads, names, threat, labels, trace) -> Tensor:

@@ -1,6 +1,6 @@
-"""CI-Net on large batches (seed 001): SSIM, PSNR and time for batches of 64 to 256 on one averaged gradient.
+"""CI-Net on large batches (Zhang et al. 2023): SSIM, PSNR and time for batches of 64 to 256 on one averaged gradient.
 
-Case: an untrained ConvNet (seed 004's, ``--width``) or a ResNet-18 whose ReLUs are sigmoids,
+Case: an untrained ConvNet (Geiping et al.'s (2020), ``--width``) or a ResNet-18 whose ReLUs are sigmoids,
 on 32x32 images drawn from the offline sets (the 20 CIFAR-10 images of the foolbox wheel are
 too few, so scikit-image's photographs and LFW faces are tiled into the batch), labels known.
 Prints one line per (model, batch): mean SSIM and PSNR of ``cinet`` and of Inverting Gradients
@@ -29,7 +29,7 @@ from leakaudit.plugins.manager import load_registry
 
 
 def sigmoid_resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """The zoo's ResNet-18 with every ReLU replaced by a sigmoid (seed 001's variant)."""
+    """The zoo's ResNet-18 with every ReLU replaced by a sigmoid (Zhang et al.'s (2023) variant)."""
     model = resnet18(channels, num_classes, image_size)
     for module in list(model.modules()):
         for child, sub in list(module.named_children()):

@@ -1,6 +1,6 @@
 """Soteria's feature scores: one batched backward pass per chunk of features against one per feature.
 
-Case: ConvBig (seed 003, Table 3) on 32x32 random images; the defended layer is fc1, whose
+Case: ConvBig (Balunovic et al. 2022, Table 3) on 32x32 random images; the defended layer is fc1, whose
 5184 input features each need d r_f / d x. Prints seconds per share for the per-feature loop
 of the reference code (timed on ``--loop-features`` features and scaled to all of them) and
 for ``defenses.soteria.feature_scores`` (``is_grads_batched`` over chunks of CHUNK features),

@@ -1,4 +1,4 @@
-"""Bayesian layers (Bayes by backprop, Blundell et al. 2015) as a defense (seed 000).
+"""Bayesian layers (Bayes by backprop, Blundell et al. 2015) as a defense (Chen et al. 2024).
 
 Each converted ``nn.Linear`` or ``nn.Conv2d`` keeps a mean ``mu`` and a scale parameter
 ``rho`` per weight and bias; every forward pass samples ``W = mu + softplus(rho) * eps``
@@ -39,7 +39,7 @@ class BayesianLayer(StochasticModule):
 
     The scale parameters are registered before the means, so the last weight and bias a
     reader finds in the shared update (label recovery) are the means, which play the
-    deterministic layer's part (seed 000, appendix A).
+    deterministic layer's part (Chen et al. 2024, appendix A).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, init_scale: float, prior_sigma: float,
@@ -189,6 +189,7 @@ class Bayesian(Defense):
     """Turns chosen layers into Bayesian layers (weights sampled every forward pass), trained with KL."""
 
     name = "bayesian"
+    paper = "Chen et al. 2024"
     params = {
         "layers": Param("all", (str, list), help="layers to convert: 'all', 'last', or a list of module names "
                                                  "of Linear and Conv2d layers"),

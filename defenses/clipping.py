@@ -21,6 +21,7 @@ class Clip(DeterministicDefense):
     """Scales the update down to L2 norm ``max_norm`` (over all tensors) when it is larger."""
 
     name = "clip"
+    paper = "Abadi et al. 2016"
     params = {"max_norm": Param(type=float, min=0.0, exclusive_min=True, help="largest L2 norm sent")}
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:

@@ -60,6 +60,7 @@ class GaussianNoise(AdditiveNoise):
     """Adds independent N(0, sigma^2) noise to every coordinate of the update."""
 
     name = "gaussian"
+    paper = "Balunovic et al. 2022"
     noise, scale_param = "gaussian", "sigma"
     params = {"sigma": Param(type=float, min=0.0, exclusive_min=True, help="noise standard deviation")}
 
@@ -68,6 +69,7 @@ class LaplaceNoise(AdditiveNoise):
     """Adds independent Laplace(0, b) noise to every coordinate of the update (variance 2 b^2)."""
 
     name = "laplace"
+    paper = "Balunovic et al. 2022"
     noise, scale_param = "laplace", "scale"
     params = {"scale": Param(type=float, min=0.0, exclusive_min=True, help="Laplace scale b")}
 

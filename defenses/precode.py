@@ -1,10 +1,10 @@
-"""PRECODE (Scheliga et al. 2021): a variational bottleneck inserted before a fully connected layer.
+"""PRECODE (Scheliga et al. 2022): a variational bottleneck inserted before a fully connected layer.
 
 The block encodes its input to a mean and a scale, draws a fresh sample
 ``b = mu + scale * eps`` every forward pass and decodes it back to the input's size;
 training adds ``kl_weight`` times the KL divergence of N(mu, scale^2) from N(0, 1).
 Everything before the block is deterministic, so the analytic inversion of a first fully
-connected layer still applies (seed 003, Sec. 5), and for one image the decoder's
+connected layer still applies (Balunovic et al. 2022, Sec. 5), and for one image the decoder's
 weight and bias gradients give the sample ``b`` itself (``attacks.precode``).
 """
 from __future__ import annotations
@@ -70,6 +70,7 @@ class Precode(Defense):
     """Inserts a variational bottleneck before a fully connected layer; trains with its KL term."""
 
     name = "precode"
+    paper = "Scheliga et al. 2022"
     params = {
         "size": Param(256, int, min=1, help="bottleneck size K"),
         "kl_weight": Param(1e-3, float, min=0.0, help="weight beta of the KL term in the client's loss"),

@@ -13,7 +13,7 @@ from leakaudit.plugins import Param, hookimpl
 
 
 class RandomPrune(Defense):
-    """Zeroes a random ``fraction`` of coordinates, then optionally adds Gaussian or Laplacian noise (seed 003).
+    """Zeroes a random ``fraction`` of coordinates, then optionally adds Gaussian or Laplacian noise (Balunovic et al. 2022).
 
     ``mask: per_round`` draws a new mask every round; ``fixed`` uses one mask for the
     whole run (drawn from ``mask_seed``). ``attacker_knows_mask`` publishes the mask
@@ -22,6 +22,7 @@ class RandomPrune(Defense):
     """
 
     name = "prune"
+    paper = "Balunovic et al. 2022"
     params = {
         "fraction": Param(0.5, float, min=0.0, max=0.99, help="share of coordinates zeroed"),
         "noise": Param("none", str, choices=("none", "gaussian", "laplace"), help="noise added after pruning"),
@@ -83,6 +84,7 @@ class TopK(DeterministicDefense):
     """Keeps the largest ``fraction`` of coordinates of every tensor by magnitude, zeroing the rest."""
 
     name = "topk"
+    paper = "Zhu et al. 2019"
     params = {"fraction": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True, help="share of coordinates kept")}
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:

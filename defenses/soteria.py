@@ -5,7 +5,7 @@ For each feature ``r_f`` of the representation entering the defended layer, the 
 feature, as the reference code computes it: one backward pass per feature, summed over
 the batch); the ``fraction`` of lowest-scoring features have their columns of the layer's
 weight gradient zeroed. Every other tensor is sent unchanged, which is its weakness:
-the informed attacker drops the defended layer and matches the rest (seed 003, A.5).
+the informed attacker drops the defended layer and matches the rest (Balunovic et al. 2022, A.5).
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ class Soteria(Defense):
     """Zeroes the weight-gradient columns of a fully connected layer's least sensitive input features."""
 
     name = "soteria"
+    paper = "Sun et al. 2021"
     deterministic = True
     params = {
         "layer": Param("largest", str, help="defended fully connected layer: a module name, or 'largest'"),
@@ -104,7 +105,7 @@ class Soteria(Defense):
         return {f"{self.layer_name}.weight"}
 
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
-        """Zero-noise Gaussian on every tensor but the defended layer's weight (seed 003, Eq. 6)."""
+        """Zero-noise Gaussian on every tensor but the defended layer's weight (Balunovic et al. 2022, Eq. 6)."""
         dropped = self.defended_tensors(observed.names)
         return -0.5 * sum(((o - c) ** 2).sum() for n, o, c in zip(observed.names, observed.tensors, candidate)
                           if n not in dropped)

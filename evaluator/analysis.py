@@ -1,7 +1,7 @@
-"""Architecture analysis before any attack: seed 002's rank deficiencies and security metric.
+"""Architecture analysis before any attack: Chen & Campbell's (2022) rank deficiencies and security metric.
 
 The systems are built for the audit's model at training step 0 on its first target image
-(their ranks are generic: seed 002 found the same values untrained and trained, and for
+(their ranks are generic: Chen & Campbell 2022 found the same values untrained and trained, and for
 different images).
 """
 from __future__ import annotations
@@ -49,12 +49,12 @@ def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
 
 def describe(result: dict[str, Any]) -> str:
     """The analysis as a small table and one line on the metric."""
-    lines = [f"model {result['model']}: one linear system per convolutional layer (seed 002, Sec. 3)",
+    lines = [f"model {result['model']}: one linear system per convolutional layer (Chen & Campbell 2022, Sec. 3)",
              f"{'layer':<8}{'input':<14}{'equations':>10}{'unknowns':>10}{'rank deficiency':>17}"]
     for layer in result["layers"]:
         shape = "x".join(map(str, layer["input_shape"]))
         lines.append(f"{layer['layer']:<8}{shape:<14}{layer['equations']:>10}{layer['unknowns']:>10}"
                      f"{layer['rank_deficiency']:>17}")
-    lines.append(f"security metric (seed 002, Def. 3.3): {result['metric']:.1f}  (0: every convolutional "
+    lines.append(f"security metric (Chen & Campbell 2022, Def. 3.3): {result['metric']:.1f}  (0: every convolutional "
                  "layer's input is determined by its gradients; more negative: less leakage to expect)")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line)")
     val.add_argument("config")
     ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
-                                          "(seed 002), before any attack")
+                                          "(Chen & Campbell 2022), before any attack")
     ana.add_argument("config")
     ana.add_argument("--json", action="store_true", help="machine-readable output")
     plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin")
@@ -49,14 +49,16 @@ def cmd_plugins(args) -> int:
     registry = load_registry(args.plugins_dir)
     entries = list(registry)
     if args.json:
-        print(json.dumps([{"kind": e.kind, "name": e.name, "origin": e.origin, "summary": e.summary}
-                          for e in entries], indent=2))
+        print(json.dumps([{"kind": e.kind, "name": e.name, "origin": e.origin, "paper": e.paper,
+                           "summary": e.summary} for e in entries], indent=2))
         return 0
     kind_w = max(len(e.kind) for e in entries)
     name_w = max(len(e.name) for e in entries)
     origin_w = max(len(e.origin) for e in entries)
+    paper_w = max(len(e.paper) for e in entries)
     for e in entries:
-        print(f"{e.kind:<{kind_w}}  {e.name:<{name_w}}  {e.origin:<{origin_w}}  {e.summary}")
+        print(f"{e.kind:<{kind_w}}  {e.name:<{name_w}}  {e.origin:<{origin_w}}  {e.paper:<{paper_w}}  {e.summary}")
+    print("Papers by author and year: docs/references.md", file=sys.stderr)
     return 0
 
 

@@ -35,7 +35,7 @@ def _after_strides(size: int, halvings: int) -> int:
 
 
 def convnet(channels: int, num_classes: int, image_size: int, width: int = 64) -> nn.Module:
-    """Seed 004's ConvNet: eight 3x3 conv-BN-ReLU blocks (widths w, 2w, 2w, 4w...) and two max-pools."""
+    """Geiping et al.'s (2020) ConvNet: eight 3x3 conv-BN-ReLU blocks (widths w, 2w, 2w, 4w...) and two max-pools."""
     widths = [width, 2 * width, 2 * width, 4 * width, 4 * width, 4 * width, 4 * width, 4 * width]
     layers, cin = [], channels
     for i, cout in enumerate(widths):
@@ -60,7 +60,7 @@ def lecun_normal_(model: nn.Module) -> nn.Module:
 
 
 def cnn_bayes(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """Seed 003's CNN (conv 32 3x3, ReLU, avg-pool, conv 64 3x3, ReLU, avg-pool, dense 100, dense), flax's init."""
+    """Balunovic et al.'s (2022) CNN (conv 32 3x3, ReLU, avg-pool, conv 64 3x3, ReLU, avg-pool, dense 100, dense), flax's init."""
     side = ((image_size - 2) // 2 - 2) // 2
     return lecun_normal_(nn.Sequential(
         nn.Conv2d(channels, 32, 3), nn.ReLU(), nn.AvgPool2d(2),
@@ -70,10 +70,10 @@ def cnn_bayes(channels: int, num_classes: int, image_size: int) -> nn.Module:
 
 
 def convbig(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """Seed 003's ConvBig (Table 3): two conv-ReLU-avg-pool blocks, then dense 2000, 1000 and the output.
+    """Balunovic et al.'s (2022) ConvBig (Table 3): two conv-ReLU-avg-pool blocks, then dense 2000, 1000 and the output.
 
     The second convolution is 1x1 with padding 1, as printed; on 32x32 images the first dense
-    layer is 5184 x 2000 (about 80% of the weights), the one Soteria defends in seed 003.
+    layer is 5184 x 2000 (about 80% of the weights), the one Soteria defends in Balunovic et al. 2022.
     """
     side = (image_size // 2 + 2) // 2
     return nn.Sequential(OrderedDict([
@@ -86,8 +86,8 @@ def convbig(channels: int, num_classes: int, image_size: int) -> nn.Module:
     ]))
 
 
-#: Seed 002, Table 1: per convolutional layer (kernel, output channels, stride, padding).
-SEED002_VARIANTS = {
+#: Chen & Campbell 2022, Table 1: per convolutional layer (kernel, output channels, stride, padding).
+LINEAR_SYSTEM_VARIANTS = {
     "cnn2_v1": ((3, 6, 1, 0),),
     "cnn2_v2": ((4, 6, 2, 0),),
     "cnn3_v1": ((3, 6, 1, 0), (4, 3, 2, 0)),
@@ -101,7 +101,7 @@ SEED002_VARIANTS = {
 
 def linear_system_cnn(channels: int, num_classes: int, image_size: int,
                       layers: tuple[tuple[int, int, int, int], ...]) -> nn.Module:
-    """Seed 002's shallow CNNs: bias-free convolutions each followed by tanh, then one biased dense layer."""
+    """Chen & Campbell's (2022) shallow CNNs: bias-free convolutions each followed by tanh, then one biased dense layer."""
     modules: list[nn.Module] = []
     cin, side = channels, image_size
     for kernel, cout, stride, padding in layers:
@@ -111,12 +111,12 @@ def linear_system_cnn(channels: int, num_classes: int, image_size: int,
     return nn.Sequential(*modules)
 
 
-def _seed002_spec(name: str) -> ModelSpec:
-    layers = SEED002_VARIANTS[name]
+def _linear_system_spec(name: str) -> ModelSpec:
+    layers = LINEAR_SYSTEM_VARIANTS[name]
     shape = "; ".join(f"conv {k}x{k}, {c} channels, stride {s}, padding {p}" for k, c, s, p in layers)
     return ModelSpec(name, lambda channels, num_classes, image_size: linear_system_cnn(
-        channels, num_classes, image_size, layers), summary=f"Seed 002 {name.upper().replace('_V', ' variant ')}: "
-        f"{shape}; tanh, bias-free; a biased dense layer")
+        channels, num_classes, image_size, layers), summary=f"{name.upper().replace('_V', ' variant ')}: "
+        f"{shape}; tanh, bias-free; a biased dense layer", paper="Chen & Campbell 2022")
 
 
 def mlp(channels: int, num_classes: int, image_size: int, width: int = 256, depth: int = 2) -> nn.Module:
@@ -166,21 +166,21 @@ class CifarResNet(nn.Module):
 
 
 def resnet20(channels: int, num_classes: int, image_size: int, width: int = 16) -> nn.Module:
-    """ResNet-20 for 32x32 images (three blocks per stage; width 64 is seed 004's ResNet20-4)."""
+    """ResNet-20 for 32x32 images (three blocks per stage; width 64 is Geiping et al.'s (2020) ResNet20-4)."""
     return CifarResNet(channels, num_classes, blocks=3, width=width)
 
 
 ZOO = [
-    ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__),
+    ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__, paper="Zhu et al. 2019"),
     ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block")},
-              summary=convnet.__doc__),
-    ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__),
-    ModelSpec("convbig", convbig, summary=convbig.__doc__),
+              summary=convnet.__doc__, paper="Geiping et al. 2020"),
+    ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__, paper="Balunovic et al. 2022"),
+    ModelSpec("convbig", convbig, summary=convbig.__doc__, paper="Balunovic et al. 2022"),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
-    ModelSpec("resnet18", resnet18, summary=resnet18.__doc__),
+    ModelSpec("resnet18", resnet18, summary=resnet18.__doc__, paper="He et al. 2016"),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
-              summary=resnet20.__doc__),
-    *(_seed002_spec(name) for name in SEED002_VARIANTS),
+              summary=resnet20.__doc__, paper="He et al. 2016"),
+    *(_linear_system_spec(name) for name in LINEAR_SYSTEM_VARIANTS),
 ]
 
 

@@ -267,7 +267,7 @@ def _architecture_html(results: list[dict[str, Any]]) -> str:
             parts.append(f"<p><b>{name}</b>: not computed: {html.escape(result['not_applicable'])}.</p>")
             continue
         rows = [{**layer, "input_shape": "x".join(map(str, layer["input_shape"]))} for layer in result["layers"]]
-        parts.append(f"<p><b>{name}</b>: security metric (seed 002, Definition 3.3) <b>{result['metric']:.1f}</b></p>"
+        parts.append(f"<p><b>{name}</b>: security metric (Chen & Campbell 2022, Definition 3.3) <b>{result['metric']:.1f}</b></p>"
                      + _table(rows, ["layer", "input_shape", "equations", "unknowns", "rank_deficiency"]))
     return "".join(parts) + (
         "<p>Each convolutional layer's input solves a linear system from its forward and backward passes "
@@ -337,7 +337,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes
         sections.append(("Model changes made by defenses", _table(changed, ["setting", "changes"])
                          + "<p>What each defense changed in the model before training and attacks "
                            "(for dpsgd: what Opacus's ModuleValidator fixed).</p>"))
-    sections.append(("Architecture: layer-wise linear systems (seed 002)", _architecture_html(summary["architecture"])))
+    sections.append(("Architecture: layer-wise linear systems (Chen & Campbell 2022)", _architecture_html(summary["architecture"])))
     steps = out_dir / "leakage_by_step.png"
     if plot_leakage_by_step(summary, steps):
         sections.append(("Leakage through training", _img_tag(steps)))

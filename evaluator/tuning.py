@@ -3,7 +3,7 @@
 ``tune:`` on an attack in the audit file; per defense setting and checkpoint the
 runner tries ``budget`` settings on tuning images drawn from the training split
 (the attacker's own data, never an attacked target), the untuned setting first,
-and attacks every target with the best. Seed 003: untuned attacks understate
+and attacks every target with the best. Balunovic et al. 2022: untuned attacks understate
 leakage, so an evaluator must tune them.
 """
 from __future__ import annotations

@@ -120,6 +120,11 @@ class Entry:
     origin: str
 
     @property
+    def paper(self) -> str:
+        """The paper the component comes from (author, year), where it declares one."""
+        return getattr(self.obj, "paper", "") or ""
+
+    @property
     def summary(self) -> str:
         doc = getattr(self.obj, "summary", None) or (getattr(self.obj, "__doc__", None) or "")
         return doc.strip().splitlines()[0] if doc.strip() else ""

@@ -99,7 +99,7 @@ def test_soteria_likelihood_ignores_the_defended_layer_only():
 
 
 def test_dropping_the_soteria_layer_breaks_it_where_the_full_update_does_not():
-    """Seed 003, Sec. 5: cosine matching on every layer but the defended one."""
+    """Balunovic et al. 2022, Sec. 5: cosine matching on every layer but the defended one."""
     model, y = small_convbig(), torch.tensor([2])
     x = torch.rand(1, 3, 12, 12)
     defense = Soteria(fraction=0.8)
@@ -114,7 +114,7 @@ def test_dropping_the_soteria_layer_breaks_it_where_the_full_update_does_not():
     assert a > n + 3, (a, n)
 
 
-def test_convbig_is_seed_003_table_3():
+def test_convbig_is_balunovic_2022_table_3():
     model = convbig(3, 10, 32)
     assert [type(m).__name__ for m in model] == ["Conv2d", "ReLU", "AvgPool2d", "Conv2d", "ReLU", "AvgPool2d",
                                                  "Flatten", "Linear", "ReLU", "Linear", "ReLU", "Linear"]
@@ -270,7 +270,7 @@ def test_bayesian_exact_rebuilds_what_the_attack_on_the_deterministic_network_re
 
 
 def test_labels_come_from_the_mean_weights_of_a_bayesian_last_layer():
-    """Seed 000, appendix A: the sign rule holds for the means' gradient."""
+    """Chen et al. 2024, appendix A: the sign rule holds for the means' gradient."""
     _, model, defense = bayesian_lenet(layers="last")
     for label in range(10):
         sent = defense.share(ClientStep(model, loss_fn, torch.rand(1, 3, 16, 16), torch.tensor([label]),

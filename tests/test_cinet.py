@@ -1,4 +1,4 @@
-"""CI-Net (seed 001): a batch of 16 from lenet_zhu's averaged gradient, against Inverting Gradients."""
+"""CI-Net (Zhang et al. 2023): a batch of 16 from lenet_zhu's averaged gradient, against Inverting Gradients."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Seed 002's layer-wise linear systems: rank deficiencies and the security metric (Table 1)."""
+"""Chen & Campbell's (2022) layer-wise linear systems: rank deficiencies and the security metric (Table 1)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.models import SEED002_VARIANTS, linear_system_cnn
+from leakaudit.evaluator.models import LINEAR_SYSTEM_VARIANTS, linear_system_cnn
 
 from conftest import small_audit
 
-#: Seed 002, Table 1: rank deficiency per convolutional layer and the metric, on 32x32x3 inputs.
+#: Chen & Campbell 2022, Table 1: rank deficiency per convolutional layer and the metric, on 32x32x3 inputs.
 TABLE_1 = {
     "cnn2_v1": ([0], 0), "cnn2_v2": ([-1470], -1470),
     "cnn3_v1": ([0, -4533], -2266), "cnn3_v2": ([-1470, -1050], -1995),
@@ -24,9 +24,9 @@ HEAVY = {"cnn3_v3", "cnn4_v2"}  # systems of 7542 x 5400 and 13744 x 3072: about
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in TABLE_1])
-def test_rank_deficiencies_and_metric_are_seed_002_table_1(name):
+def test_rank_deficiencies_and_metric_are_chen_campbell_2022_table_1(name):
     torch.set_num_threads(2)  # dense float64 linear algebra: BLAS uses both cores (attacks use one per process)
-    model = linear_system_cnn(3, 10, 32, SEED002_VARIANTS[name]).double()
+    model = linear_system_cnn(3, 10, 32, LINEAR_SYSTEM_VARIANTS[name]).double()
     systems = conv_systems(model, F.cross_entropy, torch.rand(1, 3, 32, 32, dtype=torch.float64), torch.tensor([4]))
     deficiencies = [s.rank_deficiency() for s in systems]
     expected, metric = TABLE_1[name]
@@ -41,7 +41,7 @@ def test_the_metric_weights_early_layers_most():
 
 
 def test_the_system_holds_the_true_input():
-    model = linear_system_cnn(3, 10, 16, SEED002_VARIANTS["cnn3_v1"]).double()
+    model = linear_system_cnn(3, 10, 16, LINEAR_SYSTEM_VARIANTS["cnn3_v1"]).double()
     x = torch.rand(1, 3, 16, 16, dtype=torch.float64)
     first, second = conv_systems(model, F.cross_entropy, x, torch.tensor([2]))
     torch.testing.assert_close(first.matrix @ x.reshape(-1), first.rhs)
@@ -57,7 +57,7 @@ def test_analyse_prints_the_layers_and_the_metric(write_audit, capsys):
     assert [layer["rank_deficiency"] for layer in result["layers"]] == [-1470, -1050]
     assert result["metric"] == -1995.0
     assert main(["analyse", str(path)]) == 0
-    assert "security metric (seed 002, Def. 3.3): -1995.0" in capsys.readouterr().out
+    assert "security metric (Chen & Campbell 2022, Def. 3.3): -1995.0" in capsys.readouterr().out
 
 
 def test_analyse_says_which_layer_it_cannot_cover(write_audit, capsys):

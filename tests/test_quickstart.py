@@ -20,6 +20,6 @@ def test_quickstart_end_to_end(tmp_path):
         assert (out / name).stat().st_size > 0
     worst = {w["setting"]: w for w in json.loads((out / "summary.json").read_text())["worst_case"]}
     undefended = worst["none"]["psnr"]
-    assert undefended >= 18.0  # seed 004 Table 1: 18.00 dB for this attack on this untrained network
+    assert undefended >= 18.0  # Geiping et al. 2020 Table 1: 18.00 dB for this attack on this untrained network
     assert worst["gaussian(sigma=1.0)"]["psnr"] <= undefended - 6.0
     assert worst["none"]["accuracy"] > worst["gaussian(sigma=1.0)"]["accuracy"]

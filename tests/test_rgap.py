@@ -1,4 +1,4 @@
-"""rgap and hybrid (seed 002): exact where the metric is 0, hybrid below rgap where it is not (Appendix E)."""
+"""rgap and hybrid (Chen & Campbell 2022): exact where the metric is 0, hybrid below rgap where it is not (Appendix E)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from leakaudit.plugins.attack import ThreatModel
 from leakaudit.attacks.rgap import HybridInversion, LayerwiseInversion
 from leakaudit.attacks.linear_system import ConvSystem, _cgls, _dense_min_norm, conv_systems
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.models import SEED002_VARIANTS, lenet_zhu, linear_system_cnn, mlp
+from leakaudit.evaluator.models import LINEAR_SYSTEM_VARIANTS, lenet_zhu, linear_system_cnn, mlp
 from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep
 
 
@@ -19,7 +19,7 @@ def case(name: str, size: int, index: int = 0):
     data = load_registry().get("dataset", "cifar10_samples").load(image_size=size, root=None, download=False)
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
     torch.manual_seed(0)
-    model = linear_system_cnn(3, 10, size, SEED002_VARIANTS[name])
+    model = linear_system_cnn(3, 10, size, LINEAR_SYSTEM_VARIANTS[name])
     pixels, label = data.test_x[index:index + 1], data.test_y[index:index + 1]
     observed = NoDefense().share(ClientStep(model, F.cross_entropy, (pixels - mean) / std, label, torch.Generator()))
     threat = ThreatModel(model, F.cross_entropy, (3, size, size), mean, std, 10, 1, NoDefense())
@@ -40,7 +40,7 @@ def test_rgap_rebuilds_the_image_exactly_where_the_metric_is_zero(name, solver):
 
 @pytest.mark.parametrize("name", ["cnn2_v2", "cnn3_v2"])
 def test_hybrid_improves_on_rgap_where_the_system_is_rank_deficient(name):
-    """Seed 002, Appendix E: MSE 0.0051 against 0.0346 (CNN2 V2) and 0.0322 against 0.0518 (CNN3 V2)."""
+    """Chen & Campbell 2022, Appendix E: MSE 0.0051 against 0.0346 (CNN2 V2) and 0.0322 against 0.0518 (CNN3 V2)."""
     observed, threat, pixels = case(name, 32)
     rgap = LayerwiseInversion()(observed, threat, torch.Generator())
     hybrid = HybridInversion(iterations=400)(observed, threat, torch.Generator())
@@ -50,7 +50,7 @@ def test_hybrid_improves_on_rgap_where_the_system_is_rank_deficient(name):
 
 
 def test_matrix_free_conjugate_gradients_reach_the_dense_minimum_norm_solution():
-    model = linear_system_cnn(3, 10, 12, SEED002_VARIANTS["cnn3_v2"]).double()
+    model = linear_system_cnn(3, 10, 12, LINEAR_SYSTEM_VARIANTS["cnn3_v2"]).double()
     (first, second) = conv_systems(model, F.cross_entropy, torch.rand(1, 3, 12, 12, dtype=torch.float64),
                                    torch.tensor([1]))
     for system in (first, second):  # under- and over-determined

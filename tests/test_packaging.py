@@ -1,0 +1,94 @@
+"""leakaudit installs as one import name and runs beside a user's own modules called evaluator and plugins."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+
+import leakaudit
+from conftest import ROOT, small_audit
+
+SOURCES = ("pyproject.toml", "README.md", "leakaudit", "plugins", "defenses", "attacks", "evaluator")
+
+
+def _run(cmd, **kwargs):
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def fresh_env(tmp_path_factory):
+    """A new virtual environment with the built wheel, its dependencies borrowed from this one."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in SOURCES:
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(
+            ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if (ROOT / name).is_dir() else {}))
+    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+          "-w", str(tmp / "dist"), str(src)])
+    (wheel,) = (tmp / "dist").glob("leakaudit-*.whl")
+    env = tmp / "env"
+    _run([sys.executable, "-m", "venv", str(env)])
+    python = env / "bin" / "python"
+    site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    before = {p.name for p in (tmp / "env").rglob("site-packages") for p in p.iterdir()}
+    _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)])
+    added = {p.name for p in (tmp / "env").rglob("site-packages") for p in p.iterdir()} - before
+    # torch, opacus and the rest come from the test environment's site-packages, after the new one
+    (env / "lib" / site.split("/lib/")[-1] / "zz_test_dependencies.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n")
+    return env, python, added
+
+
+def test_the_wheel_puts_only_leakaudit_at_the_top_of_site_packages(fresh_env):
+    _, _, added = fresh_env
+    assert {n for n in added if not n.endswith(".dist-info")} == {"leakaudit"}
+    assert [n for n in added if n.endswith(".dist-info")] == [f"leakaudit-{leakaudit.__version__}.dist-info"]
+
+
+def test_a_tiny_audit_runs_from_a_folder_with_its_own_evaluator_and_plugins(fresh_env, tmp_path):
+    env, python, _ = fresh_env
+    (tmp_path / "evaluator.py").write_text("raise RuntimeError('the user evaluator module was imported')\n")
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "__init__.py").write_text("raise RuntimeError('the user plugins package was imported')\n")
+    (tmp_path / "my_plugins").mkdir()
+    (tmp_path / "my_plugins" / "double.py").write_text(textwrap.dedent("""
+        from leakaudit import DeterministicDefense, hookimpl
+
+        class Double(DeterministicDefense):
+            '''Sends twice the update (a user's drop-in defense).'''
+            name = "double"
+
+            def transform(self, update):
+                return [2 * t for t in update]
+
+        @hookimpl
+        def register_defenses():
+            return [Double]
+    """))
+    audit = small_audit(defenses=[{"name": "none"}, {"name": "double"}], plugins_dir="my_plugins",
+                        utility={"train_steps": 0})
+    (tmp_path / "audit.yaml").write_text(json.dumps(audit))
+    where = _run([str(python), "-c", "import leakaudit, leakaudit.evaluator.runner; print(leakaudit.__file__)"],
+                 cwd=tmp_path).stdout.strip()
+    assert where.startswith(str(env))
+    assert _run([str(env / "bin" / "leakaudit"), "--version"], cwd=tmp_path).stdout.strip() == \
+        f"leakaudit {leakaudit.__version__}"
+    _run([str(env / "bin" / "leakaudit"), "run", "audit.yaml", "--out", "out", "--no-progress"], cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert {r["setting"] for r in rows} == {"none", "double"} and len(rows) == 4
+    assert (tmp_path / "out" / "report.html").exists()
+
+
+def test_import_leakaudit_gives_the_public_api():
+    proc = _run([sys.executable, "-c", "import leakaudit; print(leakaudit.__version__); "
+                 "print(all(hasattr(leakaudit, n) for n in leakaudit.__all__))"])
+    version, complete = proc.stdout.split()
+    assert version == leakaudit.__version__ != "0+unknown" and complete == "True"

@@ -14,7 +14,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.attacks.vectorised import (Batch, SharedModel, candidate_update, chunk_size, defense_candidate,
+                                          optimise, prior_sum, run_chunks, solve_grouped, split_metadata,
+                                          stack_targets, vectorisable)
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.attacks.gradient_matching import LABEL_METHOD, PRIOR_WEIGHTS, cosine_distance, random_images
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.attacks.priors import check_priors, prior_penalty
@@ -22,17 +25,25 @@ from leakaudit.plugins.defense import SharedUpdate, squared_distance
 from leakaudit.plugins import Param, hookimpl
 
 
+def ball_draws(centre: Tensor, samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """The random draws of ``sample_in_ball``: directions (k, B, ...) and uniform radii fractions (k, B)."""
+    direction = torch.randn((samples, *centre.shape), generator=generator, device=centre.device)
+    return direction, torch.rand((samples, centre.shape[0]), generator=generator, device=centre.device)
+
+
+def ball_points(centre: Tensor, radius: float, direction: Tensor, u: Tensor) -> Tensor:
+    """Points at uniform positions in the L2 ball of ``radius`` around each image, from ``ball_draws``."""
+    flat = direction.flatten(2)
+    direction = (flat / flat.norm(dim=2, keepdim=True)).view(direction.shape)
+    r = radius * u ** (1.0 / centre[0].numel())
+    return centre.unsqueeze(0) + r.view(u.shape[0], -1, *([1] * (centre.dim() - 1))) * direction
+
+
 def sample_in_ball(centre: Tensor, radius: float, samples: int, generator: torch.Generator) -> Tensor:
     """``samples`` points uniform in the L2 ball of ``radius`` around each image of ``centre``, (k, B, ...)."""
     if radius == 0:
         return centre.unsqueeze(0)
-    shape = (samples, *centre.shape)
-    direction = torch.randn(shape, generator=generator, device=centre.device)
-    flat = direction.flatten(2)
-    direction = (flat / flat.norm(dim=2, keepdim=True)).view(shape)
-    d = centre[0].numel()
-    r = radius * torch.rand((samples, centre.shape[0]), generator=generator, device=centre.device) ** (1.0 / d)
-    return centre.unsqueeze(0) + r.view(samples, -1, *([1] * (centre.dim() - 1))) * direction
+    return ball_points(centre, radius, *ball_draws(centre, samples, generator))
 
 
 class LikelihoodAttack(Attack):
@@ -57,6 +68,81 @@ class LikelihoodAttack(Attack):
     def negative_log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor],
                                 threat: ThreatModel) -> Tensor:
         raise NotImplementedError
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Problems with like settings optimised together, ``max_problems`` at a time (Monte Carlo draws and
+        starts from each problem's own generator)."""
+        if any(getattr(cls, n) is not getattr(LikelihoodAttack, n) for n in ("reconstruct", "_objective")):
+            return super().reconstruct_all(problems, max_problems)
+        return solve_grouped(problems, cls._group_key, lambda group: (
+            cls._solve_group(group, max_problems) if vectorisable(group[0].threat)
+            else Attack.reconstruct_all.__func__(cls, group, max_problems)))
+
+    @staticmethod
+    def _group_key(p: Problem) -> tuple:
+        a, t = p.attack, p.threat
+        return (vectorisable(t), id(t.model), id(t.defense), t.protocol, t.batch_size, a.iterations, a.samples,
+                a.radius, a.warmup, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
+
+    @classmethod
+    def _solve_group(cls, problems: list[Problem], max_problems: int | None) -> list[Reconstruction]:
+        threat = problems[0].threat
+        images = threat.batch_size * problems[0].attack.samples
+        return run_chunks(problems, cls._batch, chunk_size(max_problems, threat, images, len(problems)))
+
+    @classmethod
+    def _batch(cls, problems: list[Problem]) -> tuple[Batch, Any]:
+        threat = problems[0].threat
+        updates = [p.observed for p in problems]
+        split = split_metadata(updates)
+        if split is None:  # metadata that differs in more than tensors: one problem at a time
+            return None, lambda _: Attack.reconstruct_all.__func__(cls, problems)
+        labels, starts = [], []
+        for p in problems:  # as alone: labels, then the start; Monte Carlo draws follow, step by step
+            labels.append(recover_labels(p.observed, p.threat, p.attack.label_method, p.generator))
+            starts.append(random_images(p.threat, p.generator))
+        device = threat.device
+        hyper = {"lr": torch.tensor([p.attack.lr for p in problems], device=device),
+                 "gamma": torch.tensor([p.attack.lr_decay ** (1.0 / p.attack.iterations) for p in problems],
+                                       device=device, dtype=torch.float64)}
+        hyper.update({f"prior.{n}": torch.tensor([float(p.attack.priors[n]) for p in problems], device=device)
+                      for n in problems[0].attack.priors})
+        batch = Batch(problems, torch.stack(starts), torch.stack(labels), stack_targets(updates, device), *split,
+                      hyper, list(range(len(problems))))
+        return batch, lambda b: cls._solve(b, labels)
+
+    @classmethod
+    def _solve(cls, batch: Batch, labels: list[Tensor]) -> list[Reconstruction]:
+        first, threat, template = batch.problems[0].attack, batch.problems[0].threat, batch.problems[0].observed
+        shared = SharedModel.of(threat.model)
+        lo, hi = threat.box()
+        priors = list(first.priors)
+        own = cls is BayesOptimal and defense_candidate(threat.defense)
+
+        def objective(images, labels, target, metadata, hyper, weight, direction=None, u=None):
+            observed = batch.observed(target, metadata, template)
+            points = images.unsqueeze(0) if direction is None else ball_points(images, first.radius, direction, u)
+            total = images.new_zeros(())
+            for x in points:
+                candidate = (threat.defense.candidate_update(threat, x, labels) if own
+                             else candidate_update(shared, threat, x, labels))
+                total = total + weight * first.negative_log_likelihood(observed, candidate, threat)
+                total = total + prior_sum(x, {n: hyper[f"prior.{n}"] for n in priors}, lo, hi)
+            return total / len(points)
+
+        def per_step(it: int) -> tuple:
+            weight = min(1.0, 1e-3 * 1e3 ** (it / first.warmup)) if first.warmup else 1.0
+            if first.radius == 0:
+                return ((weight, None),)
+            draws = [ball_draws(s, first.samples, p.generator) for s, p in zip(batch.starts, batch.problems)]
+            return (weight, None), (torch.stack([d for d, _ in draws]), 0), (torch.stack([u for _, u in draws]), 0)
+
+        gamma = batch.hyper.pop("gamma")
+        images, trace = optimise(batch, objective, iterations=first.iterations, signed=False, box=(lo, hi),
+                                 lr_factor=lambda it: (gamma ** it).to(batch.hyper["lr"].dtype), per_step=per_step)
+        return [Reconstruction(p.threat.to_pixels(images[i].detach()), labels[i], trace[:, i].tolist(), 0.0)
+                for i, p in enumerate(batch.problems)]
 
     def candidate(self, threat: ThreatModel, images: Tensor, labels: Tensor) -> list[Tensor]:
         """The candidate's clean update, as the distance sees it (the plain one)."""

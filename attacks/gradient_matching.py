@@ -6,12 +6,16 @@
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import bisect
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.attacks.vectorised import (Batch, SharedModel, batched, candidate_update, chunk_size, optimise,
+                                          prior_sum, run_chunks, solve_grouped, split_metadata, stack_targets,
+                                          vectorisable)
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
 from leakaudit.plugins.defense import SharedUpdate, squared_distance
@@ -90,6 +94,79 @@ class InvertingGradients(Attack):
                 best, best_extra, best_loss = images, extra, final
         extras = {"match_loss": best_loss, **({"variables": best_extra} if best_extra else {})}
         return Reconstruction(threat.to_pixels(best.detach()), labels, traces[0], 0.0, extras)
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Problems with like settings (and their restarts) optimised together, ``max_problems`` at a time."""
+        if not cls._vectorised():
+            return super().reconstruct_all(problems, max_problems)
+        return solve_grouped(problems, cls._group_key, lambda group: (
+            cls._solve_group(group, max_problems) if vectorisable(group[0].threat)
+            else Attack.reconstruct_all.__func__(cls, group, max_problems)))
+
+    @classmethod
+    def _vectorised(cls) -> bool:
+        """Subclasses that change the objective or the unknowns solve one problem at a time."""
+        return all(getattr(cls, n) is getattr(InvertingGradients, n)
+                   for n in ("reconstruct", "_objective", "_extra_variables", "_one_run"))
+
+    @staticmethod
+    def _group_key(p: Problem) -> tuple:
+        a, t = p.attack, p.threat
+        return (vectorisable(t), id(t.model), id(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts, a.signed,
+                a.drop_defended, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
+
+    @classmethod
+    def _solve_group(cls, problems: list[Problem], max_problems: int | None) -> list[Reconstruction]:
+        first, threat = problems[0].attack, problems[0].threat
+        restarts = first.restarts
+        rows = chunk_size(max_problems, threat, threat.batch_size,
+                          len(problems) * restarts)
+        return run_chunks(problems, lambda part: cls._batch(part), max(1, rows // restarts))
+
+    @classmethod
+    def _batch(cls, problems: list[Problem]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
+        first, threat = problems[0].attack, problems[0].threat
+        keep = matched_tensors(problems[0].observed, threat) if first.drop_defended else None
+        labels, starts = [], []
+        for p in problems:  # each problem's draws in the order it makes them alone: labels, then each start
+            labels.append(recover_labels(p.observed, p.threat, p.attack.label_method, p.generator))
+            starts.extend(random_images(p.threat, p.generator) for _ in range(first.restarts))
+        owners = [i for i in range(len(problems)) for _ in range(first.restarts)]
+        updates = [problems[i].observed for i in owners]
+        stacked, static = split_metadata(updates) or ({}, {})  # the cosine match reads no metadata
+        hyper = {"lr": torch.tensor([problems[i].attack.lr for i in owners], device=threat.device)}
+        hyper.update({f"prior.{n}": torch.tensor([float(problems[i].attack.priors[n]) for i in owners],
+                                                 device=threat.device) for n in first.priors})
+        batch = Batch(problems, torch.stack(starts), torch.stack([labels[i] for i in owners]),
+                      kept(stack_targets(updates, threat.device), keep), stacked, static, hyper, owners)
+        return batch, lambda b: cls._solve(b, keep, labels)
+
+    @classmethod
+    def _solve(cls, batch: Batch, keep: list[bool] | None, labels: list[Tensor]) -> list[Reconstruction]:
+        first, threat = batch.problems[0].attack, batch.problems[0].threat
+        shared = SharedModel.of(threat.model)
+        lo, hi = threat.box()
+        priors = [n for n in first.priors]
+
+        def objective(images, labels, target, metadata, hyper):
+            candidate = kept(candidate_update(shared, threat, images, labels), keep)
+            weights = {n: hyper[f"prior.{n}"] for n in priors}
+            return cosine_distance(target, candidate) + prior_sum(images, weights, lo, hi)
+
+        milestones = step_decay_milestones(first.iterations)
+        images, trace = optimise(batch, objective, iterations=first.iterations, signed=first.signed, box=(lo, hi),
+                                 lr_factor=lambda it: 0.1 ** bisect.bisect_right(milestones, it))
+        with torch.no_grad():
+            final = batched(objective, with_grad=False)(images, batch.labels, batch.targets, batch.metadata,
+                                                       batch.hyper)
+        out = []
+        for i, p in enumerate(batch.problems):
+            rows = [r for r, o in enumerate(batch.owners) if o == i]
+            best = min(rows, key=lambda r: float(final[r]))
+            out.append(Reconstruction(p.threat.to_pixels(images[best].detach()), labels[i], trace[:, rows[0]].tolist(),
+                                      0.0, {"match_loss": float(final[best])}))
+        return out
 
     def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
                    keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:

@@ -1,20 +1,26 @@
-"""Attack speed: iterations per second and PSNR reached against wall time, for one fixed case.
+"""Attack speed: image-iterations per second against the number of problems solved together, vectorised
+beside one at a time; PSNR reached against wall time; thread layouts; the quickstart's wall time.
 
-Case: inverting_gradients on the untrained lenet_zhu (32x32 digits, batch 1, no defense).
-Prints one line per checkpoint of the run, and the throughput of 1 and 2 torch threads
-in one process beside 2 processes of 1 thread each (the runner's default on a 2-core CPU).
+Case: inverting_gradients on the untrained lenet_zhu (32x32 digits, batch 1, no defense); K problems
+are K different target images, each with its own start. "one at a time" runs ``attack(...)`` per
+problem (the path a plugin attack written for one problem takes); "vectorised" runs
+``InvertingGradients.reconstruct_all`` on all K (torch.func: functional_call, grad, vmap).
 
-    python benchmarks/attack_speed.py [--iterations 1000] [--device cpu]
+    python benchmarks/attack_speed.py [--iterations 200] [--device cpu] [--ks 1,8,64] [--quickstart]
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.datasets import load_digits
@@ -33,6 +39,52 @@ def case(device: str, index: int = 0):
     step = ClientStep(model, loss_fn, (pixels - mean) / std, label, torch.Generator(device=device))
     threat = ThreatModel(model, loss_fn, (1, 32, 32), mean, std, 10, 1, NoDefense(), device=torch.device(device))
     return NoDefense().share(step), threat, pixels
+
+
+def problems(device: str, k: int, iterations: int) -> list[Problem]:
+    attack = InvertingGradients(iterations=iterations)
+    out = []
+    for i in range(k):
+        observed, threat, _ = case(device, i % 300)
+        out.append(Problem(observed, threat, torch.Generator(device=device).manual_seed(i), attack))
+    return out
+
+
+def vectorised_against_one_at_a_time(device: str, ks: list[int], iterations: int) -> None:
+    print(f"image-iterations per second against K ({device}, {torch.get_num_threads()} thread(s), "
+          f"{iterations} iterations):")
+    print(f"  {'K':>6}  {'one at a time':>14}  {'vectorised':>12}  {'speed-up':>8}")
+    for k in ks:
+        batch = problems(device, k, iterations)
+        one = min(k, 8)  # one at a time is linear in K: time a few and scale
+        start = time.perf_counter()
+        for p in batch[:one]:
+            p.attack(p.observed, p.threat, p.generator)
+        _sync(device)
+        serial = one * iterations / (time.perf_counter() - start)
+        start = time.perf_counter()
+        InvertingGradients.reconstruct_all(problems(device, k, iterations), max_problems=k)
+        _sync(device)
+        vector = k * iterations / (time.perf_counter() - start)
+        print(f"  {k:6d}  {serial:14.0f}  {vector:12.0f}  {vector / serial:7.1f}x")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def quickstart_wall_time(device: str) -> None:
+    """The quickstart audit from the command line, on ``device``."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "configs" / "quickstart.yaml").read_text().replace("device: auto", f"device: {device}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "quickstart.yaml"
+        path.write_text(text)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "leakaudit", "run", str(path), "--out", str(Path(tmp) / "out"),
+                        "--no-progress"], check=True, capture_output=True)
+        print(f"quickstart on {device}: {time.perf_counter() - start:.1f} s wall time (imports included)")
 
 
 def psnr_against_time(iterations: int, device: str) -> None:
@@ -67,12 +119,21 @@ def thread_layouts(iterations: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iterations", type=int, default=1000)
+    p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ks", default="1,8,64", help="numbers of problems solved together, comma-separated")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--quickstart", action="store_true", help="also time the quickstart audit")
+    p.add_argument("--layouts", action="store_true", help="also PSNR against time and the CPU thread layouts")
     args = p.parse_args()
-    psnr_against_time(args.iterations, args.device)
-    if args.device == "cpu":
-        thread_layouts(args.iterations // 4)
+    torch.set_num_threads(args.threads)
+    vectorised_against_one_at_a_time(args.device, [int(k) for k in args.ks.split(",")], args.iterations)
+    if args.layouts:
+        psnr_against_time(args.iterations * 5, args.device)
+        if args.device == "cpu":
+            thread_layouts(args.iterations)
+    if args.quickstart:
+        quickstart_wall_time(args.device)
 
 
 if __name__ == "__main__":

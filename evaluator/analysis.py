@@ -6,7 +6,13 @@ different images).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.defenses.noise import NoDefense
@@ -31,8 +37,32 @@ def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[s
             "metric": security_metric([layer["rank_deficiency"] for layer in layers])}
 
 
+def cache_dir() -> Path:
+    """Where analyses of zoo models are kept between runs: ``$LEAKAUDIT_CACHE``, else the user's cache folder."""
+    root = os.environ.get("LEAKAUDIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leakaudit"
+    return Path(root) / "analysis"
+
+
+def _cache_file(scenario: Scenario, section: dict) -> Path | None:
+    """The cache entry of a zoo model at this input shape and class count (ranks do not depend on the
+    weights); None for a user's factory, whose code may change under the same name."""
+    if ":" in section["name"]:
+        return None
+    data = scenario.data
+    key = repr((section["name"], sorted(section["params"].items()), data.channels, data.num_classes,
+                scenario.audit.data["image_size"], torch.__version__, ANALYSIS_VERSION))
+    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+ANALYSIS_VERSION = 1  # bump when analyse() changes what it computes
+
+
 def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
-    """``analyse`` for the audit's model and each entry's own model, or why it does not apply."""
+    """``analyse`` for the audit's model and each entry's own model, or why it does not apply.
+
+    A zoo model's result is cached per architecture and input shape, so only the first audit of
+    a model pays for the rank computations.
+    """
     out, seen = [], set()
     for setting in [None, *scenario.audit.settings]:
         section = scenario.model_section(setting)
@@ -40,11 +70,29 @@ def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
         if key in seen:
             continue
         seen.add(key)
+        path = _cache_file(scenario, section)
+        if path is not None and path.exists():
+            out.append(json.loads(path.read_text()))
+            continue
         try:
-            out.append(analyse(scenario, setting))
+            result = analyse(scenario, setting)
         except ValueError as exc:
-            out.append({"model": section["name"], "not_applicable": str(exc)})
+            result = {"model": section["name"], "not_applicable": str(exc)}
+        out.append(result)
+        if path is not None:
+            _write(path, result)
     return out
+
+
+def _write(path: Path, result: dict[str, Any]) -> None:
+    """Best effort: an unwritable cache folder only costs the next run the computation."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.evaluator.config import ConfigError, _check_attacks, _check_metrics, _expand_defenses
 from leakaudit.evaluator.metrics import score
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
@@ -134,7 +134,8 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
         for spec in (s for s in specs if s.applies_to(setting)):
             _, attack_gen = round_generators(device, seed, setting.key, step, index)  # the same start for every attack
-            rec = spec.build(registry)(observed, threat, attack_gen)
+            attack = spec.build(registry)
+            (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen, attack)])  # as the runner
             values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
             results.append(BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds))
     return results

@@ -27,6 +27,8 @@ TOP = {
     "seed": Param(0, int, min=0, help="seed of every random draw"),
     "device": Param("auto", str, choices=("auto", "cpu", "cuda")),
     "workers": Param(None, int, min=1, help="attack processes (default: one per core on the CPU, 1 on CUDA)"),
+    "max_problems": Param("auto", (str, int), help="problems (targets x restarts x tuning trials) an attack "
+                                                   "optimises together: auto (what fits in free memory) or a number"),
     "plugins_dir": Param(None, str, help="folder of drop-in *.py plugins, relative to this file"),
     "data": Param(type=dict),
     "model": Param(type=dict),
@@ -167,6 +169,7 @@ class Audit:
     protocol: Protocol = FEDSGD
     registry: Registry = field(repr=False, default=None)
     leakage_metric: str = "psnr"
+    max_problems: int | None = None  # None: auto
 
     @property
     def checkpoints(self) -> list[int]:
@@ -247,10 +250,11 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, problems)
     device = _check_device(top.get("device", "auto"), problems)
     workers = top.get("workers") or (1 if device == "cuda" else available_cores())
+    max_problems = _check_max_problems(top.get("max_problems", "auto"), problems)
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
-                 attacks, utility, metrics, threat, protocol, registry, leakage)
+                 attacks, utility, metrics, threat, protocol, registry, leakage, max_problems)
 
 
 def available_cores() -> int:
@@ -528,6 +532,16 @@ def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
         problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "
                         "(the images each client holds)")
     return cls(**section)
+
+
+def _check_max_problems(value: Any, problems: list[str]) -> int | None:
+    """``max_problems``: 'auto' (None) or a whole number of at least 1."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        problems.append(f"max_problems: {value!r} is neither 'auto' nor a whole number >= 1; choices: auto, 1, 2, ...")
+        return None
+    return value
 
 
 def _check_device(device: str, problems: list[str]) -> str:

@@ -66,6 +66,26 @@ class TuneJob:
         return (self.setting.key, self.attack.key, self.checkpoint, self.trial)
 
 
+@dataclass(frozen=True)
+class Cell:
+    """Jobs of one (setting, attack, checkpoint) solved together as one problem set: attack jobs (one per
+    target batch) or tuning trials. A worker runs a cell; its rows are written when it finishes."""
+
+    jobs: tuple
+
+    @property
+    def first(self):
+        return self.jobs[0]
+
+
+def cells_of(jobs: list, per_cell: int) -> list[Cell]:
+    """``jobs`` grouped by (setting, attack, checkpoint), in order, cut into cells of at most ``per_cell``."""
+    groups: dict[tuple, list] = {}
+    for job in jobs:
+        groups.setdefault((job.setting.key, job.attack.key, job.checkpoint), []).append(job)
+    return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
+
+
 def row_key(row: dict[str, Any]) -> tuple:
     """The ``AttackJob.key`` of a results row."""
     return (row["setting"], row["attack"], row["checkpoint"], row["target"])

@@ -19,13 +19,13 @@ from leakaudit.evaluator.analysis import analyse_all
 from leakaudit.evaluator.config import Audit, load_audit
 from leakaudit.evaluator.metrics import score
 from leakaudit.evaluator.report import write_report
-from leakaudit.evaluator.rundir import (ARCHITECTURE, AttackJob, RunError, RunFolder, TuneJob, row_key,
-                                        trial_key)
+from leakaudit.evaluator.rundir import (ARCHITECTURE, AttackJob, Cell, RunError, RunFolder, TuneJob, cells_of,
+                                        row_key, trial_key)
 from leakaudit.evaluator.scenario import (Scenario, check_scenario, derive_seed, generator, loss_fn,
                                           round_generators)
 from leakaudit.evaluator.tuning import candidates, winners
 from leakaudit.evaluator.utility import privacy_spent, train_under_defense
-from leakaudit.plugins.attack import Attack, Reconstruction
+from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
 
 __all__ = ["run_audit", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
@@ -76,52 +76,68 @@ class AuditWorker:
             self._epsilon[setting.key] = privacy_spent(self.scenario, self.scenario.defense(setting))
         return self._epsilon[setting.key]
 
-    def attack_batch(self, setting, checkpoint: int, attack: Attack, pixels, labels, purpose: str,
-                     index: int) -> Reconstruction:
-        """The defended update of one batch at one checkpoint, and the attack's reconstruction of it.
+    def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> list[Problem]:
+        """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems.
 
-        ``purpose`` ("" for targets, "tune-" for tuning batches) and ``index`` seed the defense's noise and
-        the attack's start (``round_generators``: the same for every attack and every trial of a search).
+        The model is built and loaded once, so the problems share it (and vectorised attacks solve them
+        together). ``purpose`` ("" for targets, "tune-" for tuning batches) and ``index`` seed the defense's
+        noise and the attack's start (``round_generators``: the same for every attack and every trial).
         """
         sc = self.scenario
         defense = sc.defense(setting)
         model = sc.fresh_model(defense, setting)
         model.load_state_dict(self._states_of(setting)[checkpoint])
         model.train()
-        share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.key, checkpoint, index, purpose)
-        observed = defense.share(ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen,
-                                            sc.audit.protocol))
-        return attack(observed, sc.threat(model, defense, labels), attack_gen)
+        shared: dict[int, tuple] = {}
+        out = []
+        for pixels, labels, index, attack in batches:
+            share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.key, checkpoint, index, purpose)
+            if index not in shared:  # every trial of a search attacks the same update of a batch
+                step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.audit.protocol)
+                shared[index] = (defense.share(step), sc.threat(model, defense, labels))
+            out.append(Problem(*shared[index], attack_gen, attack))
+        return out
 
-    def tune(self, job: TuneJob) -> dict[str, Any]:
-        """Score one hyperparameter setting on the tuning batches (same update and start for every trial)."""
-        sc = self.scenario
-        metric = sc.audit.registry.get("metric", job.attack.tune.metric)
-        attack, values, seconds = sc.attack(job.attack, job.params), [], 0.0
-        for t in range(job.attack.tune.targets):
-            pixels, labels = sc.tuning_batch(t)
-            rec = self.attack_batch(job.setting, job.checkpoint, attack, pixels, labels, "tune-", t)
-            values.append(score([metric], rec.images, pixels, rec.labels, labels)[0][metric.name])
-            seconds += rec.seconds
-        return {"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
-                "trial": job.trial, "params": job.params, "metric": metric.name, "score": sum(values) / len(values),
-                "seconds": round(seconds, 3)}
+    def tune(self, cell: Cell) -> list[dict[str, Any]]:
+        """Every trial of one search, each on the tuning batches, solved together; a row per trial."""
+        sc, first = self.scenario, cell.first
+        spec = first.attack.tune
+        metric = sc.audit.registry.get("metric", spec.metric)
+        batches = [sc.tuning_batch(t) for t in range(spec.targets)]
+        attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
+        problems = self.problems(first.setting, first.checkpoint, [
+            (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
+        recs = type(attacks[0]).reconstruct_all(problems, sc.audit.max_problems)
+        rows = []
+        for j, job in enumerate(cell.jobs):
+            mine = recs[j * spec.targets:(j + 1) * spec.targets]
+            values = [score([metric], r.images, px, r.labels, lb)[0][metric.name] for r, (px, lb) in zip(mine, batches)]
+            rows.append({"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
+                         "trial": job.trial, "params": job.params, "metric": metric.name,
+                         "score": sum(values) / len(values), "seconds": round(sum(r.seconds for r in mine), 3)})
+        return rows
 
-    def attack(self, job: AttackJob) -> tuple[dict[str, Any], list[str]]:
-        """Share the defended update of one target batch, attack it and score the reconstruction."""
-        sc = self.scenario
+    def attack(self, cell: Cell) -> list[tuple[dict[str, Any], list[str]]]:
+        """Share the defended update of each target batch of one cell, attack them together, score each."""
+        sc, first = self.scenario, cell.first
         audit = sc.audit
-        pixels, labels = sc.target_batch(job.target)
-        rec = self.attack_batch(job.setting, job.checkpoint, sc.attack(job.attack, job.params), pixels, labels,
-                                "", job.target)
+        attack = sc.attack(first.attack, first.params)
+        batches = [sc.target_batch(job.target) for job in cell.jobs]
+        problems = self.problems(first.setting, first.checkpoint,
+                                 [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
+        recs = type(attack).reconstruct_all(problems, audit.max_problems)
         metrics = [audit.registry.get("metric", m) for m in audit.metrics]
+        return [self._row(job, px, lb, rec, metrics) for job, (px, lb), rec in zip(cell.jobs, batches, recs)]
+
+    def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
+        """Score one reconstruction, keep it for the report, and make its results row."""
         values, notes, order = score(metrics, rec.images, pixels, rec.labels, labels)
         self.folder.save_reconstruction(job, {
             "original": pixels.cpu(), "reconstruction": rec.images[order].detach().cpu(), "labels": labels.cpu(),
             "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
         row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
                "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-               "target": job.target, "images": sc.target_ids(job.target).tolist(),
+               "target": job.target, "images": self.scenario.target_ids(job.target).tolist(),
                "epsilon": self.epsilon(job.setting), **values, "seconds": round(rec.seconds, 3)}
         if job.params is not None:
             row["attack_params"] = job.params
@@ -152,11 +168,12 @@ def _execute(worker: AuditWorker, method: str, items: Iterable, workers: int, de
     if not items:
         return
     audit = worker.scenario.audit
-    bar = tqdm(total=len(items), desc=desc, unit="job", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=sum(_size(i) for i in items), desc=desc, unit="job", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
     if workers <= 1:
         for item in items:
             on_result(item, getattr(worker, method)(item))
-            bar.update()
+            bar.update(_size(item))
     else:
         ctx = multiprocessing.get_context("spawn")
         init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(worker.folder.path), 1)
@@ -166,11 +183,26 @@ def _execute(worker: AuditWorker, method: str, items: Iterable, workers: int, de
             try:
                 for fut in as_completed(futures):
                     on_result(futures[fut], fut.result())
-                    bar.update()
+                    bar.update(_size(futures[fut]))
             except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
     bar.close()
+
+
+def _size(item: Any) -> int:
+    """Jobs an item stands for (a cell: its jobs), for the progress bar."""
+    return len(item.jobs) if isinstance(item, Cell) else 1
+
+
+def _cells(jobs: list, workers: int) -> list[Cell]:
+    """Cells for ``workers`` processes: whole (setting, attack, checkpoint) groups when there are enough of them
+    to keep every process busy, else each group cut in ``workers`` parts."""
+    groups = {(j.setting.key, j.attack.key, j.checkpoint) for j in jobs}
+    largest = max((sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == g) for g in groups),
+                  default=1)
+    per_cell = largest if len(groups) >= 2 * workers else -(-largest // workers)
+    return cells_of(jobs, max(1, per_cell))
 
 
 def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
@@ -198,22 +230,22 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
              lambda s, row: folder.utility.append(row))
 
     tried = {trial_key(r) for r in folder.tuning.read()}
-    _execute(worker, "tune", [j for j in tune_jobs_of(audit) if j.key not in tried], workers, "tuning", progress,
-             lambda j, row: folder.tuning.append(row))
+    _execute(worker, "tune", _cells([j for j in tune_jobs_of(audit) if j.key not in tried], workers), workers,
+             "tuning", progress, lambda cell, rows: [folder.tuning.append(row) for row in rows])
     trials = folder.tuning.read()
 
     finished = {row_key(r) for r in folder.results.read()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
 
-    def on_row(job: AttackJob, out: tuple[dict, list[str]]) -> None:
-        row, new_notes = out
-        folder.results.append(row)
-        folder.results_csv.append(row)
-        for n in set(new_notes) - notes:
-            notes.add(n)
-            tqdm.write(f"warning: {n}", file=sys.stderr)
+    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
+        for row, new_notes in out:
+            folder.results.append(row)
+            folder.results_csv.append(row)
+            for n in set(new_notes) - notes:
+                notes.add(n)
+                tqdm.write(f"warning: {n}", file=sys.stderr)
 
-    _execute(worker, "attack", pending, workers, "attacks", progress, on_row)
+    _execute(worker, "attack", _cells(pending, workers), workers, "attacks", progress, on_rows)
     rows = _in_job_order(audit, folder.results.read())
     folder.results_csv.rewrite(rows)
     return write_report(folder, rows, folder.utility.read(), sorted(notes), baseline_scores(scenario), trials,

@@ -50,6 +50,17 @@ class ThreatModel:
 
 
 @dataclass
+class Problem:
+    """One independent reconstruction: a shared update, what the attacker knows, the problem's own
+    generator (its start and every later draw) and the configured attack that solves it."""
+
+    observed: SharedUpdate
+    threat: ThreatModel
+    generator: torch.Generator
+    attack: "Attack"
+
+
+@dataclass
 class Reconstruction:
     """An attack's answer: images in [0, 1] pixel space, labels, loss trace and wall time."""
 
@@ -102,3 +113,12 @@ class Attack:
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         raise NotImplementedError
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Every problem's reconstruction, in order; ``max_problems`` caps how many run together.
+
+        The default solves them one at a time, so an attack written for one problem works as it is;
+        vectorised attacks override this to optimise many problems in one batched pass.
+        """
+        return [p.attack(p.observed, p.threat, p.generator) for p in problems]

@@ -42,6 +42,15 @@ class Protocol:
         """The update the attacker models for candidate ``images``: FedSGD's gradient unless overridden."""
         return fedsgd_update(model, loss_fn, images, targets, create_graph)
 
+    def functional_update(self, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                          loss_fn: LossFn, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """``attacker_update`` as a pure function of ``params`` (torch.func), so that it runs under ``vmap``:
+        many candidate batches against one model at once. FedSGD's gradient unless overridden."""
+        def loss(p: dict[str, Tensor]) -> Tensor:
+            return loss_fn(functional_call(model, (p, buffers), (images,)), targets)
+
+        return torch.func.grad(loss)(params)
+
     def gradient_scale(self, images: int) -> float:
         """The factor that turns the sent tensors back into a mean gradient (1 for a gradient)."""
         return 1.0
@@ -80,6 +89,19 @@ class FedAvg(Protocol):
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
                         create_graph: bool = True) -> list[Tensor]:
         return fedavg_update(model, loss_fn, images, targets, self, create_graph)
+
+    def functional_update(self, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                          loss_fn: LossFn, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        current = dict(params)
+        b = self.local_batch_size or len(images)
+        for _ in range(self.local_epochs):
+            for i in range(0, len(images), b):
+                def loss(p: dict[str, Tensor], x=images[i:i + b], y=targets[i:i + b]) -> Tensor:
+                    return loss_fn(functional_call(model, (p, buffers), (x,)), y)
+
+                grads = torch.func.grad(loss)(current)
+                current = {n: p - self.local_lr * grads[n] for n, p in current.items()}
+        return {n: params[n] - current[n] for n in params}
 
     def gradient_scale(self, images: int) -> float:
         return 1.0 / (self.local_lr * self.local_steps(images))

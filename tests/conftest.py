@@ -12,6 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LEAKAUDIT = [sys.executable, "-m", "leakaudit"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory):
+    """Analyses are cached in a folder of the test session, not the user's cache (subprocesses inherit it)."""
+    import os
+
+    os.environ["LEAKAUDIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)

@@ -124,3 +124,23 @@ def test_default_workers_need_no_cpu_affinity_call(write_audit, monkeypatch):
     audit = small_audit()
     del audit["workers"]
     assert load_audit(write_audit(audit)).workers == (os.cpu_count() or 1)
+
+
+def test_vectorised_problems_match_one_at_a_time(write_audit, tmp_path):
+    """Every target, restart and tuning trial of a cell solved together gives what max_problems: 1 gives."""
+    attacks = [{"name": "inverting_gradients", "label": "ig", "params": {"iterations": 60, "restarts": 2}},
+               {"name": "bayes", "params": {"iterations": 40, "radius": 0.05, "samples": 2},
+                "tune": {"budget": 3, "space": {"lr": [0.03, 0.3]}, "targets": 2}}]
+    rows = {}
+    for size in (1, "auto"):
+        audit = small_audit(attacks=attacks, max_problems=size, utility={"train_steps": 0},
+                            data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 1})
+        out = tmp_path / f"out{size}"
+        run_audit(load_audit(write_audit(audit, name=f"{size}.yaml")), out, progress=False)
+        rows[size] = {(r["setting"], r["attack"], r["target"]): r["psnr"]
+                      for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+        rows[f"tune{size}"] = sorted((t["setting"], t["trial"], t["score"])
+                                     for t in map(json.loads, (out / "tuning.jsonl").read_text().splitlines()))
+    assert rows[1].keys() == rows["auto"].keys() and len(rows[1]) == 16
+    assert all(abs(rows[1][k] - rows["auto"][k]) < 0.1 for k in rows[1]), rows
+    assert all(a[:2] == b[:2] and abs(a[2] - b[2]) < 0.1 for a, b in zip(rows["tune1"], rows["tuneauto"]))

@@ -90,7 +90,8 @@ def test_example_is_audited_from_yaml_and_from_the_api_with_the_same_result(tmp_
     audit = tmp_path / "audit.yaml"
     shutil.copy(EXAMPLE / "audit.yaml", audit)
     shutil.copy(EXAMPLE / "digits_client.py", tmp_path / "digits_client.py")  # imported from beside the audit file
-    assert main(["run", str(audit), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    # two workers: each target is its own cell, solved alone as audit_batch solves its one batch
+    assert main(["run", str(audit), "--out", str(tmp_path / "out"), "--no-progress", "--workers", "2"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6
     data = digits_client.load_data()

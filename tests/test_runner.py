@@ -76,7 +76,8 @@ def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch)
     (out / "results.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed mid-write
     calls = []
     real = runner.AuditWorker.attack
-    monkeypatch.setattr(runner.AuditWorker, "attack", lambda self, job: calls.append(job.key) or real(self, job))
+    monkeypatch.setattr(runner.AuditWorker, "attack",
+                        lambda self, cell: calls.extend(j.key for j in cell.jobs) or real(self, cell))
     run_audit(audit, out, resume=True, progress=False)
     assert len(calls) == len(full) - 2
     assert _numbers(_rows(out)) == _numbers(full)

@@ -67,6 +67,6 @@ def test_tuned_audit_reports_the_search_and_attacks_with_the_winner(write_audit,
     assert "hyperparameter search" in (out / "report.html").read_text()
     # a resumed run redoes no trial
     calls = []
-    monkeypatch.setattr(runner.AuditWorker, "tune", lambda self, job: calls.append(job) or {})
+    monkeypatch.setattr(runner.AuditWorker, "tune", lambda self, cell: calls.extend(cell.jobs) or [])
     run_audit(audit, out, resume=True, progress=False)
     assert calls == []

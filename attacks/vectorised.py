@@ -1,0 +1,246 @@
+"""Many independent gradient-matching problems optimised together: one function of one problem, vmapped.
+
+A problem is one target batch's observed update with its own generator, start and hyperparameters.
+The matching loss of one problem is a pure function of its candidate images (the model's update
+through ``torch.func``: ``functional_call`` and ``grad``), so ``vmap`` evaluates it for K problems in
+one batched pass, as in PyTorch's per-sample-gradient and model-ensembling tutorials. Each problem's
+forward computes its own batch statistics (BatchNorm in train mode never mixes problems), and each
+problem keeps its own Adam state and step size. Draws from a problem's generator happen outside
+``vmap``, in the same order as when the problem is solved alone, so the numbers do not depend on how
+problems are grouped.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from leakaudit.attacks.priors import PRIORS
+from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.stochastic import stochastic_modules
+
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+MEMORY_SHARE = 0.5  # of the free device memory that ``max_problems: auto`` lets one chunk use
+
+
+def vectorisable(threat: ThreatModel) -> bool:
+    """Whether the model's update is a pure function of its inputs that torch.func can transform: no noise
+    drawn inside the model, and no module backward hooks (Opacus's per-sample hooks), which torch.func refuses."""
+    hooked = any(m._backward_hooks or m._backward_pre_hooks for m in threat.model.modules())
+    return not stochastic_modules(threat.model) and not hooked
+
+
+@dataclass
+class SharedModel:
+    """The attacked model as torch.func sees it: a copy whose BatchNorm layers use batch statistics only
+    (in train mode, as the client computed its update), with its trainable parameters and other state."""
+
+    module: nn.Module
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "SharedModel":
+        module = model
+        if model.training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            module = copy.deepcopy(model)
+            torch.func.replace_all_batch_norm_modules_(module)  # running statistics off: no in-place update
+        params = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+        frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
+        return cls(module, params, {**frozen, **dict(module.named_buffers())})
+
+
+def candidate_update(shared: SharedModel, threat: ThreatModel, images: Tensor, labels: Tensor) -> list[Tensor]:
+    """The clean update of candidate ``images`` under the threat's protocol and client loss, via torch.func."""
+    loss_fn = threat.defense.client_loss(shared.module, threat.loss_fn)
+    grads = threat.protocol.functional_update(shared.module, shared.params, shared.buffers, loss_fn, images, labels)
+    return [grads[n] for n in shared.params]
+
+
+def prior_sum(images: Tensor, weights: dict[str, Tensor], low: Tensor, high: Tensor) -> Tensor:
+    """Weighted priors with per-problem weight tensors (0-d under vmap)."""
+    total = images.new_zeros(())
+    for name, w in weights.items():
+        fn = PRIORS[name]
+        total = total + w * (fn(images, low, high) if name == "range" else fn(images))
+    return total
+
+
+@dataclass
+class Batch:
+    """K problems stacked along a leading dimension: what one vmapped pass takes."""
+
+    problems: list[Problem]
+    starts: Tensor                      # (K, B, C, H, W), normalised
+    labels: Tensor                      # (K, B) class indices (or (K, B, classes) soft labels)
+    targets: list[Tensor]               # each (K, ...)
+    metadata: dict[str, Any]            # tensor metadata of the shared updates, stacked
+    static_metadata: dict[str, Any]     # metadata equal across the problems
+    hyper: dict[str, Tensor]            # per-problem hyperparameters, each (K,)
+    owners: list[int] = field(default_factory=list)  # which input problem each row belongs to (restarts)
+
+    def observed(self, target: Sequence[Tensor], metadata: dict[str, Tensor], template: SharedUpdate) -> SharedUpdate:
+        """One problem's shared update, rebuilt inside vmap from its batched pieces."""
+        return SharedUpdate(list(target), template.names, template.batch_size,
+                            {**self.static_metadata, **metadata})
+
+
+def _stackable(values: list[Any]) -> bool:
+    """Tensors of one shape, or equally long lists of such tensors (a mask per shared tensor)."""
+    if all(isinstance(v, Tensor) for v in values):
+        return len({tuple(v.shape) for v in values}) == 1
+    return (all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1
+            and all(_stackable(list(parts)) for parts in zip(*values)))
+
+
+def _stack(values: list[Any], device: torch.device) -> Any:
+    if isinstance(values[0], Tensor):
+        return torch.stack([v.to(device) for v in values])
+    return [_stack(list(parts), device) for parts in zip(*values)]
+
+
+def split_metadata(updates: list[SharedUpdate]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Tensor metadata (and lists of tensors) stacked across problems, the rest shared; None when the rest
+    differs between problems (they are then solved one at a time)."""
+    keys = set(updates[0].metadata)
+    if any(set(u.metadata) != keys for u in updates):
+        return None
+    stacked, static = {}, {}
+    for k in keys:
+        values = [u.metadata[k] for u in updates]
+        if _stackable(values):
+            stacked[k] = _stack(values, updates[0].tensors[0].device)
+        elif all(repr(v) == repr(values[0]) for v in values):
+            static[k] = values[0]
+        else:
+            return None
+    return stacked, static
+
+
+def stack_targets(updates: list[SharedUpdate], device: torch.device) -> list[Tensor]:
+    return [torch.stack([u.tensors[i].to(device) for u in updates]) for i in range(len(updates[0].tensors))]
+
+
+def chunk_size(max_problems: int | None, threat: ThreatModel, per_problem_images: int, total: int) -> int:
+    """How many problems run together: ``max_problems``, or (None: auto) what fits in free device memory."""
+    if max_problems is not None:
+        return max(1, min(max_problems, total))
+    footprint = problem_footprint(threat, per_problem_images)
+    return max(1, min(total, int(MEMORY_SHARE * free_memory(threat.device) // footprint)))
+
+
+def free_memory(device: torch.device) -> int:
+    """Free bytes on ``device``: CUDA's own count, else the operating system's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def problem_footprint(threat: ThreatModel, images: int) -> int:
+    """Bytes one problem needs per step: its activations kept for a double backward pass, and the update.
+
+    Counted from one forward pass of one image (hooks on every module), times the images of a
+    problem, with a factor for the graph of the gradient and of its gradient.
+    """
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel() if isinstance(out, Tensor) else 0))
+             for m in threat.model.modules()]
+    try:
+        with torch.no_grad():
+            threat.model(torch.zeros((1, *threat.input_shape), device=threat.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    params = sum(p.numel() for p in threat.model.parameters())
+    element = 4 if threat.mean.dtype != torch.float64 else 8
+    return element * (6 * sum(sizes) * images + 4 * params)
+
+
+def batched(objective: Callable[..., Tensor], extra_dims: tuple = (), with_grad: bool = True) -> Callable:
+    """``objective`` (or its gradient and value in the images) over K problems; ``extra_dims`` are the
+    ``in_dims`` of the inputs after the batch's own (0: one per problem, None: shared)."""
+    fn = grad_and_value(objective) if with_grad else objective
+    return vmap(fn, in_dims=(0, 0, 0, 0, 0, *extra_dims))
+
+
+def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int, lr_factor: Callable[[int], Tensor],
+             signed: bool, box: tuple[Tensor, Tensor],
+             per_step: Callable[[int], tuple[tuple[Any, int | None], ...]] = lambda it: ()) -> tuple[Tensor, Tensor]:
+    """Adam on K problems at once, each with its own step size ``hyper['lr']`` scaled by ``lr_factor(it)``.
+
+    ``objective(images, labels, targets, metadata, hyper, *extras)`` is the loss of one problem;
+    ``per_step(it)`` supplies the iteration's extra inputs as ``(value, in_dim)`` pairs (Monte Carlo
+    draws, one per problem; a warm-up weight, shared). Returns the final images and the trace
+    (iterations, K). The update is torch.optim.Adam's, so one problem alone follows Adam's path.
+    """
+    lo, hi = box
+    x = batch.starts.clone()
+    m, v = torch.zeros_like(x), torch.zeros_like(x)
+    beta1, beta2 = ADAM_BETAS
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    trace = torch.empty(iterations, len(x), device=x.device)
+    for it in range(iterations):
+        extra = per_step(it)
+        step = batched(objective, tuple(d for _, d in extra))
+        g, loss = step(x, batch.labels, batch.targets, batch.metadata, batch.hyper, *(e for e, _ in extra))
+        if signed:
+            g = g.sign()
+        t = it + 1
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = (batch.hyper["lr"] * lr_factor(it) / (1 - beta1 ** t)).view(shape)
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(ADAM_EPS)
+        x = torch.maximum(torch.minimum(x - step_size * (m / denom), hi), lo)
+        trace[it] = loss.detach()
+    return x, trace
+
+
+def run_chunks(problems: list[Problem], build: Callable[[list[Problem]], tuple[Batch, Callable[[Batch], tuple]]],
+               chunk: int) -> list[Reconstruction]:
+    """Build and solve the problems ``chunk`` at a time; each reconstruction gets its share of the chunk's time."""
+    out: list[Reconstruction] = []
+    for i in range(0, len(problems), chunk):
+        part = problems[i:i + chunk]
+        start = time.perf_counter()
+        batch, solve = build(part)
+        recs = solve(batch)
+        seconds = (time.perf_counter() - start) / len(part)
+        for r in recs:
+            r.seconds = seconds
+        out.extend(recs)
+    return out
+
+
+def defense_candidate(defense: Defense) -> bool:
+    """Whether the defense centres its likelihood on its own candidate update (DP-SGD's clipped mean)."""
+    return type(defense).candidate_update is not Defense.candidate_update
+
+
+def group_by(problems: list[Problem], key: Callable[[Problem], Any]) -> list[list[int]]:
+    """Indices of ``problems`` grouped by ``key``, groups in order of first appearance."""
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(problems):
+        groups.setdefault(key(p), []).append(i)
+    return list(groups.values())
+
+
+def solve_grouped(problems: list[Problem], key: Callable[[Problem], Any],
+                  solve_group: Callable[[list[Problem]], list[Reconstruction]]) -> list[Reconstruction]:
+    """Solve each group of like problems together and return the reconstructions in the input order."""
+    out: list[Reconstruction | None] = [None] * len(problems)
+    for idx in group_by(problems, key):
+        for i, rec in zip(idx, solve_group([problems[i] for i in idx])):
+            out[i] = rec
+    return out

@@ -82,7 +82,7 @@ class LikelihoodAttack(Attack):
     @staticmethod
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
-        return (vectorisable(t), id(t.model), id(t.defense), t.protocol, t.batch_size, a.iterations, a.samples,
+        return (vectorisable(t), id(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.samples,
                 a.radius, a.warmup, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
 
     @classmethod

@@ -113,7 +113,8 @@ class InvertingGradients(Attack):
     @staticmethod
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
-        return (vectorisable(t), id(t.model), id(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts, a.signed,
+        return (vectorisable(t), id(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts,
+                a.signed,
                 a.drop_defended, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
 
     @classmethod

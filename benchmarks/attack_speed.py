@@ -30,10 +30,11 @@ from leakaudit.plugins.protocol import ClientStep
 from leakaudit.evaluator.scenario import loss_fn
 
 
-def case(device: str, index: int = 0):
+def case(device: str, index: int = 0, model: torch.nn.Module | None = None):
+    """One target image's undefended update on the untrained lenet_zhu (``model``: share one across problems)."""
     data = load_digits(image_size=32)
     torch.manual_seed(0)
-    model = lenet_zhu(1, 10, 32).to(device)
+    model = model if model is not None else lenet_zhu(1, 10, 32).to(device)
     mean, std = data.mean.view(-1, 1, 1).to(device), data.std.view(-1, 1, 1).to(device)
     pixels, label = data.test_x[index:index + 1].to(device), data.test_y[index:index + 1].to(device)
     step = ClientStep(model, loss_fn, (pixels - mean) / std, label, torch.Generator(device=device))
@@ -43,9 +44,11 @@ def case(device: str, index: int = 0):
 
 def problems(device: str, k: int, iterations: int) -> list[Problem]:
     attack = InvertingGradients(iterations=iterations)
+    torch.manual_seed(0)
+    model = lenet_zhu(1, 10, 32).to(device)  # one model for all problems, as in one cell of an audit
     out = []
     for i in range(k):
-        observed, threat, _ = case(device, i % 300)
+        observed, threat, _ = case(device, i % 300, model)
         out.append(Problem(observed, threat, torch.Generator(device=device).manual_seed(i), attack))
     return out
 

@@ -161,33 +161,53 @@ def _in_process(method: str, item: Any) -> Any:
     return getattr(_PROCESS_WORKER, method)(item)
 
 
-def _execute(worker: AuditWorker, method: str, items: Iterable, workers: int, desc: str, progress: bool,
-             on_result: Callable[[Any, Any], None]) -> None:
-    """Run ``worker.<method>(item)`` for every item, in worker processes when ``workers > 1``, in order of completion."""
-    items = list(items)
-    if not items:
-        return
-    audit = worker.scenario.audit
-    bar = tqdm(total=sum(_size(i) for i in items), desc=desc, unit="job", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
-    if workers <= 1:
-        for item in items:
-            on_result(item, getattr(worker, method)(item))
-            bar.update(_size(item))
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(worker.folder.path), 1)
-        with ProcessPoolExecutor(min(workers, len(items)), mp_context=ctx, initializer=_init_process,
-                                 initargs=init) as pool:
+class WorkerPool:
+    """The run's worker processes: spawned on first use and shared by training, tuning and attacks, so a
+    run pays for starting them (imports, the audit, the data) once. One worker runs jobs in this process."""
+
+    def __init__(self, worker: AuditWorker, workers: int):
+        self.worker, self.workers = worker, workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=exc[0] is None, cancel_futures=exc[0] is not None)
+
+    def _processes(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            audit = self.worker.scenario.audit
+            init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(self.worker.folder.path), 1)
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_process, initargs=init)
+        return self._pool
+
+    def run(self, method: str, items: Iterable, desc: str, progress: bool,
+            on_result: Callable[[Any, Any], None]) -> None:
+        """``worker.<method>(item)`` for every item, results handed to ``on_result`` in order of completion."""
+        items = list(items)
+        if not items:
+            return
+        bar = tqdm(total=sum(_size(i) for i in items), desc=desc, unit="job", disable=not progress,
+                   file=sys.stderr, dynamic_ncols=True)
+        if self.workers <= 1:
+            for item in items:
+                on_result(item, getattr(self.worker, method)(item))
+                bar.update(_size(item))
+        else:
+            pool = self._processes()
             futures = {pool.submit(_in_process, method, item): item for item in items}
             try:
                 for fut in as_completed(futures):
                     on_result(futures[fut], fut.result())
                     bar.update(_size(futures[fut]))
             except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
-                pool.shutdown(wait=False, cancel_futures=True)
+                for fut in futures:
+                    fut.cancel()
                 raise
-    bar.close()
+        bar.close()
 
 
 def _size(item: Any) -> int:
@@ -225,18 +245,6 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     workers = workers or audit.workers
     notes: set[str] = set()
 
-    trained = folder.trained_settings()
-    _execute(worker, "train", [s for s in audit.settings if s.key not in trained], workers, "training", progress,
-             lambda s, row: folder.utility.append(row))
-
-    tried = {trial_key(r) for r in folder.tuning.read()}
-    _execute(worker, "tune", _cells([j for j in tune_jobs_of(audit) if j.key not in tried], workers), workers,
-             "tuning", progress, lambda cell, rows: [folder.tuning.append(row) for row in rows])
-    trials = folder.tuning.read()
-
-    finished = {row_key(r) for r in folder.results.read()}
-    pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
-
     def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
         for row, new_notes in out:
             folder.results.append(row)
@@ -245,7 +253,21 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
-    _execute(worker, "attack", _cells(pending, workers), workers, "attacks", progress, on_rows)
+    with WorkerPool(worker, workers) as pool:
+        trained = folder.trained_settings()
+        pool.run("train", [s for s in audit.settings if s.key not in trained], "training", progress,
+                 lambda s, row: folder.utility.append(row))
+
+        tried = {trial_key(r) for r in folder.tuning.read()}
+        pool.run("tune", _cells([j for j in tune_jobs_of(audit) if j.key not in tried], workers), "tuning",
+                 progress, lambda cell, rows: [folder.tuning.append(row) for row in rows])
+        trials = folder.tuning.read()
+
+        finished = {row_key(r) for r in folder.results.read()}
+        pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
+        pool.run("attack", _cells(pending, workers), "attacks", progress, on_rows)
+
+
     rows = _in_job_order(audit, folder.results.read())
     folder.results_csv.rewrite(rows)
     return write_report(folder, rows, folder.utility.read(), sorted(notes), baseline_scores(scenario), trials,

@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.attacks.labels import recover_labels
+from leakaudit.plugins import hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol
-from leakaudit.plugins import hookimpl
 
 #: Elementwise activations whose derivative is a function of their output.
 DERIVATIVE_FROM_OUTPUT = {

@@ -14,15 +14,31 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.attacks.vectorised import (Batch, SharedModel, candidate_update, chunk_size, defense_candidate,
-                                          optimise, prior_sum, run_chunks, solve_grouped, split_metadata,
-                                          stack_targets, vectorisable)
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
-from leakaudit.attacks.gradient_matching import LABEL_METHOD, PRIOR_WEIGHTS, cosine_distance, random_images
+from leakaudit.attacks.gradient_matching import (
+    LABEL_METHOD,
+    PRIOR_WEIGHTS,
+    cosine_distance,
+    random_images,
+)
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.attacks.priors import check_priors, prior_penalty
-from leakaudit.plugins.defense import SharedUpdate, squared_distance
+from leakaudit.attacks.vectorised import (
+    Batch,
+    SharedModel,
+    candidate_update,
+    chunk_size,
+    defense_candidate,
+    optimise,
+    prior_sum,
+    run_chunks,
+    solve_grouped,
+    split_metadata,
+    stack_targets,
+    vectorisable,
+)
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate, squared_distance
 
 
 def ball_draws(centre: Tensor, samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

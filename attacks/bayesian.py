@@ -16,18 +16,17 @@ shared, or under FedAvg (each local step draws afresh).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.attack import Reconstruction, ThreatModel
 from leakaudit.attacks.gradient_matching import InvertingGradients
-from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.plugins.protocol import Protocol, parameter_names
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Reconstruction, ThreatModel
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.protocol import Protocol, parameter_names
 
 
 def _needs_bayesian_fedsgd(model: nn.Module, protocol: Protocol, attack: str, instead: str = "") -> str | None:

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
-from leakaudit.plugins.defense import SharedUpdate, squared_distance
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate, squared_distance
 
 #: Channel counts tried, smallest first, until the generator has more parameters than the model.
 CHANNEL_LADDER = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)

@@ -12,14 +12,25 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.attacks.vectorised import (Batch, SharedModel, batched, candidate_update, chunk_size, optimise,
-                                          prior_sum, run_chunks, solve_grouped, split_metadata, stack_targets,
-                                          vectorisable)
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
-from leakaudit.plugins.defense import SharedUpdate, squared_distance
+from leakaudit.attacks.vectorised import (
+    Batch,
+    SharedModel,
+    batched,
+    candidate_update,
+    chunk_size,
+    optimise,
+    prior_sum,
+    run_chunks,
+    solve_grouped,
+    split_metadata,
+    stack_targets,
+    vectorisable,
+)
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate, squared_distance
 
 
 def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:

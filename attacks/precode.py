@@ -14,12 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.attacks.analytic import solve_input
-from leakaudit.plugins.attack import Reconstruction, ThreatModel
 from leakaudit.attacks.gradient_matching import InvertingGradients
-from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.defenses.precode import bottleneck_of, pinned_sample
-from leakaudit.plugins.protocol import Protocol
 from leakaudit.plugins import hookimpl
+from leakaudit.plugins.attack import Reconstruction, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import Protocol
 
 
 def recover_sample(observed: SharedUpdate, model: nn.Module) -> Tensor:

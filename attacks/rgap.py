@@ -19,14 +19,19 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from leakaudit.attacks.analytic import solve_input
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.attacks.gradient_matching import cosine_distance
 from leakaudit.attacks.labels import recover_labels
-from leakaudit.attacks.linear_system import ACTIVATIONS, conv_system, layers_of, min_norm_solution
+from leakaudit.attacks.linear_system import (
+    ACTIVATIONS,
+    conv_system,
+    layers_of,
+    min_norm_solution,
+)
 from leakaudit.attacks.priors import total_variation
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol
-from leakaudit.plugins import Param, hookimpl
 
 #: Clamp before inverting tanh and sigmoid (their inverses diverge at the ends of the range).
 EPS = 1e-7

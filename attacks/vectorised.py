@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
 from leakaudit.attacks.priors import PRIORS
 from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel

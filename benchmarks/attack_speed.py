@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.metrics import psnr
 from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.plugins.protocol import ClientStep
 from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import Problem, ThreatModel
+from leakaudit.plugins.protocol import ClientStep
 
 
 def case(device: str, index: int = 0, model: torch.nn.Module | None = None):

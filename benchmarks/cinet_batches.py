@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leakaudit.plugins.attack import ThreatModel
 from leakaudit.attacks.cinet import CINet, parameter_count
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.metrics import score
 from leakaudit.evaluator.models import convnet, resnet18
-from leakaudit.plugins.protocol import ClientStep
+from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.manager import load_registry
+from leakaudit.plugins.protocol import ClientStep
 
 
 def sigmoid_resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.plugins.defense import Defense
-from leakaudit.plugins.stochastic import StochasticModule, with_kl
-from leakaudit.plugins.protocol import LossFn
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense
+from leakaudit.plugins.protocol import LossFn
+from leakaudit.plugins.stochastic import StochasticModule, with_kl
 
 NOISE = ("per_pass", "per_example")
 

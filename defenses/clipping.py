@@ -6,8 +6,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.plugins.defense import DeterministicDefense
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import DeterministicDefense
 
 
 def clip_total_norm(update: Sequence[Tensor], max_norm: float) -> list[Tensor]:

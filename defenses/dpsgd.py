@@ -21,9 +21,18 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
-from leakaudit.plugins.defense import Defense, SharedUpdate, squared_distance
-from leakaudit.plugins.protocol import ClientStep, FedSGD, OwnStep, Protocol, TrainingRun, parameter_names, quiet_hooks, trainable
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, SharedUpdate, squared_distance
+from leakaudit.plugins.protocol import (
+    ClientStep,
+    FedSGD,
+    OwnStep,
+    Protocol,
+    TrainingRun,
+    parameter_names,
+    quiet_hooks,
+    trainable,
+)
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 

@@ -6,8 +6,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
 
 
 def gaussian_log_density(residual: Tensor, scale: float) -> Tensor:

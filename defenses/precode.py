@@ -16,12 +16,11 @@ from typing import Iterator
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.plugins.defense import Defense
-
 from leakaudit.defenses.layers import fully_connected_layer
-from leakaudit.plugins.stochastic import StochasticModule, with_kl
-from leakaudit.plugins.protocol import LossFn
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense
+from leakaudit.plugins.protocol import LossFn
+from leakaudit.plugins.stochastic import StochasticModule, with_kl
 
 #: PRECODE's reference shifts the scale's pre-activation by -5, so training starts with little noise.
 SCALE_SHIFT = 5.0

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
 from leakaudit.defenses.noise import NOISE
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
 
 
 class RandomPrune(Defense):

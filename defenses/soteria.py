@@ -14,11 +14,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.defense import Defense, SharedUpdate
-
 from leakaudit.defenses.layers import fully_connected_layer
-from leakaudit.plugins.protocol import ClientStep, FedSGD, Protocol, parameter_names
 from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.protocol import ClientStep, FedSGD, Protocol, parameter_names
 
 #: Features whose input-gradient is computed in one batched backward pass.
 CHUNK = 256

@@ -13,12 +13,24 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.attack import Problem, ThreatModel
-from leakaudit.evaluator.config import ConfigError, _check_attacks, _check_metrics, _expand_defenses
+from leakaudit.evaluator.config import (
+    ConfigError,
+    _check_attacks,
+    _check_metrics,
+    _expand_defenses,
+)
 from leakaudit.evaluator.metrics import score
-from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
 from leakaudit.evaluator.scenario import round_generators
+from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.manager import load_registry
+from leakaudit.plugins.protocol import (
+    FEDSGD,
+    ClientStep,
+    LossFn,
+    OwnStep,
+    StepFn,
+    opacus_hooks_off,
+)
 
 DEFAULT_METRICS = ("psnr", "ssim", "mse", "label_accuracy")
 PIXEL_SLACK = 0.02  # how far outside [0, 1] denormalised inputs may stray (resampling overshoot) before it is an error

@@ -12,12 +12,11 @@ from typing import Any
 import torch
 import yaml
 
-from leakaudit.plugins.components import ModelSpec
-
-from leakaudit.plugins.factories import import_factory
-from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
 from leakaudit.evaluator.tuning import TuneSpec, check_tune
+from leakaudit.plugins.components import ModelSpec
+from leakaudit.plugins.factories import import_factory
 from leakaudit.plugins.manager import Registry, load_registry
+from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
 from leakaudit.plugins.spec import Param, PluginError, check_params
 
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]

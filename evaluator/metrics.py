@@ -6,7 +6,6 @@ import pickle
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,6 @@ from torch import Tensor
 
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.components import Metric, MetricUnavailable
-
 
 
 def mse(rec: Tensor, orig: Tensor) -> Tensor:

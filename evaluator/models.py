@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from leakaudit.plugins.protocol import unwrap
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import call_with_accepted, import_factory
+from leakaudit.plugins.protocol import unwrap
 
 
 def lenet_zhu(channels: int, num_classes: int, image_size: int) -> nn.Module:

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 import yaml
 
-from leakaudit.evaluator.config import Audit, AttackSpec, DefenseSetting
+from leakaudit.evaluator.config import AttackSpec, Audit, DefenseSetting
 from leakaudit.evaluator.scenario import derive_seed
 
 RESULTS = "results.jsonl"

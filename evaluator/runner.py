@@ -19,10 +19,25 @@ from leakaudit.evaluator.analysis import analyse_all
 from leakaudit.evaluator.config import Audit, load_audit
 from leakaudit.evaluator.metrics import score
 from leakaudit.evaluator.report import write_report
-from leakaudit.evaluator.rundir import (ARCHITECTURE, AttackJob, Cell, RunError, RunFolder, TuneJob, cells_of,
-                                        row_key, trial_key)
-from leakaudit.evaluator.scenario import (Scenario, check_scenario, derive_seed, generator, loss_fn,
-                                          round_generators)
+from leakaudit.evaluator.rundir import (
+    ARCHITECTURE,
+    AttackJob,
+    Cell,
+    RunError,
+    RunFolder,
+    TuneJob,
+    cells_of,
+    row_key,
+    trial_key,
+)
+from leakaudit.evaluator.scenario import (
+    Scenario,
+    check_scenario,
+    derive_seed,
+    generator,
+    loss_fn,
+    round_generators,
+)
 from leakaudit.evaluator.tuning import candidates, winners
 from leakaudit.evaluator.utility import privacy_spent, train_under_defense
 from leakaudit.plugins.attack import Problem, Reconstruction

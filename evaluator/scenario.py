@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.plugins.attack import ThreatModel
-from leakaudit.plugins.defense import Defense
-from leakaudit.evaluator.config import Audit, AttackSpec, ConfigError, DefenseSetting
+from leakaudit.evaluator.config import AttackSpec, Audit, ConfigError, DefenseSetting
 from leakaudit.evaluator.datasets import load_factory_data
-from leakaudit.plugins.components import ImageData
 from leakaudit.evaluator.models import build_model
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.components import ImageData
+from leakaudit.plugins.defense import Defense
 
 
 def derive_seed(*parts: object) -> int:

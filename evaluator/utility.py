@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from leakaudit.plugins.protocol import TrainingRun, opacus_sample_rate
+from leakaudit.evaluator.config import DefenseSetting
 from leakaudit.evaluator.scenario import Scenario, derive_seed, generator, loss_fn
 from leakaudit.plugins.defense import Defense
-from leakaudit.evaluator.config import DefenseSetting
+from leakaudit.plugins.protocol import TrainingRun, opacus_sample_rate
 
 
 @torch.no_grad()

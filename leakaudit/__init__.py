@@ -15,12 +15,19 @@ The public API::
 Plugin authors need only the names below; the rooms under ``leakaudit.plugins``,
 ``leakaudit.defenses``, ``leakaudit.attacks`` and ``leakaudit.evaluator`` hold the rest.
 """
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 from leakaudit.plugins import Param, PluginError, hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
-from leakaudit.plugins.components import DatasetSpec, ImageData, Metric, MetricUnavailable, ModelSpec
-from leakaudit.plugins.defense import DeterministicDefense, Defense, SharedUpdate
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.components import (
+    DatasetSpec,
+    ImageData,
+    Metric,
+    MetricUnavailable,
+    ModelSpec,
+)
+from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import ClientStep, FedAvg, FedSGD, OwnStep, Protocol
 
@@ -48,6 +55,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["__version__", "hookimpl", "Param", "PluginError", "Defense", "DeterministicDefense", "SharedUpdate",
-           "Attack", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
+           "Attack", "Problem", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
            "Metric", "MetricUnavailable", "ModelSpec", "DatasetSpec", "ImageData", "load_registry",
            "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "audit_batch", "BatchAudit"]

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.plugins.defense import Defense, SharedUpdate
-from leakaudit.plugins.stochastic import noise_from
 from leakaudit.plugins.protocol import FEDSGD, LossFn, Protocol
 from leakaudit.plugins.spec import Param, resolve_params
+from leakaudit.plugins.stochastic import noise_from
 
 
 @dataclass

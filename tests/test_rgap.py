@@ -5,12 +5,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leakaudit.plugins.attack import ThreatModel
+from leakaudit.attacks.linear_system import (
+    ConvSystem,
+    _cgls,
+    _dense_min_norm,
+    conv_systems,
+)
 from leakaudit.attacks.rgap import HybridInversion, LayerwiseInversion
-from leakaudit.attacks.linear_system import ConvSystem, _cgls, _dense_min_norm, conv_systems
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.models import LINEAR_SYSTEM_VARIANTS, lenet_zhu, linear_system_cnn, mlp
-from leakaudit.plugins.protocol import FEDSGD, FedAvg, ClientStep
+from leakaudit.evaluator.models import (
+    LINEAR_SYSTEM_VARIANTS,
+    lenet_zhu,
+    linear_system_cnn,
+    mlp,
+)
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import FEDSGD, ClientStep
 
 
 def case(name: str, size: int, index: int = 0):

@@ -24,7 +24,7 @@ from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.plugins.protocol import Protocol, parameter_names
 
@@ -102,16 +102,36 @@ class BayesianExact(InvertingGradients):
                     "gradient mixes the draws; use data.batch_size 1 or bayesian_kl")
         return None
 
-    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+    @staticmethod
+    def collapsed(observed: SharedUpdate, threat: ThreatModel) -> tuple[SharedUpdate, ThreatModel, dict, bool]:
+        """The draws read from the gradients, and the update and threat model of the network fixed at them."""
         model = threat.model
         grads = data_gradients(observed, model, kl_weight_of(threat.defense))
         noise, identified = recover_noise(grads, model)
         plain = collapse(model, noise)
         update = SharedUpdate(deterministic_update(grads, model, plain), parameter_names(plain),
                               observed.batch_size, observed.metadata)
-        result = super().reconstruct(update, dataclasses.replace(threat, model=plain, defense=NoDefense()), generator)
+        return update, dataclasses.replace(threat, model=plain, defense=NoDefense()), noise, identified
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        update, plain, noise, identified = self.collapsed(observed, threat)
+        result = super().reconstruct(update, plain, generator)
         result.extras.update(noise_identified=identified, noise=noise)
         return result
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Each problem's network fixed at its own draws, then Inverting Gradients on all of them together
+        (the fixed networks share one architecture: their parameters are stacked, one set per problem)."""
+        fixed, found = [], []
+        for p in problems:
+            update, plain, noise, identified = cls.collapsed(p.observed, p.threat)
+            fixed.append(Problem(update, plain, p.generator, p.attack))
+            found.append({"noise_identified": identified, "noise": noise})
+        recs = InvertingGradients.reconstruct_all(fixed, max_problems)
+        for rec, extras in zip(recs, found):
+            rec.extras.update(extras)
+        return recs
 
 
 def kl_to_standard_normal(eps: Tensor) -> Tensor:

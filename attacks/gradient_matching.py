@@ -20,12 +20,14 @@ from leakaudit.attacks.vectorised import (
     batched,
     candidate_update,
     chunk_size,
+    model_key,
     optimise,
     prior_sum,
     run_chunks,
     solve_grouped,
     split_metadata,
     stack_targets,
+    stacked_state,
     vectorisable,
 )
 from leakaudit.plugins import Param, hookimpl
@@ -124,7 +126,7 @@ class InvertingGradients(Attack):
     @staticmethod
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
-        return (vectorisable(t), id(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts,
+        return (vectorisable(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts,
                 a.signed,
                 a.drop_defended, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
 
@@ -147,7 +149,8 @@ class InvertingGradients(Attack):
         owners = [i for i in range(len(problems)) for _ in range(first.restarts)]
         updates = [problems[i].observed for i in owners]
         stacked, static = split_metadata(updates) or ({}, {})  # the cosine match reads no metadata
-        hyper = {"lr": torch.tensor([problems[i].attack.lr for i in owners], device=threat.device)}
+        hyper = {"lr": torch.tensor([problems[i].attack.lr for i in owners], device=threat.device),
+                 "state": stacked_state([problems[i].threat.model for i in owners])}
         hyper.update({f"prior.{n}": torch.tensor([float(problems[i].attack.priors[n]) for i in owners],
                                                  device=threat.device) for n in first.priors})
         batch = Batch(problems, torch.stack(starts), torch.stack([labels[i] for i in owners]),
@@ -162,7 +165,7 @@ class InvertingGradients(Attack):
         priors = [n for n in first.priors]
 
         def objective(images, labels, target, metadata, hyper):
-            candidate = kept(candidate_update(shared, threat, images, labels), keep)
+            candidate = kept(candidate_update(shared, threat, images, labels, hyper["state"]), keep)
             weights = {n: hyper[f"prior.{n}"] for n in priors}
             return cosine_distance(target, candidate) + prior_sum(images, weights, lo, hi)
 

@@ -59,10 +59,30 @@ class SharedModel:
         return cls(module, params, {**frozen, **dict(module.named_buffers())})
 
 
-def candidate_update(shared: SharedModel, threat: ThreatModel, images: Tensor, labels: Tensor) -> list[Tensor]:
-    """The clean update of candidate ``images`` under the threat's protocol and client loss, via torch.func."""
+def model_key(model: nn.Module) -> tuple:
+    """Models with this key have the same architecture: their problems run in one vmapped pass, with each
+    problem's parameters stacked (``stacked_state``) when the models are different objects."""
+    return (repr(model), model.training, tuple((n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()))
+
+
+def stacked_state(models: list[nn.Module]) -> dict[str, dict[str, Tensor]]:
+    """Each row's trainable parameters and other state, stacked along a leading dimension; empty when every row
+    uses the same model object (then the shared model's own state is used)."""
+    if all(m is models[0] for m in models):
+        return {}
+    states = {id(m): SharedModel.of(m) for m in models}
+    rows = [states[id(m)] for m in models]
+    return {"params": {n: torch.stack([r.params[n] for r in rows]) for n in rows[0].params},
+            "buffers": {n: torch.stack([r.buffers[n] for r in rows]) for n in rows[0].buffers}}
+
+
+def candidate_update(shared: SharedModel, threat: ThreatModel, images: Tensor, labels: Tensor,
+                     state: dict[str, dict[str, Tensor]] | None = None) -> list[Tensor]:
+    """The clean update of candidate ``images`` under the threat's protocol and client loss, via torch.func;
+    ``state`` holds this problem's own parameters and buffers where problems have different models."""
+    params, buffers = (state["params"], state["buffers"]) if state else (shared.params, shared.buffers)
     loss_fn = threat.defense.client_loss(shared.module, threat.loss_fn)
-    grads = threat.protocol.functional_update(shared.module, shared.params, shared.buffers, loss_fn, images, labels)
+    grads = threat.protocol.functional_update(shared.module, params, buffers, loss_fn, images, labels)
     return [grads[n] for n in shared.params]
 
 

@@ -10,6 +10,9 @@ layer exactly; this attack is the one for convolutional networks with a bottlene
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -17,7 +20,7 @@ from leakaudit.attacks.analytic import solve_input
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.precode import bottleneck_of, pinned_sample
 from leakaudit.plugins import hookimpl
-from leakaudit.plugins.attack import Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol
 
@@ -52,6 +55,22 @@ class PrecodeSample(InvertingGradients):
             result = super().reconstruct(observed, threat, generator)
         result.extras["sample"] = sample
         return result
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Each problem's sample pinned in its own copy of the network, then Inverting Gradients on all of them
+        together (the copies' pinned samples are stacked, one per problem)."""
+        pinned, samples = [], []
+        for p in problems:
+            sample = recover_sample(p.observed, p.threat.model).to(p.threat.device)
+            model = copy.deepcopy(p.threat.model)
+            bottleneck_of(model).pinned = sample
+            pinned.append(Problem(p.observed, dataclasses.replace(p.threat, model=model), p.generator, p.attack))
+            samples.append(sample)
+        recs = InvertingGradients.reconstruct_all(pinned, max_problems)
+        for rec, sample in zip(recs, samples):
+            rec.extras["sample"] = sample
+        return recs
 
 
 @hookimpl

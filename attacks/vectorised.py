@@ -36,7 +36,7 @@ def vectorisable(threat: ThreatModel) -> bool:
     """Whether the model's update is a pure function of its inputs that torch.func can transform: no noise
     drawn inside the model, and no module backward hooks (Opacus's per-sample hooks), which torch.func refuses."""
     hooked = any(m._backward_hooks or m._backward_pre_hooks for m in threat.model.modules())
-    return not stochastic_modules(threat.model) and not hooked
+    return not any(m.draws_noise for m in stochastic_modules(threat.model)) and not hooked
 
 
 @dataclass

@@ -34,7 +34,13 @@ class VariationalBottleneck(StochasticModule):
         self.size = size
         self.encoder = nn.Linear(features, 2 * size)
         self.decoder = nn.Linear(size, features)
-        self.pinned: Tensor | None = None  # a known sample: the noise becomes (pinned - mu) / scale, held constant
+        # a known sample: the noise becomes (pinned - mu) / scale, held constant; a buffer (not saved with the
+        # weights) so that per-problem samples can be stacked and substituted by torch.func.functional_call
+        self.register_buffer("pinned", None, persistent=False)
+
+    @property
+    def draws_noise(self) -> bool:
+        return self.pinned is None
 
     def statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:
         stats = self.encoder(x.flatten(1))

@@ -32,6 +32,12 @@ class StochasticModule(nn.Module):
         return state
 
     @property
+    def draws_noise(self) -> bool:
+        """Whether a forward pass draws noise now; False when the draw is pinned to a known value, so that the
+        forward is a pure function of its inputs, parameters and buffers."""
+        return True
+
+    @property
     def last_kl(self) -> Tensor:
         """The KL term of the last forward pass, differentiable in the tensors that pass used."""
         if self._kl_term is None:

@@ -180,3 +180,29 @@ def test_bayesian_exact_solves_many_fixed_networks_together_as_one_at_a_time():
     together = type(exact).reconstruct_all(problems)
     for a, b in zip(alone, together):
         assert torch.allclose(a.images, b.images, atol=1e-4) and b.extras["noise_identified"] == 1.0
+
+
+def test_precode_sample_pins_each_problems_sample_and_solves_them_together():
+    from leakaudit.attacks.precode import PrecodeSample
+    from leakaudit.defenses.precode import Precode
+    from leakaudit.evaluator.models import mlp
+    from leakaudit.plugins.attack import Problem
+    from leakaudit.plugins.stochastic import noise_from
+
+    defense = Precode(size=16)
+    model = defense.wrap_model(mlp(1, 10, 16, width=32, depth=1))
+    attack = PrecodeSample(iterations=30)
+    data = load_digits(16)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    problems = []
+    for k in range(3):
+        x, y = (data.test_x[k:k + 1] - mean) / std, data.test_y[k:k + 1]
+        with noise_from(model, torch.Generator().manual_seed(k)):
+            observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(k)))
+        threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense)
+        problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), attack))
+    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
+    together = type(attack).reconstruct_all(problems)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a.images, b.images, atol=1e-4) and torch.equal(a.extras["sample"], b.extras["sample"])
+    assert all(m.pinned is None for m in model.modules() if hasattr(m, "pinned"))  # the audited model untouched

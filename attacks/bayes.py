@@ -136,7 +136,7 @@ class LikelihoodAttack(Attack):
         priors = list(first.priors)
         own = cls is BayesOptimal and defense_candidate(threat.defense)
 
-        def objective(images, labels, target, metadata, hyper, weight, direction=None, u=None):
+        def objective(images, labels, target, metadata, hyper, unknowns, weight, direction=None, u=None):
             observed = batch.observed(target, metadata, template)
             points = images.unsqueeze(0) if direction is None else ball_points(images, first.radius, direction, u)
             total = images.new_zeros(())
@@ -155,7 +155,7 @@ class LikelihoodAttack(Attack):
             return (weight, None), (torch.stack([d for d, _ in draws]), 0), (torch.stack([u for _, u in draws]), 0)
 
         gamma = batch.hyper.pop("gamma")
-        images, trace = optimise(batch, objective, iterations=first.iterations, signed=False, box=(lo, hi),
+        images, _, trace = optimise(batch, objective, iterations=first.iterations, signed=False, box=(lo, hi),
                                  lr_factor=lambda it: (gamma ** it).to(batch.hyper["lr"].dtype), per_step=per_step)
         return [Reconstruction(p.threat.to_pixels(images[i].detach()), labels[i], trace[:, i].tolist(), 0.0)
                 for i, p in enumerate(batch.problems)]

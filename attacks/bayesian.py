@@ -165,10 +165,37 @@ class BayesianNoiseKL(InvertingGradients):
         return loss + self.alpha_kl * sum(kl_to_standard_normal(e) for draws in extra.values() for e in draws)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
-        result = super().reconstruct(observed, threat, generator)
+        return _noise_extras(super().reconstruct(observed, threat, generator))
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Images and noise of like problems optimised together (the noise given to the layers per problem)."""
+        return [_noise_extras(r) for r in super().reconstruct_all(problems, max_problems)]
+
+    @classmethod
+    def _vectorised(cls) -> bool:
+        return True
+
+    @classmethod
+    def _can_vectorise(cls, threat: ThreatModel) -> bool:
+        """The layers' noise is given (an unknown), so the model is a pure function of it: only hooks prevent it."""
+        return not any(m._backward_hooks or m._backward_pre_hooks for m in threat.model.modules())
+
+    @classmethod
+    def _with_unknowns(cls, matching, module, attack):
+        def objective(images, labels, target, metadata, hyper, unknowns):
+            with given_noise(module, unknowns):
+                loss = matching(images, labels, target, metadata, hyper, unknowns)
+            return loss + attack.alpha_kl * sum(kl_to_standard_normal(e) for draws in unknowns.values() for e in draws)
+        return objective
+
+
+def _noise_extras(result: Reconstruction) -> Reconstruction:
+    """The optimised noise of the kept restart, by layer, in the result's extras."""
+    if "variables" in result.extras or "noise" not in result.extras:
         noise = result.extras.pop("variables", {})
         result.extras["noise"] = {n: [e.detach() for e in draws] for n, draws in noise.items()}
-        return result
+    return result
 
 
 @hookimpl

@@ -114,8 +114,12 @@ class InvertingGradients(Attack):
         if not cls._vectorised():
             return super().reconstruct_all(problems, max_problems)
         return solve_grouped(problems, cls._group_key, lambda group: (
-            cls._solve_group(group, max_problems) if vectorisable(group[0].threat)
+            cls._solve_group(group, max_problems) if cls._can_vectorise(group[0].threat)
             else Attack.reconstruct_all.__func__(cls, group, max_problems)))
+
+    @classmethod
+    def _can_vectorise(cls, threat: ThreatModel) -> bool:
+        return vectorisable(threat)
 
     @classmethod
     def _vectorised(cls) -> bool:
@@ -126,7 +130,7 @@ class InvertingGradients(Attack):
     @staticmethod
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
-        return (vectorisable(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts,
+        return (type(p.attack)._can_vectorise(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts,
                 a.signed,
                 a.drop_defended, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
 
@@ -142,10 +146,13 @@ class InvertingGradients(Attack):
     def _batch(cls, problems: list[Problem]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
         first, threat = problems[0].attack, problems[0].threat
         keep = matched_tensors(problems[0].observed, threat) if first.drop_defended else None
-        labels, starts = [], []
-        for p in problems:  # each problem's draws in the order it makes them alone: labels, then each start
+        labels, starts, unknowns = [], [], []
+        for p in problems:  # each problem's draws in the order it makes them alone: labels, then per restart
             labels.append(recover_labels(p.observed, p.threat, p.attack.label_method, p.generator))
-            starts.extend(random_images(p.threat, p.generator) for _ in range(first.restarts))
+            for _ in range(first.restarts):  # the start, then the unknowns drawn beside it
+                starts.append(random_images(p.threat, p.generator))
+                unknowns.append({n: [v.detach() for v in vs]
+                                 for n, vs in p.attack._extra_variables(p.threat, p.generator).items()})
         owners = [i for i in range(len(problems)) for _ in range(first.restarts)]
         updates = [problems[i].observed for i in owners]
         stacked, static = split_metadata(updates) or ({}, {})  # the cosine match reads no metadata
@@ -154,7 +161,9 @@ class InvertingGradients(Attack):
         hyper.update({f"prior.{n}": torch.tensor([float(problems[i].attack.priors[n]) for i in owners],
                                                  device=threat.device) for n in first.priors})
         batch = Batch(problems, torch.stack(starts), torch.stack([labels[i] for i in owners]),
-                      kept(stack_targets(updates, threat.device), keep), stacked, static, hyper, owners)
+                      kept(stack_targets(updates, threat.device), keep), stacked, static, hyper, owners,
+                      {n: [torch.stack([u[n][i] for u in unknowns]) for i in range(len(vs))]
+                       for n, vs in unknowns[0].items()})
         return batch, lambda b: cls._solve(b, keep, labels)
 
     @classmethod
@@ -164,24 +173,33 @@ class InvertingGradients(Attack):
         lo, hi = threat.box()
         priors = [n for n in first.priors]
 
-        def objective(images, labels, target, metadata, hyper):
+        def matching(images, labels, target, metadata, hyper, unknowns):
             candidate = kept(candidate_update(shared, threat, images, labels, hyper["state"]), keep)
             weights = {n: hyper[f"prior.{n}"] for n in priors}
             return cosine_distance(target, candidate) + prior_sum(images, weights, lo, hi)
 
+        objective = cls._with_unknowns(matching, shared.module, first)
         milestones = step_decay_milestones(first.iterations)
-        images, trace = optimise(batch, objective, iterations=first.iterations, signed=first.signed, box=(lo, hi),
-                                 lr_factor=lambda it: 0.1 ** bisect.bisect_right(milestones, it))
+        images, unknowns, trace = optimise(batch, objective, iterations=first.iterations, signed=first.signed,
+                                           box=(lo, hi), lr_factor=lambda it: 0.1 ** bisect.bisect_right(milestones, it))
         with torch.no_grad():
-            final = batched(objective, with_grad=False)(images, batch.labels, batch.targets, batch.metadata,
-                                                       batch.hyper)
+            final = batched(objective, with_grad=False)((images, unknowns), batch.labels, batch.targets,
+                                                       batch.metadata, batch.hyper)
         out = []
         for i, p in enumerate(batch.problems):
             rows = [r for r, o in enumerate(batch.owners) if o == i]
             best = min(rows, key=lambda r: float(final[r]))
+            extras = {"match_loss": float(final[best])}
+            if unknowns:
+                extras["variables"] = {n: [v[best] for v in vs] for n, vs in unknowns.items()}
             out.append(Reconstruction(p.threat.to_pixels(images[best].detach()), labels[i], trace[:, rows[0]].tolist(),
-                                      0.0, {"match_loss": float(final[best])}))
+                                      0.0, extras))
         return out
+
+    @classmethod
+    def _with_unknowns(cls, matching: Callable[..., Tensor], module, attack) -> Callable[..., Tensor]:
+        """The vectorised objective: the matching loss, plus what the unknowns add (nothing here)."""
+        return matching
 
     def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
                    keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:

@@ -107,6 +107,7 @@ class Batch:
     static_metadata: dict[str, Any]     # metadata equal across the problems
     hyper: dict[str, Tensor]            # per-problem hyperparameters, each (K,)
     owners: list[int] = field(default_factory=list)  # which input problem each row belongs to (restarts)
+    unknowns: dict[str, list[Tensor]] = field(default_factory=dict)  # optimised beside the images, each (K, ...)
 
     def observed(self, target: Sequence[Tensor], metadata: dict[str, Tensor], template: SharedUpdate) -> SharedUpdate:
         """One problem's shared update, rebuilt inside vmap from its batched pieces."""
@@ -189,9 +190,13 @@ def problem_footprint(threat: ThreatModel, images: int) -> int:
 
 
 def batched(objective: Callable[..., Tensor], extra_dims: tuple = (), with_grad: bool = True) -> Callable:
-    """``objective`` (or its gradient and value in the images) over K problems; ``extra_dims`` are the
-    ``in_dims`` of the inputs after the batch's own (0: one per problem, None: shared)."""
-    fn = grad_and_value(objective) if with_grad else objective
+    """``objective(images, labels, targets, metadata, hyper, unknowns, *extras)`` over K problems, or its
+    gradient in ``(images, unknowns)`` and its value; ``extra_dims`` are the ``in_dims`` of the extras
+    (0: one per problem, None: shared)."""
+    def joint(variables, labels, targets, metadata, hyper, *extras):
+        return objective(variables[0], labels, targets, metadata, hyper, variables[1], *extras)
+
+    fn = grad_and_value(joint) if with_grad else joint
     return vmap(fn, in_dims=(0, 0, 0, 0, 0, *extra_dims))
 
 
@@ -200,31 +205,44 @@ def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
              per_step: Callable[[int], tuple[tuple[Any, int | None], ...]] = lambda it: ()) -> tuple[Tensor, Tensor]:
     """Adam on K problems at once, each with its own step size ``hyper['lr']`` scaled by ``lr_factor(it)``.
 
-    ``objective(images, labels, targets, metadata, hyper, *extras)`` is the loss of one problem;
-    ``per_step(it)`` supplies the iteration's extra inputs as ``(value, in_dim)`` pairs (Monte Carlo
-    draws, one per problem; a warm-up weight, shared). Returns the final images and the trace
-    (iterations, K). The update is torch.optim.Adam's, so one problem alone follows Adam's path.
+    ``objective(images, labels, targets, metadata, hyper, unknowns, *extras)`` is the loss of one
+    problem; ``batch.unknowns`` are optimised with the images (same step size and schedule), the
+    images alone kept in the box. ``per_step(it)`` supplies the iteration's extra inputs as
+    ``(value, in_dim)`` pairs (Monte Carlo draws, one per problem; a warm-up weight, shared). Returns
+    the final images and unknowns, and the trace (iterations, K). The update is torch.optim.Adam's,
+    so one problem alone follows Adam's path.
     """
     lo, hi = box
-    x = batch.starts.clone()
-    m, v = torch.zeros_like(x), torch.zeros_like(x)
+    names = [(n, i) for n, vs in batch.unknowns.items() for i in range(len(vs))]
+    xs = [batch.starts.clone(), *(batch.unknowns[n][i].clone() for n, i in names)]
+    ms, vs_ = [torch.zeros_like(x) for x in xs], [torch.zeros_like(x) for x in xs]
     beta1, beta2 = ADAM_BETAS
-    shape = (-1,) + (1,) * (x.dim() - 1)
-    trace = torch.empty(iterations, len(x), device=x.device)
+    trace = torch.empty(iterations, len(xs[0]), device=xs[0].device)
+
+    def as_variables(flat: list[Tensor]) -> tuple[Tensor, dict[str, list[Tensor]]]:
+        unknowns: dict[str, list[Tensor]] = {n: [] for n in batch.unknowns}
+        for (n, _), x in zip(names, flat[1:]):
+            unknowns[n].append(x)
+        return flat[0], unknowns
+
     for it in range(iterations):
         extra = per_step(it)
         step = batched(objective, tuple(d for _, d in extra))
-        g, loss = step(x, batch.labels, batch.targets, batch.metadata, batch.hyper, *(e for e, _ in extra))
-        if signed:
-            g = g.sign()
+        grads, loss = step(as_variables(xs), batch.labels, batch.targets, batch.metadata, batch.hyper,
+                           *(e for e, _ in extra))
+        flat = [grads[0], *(grads[1][n][i] for n, i in names)]
         t = it + 1
-        m.mul_(beta1).add_(g, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = (batch.hyper["lr"] * lr_factor(it) / (1 - beta1 ** t)).view(shape)
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(ADAM_EPS)
-        x = torch.maximum(torch.minimum(x - step_size * (m / denom), hi), lo)
+        lr = batch.hyper["lr"] * lr_factor(it) / (1 - beta1 ** t)
+        for j, (x, g, m, v) in enumerate(zip(xs, flat, ms, vs_)):
+            g = g.sign() if signed else g
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(ADAM_EPS)
+            xs[j] = x - lr.view((-1,) + (1,) * (x.dim() - 1)) * (m / denom)
+        xs[0] = torch.maximum(torch.minimum(xs[0], hi), lo)
         trace[it] = loss.detach()
-    return x, trace
+    images, unknowns = as_variables(xs)
+    return images, unknowns, trace
 
 
 def run_chunks(problems: list[Problem], build: Callable[[list[Problem]], tuple[Batch, Callable[[Batch], tuple]]],

@@ -206,3 +206,28 @@ def test_precode_sample_pins_each_problems_sample_and_solves_them_together():
     for a, b in zip(alone, together):
         assert torch.allclose(a.images, b.images, atol=1e-4) and torch.equal(a.extras["sample"], b.extras["sample"])
     assert all(m.pinned is None for m in model.modules() if hasattr(m, "pinned"))  # the audited model untouched
+
+
+def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
+    from leakaudit.plugins.attack import Problem
+    from leakaudit.plugins.stochastic import noise_from
+
+    defense = Bayesian()
+    model = defense.wrap_model(lenet_zhu(1, 10, 16))
+    attack = BayesianNoiseKL(iterations=25, restarts=2)
+    data = load_digits(16)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    problems = []
+    for k in range(3):
+        x, y = (data.test_x[k:k + 1] - mean) / std, data.test_y[k:k + 1]
+        with noise_from(model, torch.Generator().manual_seed(k)):
+            observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(k)))
+        threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense, labels=y)
+        problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), attack))
+    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
+    together = type(attack).reconstruct_all(problems)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a.images, b.images, atol=1e-3)
+        assert a.extras["noise"].keys() == b.extras["noise"].keys() and b.extras["noise"]
+        assert all(torch.allclose(u, v, atol=1e-3) for n in a.extras["noise"]
+                   for u, v in zip(a.extras["noise"][n], b.extras["noise"][n]))

@@ -25,7 +25,8 @@ TOP = {
     "name": Param(type=str, help="audit name, shown in reports"),
     "seed": Param(0, int, min=0, help="seed of every random draw"),
     "device": Param("auto", str, choices=("auto", "cpu", "cuda")),
-    "workers": Param(None, int, min=1, help="attack processes (default: one per core on the CPU, 1 on CUDA)"),
+    "workers": Param(None, int, min=1, help="worker processes (default: one per core on the CPU, one per "
+                                            "visible GPU on CUDA)"),
     "max_problems": Param("auto", (str, int), help="problems (targets x restarts x tuning trials) an attack "
                                                    "optimises together: auto (what fits in free memory) or a number"),
     "plugins_dir": Param(None, str, help="folder of drop-in *.py plugins, relative to this file"),
@@ -248,7 +249,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems, data["image_size"])
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, problems)
     device = _check_device(top.get("device", "auto"), problems)
-    workers = top.get("workers") or (1 if device == "cuda" else available_cores())
+    workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else available_cores())
     max_problems = _check_max_problems(top.get("max_problems", "auto"), problems)
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])

@@ -165,10 +165,15 @@ class AuditWorker:
 _PROCESS_WORKER: AuditWorker | None = None
 
 
-def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads: int) -> None:
+def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads: int, started) -> None:
+    """Build this process's AuditWorker; on CUDA, the n-th process started takes the n-th visible GPU."""
     global _PROCESS_WORKER
     torch.set_num_threads(threads)
     audit = load_audit(audit_path, plugin_dirs)
+    with started.get_lock():
+        index, started.value = started.value, started.value + 1
+    if audit.torch_device().type == "cuda":
+        torch.cuda.set_device(index % torch.cuda.device_count())  # "cuda" now means this process's GPU
     _PROCESS_WORKER = AuditWorker(Scenario(audit), RunFolder(out_dir, audit))
 
 
@@ -194,9 +199,10 @@ class WorkerPool:
     def _processes(self) -> ProcessPoolExecutor:
         if self._pool is None:
             audit = self.worker.scenario.audit
-            init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(self.worker.folder.path), 1)
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_process, initargs=init)
+            ctx = multiprocessing.get_context("spawn")
+            init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(self.worker.folder.path), 1,
+                    ctx.Value("i", 0))
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_process, initargs=init)
         return self._pool
 
     def run(self, method: str, items: Iterable, desc: str, progress: bool,

@@ -11,16 +11,19 @@ from torchvision.transforms import Normalize
 
 from leakaudit.attacks.bayesian import BayesianExact, BayesianNoiseKL
 from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.attacks.precode import PrecodeSample
 from leakaudit.defenses.bayesian import Bayesian
+from leakaudit.defenses.precode import Precode
 from leakaudit.defenses.soteria import Soteria
 from leakaudit.evaluator.api import audit_batch
 from leakaudit.evaluator.config import ConfigError, load_audit
 from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.models import lenet_zhu
+from leakaudit.evaluator.models import lenet_zhu, mlp
 from leakaudit.evaluator.runner import run_audit
 from leakaudit.evaluator.scenario import loss_fn
-from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.protocol import ClientStep
+from leakaudit.plugins.stochastic import noise_from
 
 from conftest import small_audit
 
@@ -159,14 +162,8 @@ def test_vectorised_fedavg_unrolling_matches_one_at_a_time(write_audit, tmp_path
     assert len(psnr[1]) == 2 and all(abs(a - b) < 0.1 for a, b in zip(psnr[1], psnr[4])), psnr
 
 
-def test_bayesian_exact_solves_many_fixed_networks_together_as_one_at_a_time():
-    """Each problem's network is fixed at its own draws; stacked, they give what each gives alone."""
-    from leakaudit.plugins.attack import Problem
-    from leakaudit.plugins.stochastic import noise_from
-
-    defense = Bayesian()
-    model = defense.wrap_model(lenet_zhu(1, 10, 16))
-    exact = BayesianExact(iterations=30)
+def _alone_and_together(defense, model, attack, known_labels: bool = True):
+    """Three problems on one model drawing its own noise: each solved alone, then all solved together."""
     data = load_digits(16)
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
     problems = []
@@ -174,58 +171,34 @@ def test_bayesian_exact_solves_many_fixed_networks_together_as_one_at_a_time():
         x, y = (data.test_x[k:k + 1] - mean) / std, data.test_y[k:k + 1]
         with noise_from(model, torch.Generator().manual_seed(k)):
             observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(k)))
-        threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense, labels=y)
-        problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), exact))
-    alone = [exact(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
-    together = type(exact).reconstruct_all(problems)
+        threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense, labels=y if known_labels else None)
+        problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), attack))
+    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
+    return alone, type(attack).reconstruct_all(problems)
+
+
+def test_bayesian_exact_solves_many_fixed_networks_together_as_one_at_a_time():
+    """Each problem's network is fixed at its own draws; stacked, they give what each gives alone."""
+    defense = Bayesian()
+    alone, together = _alone_and_together(defense, defense.wrap_model(lenet_zhu(1, 10, 16)),
+                                          BayesianExact(iterations=30))
     for a, b in zip(alone, together):
         assert torch.allclose(a.images, b.images, atol=1e-4) and b.extras["noise_identified"] == 1.0
 
 
 def test_precode_sample_pins_each_problems_sample_and_solves_them_together():
-    from leakaudit.attacks.precode import PrecodeSample
-    from leakaudit.defenses.precode import Precode
-    from leakaudit.evaluator.models import mlp
-    from leakaudit.plugins.attack import Problem
-    from leakaudit.plugins.stochastic import noise_from
-
     defense = Precode(size=16)
     model = defense.wrap_model(mlp(1, 10, 16, width=32, depth=1))
-    attack = PrecodeSample(iterations=30)
-    data = load_digits(16)
-    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
-    problems = []
-    for k in range(3):
-        x, y = (data.test_x[k:k + 1] - mean) / std, data.test_y[k:k + 1]
-        with noise_from(model, torch.Generator().manual_seed(k)):
-            observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(k)))
-        threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense)
-        problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), attack))
-    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
-    together = type(attack).reconstruct_all(problems)
+    alone, together = _alone_and_together(defense, model, PrecodeSample(iterations=30), known_labels=False)
     for a, b in zip(alone, together):
         assert torch.allclose(a.images, b.images, atol=1e-4) and torch.equal(a.extras["sample"], b.extras["sample"])
     assert all(m.pinned is None for m in model.modules() if hasattr(m, "pinned"))  # the audited model untouched
 
 
 def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
-    from leakaudit.plugins.attack import Problem
-    from leakaudit.plugins.stochastic import noise_from
-
     defense = Bayesian()
-    model = defense.wrap_model(lenet_zhu(1, 10, 16))
-    attack = BayesianNoiseKL(iterations=25, restarts=2)
-    data = load_digits(16)
-    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
-    problems = []
-    for k in range(3):
-        x, y = (data.test_x[k:k + 1] - mean) / std, data.test_y[k:k + 1]
-        with noise_from(model, torch.Generator().manual_seed(k)):
-            observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(k)))
-        threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense, labels=y)
-        problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), attack))
-    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
-    together = type(attack).reconstruct_all(problems)
+    alone, together = _alone_and_together(defense, defense.wrap_model(lenet_zhu(1, 10, 16)),
+                                          BayesianNoiseKL(iterations=25, restarts=2))
     for a, b in zip(alone, together):
         assert torch.allclose(a.images, b.images, atol=1e-3)
         assert a.extras["noise"].keys() == b.extras["noise"].keys() and b.extras["noise"]

@@ -176,12 +176,17 @@ def problem_footprint(threat: ThreatModel, images: int) -> int:
     problem, with a factor for the graph of the gradient and of its gradient.
     """
     sizes: list[int] = []
+    model = threat.model
     hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel() if isinstance(out, Tensor) else 0))
-             for m in threat.model.modules()]
-    try:
-        with torch.no_grad():
-            threat.model(torch.zeros((1, *threat.input_shape), device=threat.device))
+             for m in model.modules()]
+    was_training = model.training
+    devices = [threat.device] if threat.device.type == "cuda" else []
+    try:  # eval mode and a forked RNG: counting leaves the model's statistics and every random stream as they were
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            model(torch.zeros((1, *threat.input_shape), device=threat.device))
     finally:
+        model.train(was_training)
         for h in hooks:
             h.remove()
     params = sum(p.numel() for p in threat.model.parameters())

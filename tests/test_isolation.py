@@ -204,3 +204,27 @@ def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
         assert a.extras["noise"].keys() == b.extras["noise"].keys() and b.extras["noise"]
         assert all(torch.allclose(u, v, atol=1e-3) for n in a.extras["noise"]
                    for u, v in zip(a.extras["noise"][n], b.extras["noise"][n]))
+
+
+def test_auto_chunk_size_counts_without_touching_the_model():
+    from torch import nn
+
+    from leakaudit.attacks.vectorised import chunk_size, problem_footprint
+    from leakaudit.defenses.noise import NoDefense
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    threat = ThreatModel(model, F.cross_entropy, (1, 4, 4), torch.zeros(1, 1, 1), torch.ones(1, 1, 1), 2, 1, NoDefense())
+    rng = torch.random.get_rng_state()
+    per_problem = problem_footprint(threat, 1)
+    outputs = 16 + 8 + 8 + 2 + 2  # Flatten, Linear, BatchNorm1d, Linear, and the Sequential itself
+    assert per_problem == 4 * (6 * outputs + 4 * sum(p.numel() for p in model.parameters()))
+    assert chunk_size(3, threat, 1, 10) == 3 and chunk_size(None, threat, 1, 10) == 10
+    assert model.training and torch.equal(torch.random.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("value", [0, -2, "all", 1.5])
+def test_max_problems_is_auto_or_a_whole_number(write_audit, value):
+    with pytest.raises(ConfigError, match="max_problems: "):
+        load_audit(write_audit(small_audit(max_problems=value)))

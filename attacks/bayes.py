@@ -28,6 +28,7 @@ from leakaudit.attacks.vectorised import (
     candidate_update,
     chunk_size,
     defense_candidate,
+    one_at_a_time,
     optimise,
     prior_sum,
     run_chunks,
@@ -105,7 +106,10 @@ class LikelihoodAttack(Attack):
     def _solve_group(cls, problems: list[Problem], max_problems: int | None) -> list[Reconstruction]:
         threat = problems[0].threat
         images = threat.batch_size * problems[0].attack.samples
-        return run_chunks(problems, cls._batch, chunk_size(max_problems, threat, images, len(problems)))
+        per_chunk = chunk_size(max_problems, threat, images, len(problems))
+        if per_chunk == 1:
+            return one_at_a_time(cls, problems)
+        return run_chunks(problems, cls._batch, per_chunk)
 
     @classmethod
     def _batch(cls, problems: list[Problem]) -> tuple[Batch, Any]:

@@ -21,6 +21,7 @@ from leakaudit.attacks.vectorised import (
     candidate_update,
     chunk_size,
     model_key,
+    one_at_a_time,
     optimise,
     prior_sum,
     run_chunks,
@@ -138,9 +139,10 @@ class InvertingGradients(Attack):
     def _solve_group(cls, problems: list[Problem], max_problems: int | None) -> list[Reconstruction]:
         first, threat = problems[0].attack, problems[0].threat
         restarts = first.restarts
-        rows = chunk_size(max_problems, threat, threat.batch_size,
-                          len(problems) * restarts)
-        return run_chunks(problems, lambda part: cls._batch(part), max(1, rows // restarts))
+        per_chunk = max(1, chunk_size(max_problems, threat, threat.batch_size, len(problems) * restarts) // restarts)
+        if per_chunk == 1:
+            return one_at_a_time(cls, problems)
+        return run_chunks(problems, lambda part: cls._batch(part), per_chunk)
 
     @classmethod
     def _batch(cls, problems: list[Problem]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:

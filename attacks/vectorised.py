@@ -25,11 +25,15 @@ from torch.func import grad_and_value, vmap
 from leakaudit.attacks.priors import PRIORS
 from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import Defense, SharedUpdate
-from leakaudit.plugins.stochastic import stochastic_modules
+from leakaudit.plugins.stochastic import noise_from, stochastic_modules
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 MEMORY_SHARE = 0.5  # of the free device memory that ``max_problems: auto`` lets one chunk use
+#: On a CPU, ``auto`` solves problems together only for models up to this many trainable parameters: measured
+#: faster for lenet_zhu (14k: 2.2x at K = 8, 5.4x at K = 64), cnn_bayes (0.25M: 1.15x) and resnet20 (0.27M:
+#: 1.2x), slower for the 0.85M-parameter mlp (0.5x) and the 2.9M-parameter convnet (docs/results.md, Speed).
+CPU_MAX_PARAMETERS = 300_000
 
 
 def vectorisable(threat: ThreatModel) -> bool:
@@ -152,9 +156,13 @@ def stack_targets(updates: list[SharedUpdate], device: torch.device) -> list[Ten
 
 
 def chunk_size(max_problems: int | None, threat: ThreatModel, per_problem_images: int, total: int) -> int:
-    """How many problems run together: ``max_problems``, or (None: auto) what fits in free device memory."""
+    """How many problems run together: ``max_problems``, or (None: auto) what fits in free device memory;
+    1 on a CPU for models above ``CPU_MAX_PARAMETERS``, where one at a time measured faster."""
     if max_problems is not None:
         return max(1, min(max_problems, total))
+    params = sum(p.numel() for p in threat.model.parameters() if p.requires_grad)
+    if threat.device.type != "cuda" and params > CPU_MAX_PARAMETERS:
+        return 1
     footprint = problem_footprint(threat, per_problem_images)
     return max(1, min(total, int(MEMORY_SHARE * free_memory(threat.device) // footprint)))
 
@@ -248,6 +256,19 @@ def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
         trace[it] = loss.detach()
     images, unknowns = as_variables(xs)
     return images, unknowns, trace
+
+
+def one_at_a_time(cls: type, problems: list[Problem]) -> list[Reconstruction]:
+    """Each problem solved alone by ``cls``'s own ``reconstruct`` (plain autograd, the fastest path for one
+    problem), timed and seeded as ``Attack.__call__`` does; ``max_problems: 1`` and large models on a CPU."""
+    out = []
+    for p in problems:
+        start = time.perf_counter()
+        with noise_from(p.threat.model, p.generator):
+            rec = cls.reconstruct(p.attack, p.observed, p.threat, p.generator)
+        rec.seconds = time.perf_counter() - start
+        out.append(rec)
+    return out
 
 
 def run_chunks(problems: list[Problem], build: Callable[[list[Problem]], tuple[Batch, Callable[[Batch], tuple]]],

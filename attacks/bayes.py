@@ -26,13 +26,12 @@ from leakaudit.attacks.vectorised import (
     Batch,
     SharedModel,
     candidate_update,
-    chunk_size,
     defense_candidate,
     one_at_a_time,
     optimise,
     prior_sum,
-    run_chunks,
-    solve_grouped,
+    problem_hyper,
+    solve_all,
     split_metadata,
     stack_targets,
     vectorisable,
@@ -92,9 +91,8 @@ class LikelihoodAttack(Attack):
         starts from each problem's own generator)."""
         if any(getattr(cls, n) is not getattr(LikelihoodAttack, n) for n in ("reconstruct", "_objective")):
             return super().reconstruct_all(problems, max_problems)
-        return solve_grouped(problems, cls._group_key, lambda group: (
-            cls._solve_group(group, max_problems) if vectorisable(group[0].threat)
-            else Attack.reconstruct_all.__func__(cls, group, max_problems)))
+        return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
+                         build=cls._batch, images=lambda p: p.attack.samples)
 
     @staticmethod
     def _group_key(p: Problem) -> tuple:
@@ -103,31 +101,20 @@ class LikelihoodAttack(Attack):
                 a.radius, a.warmup, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
 
     @classmethod
-    def _solve_group(cls, problems: list[Problem], max_problems: int | None) -> list[Reconstruction]:
-        threat = problems[0].threat
-        images = threat.batch_size * problems[0].attack.samples
-        per_chunk = chunk_size(max_problems, threat, images, len(problems))
-        if per_chunk == 1:
-            return one_at_a_time(cls, problems)
-        return run_chunks(problems, cls._batch, per_chunk)
-
-    @classmethod
     def _batch(cls, problems: list[Problem]) -> tuple[Batch, Any]:
         threat = problems[0].threat
         updates = [p.observed for p in problems]
         split = split_metadata(updates)
         if split is None:  # metadata that differs in more than tensors: one problem at a time
-            return None, lambda _: Attack.reconstruct_all.__func__(cls, problems)
+            return None, lambda _: one_at_a_time(cls, problems)
         labels, starts = [], []
         for p in problems:  # as alone: labels, then the start; Monte Carlo draws follow, step by step
             labels.append(recover_labels(p.observed, p.threat, p.attack.label_method, p.generator))
             starts.append(random_images(p.threat, p.generator))
         device = threat.device
-        hyper = {"lr": torch.tensor([p.attack.lr for p in problems], device=device),
+        hyper = {**problem_hyper([p.attack for p in problems], device),
                  "gamma": torch.tensor([p.attack.lr_decay ** (1.0 / p.attack.iterations) for p in problems],
                                        device=device, dtype=torch.float64)}
-        hyper.update({f"prior.{n}": torch.tensor([float(p.attack.priors[n]) for p in problems], device=device)
-                      for n in problems[0].attack.priors})
         batch = Batch(problems, torch.stack(starts), torch.stack(labels), stack_targets(updates, device), *split,
                       hyper, list(range(len(problems))))
         return batch, lambda b: cls._solve(b, labels)
@@ -137,7 +124,6 @@ class LikelihoodAttack(Attack):
         first, threat, template = batch.problems[0].attack, batch.problems[0].threat, batch.problems[0].observed
         shared = SharedModel.of(threat.model)
         lo, hi = threat.box()
-        priors = list(first.priors)
         own = cls is BayesOptimal and defense_candidate(threat.defense)
 
         def objective(images, labels, target, metadata, hyper, unknowns, weight, direction=None, u=None):
@@ -148,7 +134,7 @@ class LikelihoodAttack(Attack):
                 candidate = (threat.defense.candidate_update(threat, x, labels) if own
                              else candidate_update(shared, threat, x, labels))
                 total = total + weight * first.negative_log_likelihood(observed, candidate, threat)
-                total = total + prior_sum(x, {n: hyper[f"prior.{n}"] for n in priors}, lo, hi)
+                total = total + prior_sum(x, hyper, lo, hi)
             return total / len(points)
 
         def per_step(it: int) -> tuple:

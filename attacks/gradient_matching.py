@@ -19,13 +19,11 @@ from leakaudit.attacks.vectorised import (
     SharedModel,
     batched,
     candidate_update,
-    chunk_size,
     model_key,
-    one_at_a_time,
     optimise,
     prior_sum,
-    run_chunks,
-    solve_grouped,
+    problem_hyper,
+    solve_all,
     split_metadata,
     stack_targets,
     stacked_state,
@@ -114,9 +112,8 @@ class InvertingGradients(Attack):
         """Problems with like settings (and their restarts) optimised together, ``max_problems`` at a time."""
         if not cls._vectorised():
             return super().reconstruct_all(problems, max_problems)
-        return solve_grouped(problems, cls._group_key, lambda group: (
-            cls._solve_group(group, max_problems) if cls._can_vectorise(group[0].threat)
-            else Attack.reconstruct_all.__func__(cls, group, max_problems)))
+        return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=cls._can_vectorise,
+                         build=cls._batch, rows=lambda p: p.attack.restarts)
 
     @classmethod
     def _can_vectorise(cls, threat: ThreatModel) -> bool:
@@ -131,18 +128,9 @@ class InvertingGradients(Attack):
     @staticmethod
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
-        return (type(p.attack)._can_vectorise(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.restarts,
-                a.signed,
-                a.drop_defended, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
-
-    @classmethod
-    def _solve_group(cls, problems: list[Problem], max_problems: int | None) -> list[Reconstruction]:
-        first, threat = problems[0].attack, problems[0].threat
-        restarts = first.restarts
-        per_chunk = max(1, chunk_size(max_problems, threat, threat.batch_size, len(problems) * restarts) // restarts)
-        if per_chunk == 1:
-            return one_at_a_time(cls, problems)
-        return run_chunks(problems, lambda part: cls._batch(part), per_chunk)
+        return (type(a)._can_vectorise(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size,
+                a.iterations, a.restarts, a.signed, a.drop_defended, tuple(sorted(a.priors)), a.label_method,
+                tuple(p.observed.names))
 
     @classmethod
     def _batch(cls, problems: list[Problem]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
@@ -158,10 +146,8 @@ class InvertingGradients(Attack):
         owners = [i for i in range(len(problems)) for _ in range(first.restarts)]
         updates = [problems[i].observed for i in owners]
         stacked, static = split_metadata(updates) or ({}, {})  # the cosine match reads no metadata
-        hyper = {"lr": torch.tensor([problems[i].attack.lr for i in owners], device=threat.device),
+        hyper = {**problem_hyper([problems[i].attack for i in owners], threat.device),
                  "state": stacked_state([problems[i].threat.model for i in owners])}
-        hyper.update({f"prior.{n}": torch.tensor([float(problems[i].attack.priors[n]) for i in owners],
-                                                 device=threat.device) for n in first.priors})
         batch = Batch(problems, torch.stack(starts), torch.stack([labels[i] for i in owners]),
                       kept(stack_targets(updates, threat.device), keep), stacked, static, hyper, owners,
                       {n: [torch.stack([u[n][i] for u in unknowns]) for i in range(len(vs))]
@@ -173,12 +159,10 @@ class InvertingGradients(Attack):
         first, threat = batch.problems[0].attack, batch.problems[0].threat
         shared = SharedModel.of(threat.model)
         lo, hi = threat.box()
-        priors = [n for n in first.priors]
 
         def matching(images, labels, target, metadata, hyper, unknowns):
             candidate = kept(candidate_update(shared, threat, images, labels, hyper["state"]), keep)
-            weights = {n: hyper[f"prior.{n}"] for n in priors}
-            return cosine_distance(target, candidate) + prior_sum(images, weights, lo, hi)
+            return cosine_distance(target, candidate) + prior_sum(images, hyper, lo, hi)
 
         objective = cls._with_unknowns(matching, shared.module, first)
         milestones = step_decay_milestones(first.iterations)

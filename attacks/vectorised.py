@@ -90,12 +90,21 @@ def candidate_update(shared: SharedModel, threat: ThreatModel, images: Tensor, l
     return [grads[n] for n in shared.params]
 
 
-def prior_sum(images: Tensor, weights: dict[str, Tensor], low: Tensor, high: Tensor) -> Tensor:
-    """Weighted priors with per-problem weight tensors (0-d under vmap)."""
+def problem_hyper(attacks: list, device: torch.device) -> dict[str, Tensor]:
+    """Each row's step size and prior weights as (K,) tensors: the hyperparameters that may differ between
+    problems (tuning trials) and still run in one pass."""
+    return {"lr": torch.tensor([a.lr for a in attacks], device=device),
+            **{f"prior.{n}": torch.tensor([float(a.priors[n]) for a in attacks], device=device)
+               for n in attacks[0].priors}}
+
+
+def prior_sum(images: Tensor, hyper: dict[str, Tensor], low: Tensor, high: Tensor) -> Tensor:
+    """The priors weighted by one problem's ``prior.<name>`` entries of ``hyper`` (0-d under vmap)."""
     total = images.new_zeros(())
-    for name, w in weights.items():
-        fn = PRIORS[name]
-        total = total + w * (fn(images, low, high) if name == "range" else fn(images))
+    for key, w in hyper.items():
+        if key.startswith("prior."):
+            name = key.removeprefix("prior.")
+            total = total + w * (PRIORS[name](images, low, high) if name == "range" else PRIORS[name](images))
     return total
 
 
@@ -231,6 +240,7 @@ def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
     ms, vs_ = [torch.zeros_like(x) for x in xs], [torch.zeros_like(x) for x in xs]
     beta1, beta2 = ADAM_BETAS
     trace = torch.empty(iterations, len(xs[0]), device=xs[0].device)
+    step = None  # the vmapped gradient, built once: the extras' in_dims are the same every iteration
 
     def as_variables(flat: list[Tensor]) -> tuple[Tensor, dict[str, list[Tensor]]]:
         unknowns: dict[str, list[Tensor]] = {n: [] for n in batch.unknowns}
@@ -240,7 +250,7 @@ def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
 
     for it in range(iterations):
         extra = per_step(it)
-        step = batched(objective, tuple(d for _, d in extra))
+        step = step or batched(objective, tuple(d for _, d in extra))
         grads, loss = step(as_variables(xs), batch.labels, batch.targets, batch.metadata, batch.hyper,
                            *(e for e, _ in extra))
         flat = [grads[0], *(grads[1][n][i] for n, i in names)]
@@ -269,6 +279,26 @@ def one_at_a_time(cls: type, problems: list[Problem]) -> list[Reconstruction]:
         rec.seconds = time.perf_counter() - start
         out.append(rec)
     return out
+
+
+def solve_all(cls: type, problems: list[Problem], max_problems: int | None, *, key: Callable[[Problem], Any],
+              can_vectorise: Callable[[ThreatModel], bool], build: Callable,
+              images: Callable[[Problem], int] = lambda p: 1,
+              rows: Callable[[Problem], int] = lambda p: 1) -> list[Reconstruction]:
+    """Like problems (equal ``key``) solved together by ``build``'s batches, ``max_problems`` at a time.
+
+    ``images(p)`` and ``rows(p)`` scale one problem's footprint and count within its group (Monte Carlo
+    points, restarts). Groups that cannot be vectorised, and chunks of one problem, are solved one at a
+    time by ``cls.reconstruct``.
+    """
+    def solve_group(group: list[Problem]) -> list[Reconstruction]:
+        threat, n = group[0].threat, rows(group[0])
+        if not can_vectorise(threat):
+            return one_at_a_time(cls, group)
+        per_chunk = max(1, chunk_size(max_problems, threat, threat.batch_size * images(group[0]), len(group) * n) // n)
+        return one_at_a_time(cls, group) if per_chunk == 1 else run_chunks(group, build, per_chunk)
+
+    return solve_grouped(problems, key, solve_group)
 
 
 def run_chunks(problems: list[Problem], build: Callable[[list[Problem]], tuple[Batch, Callable[[Batch], tuple]]],

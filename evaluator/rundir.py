@@ -78,11 +78,14 @@ class Cell:
         return self.jobs[0]
 
 
-def cells_of(jobs: list, per_cell: int) -> list[Cell]:
-    """``jobs`` grouped by (setting, attack, checkpoint), in order, cut into cells of at most ``per_cell``."""
+def cells_of(jobs: list, workers: int) -> list[Cell]:
+    """``jobs`` grouped by (setting, attack, checkpoint), in order, as cells for ``workers`` processes: whole
+    groups when there are enough of them to keep every process busy, else each group cut in ``workers`` parts."""
     groups: dict[tuple, list] = {}
     for job in jobs:
         groups.setdefault((job.setting.key, job.attack.key, job.checkpoint), []).append(job)
+    largest = max(map(len, groups.values()), default=1)
+    per_cell = max(1, largest if len(groups) >= 2 * workers else -(-largest // workers))
     return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
 
 

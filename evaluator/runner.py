@@ -236,16 +236,6 @@ def _size(item: Any) -> int:
     return len(item.jobs) if isinstance(item, Cell) else 1
 
 
-def _cells(jobs: list, workers: int) -> list[Cell]:
-    """Cells for ``workers`` processes: whole (setting, attack, checkpoint) groups when there are enough of them
-    to keep every process busy, else each group cut in ``workers`` parts."""
-    groups = {(j.setting.key, j.attack.key, j.checkpoint) for j in jobs}
-    largest = max((sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == g) for g in groups),
-                  default=1)
-    per_cell = largest if len(groups) >= 2 * workers else -(-largest // workers)
-    return cells_of(jobs, max(1, per_cell))
-
-
 def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
     """The architecture analysis of every model of the audit, computed once per run folder."""
     saved = folder.read_json(ARCHITECTURE)
@@ -280,13 +270,13 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
                  lambda s, row: folder.utility.append(row))
 
         tried = {trial_key(r) for r in folder.tuning.read()}
-        pool.run("tune", _cells([j for j in tune_jobs_of(audit) if j.key not in tried], workers), "tuning",
+        pool.run("tune", cells_of([j for j in tune_jobs_of(audit) if j.key not in tried], workers), "tuning",
                  progress, lambda cell, rows: [folder.tuning.append(row) for row in rows])
         trials = folder.tuning.read()
 
         finished = {row_key(r) for r in folder.results.read()}
         pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
-        pool.run("attack", _cells(pending, workers), "attacks", progress, on_rows)
+        pool.run("attack", cells_of(pending, workers), "attacks", progress, on_rows)
 
 
     rows = _in_job_order(audit, folder.results.read())

@@ -5,11 +5,10 @@ import subprocess
 
 import pytest
 import yaml
+from conftest import LEAKAUDIT, ROOT, small_audit
 
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.config import ConfigError, load_audit
-
-from conftest import LEAKAUDIT, ROOT, small_audit
 
 
 def problems(path) -> list[str]:
@@ -82,6 +81,10 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
      "defenses[0]: prune(noise=gaussian): prune: noise 'gaussian' needs scale > 0, got 0.0"),
     (small_audit(protocol={"name": "fedsgd", "local_lr": 0.1}), "protocol.local_lr: only applies to protocol fedavg"),
     (small_audit(protocol="fedprox"), "protocol.name: 'fedprox' is not a protocol; choices: fedsgd, fedavg, step"),
+    (small_audit(leakage_metric="lpips"),
+     "leakage_metric: 'lpips' is not one of this audit's metrics; choices: psnr, ssim, mse, label_accuracy"),
+    (small_audit(max_problems=0), "max_problems: 0 is neither 'auto' nor a whole number >= 1; choices: auto, 1, 2, ..."),
+    (small_audit(protocol={"name": "step", "lr": 0.1}), "protocol.function: required for protocol step"),
     (small_audit(protocol={"name": "fedavg", "local_batch_size": 4}),
      "protocol.local_batch_size: 4 is larger than data.batch_size 1 (the images each client holds)"),
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"priors": {"tvv": 1.0}}}]),

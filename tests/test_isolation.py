@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import small_audit
 from torchvision.transforms import Normalize
 
 from leakaudit.attacks.bayesian import BayesianExact, BayesianNoiseKL
@@ -24,8 +25,6 @@ from leakaudit.evaluator.scenario import loss_fn
 from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 from leakaudit.plugins.stochastic import noise_from
-
-from conftest import small_audit
 
 
 def _digit(index: int = 0):

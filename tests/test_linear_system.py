@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import small_audit
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.models import LINEAR_SYSTEM_VARIANTS, linear_system_cnn
-
-from conftest import small_audit
 
 #: Chen & Campbell 2022, Table 1: rank deficiency per convolutional layer and the metric, on 32x32x3 inputs.
 TABLE_1 = {

@@ -5,7 +5,6 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import LEAKAUDIT, ROOT
 
 pytestmark = pytest.mark.slow

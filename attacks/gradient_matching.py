@@ -11,11 +11,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.func import grad_and_value, vmap
 
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
 from leakaudit.attacks.vectorised import (
+    LOCKSTEP_MAX_PROBLEMS,
     Batch,
+    LockStep,
     SharedModel,
     batched,
     candidate_update,
@@ -23,6 +26,7 @@ from leakaudit.attacks.vectorised import (
     optimise,
     prior_sum,
     problem_hyper,
+    rows_of,
     solve_all,
     split_metadata,
     stack_targets,
@@ -243,37 +247,86 @@ class DeepLeakage(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         fixed = self._labels(observed, threat, generator)
         target = [t.to(threat.device) for t in observed.tensors]
+        lo, hi = threat.box()
+
+        def evaluate(variables: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            with torch.enable_grad():
+                labels = fixed if len(variables) == 1 else torch.softmax(variables[1], dim=-1)
+                loss = (squared_distance(target, threat.candidate_update(variables[0], labels))
+                        + prior_penalty(variables[0], self.priors, lo, hi))
+                return loss.detach(), list(torch.autograd.grad(loss, variables))
+
+        return self._restarts(threat, generator, fixed, evaluate)
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """Like problems solved together: each keeps its own L-BFGS, line search and restarts (one thread per
+        problem, ``LockStep``), and their loss evaluations run as one vmapped pass (benchmarks/lbfgs_batching.py)."""
+        if any(getattr(cls, n) is not getattr(DeepLeakage, n) for n in ("reconstruct", "_restarts", "_one_run")):
+            return super().reconstruct_all(problems, max_problems)
+        return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
+                         build=cls._batch, cap=LOCKSTEP_MAX_PROBLEMS)
+
+    @staticmethod
+    def _group_key(p: Problem) -> tuple:
+        t = p.threat
+        return (vectorisable(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size, t.labels is None,
+                tuple(sorted(p.attack.priors)), tuple(p.observed.names))
+
+    @classmethod
+    def _batch(cls, problems: list[Problem]) -> tuple[list[Problem], Callable[[list[Problem]], list[Reconstruction]]]:
+        threat = problems[0].threat
+        fixed = [p.attack._labels(p.observed, p.threat, p.generator) for p in problems]  # drawn first, as alone
+        targets = stack_targets([p.observed for p in problems], threat.device)
+        hyper = {**problem_hyper([p.attack for p in problems], threat.device),
+                 "state": stacked_state([p.threat.model for p in problems])}
+        labels = None if fixed[0] is None else torch.stack(fixed)
+        shared, (lo, hi) = SharedModel.of(threat.model), threat.box()
+
+        def loss(variables, target, hyper, label):
+            y = label if label is not None else torch.softmax(variables[1], dim=-1)
+            candidate = candidate_update(shared, threat, variables[0], y, hyper["state"])
+            return squared_distance(target, candidate) + prior_sum(variables[0], hyper, lo, hi)
+
+        step = vmap(grad_and_value(loss), in_dims=(0, 0, 0, None if labels is None else 0))
+
+        def evaluate(rows: list[int], variables: list[list[Tensor]]) -> list[tuple[Tensor, list[Tensor]]]:
+            pick = rows_of(rows, len(problems), threat.device)
+            grads, losses = step([torch.stack(v) for v in zip(*variables)], pick(targets), pick(hyper),
+                                 None if labels is None else pick(labels))
+            return [(losses[r], [g[r] for g in grads]) for r in range(len(rows))]
+
+        def solve(part: list[Problem]) -> list[Reconstruction]:
+            return LockStep(evaluate).run([
+                lambda request, p=p, f=f: p.attack._restarts(p.threat, p.generator, f, request)
+                for p, f in zip(part, fixed)])
+
+        return problems, solve
+
+    def _restarts(self, threat: ThreatModel, generator: torch.Generator, fixed: Tensor | None,
+                  evaluate: Callable[[list[Tensor]], tuple[Tensor, list[Tensor]]]) -> Reconstruction:
+        """The best of ``restarts`` L-BFGS runs; ``evaluate(variables)`` gives the loss and its gradients."""
         best = None
         for _ in range(self.restarts):
-            run = self._one_run(target, fixed, threat, generator)
+            run = self._one_run(threat, generator, fixed, evaluate)
             if best is None or run[2] < best[2]:
                 best = run
         images, labels, loss, trace = best
         return Reconstruction(threat.to_pixels(images), labels, trace, 0.0, {"match_loss": loss})
 
-    def _one_run(self, target, fixed, threat, generator):
-        lo, hi = threat.box()
-        images = random_images(threat, generator).requires_grad_(True)
-        variables = [images]
-        logits = None
-        if fixed is None:
-            logits = torch.randn((threat.batch_size, threat.num_classes), generator=generator,
-                                 device=threat.device).requires_grad_(True)
-            variables.append(logits)
+    def _one_run(self, threat, generator, fixed, evaluate):
+        variables = [random_images(threat, generator).requires_grad_(True)]
+        if fixed is None:  # a soft label optimised beside the image
+            variables.append(torch.randn((threat.batch_size, threat.num_classes), generator=generator,
+                                         device=threat.device).requires_grad_(True))
         optimiser = torch.optim.LBFGS(variables, lr=self.lr, max_iter=20, history_size=100,
                                       line_search_fn="strong_wolfe" if self.line_search else None)
 
-        def objective() -> Tensor:
-            targets = fixed if logits is None else torch.softmax(logits, dim=-1)
-            candidate = threat.candidate_update(images, targets)
-            return squared_distance(target, candidate) + prior_penalty(images, self.priors, lo, hi)
-
         def closure() -> Tensor:
-            loss = objective()
-            grads = torch.autograd.grad(loss, variables)
+            loss, grads = evaluate(variables)
             for v, g in zip(variables, grads):
                 v.grad = g
-            return loss.detach()
+            return loss
 
         trace = []
         for _ in range(self.iterations):
@@ -281,10 +334,10 @@ class DeepLeakage(Attack):
             trace.append(loss)
             if not torch.isfinite(loss) or loss.item() == 0.0:
                 break
-        final = objective().item()
-        labels = fixed if logits is None else logits.detach().argmax(dim=-1)
+        final = evaluate(variables)[0].item()
+        labels = fixed if fixed is not None else variables[1].detach().argmax(dim=-1)
         final = final if final == final else float("inf")  # NaN from a diverged run loses
-        return images.detach(), labels, final, torch.stack(trace).tolist()
+        return variables[0].detach(), labels, final, torch.stack(trace).tolist()
 
 
 class ImprovedDeepLeakage(DeepLeakage):

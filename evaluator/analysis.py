@@ -57,30 +57,32 @@ def _cache_file(scenario: Scenario, section: dict) -> Path | None:
 ANALYSIS_VERSION = 1  # bump when analyse() changes what it computes
 
 
-def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
-    """``analyse`` for the audit's model and each entry's own model, or why it does not apply.
+def cached_analysis(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[str, Any]:
+    """``analyse``, or why it does not apply, read from the cache when this zoo model at this input shape
+    was analysed before (ranks do not depend on the weights), so only the first audit of a model pays
+    for the rank computations."""
+    section = scenario.model_section(setting)
+    path = _cache_file(scenario, section)
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    try:
+        result = analyse(scenario, setting)
+    except ValueError as exc:
+        result = {"model": section["name"], "not_applicable": str(exc)}
+    if path is not None:
+        _write(path, result)
+    return result
 
-    A zoo model's result is cached per architecture and input shape, so only the first audit of
-    a model pays for the rank computations.
-    """
+
+def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
+    """``cached_analysis`` for the audit's model and for each entry's own model, each model once."""
     out, seen = [], set()
     for setting in [None, *scenario.audit.settings]:
         section = scenario.model_section(setting)
         key = repr((section["name"], section["params"]))
-        if key in seen:
-            continue
-        seen.add(key)
-        path = _cache_file(scenario, section)
-        if path is not None and path.exists():
-            out.append(json.loads(path.read_text()))
-            continue
-        try:
-            result = analyse(scenario, setting)
-        except ValueError as exc:
-            result = {"model": section["name"], "not_applicable": str(exc)}
-        out.append(result)
-        if path is not None:
-            _write(path, result)
+        if key not in seen:
+            seen.add(key)
+            out.append(cached_analysis(scenario, setting))
     return out
 
 

@@ -76,15 +76,14 @@ def cmd_validate(args) -> int:
 
 
 def cmd_analyse(args) -> int:
-    from leakaudit.evaluator.analysis import analyse, describe
+    from leakaudit.evaluator.analysis import cached_analysis, describe
     from leakaudit.evaluator.config import load_audit
     from leakaudit.evaluator.scenario import Scenario
 
     audit = load_audit(args.config, args.plugins_dir)
-    try:
-        result = analyse(Scenario(audit))
-    except ValueError as exc:
-        return _fail([f"{args.config}: model: {audit.model['name']}: {exc}"])
+    result = cached_analysis(Scenario(audit))
+    if "not_applicable" in result:
+        return _fail([f"{args.config}: model: {audit.model['name']}: {result['not_applicable']}"])
     print(json.dumps(result, indent=2) if args.json else describe(result))
     return 0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import small_audit
 from torch import nn
 
 from leakaudit.attacks.analytic import AnalyticInversion
@@ -26,6 +25,8 @@ from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.models import convbig, lenet_zhu, mlp
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, parameter_names
+
+from conftest import small_audit
 
 
 def loss_fn(logits, targets):

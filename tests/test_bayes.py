@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, small_audit
 
 from leakaudit.attacks.bayes import (
     BayesOptimal,
@@ -24,6 +23,8 @@ from leakaudit.evaluator.runner import run_audit
 from leakaudit.evaluator.scenario import loss_fn
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import ClientStep
+
+from conftest import ROOT, small_audit
 
 
 def _case(defense, size=16):

@@ -5,10 +5,11 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import LEAKAUDIT, ROOT, small_audit
 
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.config import ConfigError, load_audit
+
+from conftest import LEAKAUDIT, ROOT, small_audit
 
 
 def problems(path) -> list[str]:

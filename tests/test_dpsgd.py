@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from conftest import small_audit
 from opacus import PrivacyEngine
 from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
@@ -21,6 +20,8 @@ from leakaudit.evaluator.scenario import Scenario, loss_fn
 from leakaudit.evaluator.utility import privacy_spent, training_run
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import ClientStep, trainable
+
+from conftest import small_audit
 
 B = 4
 

@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import small_audit
 from torchvision.transforms import Normalize
 
 from leakaudit.attacks.bayesian import BayesianExact, BayesianNoiseKL
-from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage, InvertingGradients
 from leakaudit.attacks.precode import PrecodeSample
 from leakaudit.defenses.bayesian import Bayesian
+from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.precode import Precode
 from leakaudit.defenses.soteria import Soteria
 from leakaudit.evaluator.api import audit_batch
@@ -25,6 +25,8 @@ from leakaudit.evaluator.scenario import loss_fn
 from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 from leakaudit.plugins.stochastic import noise_from
+
+from conftest import small_audit
 
 
 def _digit(index: int = 0):
@@ -203,6 +205,45 @@ def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
         assert a.extras["noise"].keys() == b.extras["noise"].keys() and b.extras["noise"]
         assert all(torch.allclose(u, v, atol=1e-3) for n in a.extras["noise"]
                    for u, v in zip(a.extras["noise"][n], b.extras["noise"][n]))
+
+
+@pytest.mark.parametrize("attack,known", [(DeepLeakage(iterations=6, restarts=2), False),
+                                          (ImprovedDeepLeakage(iterations=6), False),
+                                          (DeepLeakage(iterations=6, line_search=False), True)])
+def test_dlg_problems_in_lock_step_follow_their_own_lbfgs_path(attack, known):
+    """Each problem keeps its own L-BFGS and line search; only the evaluations are batched."""
+    torch.manual_seed(0)
+    alone, together = _alone_and_together(NoDefense(), lenet_zhu(1, 10, 16), attack, known_labels=known)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a.images, b.images, atol=1e-2) and torch.equal(a.labels, b.labels)
+        assert len(a.loss_trace) == len(b.loss_trace)
+        assert b.extras["match_loss"] == pytest.approx(a.extras["match_loss"], rel=0.5, abs=1e-4)
+
+
+def test_lock_step_raises_a_solvers_error_and_stops_the_others():
+    from leakaudit.attacks.vectorised import LockStep
+
+    calls = []
+
+    def evaluate(rows, variables):
+        calls.append(rows)
+        return [(v[0].sum(), [2 * v[0]]) for v in variables]
+
+    def solver(request, fail_at=None):
+        x = torch.ones(2)
+        for step in range(5):
+            if step == fail_at:
+                raise ValueError("solver 1 failed")
+            x = x - 0.1 * request([x])[1][0]
+        return x
+
+    first, second = LockStep(evaluate).run([solver, lambda r: 2 * solver(r)])  # x <- 0.8 x, five times
+    assert torch.allclose(first, torch.full((2,), 0.8 ** 5)) and torch.allclose(second, 2 * first)
+    assert calls == [[0, 1]] * 5
+    calls.clear()
+    with pytest.raises(ValueError, match="solver 1 failed"):
+        LockStep(evaluate).run([solver, lambda r: solver(r, fail_at=2), solver])
+    assert calls == [[0, 1, 2], [0, 1, 2]]  # the others stopped at their next request
 
 
 def test_auto_chunk_size_counts_without_touching_the_model():

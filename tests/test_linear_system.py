@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import small_audit
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.models import LINEAR_SYSTEM_VARIANTS, linear_system_cnn
+
+from conftest import small_audit
 
 #: Chen & Campbell 2022, Table 1: rank deficiency per convolutional layer and the metric, on 32x32x3 inputs.
 TABLE_1 = {
@@ -57,6 +58,24 @@ def test_analyse_prints_the_layers_and_the_metric(write_audit, capsys):
     assert result["metric"] == -1995.0
     assert main(["analyse", str(path)]) == 0
     assert "security metric (Chen & Campbell 2022, Def. 3.3): -1995.0" in capsys.readouterr().out
+
+
+def test_analyse_reads_the_cache_the_first_analysis_wrote(write_audit, capsys, monkeypatch, tmp_path):
+    from leakaudit.evaluator import analysis
+
+    monkeypatch.setenv("LEAKAUDIT_CACHE", str(tmp_path / "cache"))
+    path = write_audit(small_audit(data={"dataset": "cifar10_samples", "image_size": 32, "targets": 1},
+                                   model={"name": "cnn3_v2"}))
+    assert main(["analyse", str(path), "--json"]) == 0
+    first = capsys.readouterr().out
+    assert len(list((tmp_path / "cache" / "analysis").glob("*.json"))) == 1
+
+    def no_rank_work(*_args):
+        raise AssertionError("analysed again despite the cache")
+
+    monkeypatch.setattr(analysis, "analyse", no_rank_work)
+    assert main(["analyse", str(path), "--json"]) == 0
+    assert capsys.readouterr().out == first
 
 
 def test_analyse_says_which_layer_it_cannot_cover(write_audit, capsys):

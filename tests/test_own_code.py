@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, small_audit
 from opacus import GradSampleModule
 from torch import nn
 
@@ -16,6 +15,8 @@ from leakaudit.evaluator.api import audit_batch
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.config import ConfigError
 from leakaudit.plugins.protocol import captured_update, fedsgd_update
+
+from conftest import ROOT, small_audit
 
 EXAMPLE = ROOT / "examples" / "own_training"
 sys.path.insert(0, str(EXAMPLE))

@@ -9,9 +9,10 @@ import sysconfig
 import textwrap
 
 import pytest
-from conftest import ROOT, small_audit
 
 import leakaudit
+
+from conftest import ROOT, small_audit
 
 SOURCES = ("pyproject.toml", "README.md", "leakaudit", "plugins", "defenses", "attacks", "evaluator")
 

@@ -9,10 +9,11 @@ import sys
 import textwrap
 
 import pytest
-from conftest import LEAKAUDIT, ROOT, small_audit
 
 from leakaudit.plugins import PluginError
 from leakaudit.plugins.manager import load_registry
+
+from conftest import LEAKAUDIT, ROOT, small_audit
 
 TEMPLATE = ROOT / "examples" / "plugin-template"
 

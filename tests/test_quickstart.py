@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import pytest
+
 from conftest import LEAKAUDIT, ROOT
 
 pytestmark = pytest.mark.slow

@@ -77,9 +77,9 @@ def test_rgap_says_where_it_does_not_apply():
 
 
 def test_bad_hybrid_settings_and_models_fail_before_work(write_audit, capsys):
-    from conftest import small_audit
-
     from leakaudit.evaluator.cli import main
+
+    from conftest import small_audit
 
     path = write_audit(small_audit(attacks=[{"name": "hybrid", "params": {"tv": -1.0}}]))
     assert main(["validate", str(path)]) == 2

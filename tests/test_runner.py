@@ -6,11 +6,12 @@ import subprocess
 import time
 
 import pytest
-from conftest import LEAKAUDIT, small_audit
 
 from leakaudit.evaluator import runner
 from leakaudit.evaluator.config import load_audit
 from leakaudit.evaluator.runner import RunError, run_audit
+
+from conftest import LEAKAUDIT, small_audit
 
 OUTPUTS = ("results.jsonl", "results.csv", "summary.json", "utility.jsonl", "report.html", "privacy_utility.png",
            "reconstructions.png", "audit.yaml")

@@ -5,11 +5,12 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import small_audit
 
 from leakaudit.evaluator import datasets
 from leakaudit.evaluator.config import ConfigError, load_audit
 from leakaudit.evaluator.models import ZOO, build_model
+
+from conftest import small_audit
 
 
 @pytest.mark.parametrize("spec", ZOO, ids=lambda s: s.name)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import ROOT
 
 from leakaudit.evaluator.config import load_audit
 from leakaudit.evaluator.runner import jobs_of, run_audit
 from leakaudit.evaluator.scenario import Scenario, check_scenario
+
+from conftest import ROOT
 
 
 def _run(tmp_path, name: str, **changes) -> dict:

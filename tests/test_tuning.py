@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import small_audit
 
 from leakaudit.evaluator import runner
 from leakaudit.evaluator.config import ConfigError, load_audit
 from leakaudit.evaluator.runner import run_audit
 from leakaudit.evaluator.tuning import TuneSpec, candidates, with_value
+
+from conftest import small_audit
 
 TUNED = {"name": "bayes", "params": {"iterations": 40, "lr": 0.001},
          "tune": {"budget": 3, "space": {"lr": [0.03, 0.1], "priors.tv": [0.0001, 0.01]}}}

@@ -5,6 +5,7 @@ normalised space, with the threat model's box bounds for the pixel-range prior.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 from torch import Tensor
@@ -47,8 +48,8 @@ def check_priors(weights: Mapping[str, float]) -> None:
     for name, w in weights.items():
         if name not in PRIORS:
             raise ValueError(f"unknown prior {name!r}; choices: {', '.join(PRIORS)}")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
-            raise ValueError(f"prior {name!r}: weight {w!r} must be a number >= 0")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"prior {name!r}: weight {w!r} must be a finite number >= 0")
 
 
 def prior_penalty(images: Tensor, weights: Mapping[str, float], low: Tensor, high: Tensor) -> Tensor | float:

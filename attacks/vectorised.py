@@ -197,9 +197,17 @@ def chunk_size(max_problems: int | None, threat: ThreatModel, per_problem_images
 
 
 def free_memory(device: torch.device) -> int:
-    """Free bytes on ``device``: CUDA's own count, else the operating system's available memory."""
+    """Free bytes on ``device``: CUDA's own count, else the operating system's available memory (Linux's
+    MemAvailable, which counts reclaimable caches; else the free pages)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from leakaudit import __version__
@@ -67,11 +69,16 @@ def cmd_validate(args) -> int:
     from leakaudit.evaluator.scenario import Scenario, check_scenario
 
     audit = load_audit(args.config, args.plugins_dir)
-    check_scenario(Scenario(audit))
+    check_scenario(Scenario(audit), user_code=False)
     from leakaudit.evaluator.runner import jobs_of
 
     print(f"{args.config}: valid: {len(audit.settings)} defense settings x {len(audit.checkpoints)} checkpoints "
           f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks: {len(jobs_of(audit))} attack jobs")
+    factories = [s for s in (audit.data.get("factory"), audit.model["name"],
+                             *(st.model["name"] for st in audit.settings if st.model)) if s and ":" in s]
+    if factories:
+        print(f"  not called by validate: {', '.join(dict.fromkeys(factories))} (run calls them and checks what "
+              "they return before any work)")
     return 0
 
 
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     from leakaudit.evaluator.runner import RunError
 
     args = _parser().parse_args(argv)
+    previous = None
+    if args.command == "run" and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         commands = {"run": cmd_run, "validate": cmd_validate, "analyse": cmd_analyse, "plugins": cmd_plugins}
         return commands[args.command](args)
@@ -121,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leakaudit: interrupted; rerun with --resume to continue", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM stops a run as Ctrl-C does: workers stopped, finished rows kept, --resume continues."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -12,14 +12,23 @@ from typing import Any
 import torch
 import yaml
 
+from leakaudit.attacks.vectorised import free_memory
 from leakaudit.evaluator.tuning import TuneSpec, check_tune
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
-from leakaudit.plugins.spec import Param, PluginError, check_params
+from leakaudit.plugins.spec import Param, PluginError, check_params, did_you_mean
 
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
+#: Training steps an audit may ask for (checkpoints, utility.train_steps): past this a run is a hang, not an audit.
+MAX_STEPS = 100_000
+#: Audit files larger than this are refused unread; YAML aliases may expand to at most this many values.
+MAX_FILE_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+#: Problems listed one per line; the rest are counted.
+MAX_PROBLEMS_SHOWN = 20
+MAX_LINE = 400
 
 TOP = {
     "name": Param(type=str, help="audit name, shown in reports"),
@@ -44,7 +53,7 @@ TOP = {
 DATA = {
     "dataset": Param(None, str, help="a registered dataset (leakaudit plugins)"),
     "factory": Param(None, str, help="'package.module:load' returning your own ImageData (instead of dataset)"),
-    "image_size": Param(32, int, min=8, max=1024),
+    "image_size": Param(32, int, min=8, max=512),
     "targets": Param(4, int, min=1, help="private images attacked"),
     "batch_size": Param(1, int, min=1, help="images per shared update"),
     "root": Param(None, str),
@@ -67,7 +76,7 @@ ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(Non
           "role": Param(None, str, choices=ROLES, help="how the report counts it (default: adaptive when the "
                                                        "attack uses what the defense does)")}
 UTILITY = {
-    "train_steps": Param(200, int, min=0, help="SGD steps of utility training under the defense"),
+    "train_steps": Param(200, int, min=0, max=MAX_STEPS, help="SGD steps of utility training under the defense"),
     "batch_size": Param(32, int, min=1),
     "lr": Param(0.1, float, min=0.0, exclusive_min=True),
     "momentum": Param(0.0, float, min=0.0, max=1.0),
@@ -81,6 +90,9 @@ class ConfigError(Exception):
     """Problems found in an audit file, one line each: '<file>: <key path>: <what is wrong>'."""
 
     def __init__(self, lines: list[str]):
+        lines = [line if len(line) <= MAX_LINE else line[:MAX_LINE - 3] + "..." for line in lines]
+        if len(lines) > MAX_PROBLEMS_SHOWN:
+            lines = [*lines[:MAX_PROBLEMS_SHOWN], f"... and {len(lines) - MAX_PROBLEMS_SHOWN} more problems"]
         super().__init__("\n".join(lines))
         self.lines = lines
 
@@ -109,9 +121,16 @@ class DefenseSetting:
         return {f"{n}.{k}": v for n, p in self.members for k, v in p.items()}
 
     @property
-    def key(self) -> str:
+    def identity(self) -> str:
+        """What the setting is (members, parameters, own model), whatever its label: its random streams
+        derive from this, so renaming a label leaves the numbers as they were."""
         own = "" if self.model is None else f"@{_call(self.model['name'], self.model['params'])}"
-        return self.label or ">".join(_call(n, p) for n, p in self.members) + own
+        return ">".join(_call(n, p) for n, p in self.members) + own
+
+    @property
+    def key(self) -> str:
+        """The setting's name in results and reports: its label, else its identity."""
+        return self.label or self.identity
 
     def is_baseline(self, registry: Registry) -> bool:
         """Whether the setting is the undefended reference (every member's defense says ``baseline``)."""
@@ -137,6 +156,11 @@ class AttackSpec:
     @property
     def key(self) -> str:
         return self.label
+
+    @property
+    def identity(self) -> str:
+        """The attack and its parameters, whatever its label (seeds its tuning draws)."""
+        return _call(self.name, self.params)
 
     def build(self, registry: Registry, params: dict | None = None):
         """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
@@ -199,7 +223,23 @@ def _strip(path: str) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1's safe loader that also reads ``1e-5`` as a float, as YAML 1.2 and Python do."""
+    """YAML 1.1's safe loader that also reads ``1e-5`` as a float, as YAML 1.2 and Python do, and refuses a
+    key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: the constructor reports it
+                continue
+            if first != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first at line {first + 1}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -208,25 +248,55 @@ _Loader.add_implicit_resolver(
     list("-+0123456789"))
 
 
+def _expanded_size(value: Any, seen: dict[int, int]) -> int:
+    """Values in ``value`` with every alias expanded (aliases share objects: counted once per object, fast)."""
+    if id(value) in seen:
+        return seen[id(value)]
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    seen[id(value)] = 1 + sum(_expanded_size(c, seen) for c in children)
+    return seen[id(value)]
+
+
 def read_yaml(path: Path) -> tuple[str, Any]:
-    """The file's text and parsed content; a ConfigError when it is missing or not YAML."""
+    """The file's text and parsed content; a ConfigError when it is missing, too large, not text or not YAML."""
+    if path.is_dir():
+        raise ConfigError([f"{path}: is a folder; give the audit's YAML file"])
     if not path.is_file():
         raise ConfigError([f"{path}: file not found"])
-    text = path.read_text()
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ConfigError([f"{path}: {size} bytes; an audit file is at most {MAX_FILE_BYTES} bytes"])
     try:
-        return text, yaml.load(text, Loader=_Loader)
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not a text file (byte {exc.start} is not UTF-8); give the audit's YAML file"]) from None
+    try:
+        raw = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"
-        raise ConfigError([f"{path}: {where}: not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
+        raise ConfigError([f"{path}: {where}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{path}: nested too deeply to be an audit file"]) from None
+    if _expanded_size(raw, {}) > MAX_YAML_VALUES:
+        raise ConfigError([f"{path}: its aliases expand to more than {MAX_YAML_VALUES} values; "
+                           "an audit file needs far fewer"])
+    return text, raw
+
+
+TOP_NEEDS = "name, data, model, defenses and attacks (see configs/quickstart.yaml)"
 
 
 def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None) -> Audit:
     """Read, validate and expand an audit file; raise ConfigError listing every problem."""
     path = Path(path)
     text, raw = read_yaml(path)
+    if raw is None:
+        raise ConfigError([f"{path}: the file is empty; an audit needs {TOP_NEEDS}"])
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: the file holds a {type(raw).__name__}; an audit is a mapping of {TOP_NEEDS}"])
     problems: list[str] = []
-    top = _section(raw if raw is not None else {}, TOP, "", problems)
+    top = _section(raw, TOP, "", problems)
     _importable_beside(path)
     dirs = [Path(d).resolve() for d in plugins_dirs]
     if top.get("plugins_dir") and (path.parent / top["plugins_dir"]).resolve() not in dirs:
@@ -236,18 +306,24 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
             registry = load_registry(dirs)
         except PluginError as exc:
             raise ConfigError([f"{path}: plugins_dir: {exc}" if top.get("plugins_dir") else f"{path}: {exc}"]) from None
-    data = _section(top.get("data", {}), DATA, "data", problems)
-    model = _section(top.get("model", {}), MODEL, "model", problems)
+    reported = {k for k, p in TOP.items() if (k in raw and p.problem(raw[k])) or (p.required and k not in raw)}
+
+    def into(*keys: str) -> list[str]:
+        """Where a section's problems go: nowhere when the section itself was already reported (one line each)."""
+        return [] if reported.intersection(keys) else problems
+
+    data = _section(top.get("data", {}), DATA, "data", into("data"))
+    model = _section(top.get("model", {}), MODEL, "model", into("model"))
     utility = _section(top.get("utility", {}), UTILITY, "utility", problems)
     threat = _section(top.get("threat", {}), THREAT, "threat", problems)
-    _check_data(data, registry, problems)
-    _check_model(model, registry, problems)
-    protocol = _check_protocol(top.get("protocol", "fedsgd"), data, problems)
-    settings = _expand_defenses(top.get("defenses"), registry, problems, protocol)
-    attacks = _check_attacks(top.get("attacks"), registry, problems)
-    _check_attack_scope(attacks, settings, registry, problems)
-    metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, problems, data["image_size"])
-    leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, problems)
+    _check_data(data, registry, into("data"))
+    _check_model(model, registry, into("model"))
+    protocol = _check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
+    settings = _expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
+    attacks = _check_attacks(top.get("attacks"), registry, into("attacks"))
+    _check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
+    metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
+    leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = _check_device(top.get("device", "auto"), problems)
     workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else available_cores())
     max_problems = _check_max_problems(top.get("max_problems", "auto"), problems)
@@ -293,9 +369,13 @@ def _choices(registry: Registry, kind: str) -> str:
 
 def _lookup(registry: Registry, kind: str, name: str, where: str, problems: list[str]) -> Any | None:
     """The registered component, or None after recording 'not a registered <kind>; choices: ...'."""
+    if not isinstance(name, str):
+        problems.append(f"{where}: expected the name of a {kind}, got {name!r}; choices: {_choices(registry, kind)}")
+        return None
     if name in registry.entries[kind]:
         return registry.get(kind, name)
-    problems.append(f"{where}: {name!r} is not a registered {kind}; choices: {_choices(registry, kind)}")
+    problems.append(f"{where}: {name!r} is not a registered {kind}{did_you_mean(name, registry.names(kind))}; "
+                    f"choices: {_choices(registry, kind)}")
     return None
 
 
@@ -309,9 +389,24 @@ def _check_data(data: dict, registry: Registry, problems: list[str]) -> None:
     spec = None if source is None else _lookup(registry, "dataset", data["dataset"], "data.dataset", problems)
     if spec is None:
         return
-    problems.extend(check_params(spec.params, data.get("params", {}), "data.params"))
+    found = check_params(spec.params, data.get("params", {}), "data.params")
+    problems.extend(found)
     if spec.check is not None:
         problems.extend(spec.check(data))
+    if spec.values is not None and not found:
+        _check_data_memory(data, spec.values(data), problems)
+
+
+def _check_data_memory(data: dict, values: int, problems: list[str]) -> None:
+    """Refuse an ``image_size`` whose images would take more than half the available memory (estimated:
+    the images the loader keeps, as float32 at that size)."""
+    need = 4 * values * data["image_size"] ** 2
+    limit = free_memory(torch.device("cpu")) // 2
+    if need > limit:
+        problems.append(f"data.image_size: {data['image_size']} needs about {need / 2 ** 30:.1f} GiB for the images of "
+                        f"{data['dataset']} at that size, more than half the available memory "
+                        f"({limit / 2 ** 30:.1f} GiB); lower image_size or the images kept")
+
 
 
 def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
@@ -319,6 +414,8 @@ def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
     for i, c in enumerate(ckpts):
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             problems.append(f"model.checkpoints[{i}]: {c!r} is not a training step (an integer >= 0)")
+        elif c > MAX_STEPS:
+            problems.append(f"model.checkpoints[{i}]: {c} is past the {MAX_STEPS} training steps an audit may ask for")
     if len(set(map(str, ckpts))) != len(ckpts):
         problems.append(f"model.checkpoints: {ckpts} repeats a step")
     elif all(isinstance(c, int) for c in ckpts):
@@ -336,9 +433,9 @@ def _check_architecture(model: dict, registry: Registry, where: str, problems: l
         _check_factory(model, source, f"{where}.{source}", problems)
         model["name"] = model[source]  # a factory path is the model's name in reports
         return
-    if name not in registry.entries["model"]:
-        problems.append(f"{where}.name: {name!r} is not a registered model or a 'package.module:factory'; "
-                        f"choices: {_choices(registry, 'model')}")
+    if not isinstance(name, str) or name not in registry.entries["model"]:
+        problems.append(f"{where}.name: {name!r} is not a registered model or a 'package.module:factory'"
+                        f"{did_you_mean(name, registry.names('model'))}; choices: {_choices(registry, 'model')}")
         return
     spec: ModelSpec = registry.get("model", name)
     problems.extend(check_params(spec.params, model.get("params", {}), f"{where}.params"))
@@ -511,9 +608,10 @@ def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
     if not isinstance(value, dict):
         return FEDSGD
     name = value.get("name", "fedsgd")
-    cls = PROTOCOLS.get(name)
+    cls = PROTOCOLS.get(name) if isinstance(name, str) else None
     if cls is None:
-        problems.append(f"protocol.name: {name!r} is not a protocol; choices: {', '.join(PROTOCOLS)}")
+        problems.append(f"protocol.name: {name!r} is not a protocol{did_you_mean(name, PROTOCOLS)}; "
+                        f"choices: {', '.join(PROTOCOLS)}")
         return FEDSGD
     settings = {k: v for k, v in value.items() if k != "name"}
     owners = {k: n for n, c in PROTOCOLS.items() for k in c.params}

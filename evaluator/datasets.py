@@ -127,10 +127,16 @@ def _check_root(name: str) -> Callable[[dict[str, Any]], list[str]]:
         if root is None:
             return [f"data.root: dataset {name!r} needs a root folder; set root: to a folder "
                     f"(with download: true to fetch it there)"]
-        if section.get("download") or Path(root).is_dir():
-            return []
         where = TORCHVISION_FILES.get(name, "train/<class>/*.png and test/<class>/*.png")
-        return [f"data.root: folder {root} does not exist; put {where} there, or set download: true"]
+        if section.get("download"):
+            return []
+        if not Path(root).is_dir():
+            return [f"data.root: folder {root} does not exist; put {where} there, or set download: true"]
+        needed = [TORCHVISION_FILES[name]] if name in TORCHVISION_FILES else ["train/", "test/"]
+        missing = [n for n in needed if not (Path(root) / n).is_dir()]
+        if missing:
+            return [f"data.root: folder {root} has no {' or '.join(missing)}; put {where} there, or set download: true"]
+        return []
     return check
 
 
@@ -181,18 +187,26 @@ def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
     return data
 
 
+def _kept(section: dict[str, Any]) -> int:
+    params = section.get("params", {})
+    return params.get("max_train", LIMITS["max_train"].default) + params.get("max_test", LIMITS["max_test"].default)
+
+
+CHANNELS = {"cifar10": 3, "cifar100": 3, "mnist": 1, "fashion_mnist": 1, "imagefolder": 3}
+
 LIMITS = {"max_train": Param(10000, int, min=1, help="training images kept"),
           "max_test": Param(2000, int, min=1, help="test images kept")}
 
 BUILTIN = [
-    DatasetSpec("digits", load_digits, summary=load_digits.__doc__),
-    DatasetSpec("lfw", load_lfw, summary=load_lfw.__doc__),
+    DatasetSpec("digits", load_digits, summary=load_digits.__doc__, values=lambda s: 1797),
+    DatasetSpec("lfw", load_lfw, summary=load_lfw.__doc__, values=lambda s: 200),
     DatasetSpec("photos", load_photos, {"crops": Param(64, int, min=1, help="crops per photograph")},
-                summary=load_photos.__doc__),
-    *(DatasetSpec(n, _foolbox_loader(n), summary=_foolbox_loader(n).__doc__, check=_check_foolbox)
-      for n in FOOLBOX_SETS),
+                summary=load_photos.__doc__, values=lambda s: 3 * len(PHOTOS) * s.get("params", {}).get("crops", 64)),
+    *(DatasetSpec(n, _foolbox_loader(n), summary=_foolbox_loader(n).__doc__, check=_check_foolbox,
+                  values=lambda s: 3 * 20) for n in FOOLBOX_SETS),
     *(DatasetSpec(n, _torchvision_loader(n), dict(LIMITS), summary=_torchvision_loader(n).__doc__,
-                  check=_check_root(n)) for n in (*TORCHVISION_SETS, "imagefolder")),
+                  check=_check_root(n), values=lambda s, c=CHANNELS[n]: c * _kept(s))
+      for n in (*TORCHVISION_SETS, "imagefolder")),
 ]
 
 

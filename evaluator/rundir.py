@@ -112,22 +112,48 @@ class JsonlTable:
         self.path = path
 
     def read(self) -> list[dict[str, Any]]:
+        """The rows; a torn last line (a kill mid-write) is dropped from the file, and rows glued together
+        by a lost newline are split apart again."""
         if not self.path.exists():
             return []
         rows, lines = [], self.path.read_text().splitlines()
+        repaired = False
         for i, line in enumerate(lines):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i != len(lines) - 1:
-                    raise RunError(f"{self.path}: line {i + 1} is not JSON; the file was edited by hand") from None
-                self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            found, torn = _objects(line)
+            if torn and i != len(lines) - 1:
+                raise RunError(f"{self.path}: line {i + 1} is not JSON; the file was edited by hand") from None
+            rows.extend(found)
+            repaired |= torn or len(found) > 1
+        if repaired:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return rows
 
     def append(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        """Append one row; a last line left without its newline (a partial write) is ended first."""
+        with self.path.open("a+b") as fh:
+            fh.seek(0, 2)
+            if fh.tell():
+                fh.seek(-1, 2)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+            fh.write((json.dumps(row) + "\n").encode())
             fh.flush()
+
+
+def _objects(line: str) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON objects one line holds, and whether something after them is not JSON (a torn write)."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while at < len(line):
+        try:
+            value, at = decoder.raw_decode(line, at)
+        except json.JSONDecodeError:
+            return found, True
+        if not isinstance(value, dict):
+            return found, True
+        found.append(value)
+        while at < len(line) and line[at].isspace():
+            at += 1
+    return found, False
 
 
 class CsvTable:
@@ -166,18 +192,23 @@ class RunFolder:
         self.tuning = JsonlTable(self.path / TUNING)
 
     def prepare(self, resume: bool) -> None:
-        """Refuse to overwrite results (without ``resume``) or to resume a changed audit; save the audit file."""
+        """Refuse to start over a run (without ``resume``) or to resume a changed audit; save the audit file."""
         saved = self.path / AUDIT_COPY
-        if self.results.path.exists() and not resume:
-            raise RunError(f"{self.results.path} already exists; pass --resume to continue that run, "
+        if self.path.exists() and not self.path.is_dir():
+            raise RunError(f"--out: {self.path} is a file, not a folder; choose a folder")
+        if not resume and (saved.exists() or self.results.path.exists()):
+            raise RunError(f"--out: {self.path} already holds a run; pass --resume to continue it, "
                            "or choose another --out")
         if resume and saved.exists():
             drop = lambda d: {k: v for k, v in (d or {}).items() if k != "workers"}  # noqa: E731
             if drop(yaml.safe_load(saved.read_text())) != drop(yaml.safe_load(self.audit.text)):
                 raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
                                f"(saved as {saved}); choose another --out")
-        self.path.mkdir(parents=True, exist_ok=True)
-        saved.write_text(self.audit.text)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            saved.write_text(self.audit.text)
+        except OSError as exc:
+            raise RunError(f"--out: cannot write to {self.path}: {exc.strerror or exc}; choose a writable folder") from None
 
     def checkpoint_file(self, setting: DefenseSetting) -> Path:
         """The trained model's states at the audited steps, written by utility training."""

@@ -7,7 +7,10 @@ nothing is carried over from one audit to the next.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import os
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -168,6 +171,7 @@ _PROCESS_WORKER: AuditWorker | None = None
 def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads: int, started) -> None:
     """Build this process's AuditWorker; on CUDA, the n-th process started takes the n-th visible GPU."""
     global _PROCESS_WORKER
+    _die_with_parent()
     torch.set_num_threads(threads)
     audit = load_audit(audit_path, plugin_dirs)
     with started.get_lock():
@@ -175,6 +179,20 @@ def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads
     if audit.torch_device().type == "cuda":
         torch.cuda.set_device(index % torch.cuda.device_count())  # "cuda" now means this process's GPU
     _PROCESS_WORKER = AuditWorker(Scenario(audit), RunFolder(out_dir, audit))
+
+
+def _die_with_parent() -> None:
+    """End this worker as soon as the process that started it is gone (killed, even by SIGKILL), so no
+    worker finishes a queued job or writes into the run folder after its run has stopped."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="leakaudit-parent-watch").start()
 
 
 def _in_process(method: str, item: Any) -> Any:
@@ -193,8 +211,12 @@ class WorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=exc[0] is None, cancel_futures=exc[0] is not None)
+        if self._pool is None:
+            return
+        if exc[0] is not None:  # a failed job, Ctrl-C or SIGTERM: stop the workers now, mid-job
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.terminate()
+        self._pool.shutdown(wait=exc[0] is None, cancel_futures=exc[0] is not None)
 
     def _processes(self) -> ProcessPoolExecutor:
         if self._pool is None:

@@ -138,19 +138,31 @@ class Scenario:
             protocol=self.audit.protocol)
 
 
-def check_scenario(scenario: Scenario) -> None:
-    """Checks that need the data and a built model (targets fit the test split, attacks apply); before any work."""
+def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
+    """Checks that need the data and a built model (targets fit the test split, attacks apply); before any work.
+
+    ``user_code=False`` (``leakaudit validate``) calls no factory of the user's: a data factory skips
+    these checks, and settings on a factory model skip the model's; ``run`` makes them all at its start.
+    """
     audit = scenario.audit
-    _ = scenario.target_indices  # loads the data; too few test images is a ConfigError
+    if audit.data["factory"] is not None and not user_code:
+        return
+    _load(scenario)
     problems = []
     reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
     for setting in audit.settings:
+        section = scenario.model_section(setting)
+        if ":" in section["name"] and not user_code:
+            continue
         defense = scenario.defense(setting)
         try:
             model = scenario.fresh_model(defense, setting)
         except ValueError as exc:  # the defense does not fit the model (an unknown layer name)
             problems.append(f"{audit.path}: defenses: {setting.key}: {exc}")
             continue
+        except Exception as exc:  # the user's factory failed or returned something else
+            where = "model" if setting.model is None else f"defenses: {setting.key}: model"
+            raise ConfigError([f"{audit.path}: {where}: {section['name']}: {_one_line(exc)}"]) from None
         for i, spec in enumerate(audit.attacks):
             attack = scenario.attack(spec)
             why = spec.applies_to(setting) and (
@@ -164,3 +176,22 @@ def check_scenario(scenario: Scenario) -> None:
         problems.append(f"{audit.path}: attacks[{i}]: {where}{why}")
     if problems:
         raise ConfigError(problems)
+
+
+def _load(scenario: Scenario) -> None:
+    """Load the data (too few test images is a ConfigError); a loader's failure becomes one line."""
+    section = scenario.audit.data
+    try:
+        _ = scenario.target_indices
+    except ConfigError:
+        raise
+    except Exception as exc:
+        source = f"factory {section['factory']}" if section["factory"] else f"dataset {section['dataset']}"
+        root = f" from {section['root']}" if section.get("root") else ""
+        raise ConfigError([f"{scenario.audit.path}: data: {source} could not be loaded{root}: {_one_line(exc)}"]) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

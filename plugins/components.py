@@ -72,6 +72,8 @@ class DatasetSpec:
     """A named loader ``load(image_size=, root=, download=, **params) -> ImageData``.
 
     ``check(data_section) -> list[str]`` reports problems (a missing folder) before any work.
+    ``values(data_section) -> int``: images x channels the loader keeps, so the memory a large
+    ``image_size`` needs is estimated (and refused past the limit) before anything is loaded.
     """
 
     name: str
@@ -79,3 +81,4 @@ class DatasetSpec:
     params: dict[str, Param] = field(default_factory=dict)
     summary: str = ""
     check: Callable[[dict[str, Any]], list[str]] | None = None
+    values: Callable[[dict[str, Any]], int] | None = None

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 
 def import_factory(path: str) -> Callable[..., Any]:
-    """Resolve ``"package.module:attribute"``; raise ValueError with a one-line reason."""
+    """Resolve ``"package.module:attribute"`` to a callable without calling it; ValueError with a one-line reason."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
@@ -16,9 +16,12 @@ def import_factory(path: str) -> Callable[..., Any]:
     except Exception as exc:
         raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
     try:
-        return getattr(module, attr)
+        found = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(found):
+        raise ValueError(f"{path!r} is a {type(found).__name__}, not a function or class to call")
+    return found
 
 
 def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:

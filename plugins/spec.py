@@ -1,6 +1,7 @@
 """Declared parameters of plugins, checked before any work starts."""
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -79,13 +80,21 @@ def resolve_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: s
     return out
 
 
+def did_you_mean(name: Any, choices) -> str:
+    """`` (did you mean 'x'?)`` for a misspelt name close to one of ``choices``; empty otherwise."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str) -> list[str]:
     """Every problem with `given` as lines '<where>.<key>: ...'."""
     problems = []
     for key, value in given.items():
         if key not in spec:
             choices = ", ".join(sorted(spec)) or "(none: takes no parameters)"
-            problems.append(f"{where}.{key}: unknown parameter; choices: {choices}")
+            problems.append(f"{where}.{key}: unknown parameter{did_you_mean(key, spec)}; choices: {choices}")
             continue
         why = spec[key].problem(value)
         if why:

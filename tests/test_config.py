@@ -28,7 +28,7 @@ def test_quickstart_is_valid():
 def test_misspelt_defense_names_the_choices(write_audit):
     path = write_audit(small_audit(defenses=[{"name": "gausian"}]))
     (line,) = problems(path)
-    assert line.startswith(f"{path}: defenses[0].name: 'gausian' is not a registered defense; choices: ")
+    assert line.startswith(f"{path}: defenses[0].name: 'gausian' is not a registered defense (did you mean 'gaussian'?); choices: ")
     assert "gaussian" in line and "none" in line
 
 
@@ -45,7 +45,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
 
 
 @pytest.mark.parametrize("audit, expected", [
-    (small_audit(data={"dataset": "digits", "datset": 1}), "data.datset: unknown parameter; choices: batch_size, "),
+    (small_audit(data={"dataset": "digits", "datset": 1}), "data.datset: unknown parameter (did you mean 'dataset'?); choices: batch_size, "),
     (small_audit(data={"dataset": "digits", "targets": 3, "batch_size": 2}),
      "data.targets: 3 is not a multiple of data.batch_size 2"),
     (small_audit(seed="zero"), "seed: 'zero' is not of type int"),
@@ -68,7 +68,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
      "defenses[0]: gaussian(sigma=0.1)>clip(max_norm=1.0): chain: only the last member may be random; "
      "'gaussian' at position 0 is random"),
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "gausian"}]}]),
-     "defenses[0].chain[1].name: 'gausian' is not a registered defense; choices: bayesian, clip, dpsgd, gaussian, "
+     "defenses[0].chain[1].name: 'gausian' is not a registered defense (did you mean 'gaussian'?); choices: bayesian, clip, dpsgd, gaussian, "
      "laplace, none, precode, prune, soteria, topk"),
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "dpsgd"}]}]),
      "defenses[0]: clip(max_norm=1.0)>dpsgd: chain: 'dpsgd' computes its update from the model and inputs "
@@ -127,7 +127,7 @@ def test_all_problems_are_reported_at_once(write_audit):
     lines = [line.removeprefix(f"{path}: ") for line in problems(path)]
     assert [line.split(":")[0] for line in lines] == ["seed", "defenses[0].name", "metrics[1]"]
     assert lines[0] == "seed: -1 is below the minimum 0"
-    assert lines[1].startswith("defenses[0].name: 'nope' is not a registered defense; choices: ")
+    assert lines[1].startswith("defenses[0].name: 'nope' is not a registered defense (did you mean 'none'?); choices: ")
     assert lines[2].startswith("metrics[1]: 'nope' is not a registered metric; choices: ")
 
 

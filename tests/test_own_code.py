@@ -63,7 +63,7 @@ def test_audit_batch_takes_an_opacus_wrapped_model_as_it_is():
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    ({"defense": "gausian"}, "audit_batch: defense.name: 'gausian' is not a registered defense; choices:"),
+    ({"defense": "gausian"}, "audit_batch: defense.name: 'gausian' is not a registered defense (did you mean 'gaussian'?); choices:"),
     ({"lr": 0.1}, "audit_batch: lr: only applies with step_fn"),
     ({"step_fn": digits_client.train_step}, "audit_batch: lr: None; with step_fn give the SGD step size"),
     ({"step_fn": digits_client.train_step, "lr": 0.05, "defense": "dpsgd"}, "cannot wrap your own step"),
@@ -142,6 +142,9 @@ def test_own_code_yaml_errors_name_the_key(change, expected, write_audit, capsys
 def test_a_data_factory_that_returns_the_wrong_thing_is_named(write_audit, tmp_path, capsys):
     (tmp_path / "bad_data.py").write_text("def load(image_size):\n    return [1, 2, 3]\n")
     path = write_audit(small_audit(data={"factory": "bad_data:load", "image_size": 16, "targets": 2}))
-    assert main(["validate", str(path)]) == 2
+    assert main(["validate", str(path)]) == 0  # validate does not call the user's code
+    assert "not called by validate: bad_data:load" in capsys.readouterr().out
+    assert main(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()  # refused before any work
     err = capsys.readouterr().err
     assert "data.factory: bad_data:load returned list; return evaluator.datasets.ImageData(" in err

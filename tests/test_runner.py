@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,8 +66,52 @@ def test_worker_processes_give_the_same_numbers(write_audit, tmp_path):
 def test_existing_results_are_never_overwritten(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}])))
     run_audit(audit, tmp_path / "out", progress=False)
-    with pytest.raises(RunError, match="already exists; pass --resume"):
+    with pytest.raises(RunError, match="already holds a run; pass --resume"):
         run_audit(audit, tmp_path / "out", progress=False)
+
+
+def test_a_run_killed_before_its_first_row_is_not_restarted_over_with_an_edited_audit(write_audit, tmp_path):
+    """The folder holds the first audit's training: a rerun without --resume is refused, and with --resume
+    an edited audit is refused, so old checkpoints are never reused for new settings."""
+    out = tmp_path / "out"
+    run_audit(load_audit(write_audit(small_audit(defenses=[{"name": "none"}]))), out, progress=False)
+    (out / "results.jsonl").unlink()  # killed after training, before the first row
+    edited = load_audit(write_audit(small_audit(defenses=[{"name": "none"}], utility={"train_steps": 3, "lr": 0.5}),
+                                    name="edited.yaml"))
+    with pytest.raises(RunError, match=f"--out: {out} already holds a run; pass --resume"):
+        run_audit(edited, out, progress=False)
+    with pytest.raises(RunError, match="differs from the audit first run"):
+        run_audit(edited, out, resume=True, progress=False)
+
+
+def test_out_that_is_a_file_or_read_only_is_one_line(write_audit, tmp_path):
+    audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}])))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunError, match="is a file, not a folder"):
+        run_audit(audit, tmp_path / "file", progress=False)
+    with pytest.raises(RunError, match="cannot write to .*file/out: Not a directory; choose a writable folder"):
+        run_audit(audit, tmp_path / "file" / "out", progress=False)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root may write anywhere
+            with pytest.raises(RunError, match="cannot write to .*: Permission denied; choose a writable folder"):
+                run_audit(audit, locked / "out", progress=False)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_row_left_without_its_newline_is_ended_before_the_next(tmp_path):
+    from leakaudit.evaluator.rundir import JsonlTable
+
+    table = JsonlTable(tmp_path / "t.jsonl")
+    table.path.write_text('{"a": 1}\n{"a": 2}')  # partial write: the last row lost its newline
+    table.append({"a": 3})
+    assert table.read() == [{"a": 1}, {"a": 2}, {"a": 3}]
+    table.path.write_text('{"a": 1}\n{"a": 2}{"a": 3}\n{"a": 4}\n{"a": ')  # glued rows (older runs) and a torn end
+    assert table.read() == [{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}]
+    assert table.path.read_text() == "".join(f'{{"a": {i}}}\n' for i in range(1, 5))
 
 
 def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch):
@@ -164,3 +211,47 @@ def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
     assert summary["worst_case"][0]["attack"] == "ig" and summary["worst_case"][0]["mse"] == 0.02
     (line,) = summary["naive_vs_adaptive"]
     assert line["gap"] == pytest.approx(-0.03)  # the adaptive attack leaked less: a negative gap
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
+    audit = small_audit(workers=2, attacks=[{"name": "inverting_gradients", "params": {"iterations": 3000}}],
+                        data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 1})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*LEAKAUDIT, "run", str(write_audit(audit)), "--out", str(out), "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    workers: list[int] = []
+    while time.time() < deadline and not ((out / "utility.jsonl").exists() and len(workers) >= 2):
+        workers = [c for c in _children(proc.pid) if "spawn_main" in (Path("/proc") / str(c) / "cmdline").read_text()]
+        time.sleep(0.1)
+    assert len(workers) >= 2, "the run did not start its two workers"
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(map(_alive, workers)):
+        time.sleep(0.1)
+    assert not any(map(_alive, workers)), f"workers {workers} outlived their parent"
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 130 and "rerun with --resume" in proc.stderr.read()

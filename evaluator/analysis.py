@@ -19,6 +19,9 @@ from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.config import DefenseSetting
 from leakaudit.evaluator.scenario import Scenario, loss_fn
 
+#: The largest dense system the rank computation builds (float64).
+ANALYSIS_MAX_BYTES = 2 << 30
+
 
 def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[str, Any]:
     """Per convolutional layer: input shape, equations, unknowns, rank deficiency; and the metric.
@@ -31,6 +34,12 @@ def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[s
     pixels, labels = scenario.target_batch(0)
     image = scenario.normalise(pixels[:1]).double()
     systems = conv_systems(model, loss_fn, image, labels[:1])
+    for s in systems:
+        need = 8 * s.rhs.numel() * s.unknowns
+        if need > ANALYSIS_MAX_BYTES:
+            raise ValueError(f"layer {s.name}'s system ({s.rhs.numel()} equations x {s.unknowns} unknowns) would take "
+                             f"{need / 2 ** 30:.1f} GiB as a dense matrix, more than the analysis's "
+                             f"{ANALYSIS_MAX_BYTES / 2 ** 30:.0f} GiB; analyse at a smaller image_size")
     layers = [{"layer": s.name, "input_shape": list(s.input_shape), "equations": s.matrix.shape[0],
                "unknowns": s.unknowns, "rank_deficiency": s.rank_deficiency()} for s in systems]
     return {"model": section["name"], "layers": layers,

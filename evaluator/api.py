@@ -142,10 +142,10 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
         threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(inputs.shape[1:]), mean=mean_t, std=std_t,
                              num_classes=num_classes, batch_size=len(inputs), defense=defense_obj,
                              labels=labels if known_labels else None, device=device, protocol=protocol)
-        share_gen, _ = round_generators(device, seed, setting.key, step, index)
+        share_gen, _ = round_generators(device, seed, setting.identity, step, index)
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
         for spec in (s for s in specs if s.applies_to(setting)):
-            _, attack_gen = round_generators(device, seed, setting.key, step, index)  # the same start for every attack
+            _, attack_gen = round_generators(device, seed, setting.identity, step, index)  # the same start for every attack
             attack = spec.build(registry)
             (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen, attack)])  # as the runner
             values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)

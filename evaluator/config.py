@@ -218,6 +218,13 @@ def _section(value: Any, spec: dict[str, Param], path: str, problems: list[str])
     return out
 
 
+def _checked_section(value: Any, spec: dict[str, Param], path: str, problems: list[str]) -> tuple[dict[str, Any], bool]:
+    """``_section``, and whether it found nothing wrong (else the checks built on it are skipped: one line each)."""
+    found = len(problems)
+    out = _section(value, spec, path, problems)
+    return out, len(problems) == found
+
+
 def _strip(path: str) -> str:
     return path[1:] if path.startswith(".") else path
 
@@ -233,10 +240,11 @@ class _Loader(yaml.SafeLoader):
                 continue
             key = self.construct_object(key_node, deep=True)
             try:
-                first = seen.setdefault(key, key_node.start_mark.line)
+                first = seen.get(key)
+                seen[key] = key_node.start_mark.line
             except TypeError:  # an unhashable key: the constructor reports it
                 continue
-            if first != key_node.start_mark.line:
+            if first is not None:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} appears twice (first at line {first + 1}); keep one", key_node.start_mark)
         return super().construct_mapping(node, deep)
@@ -312,12 +320,12 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
         """Where a section's problems go: nowhere when the section itself was already reported (one line each)."""
         return [] if reported.intersection(keys) else problems
 
-    data = _section(top.get("data", {}), DATA, "data", into("data"))
-    model = _section(top.get("model", {}), MODEL, "model", into("model"))
+    data, data_ok = _checked_section(top.get("data", {}), DATA, "data", into("data"))
+    model, model_ok = _checked_section(top.get("model", {}), MODEL, "model", into("model"))
     utility = _section(top.get("utility", {}), UTILITY, "utility", problems)
     threat = _section(top.get("threat", {}), THREAT, "threat", problems)
-    _check_data(data, registry, into("data"))
-    _check_model(model, registry, into("model"))
+    _check_data(data, registry, into("data") if data_ok else [])
+    _check_model(model, registry, into("model") if model_ok else [])
     protocol = _check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
     settings = _expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
     attacks = _check_attacks(top.get("attacks"), registry, into("attacks"))
@@ -455,7 +463,9 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
                      protocol: Protocol = FEDSGD) -> list[DefenseSetting]:
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
-        item = _section(item, DEFENSE, where, problems)
+        item, ok = _checked_section(item, DEFENSE, where, problems)
+        if not ok:
+            continue
         if item.get("chain") is not None:
             if item.get("name") or item["params"] or item["sweep"]:
                 problems.append(f"{where}: give either name (with params, sweep) or chain, not both")
@@ -525,7 +535,9 @@ def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) 
 def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[AttackSpec]:
     specs: list[AttackSpec] = []
     for where, item in _items(value, "attacks", problems):
-        item = _section(item, ATTACK, where, problems)
+        item, ok = _checked_section(item, ATTACK, where, problems)
+        if not ok:
+            continue
         name = item.get("name")
         cls = None if name is None else _lookup(registry, "attack", name, f"{where}.name", problems)
         if cls is None:

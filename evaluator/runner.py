@@ -61,7 +61,7 @@ def tune_jobs_of(audit: Audit) -> list[TuneJob]:
     for a in (a for a in audit.attacks if a.tune is not None):
         cls = audit.registry.get("attack", a.name)
         defaults = {k: p.default for k, p in cls.params.items() if not p.required}
-        trials = candidates(a.tune, a.params, defaults, derive_seed(audit.seed, "tune", a.key))
+        trials = candidates(a.tune, a.params, defaults, derive_seed(audit.seed, "tune", a.identity))
         jobs += [TuneJob(s, a, c, i, p) for s in audit.settings if a.applies_to(s) for c in audit.checkpoints
                  for i, p in enumerate(trials)]
     return jobs
@@ -109,7 +109,7 @@ class AuditWorker:
         shared: dict[int, tuple] = {}
         out = []
         for pixels, labels, index, attack in batches:
-            share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.key, checkpoint, index, purpose)
+            share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint, index, purpose)
             if index not in shared:  # every trial of a search attacks the same update of a batch
                 step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.audit.protocol)
                 shared[index] = (defense.share(step), sc.threat(model, defense, labels))

@@ -34,7 +34,7 @@ def training_run(scenario: Scenario, setting: DefenseSetting, steps: int) -> Tra
         inputs=scenario.normalise(data.train_x.to(scenario.device)), labels=data.train_y.to(scenario.device),
         loss_fn=loss_fn, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], momentum=cfg["momentum"],
         batch_generator=torch.Generator().manual_seed(derive_seed(audit.seed, "batches")),
-        noise_generator=generator(scenario.device, audit.seed, "utility", setting.key),
+        noise_generator=generator(scenario.device, audit.seed, "utility", setting.identity),
         protocol=audit.protocol)
 
 

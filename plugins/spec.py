@@ -99,7 +99,8 @@ def check_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str
         why = spec[key].problem(value)
         if why:
             problems.append(f"{where}.{key}: {why}")
+    unknown = [k for k in given if k not in spec]
     for key, p in spec.items():
-        if p.required and key not in given:
+        if p.required and key not in given and not any(did_you_mean(u, [key]) for u in unknown):
             problems.append(f"{where}.{key}: required parameter is missing ({p.describe()})")
     return problems

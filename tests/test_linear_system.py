@@ -84,3 +84,10 @@ def test_analyse_says_which_layer_it_cannot_cover(write_audit, capsys):
     assert capsys.readouterr().err.strip() == (
         f"leakaudit: error: {path}: model: convbig: layer pool1 (AvgPool2d) is not a Conv2d, Linear, Flatten or "
         "one of Tanh, Sigmoid, LeakyReLU, ReLU, Identity")
+
+
+def test_analyse_refuses_a_system_too_large_to_build(write_audit, capsys):
+    path = write_audit(small_audit(data={"dataset": "digits", "image_size": 256, "targets": 1}))
+    assert main(["analyse", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"leakaudit: error: {path}: model: lenet_zhu: layer 0's system (") and "GiB as a dense" in err

@@ -7,6 +7,7 @@ import yaml
 from leakaudit.evaluator.config import load_audit
 from leakaudit.evaluator.runner import jobs_of, run_audit
 from leakaudit.evaluator.scenario import Scenario, check_scenario
+from leakaudit.plugins.manager import load_registry
 
 from conftest import ROOT
 
@@ -77,3 +78,43 @@ def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_p
     assert none["psnr"] > high["psnr"] + 3.0 and low["psnr"] > high["psnr"] + 3.0
     assert none["epsilon"] is None and low["epsilon"] > high["epsilon"] > 0
     assert low["accuracy"] > high["accuracy"] + 0.1
+
+
+def _reduced(audit: dict) -> dict:
+    """The audit at a token budget: one target batch, step 0 and two training steps, the first point of each
+    sweep, two iterations and one restart or sample per attack, two tuning trials."""
+    audit = {**audit, "workers": 1, "device": "cpu"}
+    audit["data"] = {**audit["data"], "targets": audit["data"].get("batch_size", 1)}
+    audit["model"] = {**audit["model"], "checkpoints": [0]}
+    audit["utility"] = {**audit.get("utility", {}), "train_steps": 2}
+    for entry in audit["defenses"]:
+        for member in [entry, *entry.get("chain", [])]:
+            member["sweep"] = {k: v[:1] for k, v in member.get("sweep", {}).items()}
+    registry = load_registry()
+    for attack in audit["attacks"]:
+        params = attack.setdefault("params", {})
+        declared = registry.get("attack", attack["name"]).params
+        params.update({k: v for k, v in {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0,
+                                         "cg_iterations": 2}.items() if k in declared})
+        if "tune" in attack:
+            attack["tune"] = {**attack["tune"], "budget": 2}
+    return audit
+
+
+SLOW_TO_ANALYSE = {"linear_systems"}  # eight architectures' dense rank computations: about 4 minutes
+
+
+@pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE else [])
+                                  for p in sorted((ROOT / "configs").glob("*.yaml"))])
+def test_every_shipped_audit_runs_to_its_report(name, tmp_path):
+    """Each shipped file, reduced, runs from YAML to report.html and summary.json (no traceback after the work)."""
+    import json
+
+    audit = _reduced(yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text()))
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(audit))
+    loaded = load_audit(path)
+    summary = run_audit(loaded, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "report.html").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["cells"] == summary["cells"]
+    assert len(summary["cells"]) == len({(j.setting.key, j.attack.key) for j in jobs_of(loaded)})

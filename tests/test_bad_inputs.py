@@ -1,0 +1,306 @@
+"""Every kind of bad input: exit 2 and one line naming the file and the key, before any work, never a traceback.
+
+Each case is a change to a small valid audit (or a whole file's text) and the start of what the line must
+say after ``<file>: ``. ``validate`` answers them; those that need the data or the user's code are given
+to ``run``, which checks them before its first job. A fuzz test throws random mappings at ``validate``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from leakaudit.evaluator.cli import main
+
+from conftest import small_audit
+
+
+def _with(path: str, value, base: dict | None = None) -> dict:
+    """``base`` (the small audit) with the value at a dotted path (list indices as numbers) replaced;
+    ``...`` as the value deletes the key."""
+    audit = copy.deepcopy(base or small_audit())
+    *parents, last = path.split(".")
+    node = audit
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+    if isinstance(node, list):
+        node[int(last)] = value
+    elif value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return audit
+
+
+IG = "attacks.0.params"
+GAUSS = {"name": "gaussian", "params": {"sigma": 0.1}}
+
+#: (change, the line's start after "<file>: ")
+CASES = [
+    # top level
+    (_with("name", ...), "name: required parameter is missing"),
+    (_with("name", 3), "name: 3 is not of type str"),
+    (_with("seed", -1), "seed: -1 is below the minimum 0"),
+    (_with("seed", 1.5), "seed: 1.5 is not of type int"),
+    (_with("seed", "zero"), "seed: 'zero' is not of type int"),
+    (_with("seed", True), "seed: True is not of type int"),
+    (_with("device", "tpu"), "device: 'tpu' is not one of the choices"),
+    (_with("device", "cuda"), "device: 'cuda' but no CUDA device"),
+    (_with("workers", 0), "workers: 0 is below the minimum 1"),
+    (_with("workers", "two"), "workers: 'two' is not of type int"),
+    (_with("max_problems", 0), "max_problems: 0 is neither 'auto' nor"),
+    (_with("max_problems", "all"), "max_problems: 'all' is neither 'auto' nor"),
+    (_with("max_problems", 2.5), "max_problems: 2.5 is not of type str or int"),
+    (_with("colour", "red"), "colour: unknown parameter"),
+    (_with("atacks", []), "atacks: unknown parameter (did you mean 'attacks'?)"),
+    (_with("plugins_dir", "nowhere"), "plugins_dir: "),
+    (_with("leakage_metric", "lpips"), "leakage_metric: 'lpips' is not one of this audit's metrics"),
+    (_with("leakage_metric", 3), "leakage_metric: 3 is not of type str"),
+    # data
+    (_with("data", ...), "data: required parameter is missing"),
+    (_with("data", "digits"), "data: 'digits' is not of type dict"),
+    (_with("data", [1]), "data: [1] is not of type dict"),
+    (_with("data.dataset", "digitz"), "data.dataset: 'digitz' is not a registered dataset (did you mean 'digits'?)"),
+    (_with("data.dataset", ["digits"]), "data.dataset: ['digits'] is not of type str"),
+    (_with("data.dataset", ...), "data: give exactly one of dataset or factory"),
+    (_with("data.factory", "loader:load"), "data: give exactly one of dataset or factory (both given)"),
+    (_with("data.datset", 1), "data.datset: unknown parameter (did you mean 'dataset'?)"),
+    (_with("data.image_size", 4), "data.image_size: 4 is below the minimum 8"),
+    (_with("data.image_size", 1024), "data.image_size: 1024 is above the maximum 512"),
+    (_with("data.image_size", "big"), "data.image_size: 'big' is not of type int"),
+    (_with("data.targets", 0), "data.targets: 0 is below the minimum 1"),
+    (_with("data.batch_size", 0), "data.batch_size: 0 is below the minimum 1"),
+    (_with("data.batch_size", 3), "data.targets: 2 is not a multiple of data.batch_size 3"),
+    (_with("data.download", "yes"), "data.download: 'yes' is not of type bool"),
+    (_with("data.params", {"crops": 3}), "data.params.crops: unknown parameter"),
+    (_with("data", {"dataset": "photos", "params": {"crops": 0}, "targets": 2}), "data.params.crops: 0 is below"),
+    (_with("data", {"dataset": "cifar10", "targets": 2}), "data.root: dataset 'cifar10' needs a root folder"),
+    (_with("data", {"dataset": "cifar10", "root": "/nonexistent/x", "targets": 2}), "data.root: folder /nonexistent/x"),
+    (_with("data", {"factory": "no_such_module_x:load", "targets": 2}), "data.factory: cannot import module"),
+    (_with("data", {"factory": "nocolon", "targets": 2}), "data.factory: 'nocolon' is not of the form"),
+    (_with("data", {"factory": "math:pi", "targets": 2}), "data.factory: 'math:pi' is a float, not a function"),
+    (_with("data", {"factory": "math:nothing_here", "targets": 2}), "data.factory: module 'math' has no attribute"),
+    (_with("data.targets", 400), "data.targets: 400 targets requested but the data has only"),
+    # model
+    (_with("model", ...), "model: required parameter is missing"),
+    (_with("model", "lenet_zhu"), "model: 'lenet_zhu' is not of type dict"),
+    (_with("model.name", "lenet"), "model.name: 'lenet' is not a registered model"),
+    (_with("model.name", "lenet_zhuu"), "model.name: 'lenet_zhuu' is not a registered model or a 'package.module:factory' "
+                                        "(did you mean 'lenet_zhu'?)"),
+    (_with("model.name", ...), "model: give exactly one of name or factory"),
+    (_with("model.name", ["lenet_zhu"]), "model.name: ['lenet_zhu'] is not of type str"),
+    (_with("model.params", {"width": 3}), "model.params.width: unknown parameter"),
+    (_with("model.params", 3), "model.params: 3 is not of type dict"),
+    (_with("model.checkpoints", [0, -3]), "model.checkpoints[1]: -3 is not a training step"),
+    (_with("model.checkpoints", [0, 0]), "model.checkpoints: [0, 0] repeats a step"),
+    (_with("model.checkpoints", [0, "end"]), "model.checkpoints[1]: 'end' is not a training step"),
+    (_with("model.checkpoints", [10 ** 9]), "model.checkpoints[0]: 1000000000 is past the 100000 training steps"),
+    (_with("model.checkpoints", 5), "model.checkpoints: 5 is not of type list"),
+    (_with("model.factory", "math:pi", _with("model.name", ...)), "model.factory: 'math:pi' is a float"),
+    (_with("model.factory", "no_such_module_x:build", _with("model.name", ...)), "model.factory: cannot import module"),
+    # defenses
+    (_with("defenses", ...), "defenses: required parameter is missing"),
+    (_with("defenses", []), "defenses: expected a non-empty list"),
+    (_with("defenses", {"name": "none"}), "defenses: {'name': 'none'} is not of type list"),
+    (_with("defenses.0", "none"), "defenses[0]: expected a mapping, got str"),
+    (_with("defenses.1", {"name": "gausian"}), "defenses[1].name: 'gausian' is not a registered defense "
+                                               "(did you mean 'gaussian'?)"),
+    (_with("defenses.1", {"name": ["gaussian"]}), "defenses[1].name: ['gaussian'] is not of type str"),
+    (_with("defenses.1", {"params": {"sigma": 1}}), "defenses[1]: name is required"),
+    (_with("defenses.1", {"name": "gaussian", "params": {"sigma": -1}}), "defenses[1].params.sigma: -1 must be greater than 0"),
+    (_with("defenses.1", {"name": "gaussian", "params": {"sigma": ".nan"}}), "defenses[1].params.sigma: '.nan' is not of type"),
+    (_with("defenses.1", {"name": "gaussian", "params": {"sigma": float("nan")}}), "defenses[1].params.sigma: nan is not a finite"),
+    (_with("defenses.1", {"name": "gaussian", "params": {"sigma": float("inf")}}), "defenses[1].params.sigma: inf is not a finite"),
+    (_with("defenses.1", {"name": "gaussian", "params": {"sigmma": 1}}), "defenses[1].params.sigmma: unknown parameter "
+                                                                         "(did you mean 'sigma'?)"),
+    (_with("defenses.1", {"name": "gaussian", "sweep": {"sigma": []}}), "defenses[1].sweep.sigma: expected a non-empty list"),
+    (_with("defenses.1", {"name": "gaussian", "sweep": {"sigma": 0.1}}), "defenses[1].sweep.sigma: expected a non-empty list"),
+    (_with("defenses.1", {"name": "gaussian", "sweep": {"sigma": [0.1, -1]}}), "defenses[1].sweep.sigma[1]: -1 must be"),
+    (_with("defenses.1", {**GAUSS, "sweep": {"scale": [1]}}), "defenses[1].sweep.scale: unknown parameter"),
+    (_with("defenses.1", {"name": "none"}), "defenses[1]: setting none appears twice"),
+    (_with("defenses.1", {"name": "gaussian", "chain": [GAUSS]}), "defenses[1]: give either name"),
+    (_with("defenses.1", {"chain": [GAUSS, {"name": "gausian"}]}), "defenses[1].chain[1].name: 'gausian'"),
+    (_with("defenses.1", {"chain": "gaussian"}), "defenses[1].chain: 'gaussian' is not of type list"),
+    (_with("defenses.1", {"name": "gaussian", "label": 3}), "defenses[1].label: 3 is not of type str"),
+    (_with("defenses.1", {**GAUSS, "model": {"name": "lenett"}}), "defenses[1].model.name: 'lenett'"),
+    (_with("defenses.1", {"name": "soteria", "params": {"layer": "nope"}}), "defenses: soteria(layer=nope): "),
+    # attacks
+    (_with("attacks", ...), "attacks: required parameter is missing"),
+    (_with("attacks", []), "attacks: expected a non-empty list"),
+    (_with("attacks.0", {"name": "inverting_gradient"}), "attacks[0].name: 'inverting_gradient' is not a registered "
+                                                         "attack (did you mean 'inverting_gradients'?)"),
+    (_with("attacks.0", {"params": {}}), "attacks[0].name: required parameter is missing"),
+    (_with(f"{IG}.iterations", 0), "attacks[0].params.iterations: 0 is below the minimum 1"),
+    (_with(f"{IG}.iterations", 1.5), "attacks[0].params.iterations: 1.5 is not of type int"),
+    (_with(f"{IG}.lr", 0), "attacks[0].params.lr: 0 must be greater than 0.0"),
+    (_with(f"{IG}.step", 3), "attacks[0].params.step: unknown parameter"),
+    (_with(f"{IG}.priors", {"tv": float("nan")}), "attacks[0].params: prior 'tv': weight nan must be a finite number"),
+    (_with(f"{IG}.priors", {"tv": float("inf")}), "attacks[0].params: prior 'tv': weight inf must be a finite number"),
+    (_with(f"{IG}.priors", {"tv": -1}), "attacks[0].params: prior 'tv': weight -1 must be"),
+    (_with(f"{IG}.priors", {"smooth": 1}), "attacks[0].params: unknown prior 'smooth'"),
+    (_with(f"{IG}.label_method", "guess"), "attacks[0].params.label_method: 'guess' is not one of the choices"),
+    (_with("attacks.0.role", "strong"), "attacks[0].role: 'strong' is not one of the choices"),
+    (_with("attacks.0.defenses", ["nope"]), "attacks[0].defenses: 'nope' is not a registered defense or a setting label"),
+    (_with("attacks.0.defenses", []), "attacks[0].defenses: expected a non-empty list"),
+    (_with("attacks.0.defenses", ["soteria"]), "attacks[0].defenses: no setting of this audit uses soteria"),
+    (_with("attacks.0.tune", {"budget": 0, "space": {"lr": [0.01, 0.1]}}), "attacks[0].tune.budget: "),
+    (_with("attacks.0.tune", {"budget": 2, "space": {"nope": [1, 2]}}), "attacks[0].tune.space.nope: "),
+    (_with("attacks.1", {"name": "inverting_gradients"}, _with("attacks", [{"name": "inverting_gradients"}, None])),
+     "attacks[1].label: attack label 'inverting_gradients' is used twice"),
+    # utility, threat, protocol, metrics
+    (_with("utility.train_steps", -1), "utility.train_steps: -1 is below the minimum 0"),
+    (_with("utility.train_steps", 10 ** 9), "utility.train_steps: 1000000000 is above the maximum 100000"),
+    (_with("utility.lr", 0), "utility.lr: 0 must be greater than 0.0"),
+    (_with("utility.momentum", 2), "utility.momentum: 2 is above the maximum 1.0"),
+    (_with("utility.delta", 0), "utility.delta: 0 must be greater than 0.0"),
+    (_with("utility.epochs", 3), "utility.epochs: unknown parameter"),
+    (_with("utility", 5), "utility: 5 is not of type dict"),
+    (_with("threat.known_labels", "yes"), "threat.known_labels: 'yes' is not of type bool"),
+    (_with("threat.labels", True), "threat.labels: unknown parameter"),
+    (_with("protocol", "fedsdg"), "protocol.name: 'fedsdg' is not a protocol (did you mean 'fedsgd'?)"),
+    (_with("protocol", {"name": ["fedsgd"]}), "protocol.name: ['fedsgd'] is not a protocol"),
+    (_with("protocol", {"name": "fedavg", "local_epochs": 0}), "protocol.local_epochs: 0 is below the minimum 1"),
+    (_with("protocol", {"name": "fedsgd", "local_epochs": 2}), "protocol.local_epochs: only applies to protocol fedavg"),
+    (_with("protocol", {"name": "step", "lr": 0.1}), "protocol.function: required for protocol step"),
+    (_with("protocol", {"name": "step", "function": "math:pi", "lr": 0.1}), "protocol.function: 'math:pi' is a float"),
+    (_with("protocol", 3), "protocol: 3 is not of type str or dict"),
+    (_with("metrics", "psnr"), "metrics: 'psnr' is not of type list"),
+    (_with("metrics", []), "metrics: expected a non-empty list"),
+    (_with("metrics", ["psnr", "fid"]), "metrics[1]: 'fid' is not a registered metric"),
+    (_with("metrics", ["psnrr"]), "metrics[0]: 'psnrr' is not a registered metric (did you mean 'psnr'?)"),
+    (_with("metrics", [["psnr"]]), "metrics[0]: expected the name of a metric, got ['psnr']"),
+    (_with("metrics", ["psnr", "lpips"]), "metrics[1]: lpips needs images of at least"),
+]
+
+#: Whole files: (text, the line's start after "<file>: ")
+TEXTS = [
+    ("", "the file is empty; an audit needs name, data, model, defenses and attacks"),
+    ("# only a comment\n", "the file is empty"),
+    ("- name: a\n- name: b\n", "the file holds a list; an audit is a mapping"),
+    ("just text\n", "the file holds a str; an audit is a mapping"),
+    ("name: [unclosed\n", "line 2: not valid YAML"),
+    ("name: a\n  bad: indent\n", "line 2: not valid YAML"),
+    ("name: a\nseed: 0\nseed: 7\n", "line 3: not valid YAML: key 'seed' appears twice (first at line 2); keep one"),
+    ("name: a\ndata: {dataset: digits, dataset: lfw}\n", "line 2: not valid YAML: key 'dataset' appears twice"),
+    ("name: !!python/object:os.system x\n", "line 1: not valid YAML"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n",
+     "its aliases expand to more than 100000 values"),
+]
+
+
+def _one_line(capsys, path) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"leakaudit: error: {path}: "), err
+    return lines[0].removeprefix(f"leakaudit: error: {path}: ")
+
+
+@pytest.mark.parametrize("audit, expected", CASES, ids=[e[:50] for _, e in CASES])
+def test_a_bad_audit_is_one_line_and_exit_2(audit, expected, write_audit, tmp_path, capsys):
+    path = write_audit(audit)
+    code = main(["validate", str(path)])
+    if code == 0:  # needs the data or the user's code: the run checks it before any work
+        capsys.readouterr()
+        code = main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"])
+        assert not (tmp_path / "out" / "results.jsonl").exists()
+    assert code == 2
+    assert _one_line(capsys, path).startswith(expected)
+
+
+@pytest.mark.parametrize("text, expected", TEXTS, ids=[e[:40] for _, e in TEXTS])
+def test_a_bad_file_is_one_line_and_exit_2(text, expected, tmp_path, capsys):
+    path = tmp_path / "audit.yaml"
+    path.write_text(text)
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path).startswith(expected)
+
+
+def test_files_that_are_not_audit_files(tmp_path, capsys):
+    folder, binary, huge = tmp_path / "folder.yaml", tmp_path / "binary.yaml", tmp_path / "huge.yaml"
+    folder.mkdir()
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    huge.write_text("name: a\n" + "# padding\n" * 200_000)
+    for path, expected in [(folder, "is a folder; give the audit's YAML file"),
+                           (binary, "not a text file (byte 0 is not UTF-8); give the audit's YAML file"),
+                           (huge, "2000008 bytes; an audit file is at most 1048576 bytes"),
+                           (tmp_path / "missing.yaml", "file not found")]:
+        assert main(["validate", str(path)]) == 2
+        assert _one_line(capsys, path) == expected
+
+
+def test_many_problems_are_capped_with_a_count(write_audit, capsys):
+    path = write_audit(small_audit(defenses=[{"name": f"nope{i}"} for i in range(30)]))
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 21 and lines[-1] == "leakaudit: error: ... and 10 more problems"
+
+
+def test_validate_calls_no_factory(write_audit, tmp_path, capsys):
+    (tmp_path / "side_effect.py").write_text(
+        "from pathlib import Path\n\ndef build(**_):\n    Path(__file__).with_name('called').write_text('x')\n")
+    path = write_audit(_with("model", {"factory": "side_effect:build", "checkpoints": [0]}))
+    assert main(["validate", str(path)]) == 0
+    assert not (tmp_path / "called").exists()
+    assert "not called by validate: side_effect:build" in capsys.readouterr().out
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert _one_line(capsys, path) == "model: side_effect:build: TypeError: model factory 'side_effect:build' returned " \
+                                      "NoneType, not a torch.nn.Module"
+
+
+def test_a_torchvision_root_without_the_dataset_is_one_line(write_audit, tmp_path, capsys):
+    root = tmp_path / "empty"
+    root.mkdir()
+    path = write_audit(_with("data", {"dataset": "cifar10", "root": str(root), "targets": 2}))
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path) == (f"data.root: folder {root} has no cifar-10-batches-py/; put cifar-10-batches-py/ "
+                                       "there, or set download: true")
+
+
+def test_a_setting_label_is_cosmetic(write_audit, tmp_path):
+    """Renaming a setting's label leaves its numbers as they were: its streams derive from what it is."""
+    import json
+
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.runner import run_audit
+
+    psnr = {}
+    for label in ("first", "renamed"):
+        audit = small_audit(defenses=[{"name": "gaussian", "params": {"sigma": 0.1}, "label": label}],
+                            utility={"train_steps": 0})
+        out = tmp_path / label
+        run_audit(load_audit(write_audit(audit, name=f"{label}.yaml")), out, progress=False)
+        psnr[label] = [json.loads(r)["psnr"] for r in (out / "results.jsonl").read_text().splitlines()]
+    assert psnr["first"] == psnr["renamed"]
+
+
+KEYS = st.sampled_from(["name", "seed", "device", "workers", "data", "model", "defenses", "attacks", "utility",
+                        "metrics", "threat", "protocol", "max_problems", "leakage_metric", "dataset", "params",
+                        "sweep", "chain", "label", "tune", "image_size", "targets", "checkpoints", "sigma"])
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10 ** 6) | st.floats(allow_nan=True) | st.text(max_size=12)
+    | st.sampled_from(["digits", "lenet_zhu", "gaussian", "inverting_gradients", "psnr", "fedavg", "auto"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=5), max_leaves=25)
+
+
+#: Random mappings, and the small audit with one of its keys (or a key inside a section) replaced at random.
+MAPPINGS = st.dictionaries(KEYS, VALUES, max_size=8) | st.builds(
+    lambda key, value: {**small_audit(), key: value}, st.sampled_from(sorted(small_audit())), VALUES) | st.builds(
+    lambda section, key, value: {**small_audit(), section: {**small_audit()[section], key: value}},
+    st.sampled_from(["data", "model", "utility"]), KEYS, VALUES)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(MAPPINGS)
+def test_validate_never_lets_a_traceback_escape(tmp_path, capsys, mapping):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    assert main(["validate", str(path)]) in (0, 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert all(line.startswith("leakaudit: error: ") for line in err.strip().splitlines())

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import yaml
 
-from leakaudit.attacks.vectorised import free_memory
 from leakaudit.evaluator.tuning import TuneSpec, check_tune
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory
@@ -397,24 +396,9 @@ def _check_data(data: dict, registry: Registry, problems: list[str]) -> None:
     spec = None if source is None else _lookup(registry, "dataset", data["dataset"], "data.dataset", problems)
     if spec is None:
         return
-    found = check_params(spec.params, data.get("params", {}), "data.params")
-    problems.extend(found)
+    problems.extend(check_params(spec.params, data.get("params", {}), "data.params"))
     if spec.check is not None:
         problems.extend(spec.check(data))
-    if spec.values is not None and not found:
-        _check_data_memory(data, spec.values(data), problems)
-
-
-def _check_data_memory(data: dict, values: int, problems: list[str]) -> None:
-    """Refuse an ``image_size`` whose images would take more than half the available memory (estimated:
-    the images the loader keeps, as float32 at that size)."""
-    need = 4 * values * data["image_size"] ** 2
-    limit = free_memory(torch.device("cpu")) // 2
-    if need > limit:
-        problems.append(f"data.image_size: {data['image_size']} needs about {need / 2 ** 30:.1f} GiB for the images of "
-                        f"{data['dataset']} at that size, more than half the available memory "
-                        f"({limit / 2 ** 30:.1f} GiB); lower image_size or the images kept")
-
 
 
 def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:

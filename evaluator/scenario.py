@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leakaudit.attacks.vectorised import free_memory
 from leakaudit.evaluator.config import AttackSpec, Audit, ConfigError, DefenseSetting
 from leakaudit.evaluator.datasets import load_factory_data
 from leakaudit.evaluator.models import build_model
@@ -147,6 +148,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
     audit = scenario.audit
     if audit.data["factory"] is not None and not user_code:
         return
+    _check_data_memory(audit)
     _load(scenario)
     problems = []
     reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
@@ -176,6 +178,22 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
         problems.append(f"{audit.path}: attacks[{i}]: {where}{why}")
     if problems:
         raise ConfigError(problems)
+
+
+def _check_data_memory(audit: Audit) -> None:
+    """Refuse an ``image_size`` whose images would take more than half the available memory (estimated from
+    the images the loader keeps, as float32 at that size), before loading them. Made once, by the process that
+    checks the audit: a worker that loads the audit again later is not refused for memory the run now uses."""
+    section = audit.data
+    spec = None if section["factory"] else audit.registry.get("dataset", section["dataset"])
+    if spec is None or spec.values is None:
+        return
+    need = 4 * spec.values(section) * section["image_size"] ** 2
+    limit = free_memory(torch.device("cpu")) // 2
+    if need > limit:
+        raise ConfigError([f"{audit.path}: data.image_size: {section['image_size']} needs about {need / 2 ** 30:.1f} "
+                           f"GiB for the images of {section['dataset']} at that size, more than half the available "
+                           f"memory ({limit / 2 ** 30:.1f} GiB); lower image_size or the images kept"])
 
 
 def _load(scenario: Scenario) -> None:

@@ -84,6 +84,9 @@ CASES = [
     (_with("data", {"factory": "math:pi", "targets": 2}), "data.factory: 'math:pi' is a float, not a function"),
     (_with("data", {"factory": "math:nothing_here", "targets": 2}), "data.factory: module 'math' has no attribute"),
     (_with("data.targets", 400), "data.targets: 400 targets requested but the data has only"),
+    (_with("data", {"dataset": "photos", "params": {"crops": 10 ** 6}, "image_size": 512, "targets": 2}),
+     "data.image_size: 512 needs about 20507.8 GiB for the images of photos at that size, more than half the "
+     "available memory"),
     # model
     (_with("model", ...), "model: required parameter is missing"),
     (_with("model", "lenet_zhu"), "model: 'lenet_zhu' is not of type dict"),

@@ -279,9 +279,12 @@ def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
     for it in range(iterations):
         extra = per_step(it)
         step = step or batched(objective, tuple(d for _, d in extra))
-        grads, loss = step(as_variables(xs), batch.labels, batch.targets, batch.metadata, batch.hyper,
-                           *(e for e, _ in extra))
-        flat = [grads[0], *(grads[1][n][i] for n, i in names)]
+        with torch.no_grad():  # torch.func's grad inside still differentiates; outside, nothing records a graph
+            grads, loss = step(as_variables(xs), batch.labels, batch.targets, batch.metadata, batch.hyper,
+                               *(e for e, _ in extra))
+        # a defense's candidate update may use the model's own parameters (requires_grad): without the
+        # no_grad above, each step's gradient would carry their graph and every later iterate would chain it
+        flat = [grads[0].detach(), *(grads[1][n][i].detach() for n, i in names)]
         t = it + 1
         lr = batch.hyper["lr"] * lr_factor(it) / (1 - beta1 ** t)
         for j, (x, g, m, v) in enumerate(zip(xs, flat, ms, vs_)):

@@ -148,7 +148,7 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
             _, attack_gen = round_generators(device, seed, setting.identity, step, index)  # the same start for every attack
             attack = spec.build(registry)
             (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen, attack)])  # as the runner
-            values, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
+            values, _, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
             results.append(BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds))
     return results
 

@@ -1,4 +1,4 @@
-"""The ``leakaudit`` command: run, validate, analyse, plugins."""
+"""The ``leakaudit`` command: run, report, validate, analyse, plugins."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ from leakaudit import __version__
 from leakaudit.plugins.spec import PluginError
 
 EXIT_BAD_INPUT = 2
+EXIT_LEAK = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,6 +26,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished rows")
     run.add_argument("--workers", type=int, help="worker processes (overrides workers: in the file)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rep = sub.add_parser("report", help="write the report of a finished run folder again (no attack is rerun)")
+    rep.add_argument("folder", help="a run's --out folder")
+    rep.add_argument("--config", help="judge with this audit file's verdict: section and must_protect marks "
+                                      "(it must ask for the same results as the run's)")
+    for sp in (run, rep):
+        sp.add_argument("--template", type=Path, help="a Jinja2 template for report.html (it may extend "
+                                                      "'report.html.j2' and replace its blocks)")
+        sp.add_argument("--fail-on-leak", action="store_true",
+                        help="exit with status 3, one line per setting, when a setting of a defense entry marked "
+                             "must_protect: true leaks")
     val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line)")
     val.add_argument("config")
     ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
@@ -33,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     ana.add_argument("--json", action="store_true", help="machine-readable output")
     plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
-    for sp in (run, val, ana, plug):
+    for sp in (run, rep, val, ana, plug):
         sp.add_argument("--plugins-dir", action="append", default=[], metavar="DIR",
                         help="folder of drop-in *.py plugins (repeatable)")
     return p
@@ -95,22 +106,62 @@ def cmd_analyse(args) -> int:
     return 0
 
 
+def _check_report_options(args, audit) -> list[str]:
+    """Problems with --template and --fail-on-leak, found before any work."""
+    problems = []
+    if args.template is not None and not args.template.is_file():
+        problems.append(f"--template: {args.template} is not a file")
+    if args.fail_on_leak and not any(s.must_protect for s in audit.settings):
+        problems.append(f"--fail-on-leak: no defense entry in {audit.path} is marked must_protect: true; mark the "
+                        "entries the gate is for")
+    return problems
+
+
 def cmd_run(args) -> int:
     from leakaudit.evaluator.config import load_audit
     from leakaudit.evaluator.runner import run_audit
 
     audit = load_audit(args.config, args.plugins_dir)
+    problems = _check_report_options(args, audit)
     if args.workers is not None and args.workers < 1:
-        return _fail([f"--workers: {args.workers} must be at least 1"])
-    summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers)
-    out = Path(args.out)
+        problems.append(f"--workers: {args.workers} must be at least 1")
+    if problems:
+        return _fail(problems)
+    summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers,
+                        template=args.template)
+    return _conclude(summary, Path(args.out), args.fail_on_leak)
+
+
+def cmd_report(args) -> int:
+    from leakaudit.evaluator.rundir import RunFolder, saved_audit
+    from leakaudit.evaluator.runner import rebuild_report
+
+    audit = saved_audit(Path(args.folder), args.config, args.plugins_dir)
+    problems = _check_report_options(args, audit)
+    if problems:
+        return _fail(problems)
+    summary = rebuild_report(RunFolder(args.folder, audit), args.template)
+    return _conclude(summary, Path(args.folder), args.fail_on_leak)
+
+
+def _conclude(summary: dict, out: Path, gate: bool) -> int:
+    """The terminal summary, a verdict per setting; with the gate, status 3 and a line per leaking setting."""
     print(f"wrote {out / 'report.html'}, {out / 'results.jsonl'}, {out / 'results.csv'}, {out / 'summary.json'}")
     leak = summary["leakage_metric"]
+    width = min(40, max(len(w["setting"]) for w in summary["worst_case"])) if summary["worst_case"] else 10
     for w in summary["worst_case"]:
         acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
-        print(f"  {w['setting']:<28} accuracy {acc:>6}   worst-case {leak} {w[leak]:8.3f} "
-              f"({w['attack']}, step {w['checkpoint']})")
-    return 0
+        lo, hi = w[f"{leak}_ci"]
+        print(f"  {w['setting']:<{width}}  {(w['verdict'] or 'not judged').upper():<22} accuracy {acc:>5}  "
+              f"{leak} {w[leak]:.3g} [{lo:.3g}, {hi:.3g}] ({w['attack']}, step {w['checkpoint']})")
+    if not gate:
+        return 0
+    from leakaudit.evaluator.verdict import gate_failures
+
+    failures = gate_failures(summary)
+    for line in failures:
+        print(f"leakaudit: leak: {line}", file=sys.stderr)
+    return EXIT_LEAK if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run" and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        commands = {"run": cmd_run, "validate": cmd_validate, "analyse": cmd_analyse, "plugins": cmd_plugins}
+        commands = {"run": cmd_run, "report": cmd_report, "validate": cmd_validate, "analyse": cmd_analyse,
+                    "plugins": cmd_plugins}
         return commands[args.command](args)
     except ConfigError as exc:
         return _fail(exc.lines)

@@ -48,6 +48,7 @@ TOP = {
                                             "(default: psnr when measured, else the first of metrics)"),
     "threat": Param({}, dict),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
+    "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/verdict.py)"),
 }
 DATA = {
     "dataset": Param(None, str, help="a registered dataset (leakaudit plugins)"),
@@ -64,7 +65,9 @@ MODEL = {"name": Param(None, str, help="a zoo model (leakaudit plugins)"),
          "params": Param({}, dict), "checkpoints": Param([0], list)}
 DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
            "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}"),
-           "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)")}
+           "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)"),
+           "must_protect": Param(False, bool, help="run --fail-on-leak exits with status 3 when a setting of this "
+                                                   "entry leaks")}
 SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}
 MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
 ROLES = ("naive", "adaptive")
@@ -81,6 +84,25 @@ UTILITY = {
     "momentum": Param(0.0, float, min=0.0, max=1.0),
     "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True,
                    help="delta at which epsilon is reported for defenses with a formal guarantee"),
+}
+STATISTICS = ("mean", "ci_bound", "worst_image")
+VERDICT = {
+    "margin": Param(None, float, min=0.0, help="how far the strongest attack must beat the better guess made "
+                                               "without the gradient to leak, in the leakage metric's units "
+                                               "(default: the metric's: psnr 1 dB, ssim 0.05, mse 0.01, lpips 0.05)"),
+    "statistic": Param("mean", str, choices=STATISTICS, help="what is compared with the threshold: the strongest "
+                                                             "attack's mean, the leaking end of its interval, or "
+                                                             "the single most leaking image"),
+    "utility_margin": Param(0.05, float, min=0.0, max=1.0, help="test accuracy above chance (the majority class's "
+                                                                 "share) a usable model needs"),
+    "min_accuracy": Param(None, float, min=0.0, max=1.0, help="usable from this test accuracy (instead of chance "
+                                                              "plus utility_margin)"),
+    "identifiable": Param(0.25, float, min=0.0, max=1.0, nullable=True, help="also leaks when an attack's share of reconstructions "
+                                                               "nearest their own original reaches this, beyond "
+                                                               "chance (null: judge by the score alone)"),
+    "confidence": Param(0.95, float, min=0.5, max=0.999, help="level of the bootstrap intervals and the "
+                                                              "identification test"),
+    "bootstrap": Param(2000, int, min=100, max=100_000, help="bootstrap resamples per interval"),
 }
 THREAT = {"known_labels": Param(False, bool, help="the attacker is given the true labels")}
 
@@ -108,6 +130,7 @@ class DefenseSetting:
     members: tuple[tuple[str, dict[str, Any]], ...]
     label: str | None = None
     model: dict[str, Any] | None = None  # the entry's own model section; None: the audit's
+    must_protect: bool = field(default=False, compare=False)  # gated by run --fail-on-leak
 
     @property
     def name(self) -> str:
@@ -193,6 +216,7 @@ class Audit:
     registry: Registry = field(repr=False, default=None)
     leakage_metric: str = "psnr"
     max_problems: int | None = None  # None: auto
+    verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
 
     @property
     def checkpoints(self) -> list[int]:
@@ -323,6 +347,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     model, model_ok = _checked_section(top.get("model", {}), MODEL, "model", into("model"))
     utility = _section(top.get("utility", {}), UTILITY, "utility", problems)
     threat = _section(top.get("threat", {}), THREAT, "threat", problems)
+    verdict = _section(top.get("verdict", {}), VERDICT, "verdict", into("verdict"))
     _check_data(data, registry, into("data") if data_ok else [])
     _check_model(model, registry, into("model") if model_ok else [])
     protocol = _check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
@@ -337,7 +362,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
-                 attacks, utility, metrics, threat, protocol, registry, leakage, max_problems)
+                 attacks, utility, metrics, threat, protocol, registry, leakage, max_problems, verdict)
 
 
 def available_cores() -> int:
@@ -472,7 +497,8 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
                 continue
         combos = list(itertools.product(*options))
         for members in combos:
-            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None, own_model)
+            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None, own_model,
+                                     item["must_protect"])
             try:
                 why = setting.build(registry).unsupported(protocol)
             except (ValueError, TypeError) as exc:

@@ -6,6 +6,7 @@ import pickle
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,8 @@ def best_assignment(rec: Tensor, orig: Tensor) -> Tensor:
     if len(rec) == 1:
         return torch.zeros(1, dtype=torch.long)
     cost = ((rec[None] - orig[:, None]) ** 2).flatten(2).mean(dim=2)
+    # a diverged reconstruction (NaN or inf pixels) is matched last, never a crash: its scores say it diverged
+    cost = torch.nan_to_num(cost, nan=1e30, posinf=1e30, neginf=1e30)
     rows, cols = linear_sum_assignment(cost.detach().cpu().numpy())
     return torch.as_tensor(cols[rows.argsort()], dtype=torch.long)
 
@@ -132,11 +135,11 @@ class LPIPS:
 
 
 BUILTIN = [
-    Metric("psnr", psnr, True, summary=psnr.__doc__),
-    Metric("ssim", ssim, True, summary=ssim.__doc__),
-    Metric("mse", mse, False, summary=mse.__doc__),
-    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__, min_size=31),  # AlexNet's pools need >= 31 px
-    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__),
+    Metric("psnr", psnr, True, summary=psnr.__doc__, margin=1.0),
+    Metric("ssim", ssim, True, summary=ssim.__doc__, margin=0.05),
+    Metric("mse", mse, False, summary=mse.__doc__, margin=0.01),
+    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__, min_size=31, margin=0.05),  # AlexNet's pools need >= 31 px
+    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__, margin=0.1),
 ]
 
 
@@ -145,20 +148,33 @@ def register_metrics():
     return BUILTIN
 
 
+class Scores(NamedTuple):
+    """A reconstruction's scores: batch means, per-image values of the image metrics (in target order),
+    messages of metrics that could not be computed, and the order that aligns the reconstruction."""
+
+    values: dict[str, float | None]
+    per_image: dict[str, list[float]]
+    notes: list[str]
+    order: Tensor
+
+
 def score(metrics: list[Metric], rec_images: Tensor, orig: Tensor, rec_labels: Tensor,
-          true_labels: Tensor) -> tuple[dict[str, float | None], list[str], Tensor]:
-    """Batch-mean of each metric after best assignment; also unavailable-metric messages and the order."""
+          true_labels: Tensor) -> Scores:
+    """Every metric after best assignment of reconstructions to originals."""
     order = best_assignment(rec_images, orig).to(rec_images.device)
     aligned = rec_images[order]
     values: dict[str, float | None] = {}
+    per_image: dict[str, list[float]] = {}
     notes: list[str] = []
     for m in metrics:
         try:
             if m.on == "labels":
                 values[m.name] = float(m.fn(rec_labels.cpu(), true_labels.cpu()))
             else:
-                values[m.name] = float(m.fn(aligned, orig).mean())
+                each = m.fn(aligned, orig).detach()
+                values[m.name] = float(each.mean())
+                per_image[m.name] = each.cpu().tolist()
         except MetricUnavailable as exc:
             values[m.name] = None
             notes.append(str(exc))
-    return values, notes, order
+    return Scores(values, per_image, notes, order)

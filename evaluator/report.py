@@ -1,85 +1,141 @@
-"""Reports: summary.json, privacy-utility and leakage plots, reconstruction grids and report.html."""
+"""Reports: summary.json with verdicts and intervals, the figures, and report.html rendered from a template.
+
+Everything shown was computed during the run (rows, utility, baselines, the architecture analysis,
+the run's provenance), so ``leakaudit report DIR`` writes the same report again without an attack.
+"""
 from __future__ import annotations
 
 import base64
-import html
+import json
 import math
-import statistics
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from leakaudit.evaluator.config import Audit  # noqa: E402
-from leakaudit.evaluator.rundir import REPORT, SUMMARY, AttackJob, RunFolder  # noqa: E402
+from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob, RunFolder  # noqa: E402
 from leakaudit.evaluator.tuning import winners  # noqa: E402
+from leakaudit.evaluator.verdict import (  # noqa: E402
+    LEAKS,
+    cell_statistics,
+    identifiable_share,
+    judge,
+    leak_threshold,
+    min_accuracy,
+    overall,
+    strongest,
+)
 
 SECOND_METRICS = ("lpips", "ssim", "psnr")  # the privacy-utility plot's second panel: the first measured besides
+TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATE = "report.html.j2"
+MAX_GRID_IMAGES = 8
 
 
-def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    """Mean and spread of the finite values (None, NaN and inf are left out; ``summarise`` says so)."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return None, None
-    return statistics.fmean(vals), (statistics.pstdev(vals) if len(vals) > 1 else 0.0)
+# --- the summary -------------------------------------------------------------------------------
+
+def _per_image(row: dict, metric: str) -> list[float | None]:
+    """A row's per-image scores of ``metric`` (a row from before per-image scores: its batch mean)."""
+    return row.get("per_image", {}).get(metric) or [row.get(metric)]
 
 
-def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str]) -> dict[str, Any]:
-    """Per-cell means and spreads, and the worst case (most leaking attack and step) of each setting."""
+def _worst_image(rows: list[dict], metric) -> dict[str, Any] | None:
+    """The single most leaking image of a cell: its score, target batch and place in the batch."""
+    best = None
+    for r in rows:
+        for i, v in enumerate(_per_image(r, metric.name)):
+            if v is not None and math.isfinite(v) and (best is None or metric.better(v, best["score"])):
+                best = {"score": v, "target": r["target"], "index": i,
+                        "image": r["images"][i] if "images" in r and i < len(r["images"]) else None}
+    return best
+
+
+def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
+              baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
+              identifiable: tuple[str, dict[tuple, float | None]] | None = None) -> dict[str, Any]:
+    """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting."""
+    baselines, run_info = baselines or {}, run_info or {}
+    identified_by, identified = identifiable or (None, {})
+    options = audit.verdict
     acc = {u["setting"]: u for u in utility}
     roles = {a.key: a.role for a in audit.attacks}
+    leakage = audit.registry.get("metric", audit.leakage_metric)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
     cells = []
-    for (setting, attack, ckpt), rs in groups.items():
+    for key, rs in groups.items():
+        setting, attack, ckpt = key
         cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
-                "role": roles.get(attack, "naive"), "checkpoint": ckpt, "targets": len(rs), "accuracy": acc.get(setting, {}).get("accuracy"),
-                "epsilon": acc.get(setting, {}).get("epsilon")}
+                "role": roles.get(attack, "naive"), "checkpoint": ckpt, "targets": len(rs),
+                "accuracy": acc.get(setting, {}).get("accuracy"), "epsilon": acc.get(setting, {}).get("epsilon")}
         for m in audit.metrics:
-            cell[f"{m}_mean"], cell[f"{m}_std"] = _mean_std([r.get(m) for r in rs])
-            bad = sum(1 for r in rs if r.get(m) is not None and not math.isfinite(r[m]))
+            values = [v for r in rs for v in _per_image(r, m)]
+            cell.update(cell_statistics(values, m, key, audit.seed, options["confidence"], options["bootstrap"]))
+            bad = sum(1 for v in values if v is not None and not math.isfinite(v))
             if bad:
-                notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(rs)} targets have a non-finite {m} "
+                notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
                              "(the model or the reconstruction diverged); the cell leaves them out")
-        cell["seconds_mean"] = _mean_std([r["seconds"] for r in rs])[0]
+        worst = _worst_image(rs, leakage)
+        cell["worst_image"] = None if worst is None else worst["score"]
+        cell["worst_image_at"] = worst
+        cell["identifiable"], cell["identifiable_by"] = identified.get(key), identified_by
+        cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
         cells.append(cell)
-    leakage = audit.registry.get("metric", audit.leakage_metric)
-    worst = []
+    threshold = leak_threshold(baselines, leakage, options["margin"])
+    chance = run_info.get("chance_accuracy")
+    needed = min_accuracy(options, chance)
+    verdicts, worst_case = [], []
     for s in audit.settings:
         mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
-        if mine:
-            top = _strongest(mine, leakage)
-            worst.append({"defense": s.name, "setting": s.key, "params": s.params,
-                          "baseline": s.is_baseline(audit.registry), "accuracy": top["accuracy"],
-                          "epsilon": top["epsilon"], "attack": top["attack"], "checkpoint": top["checkpoint"],
-                          **{m: top.get(f"{m}_mean") for m in (leakage.name, *SECOND_METRICS) if f"{m}_mean" in top}})
-    return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better, "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
+        if not mine:
+            continue
+        accuracy = acc.get(s.key, {}).get("accuracy")
+        per_step = [{"setting": s.key, "defense": s.name, "checkpoint": ckpt, **judge(
+            [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
+            for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
+        verdicts.extend(per_step)
+        top, _ = strongest(mine, leakage)
+        final = overall(per_step)
+        worst_cell = max(mine, key=lambda c: -math.inf if c["worst_image"] is None else
+                         (c["worst_image"] if leakage.higher_is_better else -c["worst_image"]))
+        worst_case.append({
+            "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
+            "must_protect": s.must_protect, "accuracy": top["accuracy"], "epsilon": top["epsilon"],
+            "identifiable": top["identifiable"],
+            "attack": top["attack"], "checkpoint": top["checkpoint"],
+            **{m: top.get(f"{m}_mean") for m in (leakage.name, *SECOND_METRICS) if f"{m}_mean" in top},
+            **{f"{m}_ci": top.get(f"{m}_ci") for m in (leakage.name, *SECOND_METRICS) if f"{m}_ci" in top},
+            "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
+            "verdict_checkpoint": final["checkpoint"],
+            "worst_image": {"attack": worst_cell["attack"], "checkpoint": worst_cell["checkpoint"],
+                            **(worst_cell["worst_image_at"] or {})}})
+    return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better,
+            "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
+            "verdict_options": options, "leak_threshold": threshold, "chance_accuracy": chance,
+            "min_accuracy": needed, "identifiable_by": identified_by,
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
                         for u in utility},
-            "cells": cells, "worst_case": worst, "naive_vs_adaptive": naive_vs_adaptive(cells, leakage),
-            "warnings": notes}
-
-
-def _strongest(cells: list[dict], metric) -> dict:
-    """The cell whose mean ``metric`` shows the most leakage."""
-    key = f"{metric.name}_mean"
-    return max(cells, key=lambda c: c[key]) if metric.higher_is_better else min(cells, key=lambda c: c[key])
+            "cells": cells, "worst_case": worst_case, "verdicts": verdicts,
+            "naive_vs_adaptive": naive_vs_adaptive(cells, leakage), "warnings": notes}
 
 
 def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
     """Per setting and step: the strongest naive and the strongest adaptive attack's mean leakage score, and the gap.
 
     Only where both kinds ran. ``gap`` is in the metric's units, positive when the adaptive attack leaks
-    more: how much safer the defense looks than it is.
+    more: how much safer the defense looks than it is; negative when the adaptive attack did worse.
     """
     key = f"{metric.name}_mean"
     best: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -101,181 +157,6 @@ def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
     return out
 
 
-def _point_label(params: dict) -> str:
-    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-
-
-def _baseline_line(ax, summary: dict) -> None:
-    guess = summary.get("baselines", {}).get("random", {}).get(summary.get("leakage_metric"))
-    if guess is not None:
-        ax.axhline(guess, color="grey", linestyle="--", linewidth=1, label="random guess")
-
-
-def _second_metric(points: list[dict], first: str) -> str | None:
-    return next((m for m in SECOND_METRICS if m != first and any(w.get(m) is not None for w in points)), None)
-
-
-def _axis_label(metric: str, summary: dict) -> str:
-    higher = summary["higher_is_more_leakage"] if metric == summary["leakage_metric"] else metric != "lpips"
-    return f"{metric.upper()} of the strongest attack ({'higher' if higher else 'lower'}: more leakage)"
-
-
-def plot_privacy_utility(summary: dict, path: Path) -> bool:
-    """Accuracy against the worst-case attack's leakage score (and LPIPS, SSIM or PSNR), one line per defense.
-
-    Points are labelled with the parameters that vary and, where the defense has a formal
-    guarantee, its epsilon. False when there is no utility to plot.
-    """
-    points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
-    if not points:
-        return False
-    first = summary["leakage_metric"]
-    second = _second_metric(points, first)
-    panels = [first] + ([second] if second else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.4), squeeze=False)
-    by_defense: dict[str, list[dict]] = defaultdict(list)
-    for w in points:
-        by_defense[w["defense"]].append(w)
-    for ax, metric in zip(axes[0], panels):
-        for defense, ws in by_defense.items():
-            ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
-            xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
-            if all(w["baseline"] for w in ws):
-                ax.scatter(xs, ys, marker="*", s=180, color="black", zorder=3, label="no defense")
-                continue
-            ax.plot(xs, ys, marker="o", label=defense)
-            for w in ws:
-                ax.annotate(_point_text(w, ws), (w["accuracy"], w[metric]), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
-        ax.set_title(f"{summary['audit']}: privacy-utility ({metric})")
-        _style(ax, summary if metric == first else {}, "test accuracy under the defense (utility)",
-               _axis_label(metric, summary))
-    _save(fig, path)
-    return True
-
-
-def _point_text(w: dict, ws: list[dict]) -> str:
-    """The parameters that vary along the defense's line, and epsilon where there is one."""
-    varying = {k for k in w["params"] if len({str(x["params"].get(k)) for x in ws}) > 1}
-    shown = {k: v for k, v in w["params"].items() if k in varying} if varying else w["params"]
-    text = _point_label(shown)
-    if w.get("epsilon") is not None:
-        text += f", eps={w['epsilon']:.3g}"
-    return text
-
-
-def _style(ax, summary: dict, xlabel: str, ylabel: str) -> None:
-    """Baseline line, labels, grid and legend."""
-    _baseline_line(ax, summary)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _finish(fig, ax, summary: dict, path: Path, xlabel: str, ylabel: str) -> None:
-    """Style one-panel figures, then save and close."""
-    _style(ax, summary, xlabel, ylabel)
-    _save(fig, path)
-
-
-def plot_leakage_by_step(summary: dict, path: Path) -> bool:
-    """The strongest attack's leakage score against training step, one line per setting."""
-    if len(summary["checkpoints"]) < 2:
-        return False
-    metric, sign = summary["leakage_metric"], 1 if summary["higher_is_more_leakage"] else -1
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    best: dict[str, dict[int, float]] = defaultdict(dict)
-    for c in summary["cells"]:
-        v = c.get(f"{metric}_mean")
-        if v is not None:
-            old = best[c["setting"]].get(c["checkpoint"])
-            best[c["setting"]][c["checkpoint"]] = v if old is None or sign * v > sign * old else old
-    for setting, by_step in best.items():
-        steps = sorted(by_step)
-        ax.plot(steps, [by_step[s] for s in steps], marker="o", label=setting)
-    _finish(fig, ax, summary, path, "training step of the attacked model", _axis_label(metric, summary))
-    return True
-
-
-def plot_reconstructions(folder: RunFolder, path: Path, max_images: int = 8) -> bool:
-    """Originals on top, then one row of reconstructions per (setting, attack) at the first checkpoint."""
-    audit = folder.audit
-    ckpt = audit.checkpoints[0]
-    rows: list[tuple[str, torch.Tensor]] = []
-    originals = None
-    for s in audit.settings:
-        for a in audit.attacks:
-            recs, origs = [], []
-            for t in range(audit.num_batches):
-                saved = folder.load_reconstruction(AttackJob(s, a, ckpt, t))
-                if saved is not None:
-                    recs.append(saved["reconstruction"])
-                    origs.append(saved["original"])
-            if recs:
-                rows.append((f"{s.key}\n{a.key}", torch.cat(recs)[:max_images]))
-                originals = torch.cat(origs)[:max_images] if originals is None else originals
-    if originals is None:
-        return False
-    rows.insert(0, ("original", originals))
-    n = len(originals)
-    fig, axes = plt.subplots(len(rows), n, figsize=(1.2 * n + 1.6, 1.25 * len(rows)), squeeze=False)
-    for i, (label, imgs) in enumerate(rows):
-        for j in range(n):
-            ax = axes[i][j]
-            ax.set_xticks([]), ax.set_yticks([])
-            if j < len(imgs):
-                img = imgs[j].permute(1, 2, 0).clamp(0, 1).numpy()
-                ax.imshow(img[..., 0] if img.shape[2] == 1 else img, cmap="gray", vmin=0, vmax=1)
-            if j == 0:
-                ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def _img_tag(path: Path) -> str:
-    data = base64.b64encode(path.read_bytes()).decode()
-    return f'<img alt="{path.name}" src="data:image/png;base64,{data}">'
-
-
-def _table(rows: list[dict], columns: list[str]) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        if isinstance(v, dict):
-            return html.escape(_point_label(v))
-        return html.escape("" if v is None else str(v))
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-
-def _architecture_html(results: list[dict[str, Any]]) -> str:
-    parts = []
-    for result in results:
-        name = html.escape(result["model"])
-        if "not_applicable" in result:
-            parts.append(f"<p><b>{name}</b>: not computed: {html.escape(result['not_applicable'])}.</p>")
-            continue
-        rows = [{**layer, "input_shape": "x".join(map(str, layer["input_shape"]))} for layer in result["layers"]]
-        parts.append(f"<p><b>{name}</b>: security metric (Chen & Campbell 2022, Definition 3.3) <b>{result['metric']:.1f}</b></p>"
-                     + _table(rows, ["layer", "input_shape", "equations", "unknowns", "rank_deficiency"]))
-    return "".join(parts) + (
-        "<p>Each convolutional layer's input solves a linear system from its forward and backward passes "
-        "(one target image, step 0); the rank deficiency is rank minus unknowns, and the metric is their "
-        "average weighted towards early layers. 0: every input is determined by the gradients (layer-wise "
-        "attacks such as rgap rebuild the image); more negative: more is left undetermined.</p>")
-
-
 def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
     best = winners(trials, audit.registry)
@@ -292,83 +173,448 @@ def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+# --- identifiability ---------------------------------------------------------------------------
+
+def _cell_images(folder: RunFolder, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A cell's reconstructions and originals over all its target batches (None when one is missing)."""
+    audit = folder.audit
+    setting = next(s for s in audit.settings if s.key == key[0])
+    attack = next(a for a in audit.attacks if a.key == key[1])
+    recs, origs = [], []
+    for t in range(audit.num_batches):
+        saved = folder.load_reconstruction(AttackJob(setting, attack, key[2], t))
+        if saved is None:
+            return None
+        recs.append(saved["reconstruction"].float())
+        origs.append(saved["original"].float())
+    return torch.cat(recs), torch.cat(origs)
+
+
+def _distances(metric, recs: torch.Tensor, origs: torch.Tensor, chunk: int = 512) -> np.ndarray:
+    """Distance of every reconstruction (rows) to every original (columns), lower meaning closer."""
+    n = len(recs)
+    pairs_r = recs.repeat_interleave(n, dim=0)
+    pairs_o = origs.repeat(n, 1, 1, 1)
+    values = torch.cat([metric.fn(pairs_r[i:i + chunk], pairs_o[i:i + chunk]).detach().cpu()
+                        for i in range(0, len(pairs_r), chunk)])
+    d = values.view(n, n).double().numpy()
+    return -d if metric.higher_is_better else d
+
+
+def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tuple, float | None]]:
+    """Per cell, the share of reconstructions whose nearest original among the audit's targets is their own,
+    by LPIPS where the audit measures it and MSE otherwise; cached in the run folder."""
+    audit = folder.audit
+    by = "lpips" if "lpips" in audit.metrics and any(r.get("lpips") is not None for r in rows) else "mse"
+    metric = audit.registry.get("metric", by)
+    cache = folder.read_json(IDENTIFIABLE) or {}
+    counts: dict[tuple, int] = defaultdict(int)
+    for r in rows:
+        counts[(r["setting"], r["attack"], r["checkpoint"])] += 1
+    out, changed = {}, False
+    for key, n in counts.items():
+        name = json.dumps([*key, n, by])
+        if name not in cache:
+            images = _cell_images(folder, key)
+            cache[name] = None if images is None or audit.data["targets"] < 2 else identifiable_share(
+                _distances(metric, *images))
+            changed = True
+        out[key] = cache[name]
+    if changed:
+        folder.write_json(IDENTIFIABLE, cache)
+    return by, out
+
+
+# --- figures -------------------------------------------------------------------------------------
+
+def _axis_label(metric: str, summary: dict) -> str:
+    higher = summary["higher_is_more_leakage"] if metric == summary["leakage_metric"] else metric != "lpips"
+    return f"{metric.upper()} of the strongest attack ({'higher' if higher else 'lower'}: more leakage)"
+
+
+def _second_metric(points: list[dict], first: str) -> str | None:
+    return next((m for m in SECOND_METRICS if m != first and any(w.get(m) is not None for w in points)), None)
+
+
+def _yerr(points: list[dict], metric: str) -> np.ndarray | None:
+    """Asymmetric error bars from each point's interval (None when a point has none)."""
+    cis = [w.get(f"{metric}_ci") for w in points]
+    if any(ci is None for ci in cis):
+        return None
+    return np.array([[w[metric] - ci[0] for w, ci in zip(points, cis)],
+                     [ci[1] - w[metric] for w, ci in zip(points, cis)]]).clip(min=0)
+
+
+def _threshold_line(ax, summary: dict, metric: str) -> None:
+    """The leak threshold, with the side beyond it shaded: points there leak."""
+    t = summary.get("leak_threshold")
+    if t is None or metric != summary["leakage_metric"]:
+        return
+    ax.axhline(t["value"], color="firebrick", linestyle="--", linewidth=1,
+               label=f"leak threshold ({t['guess']} guess {'+' if summary['higher_is_more_leakage'] else '-'} "
+                     f"{t['margin']:g})")
+    ax.axhline(t["guess_score"], color="grey", linestyle=":", linewidth=1, label=f"{t['guess']} guess")
+    low, high = ax.get_ylim()
+    if summary["higher_is_more_leakage"]:
+        ax.axhspan(t["value"], max(high, t["value"]), color="firebrick", alpha=0.06)
+    else:
+        ax.axhspan(min(low, t["value"]), t["value"], color="firebrick", alpha=0.06)
+
+
+def _chance_line(ax, summary: dict) -> None:
+    """Chance accuracy, and the accuracy a usable model needs, with the unusable side shaded."""
+    if summary.get("chance_accuracy") is not None:
+        ax.axvline(summary["chance_accuracy"], color="grey", linestyle=":", linewidth=1, label="chance accuracy")
+    if summary.get("min_accuracy") is not None:
+        ax.axvline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
+        left, _ = ax.get_xlim()
+        ax.axvspan(min(left, summary["min_accuracy"]), summary["min_accuracy"], color="darkorange", alpha=0.06)
+
+
+def _style(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _varying(ws: list[dict]) -> list[str]:
+    """The parameters that vary along one defense's line."""
+    return [k for k in ws[0]["params"] if len({str(x["params"].get(k)) for x in ws}) > 1]
+
+
+def _point_text(w: dict, ws: list[dict]) -> str:
+    """A point's short label: the values of the parameters that vary (named in the legend), and epsilon."""
+    varying = _varying(ws)
+    text = ", ".join(f"{w['params'][k]:g}" if isinstance(w["params"][k], float) else str(w["params"][k])
+                     for k in varying) if varying else params_text(w["params"])
+    if w.get("epsilon") is not None and math.isfinite(w["epsilon"]):
+        text += f" (ε {w['epsilon']:.2g})"
+    return text
+
+
+def _line_label(defense: str, ws: list[dict]) -> str:
+    varying = _varying(ws)
+    return f"{defense}: {', '.join(varying)}" if varying else defense
+
+
+def _mark_leaks(ax, points: list[dict], x: str, y: str) -> None:
+    """Ring the points whose verdict is leaks (by score or by identification), so a point under the
+    threshold line that leaks by identification is not read as safe."""
+    leaking = [w for w in points if w.get("verdict") == LEAKS and w.get(y) is not None]
+    if leaking:
+        ax.scatter([w[x] for w in leaking], [w[y] for w in leaking], s=150, facecolors="none",
+                   edgecolors="firebrick", linewidths=1.6, zorder=4, label="verdict: leaks")
+
+
+def plot_privacy_utility(summary: dict, path: Path) -> bool:
+    """Accuracy against the strongest attack's leakage (with its interval), one line per defense, beside the
+    leak threshold and chance accuracy. False when there is no utility to plot."""
+    points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
+    if not points:
+        return False
+    first = summary["leakage_metric"]
+    second = _second_metric(points, first)
+    panels = [first] + ([second] if second else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
+    by_defense: dict[str, list[dict]] = defaultdict(list)
+    for w in points:
+        by_defense[w["defense"]].append(w)
+    for ax, metric in zip(axes[0], panels):
+        for defense, ws in by_defense.items():
+            ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
+            xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
+            if all(w["baseline"] for w in ws):
+                ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=13, color="black", zorder=3,
+                            label="no defense")
+                continue
+            ax.errorbar(xs, ys, yerr=_yerr(ws, metric), marker="o", capsize=3, label=_line_label(defense, ws))
+            for w in ws:
+                ax.annotate(_point_text(w, ws), (w["accuracy"], w[metric]), fontsize=7,
+                            textcoords="offset points", xytext=(5, 2))
+        _mark_leaks(ax, points, "accuracy", metric)
+        ax.set_title(f"privacy against utility ({metric})", fontsize=11)
+        _threshold_line(ax, summary, metric)
+        _chance_line(ax, summary)
+        _style(ax, "test accuracy under the defense (utility)", _axis_label(metric, summary))
+    _save(fig, path)
+    return True
+
+
+def _strongest_by(summary: dict, key: str) -> dict[str, dict[Any, dict]]:
+    """Per setting and ``key`` (checkpoint): the cell of the most leaking attack."""
+    metric, sign = summary["leakage_metric"], 1 if summary["higher_is_more_leakage"] else -1
+    best: dict[str, dict[Any, dict]] = defaultdict(dict)
+    for c in summary["cells"]:
+        v = c.get(f"{metric}_mean")
+        if v is not None:
+            old = best[c["setting"]].get(c[key])
+            if old is None or sign * v > sign * old[f"{metric}_mean"]:
+                best[c["setting"]][c[key]] = c
+    return best
+
+
+def plot_leakage_by_step(summary: dict, path: Path) -> bool:
+    """The strongest attack's leakage against training step, with intervals, one line per setting."""
+    if len(summary["checkpoints"]) < 2:
+        return False
+    metric = summary["leakage_metric"]
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
+    for setting, by_step in _strongest_by(summary, "checkpoint").items():
+        cells = [by_step[s] for s in sorted(by_step)]
+        points = [{metric: c[f"{metric}_mean"], f"{metric}_ci": c[f"{metric}_ci"]} for c in cells]
+        ax.errorbar(sorted(by_step), [p[metric] for p in points], yerr=_yerr(points, metric), marker="o",
+                    capsize=3, label=textwrap.shorten(setting, 40))
+    _threshold_line(ax, summary, metric)
+    _style(ax, "training step of the attacked model", _axis_label(metric, summary))
+    _save(fig, path)
+    return True
+
+
+def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
+    """For defenses with a formal guarantee: leakage and accuracy against epsilon (log scale)."""
+    points = sorted((w for w in summary["worst_case"] if w.get("epsilon") is not None
+                     and math.isfinite(w["epsilon"])), key=lambda w: w["epsilon"])
+    if not points:
+        return False
+    metric = summary["leakage_metric"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12.4, 4.6))
+    for defense in dict.fromkeys(w["defense"] for w in points):
+        ws = [w for w in points if w["defense"] == defense]
+        xs = [w["epsilon"] for w in ws]
+        left.errorbar(xs, [w[metric] for w in ws], yerr=_yerr(ws, metric), marker="o", capsize=3,
+                      label=_line_label(defense, ws))
+        if all(w["accuracy"] is not None for w in ws):
+            right.plot(xs, [w["accuracy"] for w in ws], marker="o", label=defense)
+    for w in summary["worst_case"]:
+        if w["baseline"]:
+            left.axhline(w[metric], color="black", linewidth=1, label="no defense")
+            if w["accuracy"] is not None:
+                right.axhline(w["accuracy"], color="black", linewidth=1, label="no defense")
+    _mark_leaks(left, points, "epsilon", metric)
+    _threshold_line(left, summary, metric)
+    if summary.get("chance_accuracy") is not None:
+        right.axhline(summary["chance_accuracy"], color="grey", linestyle=":", linewidth=1, label="chance accuracy")
+    if summary.get("min_accuracy") is not None:
+        right.axhline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
+    for ax in (left, right):
+        ax.set_xscale("log")
+    delta = next(iter(summary["utility"].values()), {}).get("delta")
+    xlabel = f"epsilon at delta {delta:g} (log scale)" if delta else "epsilon (log scale)"
+    left.set_title("leakage against the privacy guarantee", fontsize=11)
+    right.set_title("utility against the privacy guarantee", fontsize=11)
+    _style(left, xlabel, _axis_label(metric, summary))
+    _style(right, xlabel, "test accuracy")
+    _save(fig, path)
+    return True
+
+
+def _show(ax, img: torch.Tensor) -> None:
+    ax.set_xticks([]), ax.set_yticks([])
+    arr = img.permute(1, 2, 0).clamp(0, 1).numpy()
+    ax.imshow(arr[..., 0] if arr.shape[2] == 1 else arr, cmap="gray", vmin=0, vmax=1)
+
+
+def _label(text: str, width: int = 24) -> str:
+    """A figure label wrapped at spaces and commas, never inside a word."""
+    return "\n".join(textwrap.wrap(text.replace(",", ", "), width, break_long_words=False)[:4])
+
+
+def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str, checkpoint: int,
+                         path: Path) -> bool:
+    """Originals on top, then one row per (setting, attack) at ``checkpoint``, each image titled with its score."""
+    audit = folder.audit
+    lines: list[tuple[str, torch.Tensor, list[float | None]]] = []
+    originals = None
+    for s in audit.settings:
+        for a in audit.attacks:
+            recs, origs, scores = [], [], []
+            for t in range(audit.num_batches):
+                job = AttackJob(s, a, checkpoint, t)
+                saved = folder.load_reconstruction(job)
+                if saved is not None:
+                    recs.append(saved["reconstruction"])
+                    origs.append(saved["original"])
+                    each = _per_image(rows[job.key], metric) if job.key in rows else []
+                    scores.extend(each if len(each) == len(saved["original"]) else [None] * len(saved["original"]))
+            if recs:
+                lines.append((f"{s.key} · {a.key}", torch.cat(recs)[:MAX_GRID_IMAGES], scores[:MAX_GRID_IMAGES]))
+                originals = torch.cat(origs)[:MAX_GRID_IMAGES] if originals is None else originals
+    if originals is None:
+        return False
+    n = len(originals)
+    fig, axes = plt.subplots(len(lines) + 1, n, figsize=(1.25 * n + 2.4, 1.45 * (len(lines) + 1)), squeeze=False)
+    for j in range(n):
+        _show(axes[0][j], originals[j])
+    axes[0][0].set_ylabel("original", rotation=0, ha="right", va="center", fontsize=9)
+    for i, (label, imgs, scores) in enumerate(lines, start=1):
+        for j in range(n):
+            ax = axes[i][j]
+            if j < len(imgs):
+                _show(ax, imgs[j])
+                if scores[j] is not None:
+                    ax.set_title(f"{scores[j]:.3g}", fontsize=8, pad=2)
+            else:
+                ax.axis("off")
+        axes[i][0].set_ylabel(_label(label), rotation=0, ha="right", va="center", fontsize=8)
+    fig.suptitle(f"step {checkpoint}: reconstructions, each titled with its {metric}", fontsize=10)
+    _save(fig, path)
+    return True
+
+
+def plot_worst_images(folder: RunFolder, summary: dict, path: Path) -> bool:
+    """Per setting, the single most leaking reconstruction beside its original."""
+    audit = folder.audit
+    shown = []
+    for w in summary["worst_case"]:
+        at = w["worst_image"]
+        if "target" not in at:
+            continue
+        setting = next(s for s in audit.settings if s.key == w["setting"])
+        attack = next(a for a in audit.attacks if a.key == at["attack"])
+        saved = folder.load_reconstruction(AttackJob(setting, attack, at["checkpoint"], at["target"]))
+        if saved is not None:
+            shown.append((w, saved["original"][at["index"]], saved["reconstruction"][at["index"]]))
+    if not shown:
+        return False
+    fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown) + 1.2, 4.6), squeeze=False)
+    for j, (w, orig, rec) in enumerate(shown):
+        _show(axes[0][j], orig)
+        _show(axes[1][j], rec)
+        axes[0][j].set_title(_label(w["setting"], 22), fontsize=8)
+        at = w["worst_image"]
+        axes[1][j].set_xlabel(_label(f"{summary['leakage_metric']} {at['score']:.3g}, {at['attack']}, "
+                                     f"step {at['checkpoint']}", 22), fontsize=8)
+    axes[0][0].set_ylabel("original", fontsize=9)
+    axes[1][0].set_ylabel("worst\nreconstruction", fontsize=9)
+    _save(fig, path)
+    return True
+
+
+# --- the page ------------------------------------------------------------------------------------
+
+def params_text(params: dict) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _num(v: Any, digits: int = 4) -> str:
+    """A table cell: floats to ``digits`` significant figures, mappings as parameters, None blank."""
+    if isinstance(v, bool) or v is None:
+        return "" if v is None else str(v)
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.{digits}g}"
+    if isinstance(v, dict):
+        return params_text(v)
+    return str(v)
+
+
+def _interval(ci: list[float] | None) -> str:
+    return "" if not ci else f"[{_num(ci[0], 3)}, {_num(ci[1], 3)}]"
+
+
+def _epsilon(value: float | None, trained: bool = True) -> str:
+    """Epsilon as a reader needs it: a number, or why there is none."""
+    if not trained:
+        return "not trained"
+    if value is None:
+        return "no guarantee"
+    return "∞ (no noise)" if math.isinf(value) else f"{value:.3g}"
+
+
+def _percent(v: float | None) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.0%}"
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def threat_model(audit: Audit) -> list[tuple[str, str]]:
+    """What the attacker is given, line by line, for the report's threat box."""
+    protocol = audit.protocol
+    fields = {k: getattr(protocol, k) for k in getattr(protocol, "__dataclass_fields__", {}) if k != "name"}
+    adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]
+    naive = [a.key for a in audit.attacks if a.role != "adaptive"]
+    return [
+        ("Model weights", "the attacked checkpoint's weights and architecture (white box, as the server holds them)"),
+        ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.get("known_labels")
+         else "not given: each attack recovers them from the update"),
+        ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "")
+         + f"; one update of {audit.data['batch_size']} private image(s)"),
+        ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
+                     "no attack uses it") + (f"; ignored by {', '.join(naive)}" if naive else "")),
+        ("Targets", f"{audit.data['targets']} images of the test split, never seen in training or tuning"),
+    ]
+
+
+def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
+    """Versions, device, seed, date and run time, for the report's provenance box."""
+    sessions = run_info.get("sessions", [])
+    seconds = sum(s.get("seconds") or 0 for s in sessions)
+    versions = run_info.get("versions", {})
+    return [
+        ("Versions", ", ".join(f"{k} {v}" for k, v in versions.items()) or "not recorded"),
+        ("Device", run_info.get("device", audit.device)),
+        ("Seed", str(audit.seed)),
+        ("Started", sessions[0]["started"] if sessions else "not recorded"),
+        ("Run time", f"{seconds / 60:.1f} min over {len(sessions)} session(s)" if sessions else "not recorded"),
+        ("Audit file", run_info.get("audit_file", str(audit.path))),
+    ]
+
+
+def environment(template: Path | None) -> tuple[jinja2.Environment, str]:
+    """The template environment (a user's template may extend the built-in one) and the page's name."""
+    folders = [str(TEMPLATES)] if template is None else [str(template.parent), str(TEMPLATES)]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(folders), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(num=_num, interval=_interval, epsilon=_epsilon, percent=_percent, params=params_text)
+    return env, (TEMPLATE if template is None else template.name)
+
+
 def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes: list[str],
                  baselines: dict[str, dict[str, float | None]], tuning: list[dict],
-                 architecture: list[dict[str, Any]]) -> dict:
+                 architecture: list[dict[str, Any]], run_info: dict[str, Any] | None = None,
+                 template: Path | None = None) -> dict:
     """Write summary.json, the figures and a self-contained report.html; return the summary.
 
-    Everything it shows was computed during the run (rows, utility, baselines, the architecture
-    analysis), so writing the report does no attack or analysis work of its own.
+    Nothing here attacks or trains: it reads what the run wrote, so it can be rebuilt from the folder.
     """
     audit, out_dir = folder.audit, folder.path
-    summary = summarise(audit, rows, utility, notes)
-    summary["baselines"] = baselines
-    summary["tuning"] = summarise_tuning(audit, tuning)
-    summary["architecture"] = architecture
+    run_info = run_info or {}
+    notes = sorted(set(notes) | {n for r in rows for n in r.get("notes", [])})
+    summary = summarise(audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
+    summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning), architecture=architecture,
+                   run=run_info)
     folder.write_json(SUMMARY, summary)
-    leak = summary["leakage_metric"]
-    sections = []
-    if notes:
-        sections.append(("Warnings", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"))
-    pu = out_dir / "privacy_utility.png"
-    if plot_privacy_utility(summary, pu):
-        sections.append(("Privacy against utility", _img_tag(pu) + _table(
-            summary["worst_case"], ["defense", "params", "accuracy", "epsilon", "attack", "checkpoint", leak,
-                                    *[m for m in SECOND_METRICS if m in audit.metrics and m != leak]])
-            + f"<p>Leakage is the mean {leak} of the strongest attack at its most leaking training step. Epsilon, "
-              f"where a defense has a formal guarantee, is at delta {audit.utility['delta']:g} after the utility "
-              "training's steps at Opacus's sample rate, 1 / ceil(training images / batch size).</p>"))
-    else:
-        why = ("utility.train_steps is 0" if audit.utility["train_steps"] == 0
-               else f"no setting has a finite {leak} score")
-        sections.append(("Privacy against utility", f"<p>No privacy-utility plot: {why}.</p>"
-                         + _table(summary["worst_case"], ["defense", "params", "attack", leak])))
-    if summary["naive_vs_adaptive"]:
-        sections.append(("Naive against adaptive attacks", _table(summary["naive_vs_adaptive"], [
-            "defense", "setting", "checkpoint", "accuracy", "naive_attack", "naive_score", "adaptive_attack",
-            "adaptive_score", "gap"]) + f"<p>Scores are mean {leak}; the gap is positive where the adaptive attack "
-            "leaks more. The strongest attack that ignores the defense (naive) beside the "
-            "strongest one that uses what the defense does (adaptive: its likelihood, the tensors it leaves "
-            "untouched, the noise it draws). A defense judged by the naive column looks safer than it is by "
-            "the gap.</p>"))
-    changed = [{"setting": k, "changes": "; ".join(u["model_changes"])} for k, u in summary["utility"].items()
-               if u.get("model_changes")]
-    if changed:
-        sections.append(("Model changes made by defenses", _table(changed, ["setting", "changes"])
-                         + "<p>What each defense changed in the model before training and attacks "
-                           "(for dpsgd: what Opacus's ModuleValidator fixed).</p>"))
-    sections.append(("Architecture: layer-wise linear systems (Chen & Campbell 2022)", _architecture_html(summary["architecture"])))
-    steps = out_dir / "leakage_by_step.png"
-    if plot_leakage_by_step(summary, steps):
-        sections.append(("Leakage through training", _img_tag(steps)))
-    baseline_rows = [{"guess": name, **values} for name, values in baselines.items()]
-    sections.append(("Baselines: guesses without the gradient", _table(baseline_rows, ["guess", *baselines["grey"]])
-                     + "<p>An attack leaks only where it beats these.</p>"))
-    if summary["tuning"]:
-        sections.append(("Adaptive attacker: hyperparameter search", _table(summary["tuning"], [
-            "setting", "attack", "checkpoint", "metric", "budget", "trials", "tuning_batches", "untuned", "tuned",
-            "winner", "search_seconds"]) + "<p>Each search tries the untuned setting first on tuning images drawn "
-            "from the training split (never an attacked target); every target is then attacked with the winner.</p>"))
-    metric_cols = [f"{m}_{s}" for m in audit.metrics for s in ("mean", "std")]
-    sections.append(("All results (mean over targets)", _table(
-        summary["cells"], ["setting", "attack", "checkpoint", "targets", "accuracy", "epsilon", *metric_cols, "seconds_mean"])))
-    grid = out_dir / "reconstructions.png"
-    if plot_reconstructions(folder, grid):
-        sections.append((f"Reconstructions at step {audit.checkpoints[0]}", _img_tag(grid)))
-    pm = audit.registry.pm
-    if pm is not None:
-        for extra in pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):
-            sections.extend(extra or [])
-    sections.append(("Audit file", f"<pre>{html.escape(audit.text)}</pre>"))
-    body = "".join(f"<h2>{html.escape(t)}</h2>\n{content}\n" for t, content in sections)
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>leakaudit: {html.escape(audit.name)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
-table{{border-collapse:collapse;font-size:13px;margin:1em 0}}td,th{{border:1px solid #ccc;padding:3px 6px}}
-th{{background:#f3f3f3}}img{{max-width:100%}}pre{{background:#f7f7f7;padding:1em}}</style></head><body>
-<h1>leakaudit: {html.escape(audit.name)}</h1>
-<p>Dataset <b>{html.escape(summary['dataset'])}</b>, model <b>{html.escape(audit.model['name'])}</b>,
-{audit.data['targets']} target images in batches of {audit.data['batch_size']}, checkpoints {audit.checkpoints},
-device {audit.device}, seed {audit.seed}.</p>
-{body}</body></html>"""
+    by_key = {(r["setting"], r["attack"], r["checkpoint"], r["target"]): r for r in rows}
+    figures: dict[str, str | None] = {}
+    for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p)),
+                       ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),
+                       ("leakage_by_step", lambda p: plot_leakage_by_step(summary, p)),
+                       ("worst_images", lambda p: plot_worst_images(folder, summary, p))):
+        path = out_dir / f"{name}.png"
+        figures[name] = _data_uri(path) if draw(path) else None
+    grids = []
+    for ckpt in audit.checkpoints:
+        path = out_dir / f"reconstructions_step{ckpt}.png"
+        if plot_reconstructions(folder, by_key, summary["leakage_metric"], ckpt, path):
+            grids.append((ckpt, _data_uri(path)))
+    extras = []
+    if audit.registry.pm is not None:
+        for extra in audit.registry.pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):
+            extras.extend((title, jinja2.utils.markupsafe.Markup(content)) for title, content in extra or [])
+    env, name = environment(template)
+    page = env.get_template(name).render(
+        summary=summary, audit=audit, figures=figures, grids=grids, extras=extras,
+        threat=threat_model(audit), provenance=provenance(audit, run_info),
+        metrics=audit.metrics, leak=summary["leakage_metric"],
+        second=[m for m in SECOND_METRICS if m in audit.metrics and m != summary["leakage_metric"]],
+        trained=audit.utility["train_steps"] > 0, max_images=MAX_GRID_IMAGES)
     folder.write_text(REPORT, page)
     return summary

@@ -7,6 +7,7 @@ in flight.
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any, Iterable
 import torch
 import yaml
 
-from leakaudit.evaluator.config import AttackSpec, Audit, DefenseSetting
+from leakaudit.evaluator.config import AttackSpec, Audit, DefenseSetting, load_audit
 from leakaudit.evaluator.scenario import derive_seed
 
 RESULTS = "results.jsonl"
@@ -24,6 +25,9 @@ RESULTS_CSV = "results.csv"
 UTILITY = "utility.jsonl"
 TUNING = "tuning.jsonl"
 ARCHITECTURE = "architecture.json"
+BASELINES = "baselines.json"
+RUN_INFO = "run.json"
+IDENTIFIABLE = "cache/identifiable.json"
 SUMMARY = "summary.json"
 REPORT = "report.html"
 AUDIT_COPY = "audit.yaml"
@@ -87,6 +91,29 @@ def cells_of(jobs: list, workers: int) -> list[Cell]:
     largest = max(map(len, groups.values()), default=1)
     per_cell = max(1, largest if len(groups) >= 2 * workers else -(-largest // workers))
     return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+#: Audit keys that change only how results are judged and reported, never a result: a run may be resumed,
+#: or its report rebuilt, with them changed.
+JUDGING_KEYS = ("workers", "verdict")
+
+
+def same_audit(first: str, second: str) -> bool:
+    """Whether two audit files ask for the same results (they may differ in how the results are judged)."""
+    def results_part(text: str) -> Any:
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            return raw
+        out = {k: v for k, v in raw.items() if k not in JUDGING_KEYS}
+        if isinstance(out.get("defenses"), list):
+            out["defenses"] = [{k: v for k, v in d.items() if k != "must_protect"} if isinstance(d, dict) else d
+                               for d in out["defenses"]]
+        return out
+    return results_part(first) == results_part(second)
 
 
 def row_key(row: dict[str, Any]) -> tuple:
@@ -199,11 +226,9 @@ class RunFolder:
         if not resume and (saved.exists() or self.results.path.exists()):
             raise RunError(f"--out: {self.path} already holds a run; pass --resume to continue it, "
                            "or choose another --out")
-        if resume and saved.exists():
-            drop = lambda d: {k: v for k, v in (d or {}).items() if k != "workers"}  # noqa: E731
-            if drop(yaml.safe_load(saved.read_text())) != drop(yaml.safe_load(self.audit.text)):
-                raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
-                               f"(saved as {saved}); choose another --out")
+        if resume and saved.exists() and not same_audit(saved.read_text(), self.audit.text):
+            raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
+                           f"(saved as {saved}); choose another --out")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             saved.write_text(self.audit.text)
@@ -247,9 +272,45 @@ class RunFolder:
 
     def write_json(self, name: str, value: Any) -> None:
         tmp = self.path / f"{name}.tmp"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(value, indent=2))
         tmp.replace(self.path / name)
+
+    def start_session(self, info: dict[str, Any]) -> None:
+        """Record in run.json that a run (or a resume) of this folder starts: its versions, device and time."""
+        saved = self.read_json(RUN_INFO) or {"sessions": []}
+        saved.update(info)
+        saved["sessions"].append({"started": _now(), "finished": None, "seconds": None,
+                                  "versions": info.get("versions"), "device": info.get("device")})
+        self.write_json(RUN_INFO, saved)
+
+    def finish_session(self, seconds: float) -> dict[str, Any]:
+        """Record that the current session finished after ``seconds``; returns run.json's contents."""
+        saved = self.read_json(RUN_INFO)
+        saved["sessions"][-1].update(finished=_now(), seconds=round(seconds, 1))
+        self.write_json(RUN_INFO, saved)
+        return saved
 
     def write_text(self, name: str, text: str) -> Path:
         (self.path / name).write_text(text)
         return self.path / name
+
+
+def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[str] = ()) -> Audit:
+    """The audit a run folder was made with: ``config`` when given (it may differ only in how results are
+    judged), else the original file while it is unchanged (its factories resolve beside it), else the copy."""
+    saved = path / AUDIT_COPY
+    if not saved.is_file():
+        raise RunError(f"{path}: not a leakaudit run folder (no {AUDIT_COPY}); give a run's --out folder")
+    text = saved.read_text()
+    if config is not None:
+        audit = load_audit(config, list(plugins_dirs))
+        if not same_audit(text, audit.text):
+            raise RunError(f"--config: {config} asks for other results than the run in {path} (saved as {saved}); "
+                           "only its verdict: section, workers and must_protect marks may differ")
+        return audit
+    info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    original = Path(info.get("audit_file", ""))
+    if info.get("audit_file") and original.is_file() and original.read_text() == text:
+        return load_audit(original, list(plugins_dirs))
+    return load_audit(saved, list(plugins_dirs))

@@ -11,7 +11,9 @@ import multiprocessing.connection
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -24,6 +26,9 @@ from leakaudit.evaluator.metrics import score
 from leakaudit.evaluator.report import write_report
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
+    BASELINES,
+    RESULTS,
+    RUN_INFO,
     AttackJob,
     Cell,
     RunError,
@@ -46,7 +51,7 @@ from leakaudit.evaluator.utility import privacy_spent, train_under_defense
 from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
 
-__all__ = ["run_audit", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
+__all__ = ["run_audit", "rebuild_report", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
 
 
 def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
@@ -129,7 +134,7 @@ class AuditWorker:
         rows = []
         for j, job in enumerate(cell.jobs):
             mine = recs[j * spec.targets:(j + 1) * spec.targets]
-            values = [score([metric], r.images, px, r.labels, lb)[0][metric.name] for r, (px, lb) in zip(mine, batches)]
+            values = [score([metric], r.images, px, r.labels, lb).values[metric.name] for r, (px, lb) in zip(mine, batches)]
             rows.append({"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
                          "trial": job.trial, "params": job.params, "metric": metric.name,
                          "score": sum(values) / len(values), "seconds": round(sum(r.seconds for r in mine), 3)})
@@ -149,17 +154,20 @@ class AuditWorker:
 
     def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
         """Score one reconstruction, keep it for the report, and make its results row."""
-        values, notes, order = score(metrics, rec.images, pixels, rec.labels, labels)
+        scores = score(metrics, rec.images, pixels, rec.labels, labels)
         self.folder.save_reconstruction(job, {
-            "original": pixels.cpu(), "reconstruction": rec.images[order].detach().cpu(), "labels": labels.cpu(),
-            "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
+            "original": pixels.cpu(), "reconstruction": rec.images[scores.order].detach().cpu(),
+            "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
         row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
                "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
                "target": job.target, "images": self.scenario.target_ids(job.target).tolist(),
-               "epsilon": self.epsilon(job.setting), **values, "seconds": round(rec.seconds, 3)}
+               "epsilon": self.epsilon(job.setting), **scores.values, "per_image": scores.per_image,
+               "seconds": round(rec.seconds, 3)}
         if job.params is not None:
             row["attack_params"] = job.params
-        return row, notes
+        if scores.notes:
+            row["notes"] = scores.notes
+        return row, scores.notes
 
 
 # --- worker processes ------------------------------------------------------------------------
@@ -244,13 +252,27 @@ class WorkerPool:
             futures = {pool.submit(_in_process, method, item): item for item in items}
             try:
                 for fut in as_completed(futures):
-                    on_result(futures[fut], fut.result())
+                    try:
+                        result = fut.result()
+                    except BrokenProcessPool:
+                        raise RunError(f"a worker process died during {desc} ({_describe(futures[fut])}), killed "
+                                       "by the system (out of memory?); the rows already written are kept: rerun "
+                                       "with --resume, with a smaller max_problems: or fewer --workers") from None
+                    on_result(futures[fut], result)
                     bar.update(_size(futures[fut]))
             except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
                 for fut in futures:
                     fut.cancel()
                 raise
         bar.close()
+
+
+def _describe(item: Any) -> str:
+    """Which work an item is, for a message: a setting, and for a cell its attack and step."""
+    first = item.first if isinstance(item, Cell) else item
+    if hasattr(first, "attack"):
+        return f"{first.setting.key}, {first.attack.key}, step {first.checkpoint}"
+    return getattr(first, "key", str(first))
 
 
 def _size(item: Any) -> int:
@@ -267,15 +289,45 @@ def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
     return saved
 
 
+def run_info(scenario: Scenario, workers: int) -> dict[str, Any]:
+    """What the report's provenance box and verdicts need from this run: versions, device, chance accuracy."""
+    import platform
+
+    from leakaudit import __version__
+
+    versions = {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    for name in ("torchvision", "opacus"):
+        versions[name] = sys.modules[name].__version__ if name in sys.modules else _version(name)
+    device = scenario.device
+    where = (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
+             else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
+             else f"cpu: one process, {torch.get_num_threads()} torch thread(s)")
+    labels = scenario.data.test_y.long().cpu()
+    return {"versions": versions, "device": where, "audit_file": str(scenario.audit.path.resolve()),
+            "num_classes": scenario.data.num_classes,
+            "chance_accuracy": float(torch.bincount(labels).max()) / len(labels)}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
-              workers: int | None = None) -> dict[str, Any]:
+              workers: int | None = None, template: Path | None = None) -> dict[str, Any]:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
+    started = time.perf_counter()
     scenario = Scenario(audit)
     check_scenario(scenario)
     folder = RunFolder(out_dir, audit)
     folder.prepare(resume)
     worker = AuditWorker(scenario, folder)
     workers = workers or audit.workers
+    folder.start_session(run_info(scenario, workers))
     notes: set[str] = set()
 
     def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
@@ -303,23 +355,44 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
 
     rows = _in_job_order(audit, folder.results.read())
     folder.results_csv.rewrite(rows)
-    return write_report(folder, rows, folder.utility.read(), sorted(notes), baseline_scores(scenario), trials,
-                        architecture(scenario, folder))
+    baselines = baseline_scores(scenario)
+    folder.write_json(BASELINES, baselines)
+    analysis = architecture(scenario, folder)
+    info = folder.finish_session(time.perf_counter() - started)
+    return write_report(folder, rows, folder.utility.read(), sorted(notes), baselines, trials, analysis, info,
+                        template)
+
+
+def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str, Any]:
+    """Write the report of a finished run again from its folder, with no training or attack; returns the summary."""
+    audit = folder.audit
+    missing = [name for name in (BASELINES, ARCHITECTURE, RUN_INFO) if not (folder.path / name).exists()]
+    if missing or not folder.results.path.exists():
+        raise RunError(f"{folder.path}: no finished run to report on (missing {', '.join(missing or [RESULTS])}); "
+                       f"finish it with: leakaudit run {audit.path} --out {folder.path} --resume")
+    rows = _in_job_order(audit, folder.results.read())
+    expected = len(jobs_of(audit))
+    if len(rows) < expected:
+        raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
+                       f"leakaudit run {audit.path} --out {folder.path} --resume")
+    return write_report(folder, rows, folder.utility.read(), [], folder.read_json(BASELINES), folder.tuning.read(),
+                        folder.read_json(ARCHITECTURE), folder.read_json(RUN_INFO), template)
 
 
 def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
-    """Scores of guesses that use no gradient: uniform noise and a flat grey image, over all targets."""
+    """Scores of guesses that use no gradient, over all targets: uniform noise, a flat grey image, and the
+    training split's mean image (what an attacker who knows the data's distribution guesses without looking)."""
     audit = scenario.audit
     metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
-    out: dict[str, dict[str, list]] = {"random": {}, "grey": {}}
+    out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
     gen = generator(scenario.device, audit.seed, "baseline")
+    average = scenario.data.train_x.float().mean(dim=0).to(scenario.device)
     for t in range(audit.num_batches):
         pixels, labels = scenario.target_batch(t)
         guesses = {"random": torch.rand(pixels.shape, generator=gen, device=pixels.device),
-                   "grey": torch.full_like(pixels, 0.5)}
+                   "grey": torch.full_like(pixels, 0.5), "mean": average.expand_as(pixels)}
         for name, guess in guesses.items():
-            values, _, _ = score(metrics, guess, pixels, labels, labels)
-            for m, v in values.items():
+            for m, v in score(metrics, guess, pixels, labels, labels).values.items():
                 out[name].setdefault(m, []).append(v)
     return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()} for name, d in out.items()}
 

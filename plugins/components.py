@@ -18,7 +18,9 @@ class Metric:
     """A named score. Image metrics map aligned (B, C, H, W) pairs to (B,); label metrics to a float.
 
     ``higher_is_better`` is the direction of leakage for a reconstruction score: the engine picks the
-    strongest attack and draws its plots from it, never from a table of metric names.
+    strongest attack and draws its plots from it, never from a table of metric names. ``margin`` is how
+    far, in the metric's units, an attack must beat the best guess made without the gradient before the
+    report's verdict calls it a leak (an audit's ``verdict.margin`` overrides it).
     """
 
     name: str
@@ -27,6 +29,7 @@ class Metric:
     on: str = "images"
     summary: str = ""
     min_size: int = 1  # smallest image side the metric can score (checked against data.image_size)
+    margin: float = 0.0
 
     def better(self, a: float, b: float) -> bool:
         """Whether score ``a`` shows more leakage than ``b``."""

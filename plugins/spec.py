@@ -24,6 +24,7 @@ class Param:
     choices: tuple | None = None
     help: str = ""
     exclusive_min: bool = False
+    nullable: bool = False  # YAML's null is accepted (always so where the default is None: "not set")
 
     @property
     def required(self) -> bool:
@@ -31,6 +32,8 @@ class Param:
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not acceptable, or None when it is."""
+        if value is None and (self.nullable or self.default is None):
+            return None
         if self.type is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif self.type is int:

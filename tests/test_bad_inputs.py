@@ -176,6 +176,16 @@ CASES = [
     (_with("metrics", ["psnrr"]), "metrics[0]: 'psnrr' is not a registered metric (did you mean 'psnr'?)"),
     (_with("metrics", [["psnr"]]), "metrics[0]: expected the name of a metric, got ['psnr']"),
     (_with("metrics", ["psnr", "lpips"]), "metrics[1]: lpips needs images of at least"),
+    # verdict thresholds and the gate's marks
+    (_with("verdict.statistic", "median"), "verdict.statistic: 'median' is not one of the choices; choices: mean, "
+                                           "ci_bound, worst_image"),
+    (_with("verdict.margin", -1.0), "verdict.margin: -1.0 is below the minimum 0.0"),
+    (_with("verdict.confidence", 1.5), "verdict.confidence: 1.5 is above the maximum 0.999"),
+    (_with("verdict.bootstrap", 10), "verdict.bootstrap: 10 is below the minimum 100"),
+    (_with("verdict.min_accuracy", 2), "verdict.min_accuracy: 2 is above the maximum 1.0"),
+    (_with("verdict.threshold", 3), "verdict.threshold: unknown parameter"),
+    (_with("verdict", "strict"), "verdict: 'strict' is not of type dict"),
+    (_with("defenses.1.must_protect", "yes"), "defenses[1].must_protect: 'yes' is not of type bool"),
 ]
 
 #: Whole files: (text, the line's start after "<file>: ")

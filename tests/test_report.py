@@ -247,3 +247,13 @@ def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, t
                                                                            "gaussian(sigma=1.0)": UNUSABLE}
     assert (tmp_path / "out" / "privacy_utility.png").stat().st_size > 0
     assert all(0.0 <= c["identifiable"] <= 1.0 and c["identifiable_by"] == "mse" for c in summary["cells"])
+
+
+def test_the_ci_gate_example_passes_its_own_tests(tmp_path):
+    """examples/ci-gate, as a team copies it: its pytest file passes (none leaks, its DP-SGD setting protects)."""
+    from conftest import ROOT
+
+    done = subprocess.run([LEAKAUDIT[0], "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "examples" / "ci-gate")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "2 passed" in done.stdout

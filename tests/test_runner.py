@@ -234,9 +234,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
+def _running_with_two_workers(write_audit, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    """A long run started from the command line, once its two workers are up and training is done."""
     audit = small_audit(workers=2, attacks=[{"name": "inverting_gradients", "params": {"iterations": 3000}}],
                         data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 1})
     out = tmp_path / "out"
@@ -248,6 +247,13 @@ def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
         workers = [c for c in _children(proc.pid) if "spawn_main" in (Path("/proc") / str(c) / "cmdline").read_text()]
         time.sleep(0.1)
     assert len(workers) >= 2, "the run did not start its two workers"
+    return proc, workers
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
+    proc, workers = _running_with_two_workers(write_audit, tmp_path)
     proc.send_signal(sig)
     proc.wait(timeout=30)
     deadline = time.time() + 10
@@ -261,17 +267,7 @@ def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_a_worker_killed_by_the_system_is_one_line_and_resumable(write_audit, tmp_path):
     """The out-of-memory killer takes a worker: one line that says which work and what to do, no traceback."""
-    audit = small_audit(workers=2, attacks=[{"name": "inverting_gradients", "params": {"iterations": 3000}}],
-                        data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 1})
-    out = tmp_path / "out"
-    proc = subprocess.Popen([*LEAKAUDIT, "run", str(write_audit(audit)), "--out", str(out), "--no-progress"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    workers: list[int] = []
-    while time.time() < deadline and not ((out / "utility.jsonl").exists() and len(workers) >= 2):
-        workers = [c for c in _children(proc.pid) if "spawn_main" in (Path("/proc") / str(c) / "cmdline").read_text()]
-        time.sleep(0.1)
-    assert len(workers) >= 2, "the run did not start its two workers"
+    proc, workers = _running_with_two_workers(write_audit, tmp_path)
     time.sleep(1.0)  # into the attacks
     os.kill(workers[0], signal.SIGKILL)
     err = proc.communicate(timeout=60)[1]

@@ -9,6 +9,7 @@ direction-only observation, whatever the defense really does (Balunovic et al. 2
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -38,7 +39,7 @@ from leakaudit.attacks.vectorised import (
 )
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate, squared_distance
+from leakaudit.plugins.defense import SharedUpdate
 
 
 def ball_draws(centre: Tensor, samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -98,7 +99,8 @@ class LikelihoodAttack(Attack):
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
         return (vectorisable(t), id(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.samples,
-                a.radius, a.warmup, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names))
+                a.radius, a.warmup, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names),
+                getattr(a, "layer_weights", None))
 
     @classmethod
     def _batch(cls, problems: list[Problem]) -> tuple[Batch, Any]:
@@ -204,34 +206,62 @@ class BayesOptimal(LikelihoodAttack):
         return -threat.defense.log_likelihood(observed, candidate)
 
 
-class L2Matching(LikelihoodAttack):
+LAYER_WEIGHTS = ("equal", "exp")
+
+
+def layer_weights(kind: str, tensors: int) -> list[float]:
+    """Each shared tensor's weight in a distance: 1 for ``equal``; ``exp`` gives tensor i the weight e^-i, the
+    layers nearest the input counting most (Geiping et al. 2020's exponential weighting, searched over by
+    Balunovic et al. 2022, A.3)."""
+    return [1.0] * tensors if kind == "equal" else [math.exp(-i) for i in range(tensors)]
+
+
+class DistanceMatching(LikelihoodAttack):
+    """A fixed gradient distance in place of the defense's likelihood, optionally weighted per layer."""
+
+    params = {**LikelihoodAttack.params,
+              "layer_weights": Param("equal", str, choices=LAYER_WEIGHTS,
+                                     help="equal, or exp: tensor i of the update weighted e^-i (Geiping et al. 2020)")}
+
+    def weights(self, observed: SharedUpdate) -> list[float]:
+        return layer_weights(self.layer_weights, len(observed.tensors))
+
+
+class L2Matching(DistanceMatching):
     """Squared Euclidean gradient distance (the Bayes adversary of Gaussian noise), same optimiser as bayes."""
 
     name = "l2"
     paper = "Balunovic et al. 2022"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
-        return squared_distance(observed.tensors, candidate)
+        return sum(w * ((o - c) ** 2).sum() for w, o, c in zip(self.weights(observed), observed.tensors, candidate))
 
 
-class L1Matching(LikelihoodAttack):
+class L1Matching(DistanceMatching):
     """L1 gradient distance (the Bayes adversary of Laplacian noise), same optimiser as bayes."""
 
     name = "l1"
     paper = "Balunovic et al. 2022"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
-        return sum((o - c).abs().sum() for o, c in zip(observed.tensors, candidate))
+        return sum(w * (o - c).abs().sum() for w, o, c in zip(self.weights(observed), observed.tensors, candidate))
 
 
-class CosineMatching(LikelihoodAttack):
-    """Cosine gradient distance (direction only), same optimiser as bayes."""
+class CosineMatching(DistanceMatching):
+    """Cosine gradient distance (direction only), same optimiser as bayes; with layer weights, each tensor's
+    products and norms are weighted, as in Geiping et al.'s code."""
 
     name = "cos"
     paper = "Balunovic et al. 2022"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
-        return cosine_distance(observed.tensors, candidate)
+        if self.layer_weights == "equal":
+            return cosine_distance(observed.tensors, candidate)
+        w = self.weights(observed)
+        dot = sum(wi * (o * c).sum() for wi, o, c in zip(w, observed.tensors, candidate))
+        norm_o = sum(wi * (o * o).sum() for wi, o in zip(w, observed.tensors)).sqrt()
+        norm_c = sum(wi * (c * c).sum() for wi, c in zip(w, candidate)).sqrt()
+        return 1 - dot / (norm_o * norm_c).clamp_min(1e-12)
 
 
 @hookimpl

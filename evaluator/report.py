@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from leakaudit.evaluator.config import Audit  # noqa: E402
 from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob, RunFolder  # noqa: E402
-from leakaudit.evaluator.tuning import winners  # noqa: E402
+from leakaudit.evaluator.tuning import grid_positions, value_at, winners  # noqa: E402
 from leakaudit.evaluator.verdict import (  # noqa: E402
     LEAKS,
     cell_statistics,
@@ -157,8 +157,9 @@ def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
     return out
 
 
-def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
-    """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting."""
+def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list[dict[str, Any]]:
+    """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting,
+    and where the winner sits on each grid; a winner on a grid's edge adds a warning to ``notes``."""
     best = winners(trials, audit.registry)
     out = []
     for key, win in best.items():
@@ -166,9 +167,16 @@ def summarise_tuning(audit: Audit, trials: list[dict]) -> list[dict[str, Any]]:
         untuned = next(t for t in mine if t["trial"] == 0)
         spec = next(a.tune for a in audit.attacks if a.key == key[1])
         changed = {k: v for k, v in win["params"].items() if untuned["params"].get(k) != v}
+        positions = grid_positions(spec.space, win["params"]) if win["trial"] != 0 else {}
+        for name, where in positions.items():
+            if where in ("lowest", "highest"):
+                notes.append(f"{key[0]}, {key[1]}, step {key[2]}: the tuned {name}={value_at(win['params'], name)} "
+                             f"is the {where} value of its grid {spec.space[name]}; the best may lie beyond it: "
+                             "widen the grid")
         out.append({"setting": key[0], "attack": key[1], "checkpoint": key[2], "metric": win["metric"],
                     "budget": spec.budget, "trials": len(mine), "tuning_batches": spec.targets,
                     "untuned": untuned["score"], "tuned": win["score"], "winner": changed or "untuned",
+                    "on_grid": "; ".join(f"{k}: {v}" for k, v in positions.items()) or "untuned won",
                     "search_seconds": round(sum(t["seconds"] for t in mine), 1)})
     return out
 
@@ -589,7 +597,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes
     run_info = run_info or {}
     notes = sorted(set(notes) | {n for r in rows for n in r.get("notes", [])})
     summary = summarise(audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
-    summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning), architecture=architecture,
+    summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning, notes), architecture=architecture,
                    run=run_info)
     folder.write_json(SUMMARY, summary)
     by_key = {(r["setting"], r["attack"], r["checkpoint"], r["target"]): r for r in rows}

@@ -108,3 +108,31 @@ def winners(rows: list[dict[str, Any]], registry: Any) -> dict[tuple, dict[str, 
         if key not in best or sign * r["score"] > sign * best[key]["score"]:
             best[key] = r
     return best
+
+
+def value_at(params: dict[str, Any], dotted: str) -> Any:
+    """The value of ``dotted`` (``lr`` or ``priors.tv``) in ``params`` (None when absent)."""
+    head, _, rest = dotted.partition(".")
+    value = params.get(head)
+    return value.get(rest) if rest and isinstance(value, dict) else (None if rest else value)
+
+
+def grid_positions(space: dict[str, list], params: dict[str, Any]) -> dict[str, str]:
+    """Where each searched parameter of ``params`` sits on its grid: ``lowest`` or ``highest`` of a numeric
+    grid (the optimum may lie beyond it), ``inside``, ``one of`` a categorical grid, or ``off the grid`` (the
+    untuned value)."""
+    out = {}
+    for key, values in space.items():
+        value = value_at(params, key)
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if value not in values:
+            out[key] = "off the grid"
+        elif not numeric or len(values) < 2:
+            out[key] = "one of"
+        elif value == min(values):
+            out[key] = "lowest"
+        elif value == max(values):
+            out[key] = "highest"
+        else:
+            out[key] = "inside"
+    return out

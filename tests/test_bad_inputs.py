@@ -176,6 +176,10 @@ CASES = [
     (_with("metrics", ["psnrr"]), "metrics[0]: 'psnrr' is not a registered metric (did you mean 'psnr'?)"),
     (_with("metrics", [["psnr"]]), "metrics[0]: expected the name of a metric, got ['psnr']"),
     (_with("metrics", ["psnr", "lpips"]), "metrics[1]: lpips needs images of at least"),
+    (_with("attacks.0", {"name": "cos", "params": {"layer_weights": "linear"}}),
+     "attacks[0].params.layer_weights: 'linear' is not one of the choices; choices: equal, exp"),
+    (_with("attacks.0", {"name": "bayes", "params": {"layer_weights": "exp"}}),
+     "attacks[0].params.layer_weights: unknown parameter"),
     # verdict thresholds and the gate's marks
     (_with("verdict.statistic", "median"), "verdict.statistic: 'median' is not one of the choices; choices: mean, "
                                            "ci_bound, worst_image"),

@@ -100,3 +100,25 @@ def test_vectorised_steps_carry_no_graph_of_the_models_parameters():
     assert images.grad_fn is None and not images.requires_grad
     assert torch.allclose(images, target / 2, atol=1e-3)  # and it still solves 2x = t
     assert trace[-1].max() < 1e-4
+
+
+def test_exponential_layer_weights_of_the_distance_attacks_exact():
+    import math
+
+    from leakaudit.attacks.bayes import CosineMatching, L1Matching, L2Matching, layer_weights
+    from leakaudit.plugins.defense import SharedUpdate
+
+    assert layer_weights("exp", 3) == [1.0, math.exp(-1), math.exp(-2)] and layer_weights("equal", 2) == [1.0, 1.0]
+    observed = SharedUpdate([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])], ["w", "b"], 1)
+    candidate = [torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0])]
+    e = math.exp(-1)
+    assert L2Matching(layer_weights="exp").negative_log_likelihood(observed, candidate, None).item() == \
+        pytest.approx(1.0 + e * 2.0)
+    assert L1Matching(layer_weights="exp").negative_log_likelihood(observed, candidate, None).item() == \
+        pytest.approx(1.0 + e * 2.0)
+    assert L2Matching().negative_log_likelihood(observed, candidate, None).item() == pytest.approx(3.0)
+    # weighted cosine: dot = e * 2, |o|^2 = 1 + 4e, |c|^2 = 2e
+    cos = CosineMatching(layer_weights="exp").negative_log_likelihood(observed, candidate, None).item()
+    assert cos == pytest.approx(1 - 2 * e / math.sqrt((1 + 4 * e) * 2 * e))
+    plain = CosineMatching().negative_log_likelihood(observed, candidate, None).item()
+    assert plain == pytest.approx(1 - 2 / math.sqrt(5 * 2))

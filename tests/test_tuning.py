@@ -8,7 +8,7 @@ import pytest
 from leakaudit.evaluator import runner
 from leakaudit.evaluator.config import ConfigError, load_audit
 from leakaudit.evaluator.runner import run_audit
-from leakaudit.evaluator.tuning import TuneSpec, candidates, with_value
+from leakaudit.evaluator.tuning import TuneSpec, candidates, grid_positions, value_at, with_value
 
 from conftest import small_audit
 
@@ -20,6 +20,35 @@ def test_dotted_keys_reach_into_mappings_without_touching_the_original():
     base = {"lr": 0.1, "priors": {"tv": 0.01, "l2": 0.5}}
     assert with_value(base, "priors.tv", 0.2) == {"lr": 0.1, "priors": {"tv": 0.2, "l2": 0.5}}
     assert with_value(base, "lr", 1.0)["lr"] == 1.0 and base["priors"]["tv"] == 0.01
+
+
+def test_where_a_winner_sits_on_its_grid():
+    space = {"lr": [0.05, 0.5, 0.25], "priors.tv": [1e-4, 1e-2], "label_method": ["signs", "feature_fit"]}
+    params = {"lr": 0.5, "priors": {"tv": 1e-4}, "label_method": "signs"}
+    assert value_at(params, "priors.tv") == 1e-4 and value_at(params, "priors.l2") is None
+    assert grid_positions(space, params) == {"lr": "highest", "priors.tv": "lowest", "label_method": "one of"}
+    assert grid_positions(space, {**params, "lr": 0.25})["lr"] == "inside"
+    assert grid_positions(space, {**params, "lr": 0.1})["lr"] == "off the grid"
+
+
+def test_a_winner_on_a_grid_edge_is_a_warning(write_audit):
+    from leakaudit.evaluator.report import summarise_tuning
+
+    audit = load_audit(write_audit(small_audit(attacks=[{**TUNED, "tune": {"budget": 3, "space": {
+        "lr": [0.03, 0.1, 0.3]}}}])))
+    row = {"setting": "none", "attack": "bayes", "checkpoint": 0, "metric": "psnr", "seconds": 1.0}
+    base = {"iterations": 40, "lr": 0.001}
+    trials = [{**row, "trial": 0, "params": base, "score": 10.0},
+              {**row, "trial": 1, "params": {**base, "lr": 0.1}, "score": 12.0},
+              {**row, "trial": 2, "params": {**base, "lr": 0.3}, "score": 14.0}]
+    notes: list[str] = []
+    (line,) = summarise_tuning(audit, trials, notes)
+    assert line["winner"] == {"lr": 0.3} and line["on_grid"] == "lr: highest" and line["budget"] == 3
+    assert notes == ["none, bayes, step 0: the tuned lr=0.3 is the highest value of its grid [0.03, 0.1, 0.3]; "
+                     "the best may lie beyond it: widen the grid"]
+    trials[2]["score"] = 11.0  # the winner inside the grid: no warning
+    notes.clear()
+    assert summarise_tuning(audit, trials, notes)[0]["on_grid"] == "lr: inside" and notes == []
 
 
 def test_candidates_start_untuned_are_distinct_and_seeded():

@@ -33,6 +33,8 @@ TOP = {
     "name": Param(type=str, help="audit name, shown in reports"),
     "seed": Param(0, int, min=0, help="seed of every random draw"),
     "device": Param("auto", str, choices=("auto", "cpu", "cuda")),
+    "deterministic": Param(True, bool, help="on CUDA, deterministic kernels: the same numbers on every run, "
+                                            "several times slower (false: faster, reruns differ slightly)"),
     "workers": Param(None, int, min=1, help="worker processes (default: one per core on the CPU, one per "
                                             "visible GPU on CUDA)"),
     "max_problems": Param("auto", (str, int), help="problems (targets x restarts x tuning trials) an attack "
@@ -217,6 +219,7 @@ class Audit:
     leakage_metric: str = "psnr"
     max_problems: int | None = None  # None: auto
     verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
+    deterministic: bool = True
 
     @property
     def checkpoints(self) -> list[int]:
@@ -362,7 +365,8 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
-                 attacks, utility, metrics, threat, protocol, registry, leakage, max_problems, verdict)
+                 attacks, utility, metrics, threat, protocol, registry, leakage, max_problems, verdict,
+                 top["deterministic"])
 
 
 def available_cores() -> int:

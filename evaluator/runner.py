@@ -42,6 +42,7 @@ from leakaudit.evaluator.scenario import (
     Scenario,
     check_scenario,
     derive_seed,
+    deterministic_kernels,
     generator,
     loss_fn,
     round_generators,
@@ -182,6 +183,7 @@ def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads
     _die_with_parent()
     torch.set_num_threads(threads)
     audit = load_audit(audit_path, plugin_dirs)
+    deterministic_kernels(audit)
     with started.get_lock():
         index, started.value = started.value, started.value + 1
     if audit.torch_device().type == "cuda":
@@ -321,6 +323,7 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
               workers: int | None = None, template: Path | None = None) -> dict[str, Any]:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
     started = time.perf_counter()
+    deterministic_kernels(audit)
     scenario = Scenario(audit)
     check_scenario(scenario)
     folder = RunFolder(out_dir, audit)

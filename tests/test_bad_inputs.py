@@ -49,6 +49,7 @@ CASES = [
     (_with("seed", True), "seed: True is not of type int"),
     (_with("device", "tpu"), "device: 'tpu' is not one of the choices"),
     (_with("device", "cuda"), "device: 'cuda' but no CUDA device"),
+    (_with("deterministic", "yes"), "deterministic: 'yes' is not of type bool"),
     (_with("workers", 0), "workers: 0 is below the minimum 1"),
     (_with("workers", "two"), "workers: 'two' is not of type int"),
     (_with("max_problems", 0), "max_problems: 0 is neither 'auto' nor"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -94,3 +95,25 @@ def test_cnn_bayes_has_flax_default_initialisation():
     assert dense.weight.std().item() == pytest.approx(1600 ** -0.5, rel=0.02)  # variance 1/fan_in
     assert dense.weight.abs().max().item() <= 2 * 1600 ** -0.5 / 0.8796 + 1e-6  # truncated at 2 std
     assert all(m.bias.abs().sum() == 0 for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
+
+
+def test_deterministic_kernels_on_cuda_only_and_only_when_asked(monkeypatch):
+    """CUDA's fast kernels are not bit-reproducible (two H100 runs differed by 0.8 dB per image): an audit on
+    CUDA asks for deterministic cuDNN and cuBLAS kernels unless it sets deterministic: false."""
+    from types import SimpleNamespace
+
+    from leakaudit.evaluator.scenario import deterministic_kernels
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        deterministic_kernels(SimpleNamespace(device="cpu", deterministic=True))
+        deterministic_kernels(SimpleNamespace(device="cuda", deterministic=False))
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        deterministic_kernels(SimpleNamespace(device="cuda", deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

@@ -111,6 +111,16 @@ def _check_report_options(args, audit) -> list[str]:
     problems = []
     if args.template is not None and not args.template.is_file():
         problems.append(f"--template: {args.template} is not a file")
+    elif args.template is not None:
+        import jinja2
+
+        from leakaudit.evaluator.report import page_template
+
+        try:
+            page_template(args.template)
+        except jinja2.TemplateError as exc:
+            line = f" line {exc.lineno}:" if getattr(exc, "lineno", None) else ""
+            problems.append(f"--template: {args.template}:{line} {exc.message or exc}")
     if args.fail_on_leak and not any(s.must_protect for s in audit.settings):
         problems.append(f"--fail-on-leak: no defense entry in {audit.path} is marked must_protect: true; mark the "
                         "entries the gate is for")
@@ -151,9 +161,9 @@ def _conclude(summary: dict, out: Path, gate: bool) -> int:
     width = min(40, max(len(w["setting"]) for w in summary["worst_case"])) if summary["worst_case"] else 10
     for w in summary["worst_case"]:
         acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
-        lo, hi = w[f"{leak}_ci"]
-        print(f"  {w['setting']:<{width}}  {(w['verdict'] or 'not judged').upper():<22} accuracy {acc:>5}  "
-              f"{leak} {w[leak]:.3g} [{lo:.3g}, {hi:.3g}] ({w['attack']}, step {w['checkpoint']})")
+        score = (f"{leak} {w[leak]:.3g} [{w[f'{leak}_ci'][0]:.3g}, {w[f'{leak}_ci'][1]:.3g}] "
+                 f"({w['attack']}, step {w['checkpoint']})") if w[leak] is not None else f"no finite {leak}"
+        print(f"  {w['setting']:<{width}}  {(w['verdict'] or 'not judged').upper():<22} accuracy {acc:>5}  {score}")
     if not gate:
         return 0
     from leakaudit.evaluator.verdict import gate_failures

@@ -87,21 +87,20 @@ UTILITY = {
     "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True,
                    help="delta at which epsilon is reported for defenses with a formal guarantee"),
 }
-STATISTICS = ("mean", "ci_bound", "worst_image")
+STATISTICS = ("mean", "ci_bound")
 VERDICT = {
     "margin": Param(None, float, min=0.0, help="how far the strongest attack must beat the better guess made "
                                                "without the gradient to leak, in the leakage metric's units "
                                                "(default: the metric's: psnr 1 dB, ssim 0.05, mse 0.01, lpips 0.05)"),
     "statistic": Param("mean", str, choices=STATISTICS, help="what is compared with the threshold: the strongest "
-                                                             "attack's mean, the leaking end of its interval, or "
-                                                             "the single most leaking image"),
+                                                             "attack's mean, or the leaking end of its interval"),
     "utility_margin": Param(0.05, float, min=0.0, max=1.0, help="test accuracy above chance (the majority class's "
                                                                  "share) a usable model needs"),
     "min_accuracy": Param(None, float, min=0.0, max=1.0, help="usable from this test accuracy (instead of chance "
                                                               "plus utility_margin)"),
-    "identifiable": Param(0.25, float, min=0.0, max=1.0, nullable=True, help="also leaks when an attack's share of reconstructions "
-                                                               "nearest their own original reaches this, beyond "
-                                                               "chance (null: judge by the score alone)"),
+    "identifiable": Param(0.25, float, min=0.0, max=1.0, nullable=True,
+                          help="with one image per update, also leaks when an attack's share of reconstructions "
+                               "nearest their own original reaches this, beyond chance (null: by the score alone)"),
     "confidence": Param(0.95, float, min=0.5, max=0.999, help="level of the bootstrap intervals and the "
                                                               "identification test"),
     "bootstrap": Param(2000, int, min=100, max=100_000, help="bootstrap resamples per interval"),
@@ -255,7 +254,7 @@ def _strip(path: str) -> str:
     return path[1:] if path.startswith(".") else path
 
 
-class _Loader(yaml.SafeLoader):
+class AuditLoader(yaml.SafeLoader):
     """YAML 1.1's safe loader that also reads ``1e-5`` as a float, as YAML 1.2 and Python do, and refuses a
     key given twice in one mapping (YAML would keep the last silently)."""
 
@@ -276,7 +275,7 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-_Loader.add_implicit_resolver(
+AuditLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
@@ -305,7 +304,7 @@ def read_yaml(path: Path) -> tuple[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not a text file (byte {exc.start} is not UTF-8); give the audit's YAML file"]) from None
     try:
-        raw = yaml.load(text, Loader=_Loader)
+        raw = yaml.load(text, Loader=AuditLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"

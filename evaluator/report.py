@@ -49,10 +49,11 @@ def _per_image(row: dict, metric: str) -> list[float | None]:
 
 
 def _worst_image(rows: list[dict], metric) -> dict[str, Any] | None:
-    """The single most leaking image of a cell: its score, target batch and place in the batch."""
+    """The single most leaking image of a cell: its score, target batch and place in the batch (None for rows
+    without per-image scores: a label metric, or rows written before they were kept)."""
     best = None
     for r in rows:
-        for i, v in enumerate(_per_image(r, metric.name)):
+        for i, v in enumerate(r.get("per_image", {}).get(metric.name, [])):
             if v is not None and math.isfinite(v) and (best is None or metric.better(v, best["score"])):
                 best = {"score": v, "target": r["target"], "index": i,
                         "image": r["images"][i] if "images" in r and i < len(r["images"]) else None}
@@ -65,7 +66,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
-    options = audit.verdict
+    # matching reconstructions to originals within a batch favours their own: no 1-in-N test at batches > 1
+    options = {**audit.verdict, "batch_size": audit.data["batch_size"],
+               **({"identifiable": None} if audit.data["batch_size"] > 1 else {})}
     acc = {u["setting"]: u for u in utility}
     roles = {a.key: a.role for a in audit.attacks}
     leakage = audit.registry.get("metric", audit.leakage_metric)
@@ -89,6 +92,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         cell["worst_image"] = None if worst is None else worst["score"]
         cell["worst_image_at"] = worst
         cell["identifiable"], cell["identifiable_by"] = identified.get(key), identified_by
+        cell["identifiable_n"] = len(rs) * audit.data["batch_size"]
         cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
         cells.append(cell)
     threshold = leak_threshold(baselines, leakage, options["margin"])
@@ -98,6 +102,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     for s in audit.settings:
         mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
         if not mine:
+            if any(c["setting"] == s.key for c in cells):  # attacked, but no finite score: say so, never drop it
+                worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
             continue
         accuracy = acc.get(s.key, {}).get("accuracy")
         per_step = [{"setting": s.key, "defense": s.name, "checkpoint": ckpt, **judge(
@@ -122,13 +128,23 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better,
             "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
-            "verdict_options": options, "leak_threshold": threshold, "chance_accuracy": chance,
+            "verdict_options": audit.verdict, "leak_threshold": threshold, "chance_accuracy": chance,
             "min_accuracy": needed, "identifiable_by": identified_by,
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
                         for u in utility},
             "cells": cells, "worst_case": worst_case, "verdicts": verdicts,
             "naive_vs_adaptive": naive_vs_adaptive(cells, leakage), "warnings": notes}
+
+
+def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> dict[str, Any]:
+    """The worst-case entry of a setting whose every reconstruction scored no finite ``metric``."""
+    return {"defense": setting.name, "setting": setting.key, "params": setting.params,
+            "baseline": setting.is_baseline(audit.registry), "must_protect": setting.must_protect,
+            "accuracy": utility.get("accuracy"), "epsilon": utility.get("epsilon"), "identifiable": None,
+            "attack": None, "checkpoint": None, metric: None, f"{metric}_ci": None, "n": 0, "verdict": None,
+            "reason": f"not judged: no attack scored a finite {metric} (every reconstruction diverged, or the metric "
+                      "could not be computed; see the warnings)", "verdict_checkpoint": None, "worst_image": {}}
 
 
 def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
@@ -201,10 +217,9 @@ def _cell_images(folder: RunFolder, key: tuple) -> tuple[torch.Tensor, torch.Ten
 def _distances(metric, recs: torch.Tensor, origs: torch.Tensor, chunk: int = 512) -> np.ndarray:
     """Distance of every reconstruction (rows) to every original (columns), lower meaning closer."""
     n = len(recs)
-    pairs_r = recs.repeat_interleave(n, dim=0)
-    pairs_o = origs.repeat(n, 1, 1, 1)
-    values = torch.cat([metric.fn(pairs_r[i:i + chunk], pairs_o[i:i + chunk]).detach().cpu()
-                        for i in range(0, len(pairs_r), chunk)])
+    pairs = torch.arange(n * n)
+    values = torch.cat([metric.fn(recs[idx // n], origs[idx % n]).detach().cpu()
+                        for idx in pairs.split(chunk)])  # n^2 pairs, built a chunk at a time
     d = values.view(n, n).double().numpy()
     return -d if metric.higher_is_better else d
 
@@ -337,6 +352,8 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
     for ax, metric in zip(axes[0], panels):
         for defense, ws in by_defense.items():
             ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
+            if not ws:
+                continue
             xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
             if all(w["baseline"] for w in ws):
                 ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=13, color="black", zorder=3,
@@ -387,11 +404,11 @@ def plot_leakage_by_step(summary: dict, path: Path) -> bool:
 
 def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
     """For defenses with a formal guarantee: leakage and accuracy against epsilon (log scale)."""
+    metric = summary["leakage_metric"]
     points = sorted((w for w in summary["worst_case"] if w.get("epsilon") is not None
-                     and math.isfinite(w["epsilon"])), key=lambda w: w["epsilon"])
+                     and math.isfinite(w["epsilon"]) and w.get(metric) is not None), key=lambda w: w["epsilon"])
     if not points:
         return False
-    metric = summary["leakage_metric"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.4, 4.6))
     for defense in dict.fromkeys(w["defense"] for w in points):
         ws = [w for w in points if w["defense"] == defense]
@@ -401,7 +418,7 @@ def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
         if all(w["accuracy"] is not None for w in ws):
             right.plot(xs, [w["accuracy"] for w in ws], marker="o", label=defense)
     for w in summary["worst_case"]:
-        if w["baseline"]:
+        if w["baseline"] and w.get(metric) is not None:
             left.axhline(w[metric], color="black", linewidth=1, label="no defense")
             if w["accuracy"] is not None:
                 right.axhline(w["accuracy"], color="black", linewidth=1, label="no defense")
@@ -576,13 +593,15 @@ def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def environment(template: Path | None) -> tuple[jinja2.Environment, str]:
-    """The template environment (a user's template may extend the built-in one) and the page's name."""
-    folders = [str(TEMPLATES)] if template is None else [str(template.parent), str(TEMPLATES)]
+def page_template(template: Path | None = None) -> jinja2.Template:
+    """The page's template: the built-in one, or the user's, which may ``{% extends "report.html.j2" %}`` (the
+    built-in one is found first, so a user's file of that name does not extend itself) and include files
+    beside it. Raises ``jinja2.TemplateError`` for a template that does not compile."""
+    folders = [str(TEMPLATES)] + ([] if template is None else [str(template.parent)])
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(folders), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(num=_num, interval=_interval, epsilon=_epsilon, percent=_percent, params=params_text)
-    return env, (TEMPLATE if template is None else template.name)
+    return env.get_template(TEMPLATE) if template is None else env.from_string(template.read_text())
 
 
 def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes: list[str],
@@ -617,8 +636,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes
     if audit.registry.pm is not None:
         for extra in audit.registry.pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):
             extras.extend((title, jinja2.utils.markupsafe.Markup(content)) for title, content in extra or [])
-    env, name = environment(template)
-    page = env.get_template(name).render(
+    page = page_template(template).render(
         summary=summary, audit=audit, figures=figures, grids=grids, extras=extras,
         threat=threat_model(audit), provenance=provenance(audit, run_info),
         metrics=audit.metrics, leak=summary["leakage_metric"],

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 import yaml
 
-from leakaudit.evaluator.config import AttackSpec, Audit, DefenseSetting, load_audit
+from leakaudit.evaluator.config import AttackSpec, Audit, AuditLoader, DefenseSetting, load_audit
 from leakaudit.evaluator.scenario import derive_seed
 
 RESULTS = "results.jsonl"
@@ -99,13 +99,13 @@ def _now() -> str:
 
 #: Audit keys that change only how results are judged and reported, never a result: a run may be resumed,
 #: or its report rebuilt, with them changed.
-JUDGING_KEYS = ("workers", "verdict")
+JUDGING_KEYS = ("workers", "verdict", "name", "leakage_metric")
 
 
 def same_audit(first: str, second: str) -> bool:
     """Whether two audit files ask for the same results (they may differ in how the results are judged)."""
     def results_part(text: str) -> Any:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=AuditLoader) or {}  # as load_audit reads it (1e-5 is a float)
         if not isinstance(raw, dict):
             return raw
         out = {k: v for k, v in raw.items() if k not in JUDGING_KEYS}
@@ -277,8 +277,14 @@ class RunFolder:
         tmp.replace(self.path / name)
 
     def start_session(self, info: dict[str, Any]) -> None:
-        """Record in run.json that a run (or a resume) of this folder starts: its versions, device and time."""
+        """Record in run.json that a run (or a resume) of this folder starts: its versions, device and time.
+        A resume on another kind of device, or with other kernels, would mix numbers: refused."""
         saved = self.read_json(RUN_INFO) or {"sessions": []}
+        for key, what in (("device_type", "device"), ("deterministic", "deterministic kernels")):
+            if key in saved and key in info and saved[key] != info[key]:
+                raise RunError(f"--resume: {self.path} was run with {what} {saved[key]} and this session has "
+                               f"{info[key]}; its rows would mix numbers: resume where it started (device: in the "
+                               "audit file), or choose another --out")
         saved.update(info)
         saved["sessions"].append({"started": _now(), "finished": None, "seconds": None,
                                   "versions": info.get("versions"), "device": info.get("device")})

@@ -251,17 +251,23 @@ class WorkerPool:
                 bar.update(_size(item))
         else:
             pool = self._processes()
-            futures = {pool.submit(_in_process, method, item): item for item in items}
+            futures: dict = {}
             try:
+                for item in items:
+                    futures[pool.submit(_in_process, method, item)] = item
                 for fut in as_completed(futures):
                     try:
                         result = fut.result()
                     except BrokenProcessPool:
-                        raise RunError(f"a worker process died during {desc} ({_describe(futures[fut])}), killed "
-                                       "by the system (out of memory?); the rows already written are kept: rerun "
+                        raise RunError(f"a worker process died or failed to start during {desc} "
+                                       f"({_describe(futures[fut])}): killed by the system (out of memory?) or "
+                                       "stopped by an error printed above; the rows already written are kept: rerun "
                                        "with --resume, with a smaller max_problems: or fewer --workers") from None
                     on_result(futures[fut], result)
                     bar.update(_size(futures[fut]))
+            except BrokenProcessPool:  # broken before any result came back (a worker failed to start)
+                raise RunError(f"a worker process died or failed to start during {desc}: killed by the system "
+                               "(out of memory?) or stopped by an error printed above; rerun with --resume") from None
             except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
                 for fut in futures:
                     fut.cancel()
@@ -305,7 +311,9 @@ def run_info(scenario: Scenario, workers: int) -> dict[str, Any]:
              else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
              else f"cpu: one process, {torch.get_num_threads()} torch thread(s)")
     labels = scenario.data.test_y.long().cpu()
-    return {"versions": versions, "device": where, "audit_file": str(scenario.audit.path.resolve()),
+    return {"versions": versions, "device": where, "device_type": device.type,
+            "deterministic": scenario.audit.deterministic or device.type != "cuda",
+            "audit_file": str(scenario.audit.path.resolve()),
             "num_classes": scenario.data.num_classes,
             "chance_accuracy": float(torch.bincount(labels).max()) / len(labels)}
 
@@ -322,8 +330,17 @@ def _version(package: str) -> str:
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
               workers: int | None = None, template: Path | None = None) -> dict[str, Any]:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
+    restore = deterministic_kernels(audit)
+    try:
+        return _run(audit, out_dir, resume, progress, workers, template)
+    finally:
+        restore()
+
+
+def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, workers: int | None,
+         template: Path | None) -> dict[str, Any]:
+    """``run_audit``'s work, under the audit's kernel flags."""
     started = time.perf_counter()
-    deterministic_kernels(audit)
     scenario = Scenario(audit)
     check_scenario(scenario)
     folder = RunFolder(out_dir, audit)

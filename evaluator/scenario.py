@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 from functools import cached_property
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,17 +41,25 @@ def round_generators(device: torch.device, seed: int, setting_key: str, checkpoi
             generator(device, seed, f"{purpose}attack", setting_key, checkpoint, index))
 
 
-def deterministic_kernels(audit: Audit) -> None:
+def deterministic_kernels(audit: Audit) -> Callable[[], None]:
     """Same file, same numbers on CUDA too (``deterministic: true``): deterministic cuDNN and cuBLAS kernels,
     set before the process first touches CUDA (cuBLAS reads its workspace setting once). Without them two
     runs of one audit on an H100 differed by up to 0.8 dB per image; with them, not at all, at several times
-    the run time (docs/results.md). A CPU is deterministic either way."""
-    if audit.device != "cuda" or not audit.deterministic:
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    the run time (docs/results.md). A CPU is deterministic either way. Returns what restores the flags."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+
+    def restore() -> None:
+        """Put the process's flags back as they were (a caller's own code is not left in deterministic mode)."""
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+    if audit.device == "cuda" and audit.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return restore
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:

@@ -2,8 +2,8 @@
 
 A setting **leaks** where its strongest attack beats the best guess made without the gradient (random
 noise, flat grey or the training split's mean image, whichever scores best) by the leakage metric's
-margin, or where an attack's reconstructions identify their originals (a share at least ``identifiable``
-of them is nearest its own original among all targets, beyond chance). It **protects but is
+margin, or (one image per update) where an attack's reconstructions identify their originals: a share at
+least ``identifiable`` of them is nearest its own original among all targets, beyond chance. It **protects but is
 unusable** where it does not leak and its test accuracy stays under chance plus a margin; otherwise it
 **protects**. The thresholds and the statistic compared are the audit's ``verdict:`` section.
 """
@@ -104,23 +104,25 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
     statistic = options["statistic"]
     if statistic == "mean":
         value, what = top[f"{name}_mean"], "mean"
-    elif statistic == "ci_bound":
-        value, what = leak_side(metric, top[f"{name}_ci"]), f"{options['confidence']:.0%} bound"
     else:
-        worst = max(cells, key=lambda c: c["worst_image"] if metric.higher_is_better else -c["worst_image"])
-        value, what = worst["worst_image"], "worst image"
+        value, what = leak_side(metric, top[f"{name}_ci"]), f"{options['confidence']:.0%} bound"
     lo, hi = top[f"{name}_ci"]
     evidence = (f"{top['attack']} reaches {name} {_fmt(top[f'{name}_mean'])} "
                 f"({options['confidence']:.0%} CI {_fmt(lo)} to {_fmt(hi)}, n={top[f'{name}_n']})")
     if runner_up is not None and intervals_overlap(top, runner_up, name):
         evidence += f"; {runner_up['attack']} is within its interval"
-    if top.get("identifiable") is not None:
-        evidence += (f"; {top['identifiable']:.0%} of its reconstructions are nearest their own original "
-                     f"(a guess: about {1 / top[f'{name}_n']:.0%})")
+    if top.get("identifiable") is not None and top.get("identifiable_n"):
+        batch = options.get("batch_size", 1)
+        evidence += (f"; {top['identifiable']:.0%} of its reconstructions are nearest their own original " + (
+            f"(a guess: about {1 / top['identifiable_n']:.0%})" if batch == 1 else
+            f"(not tested at {batch} images per update: matching within a batch favours its own)"))
     out = {"attack": top["attack"], "score": top[f"{name}_mean"], "ci": top[f"{name}_ci"], "statistic": statistic,
            "compared": value, "threshold": None if threshold is None else threshold["value"],
            "accuracy": accuracy, "min_accuracy": needed}
     if threshold is None:
+        named = identified(cells, name, options)
+        if named is not None:
+            return {**out, "verdict": LEAKS, "reason": f"{evidence}; {named}"}
         return {**out, "verdict": None, "reason": f"not judged: no guess without the gradient scores {name}"}
     beats = metric.better(value, threshold["value"])
     bar = (f"{_fmt(threshold['value'])} ({threshold['guess']} guess {_fmt(threshold['guess_score'])} "
@@ -153,9 +155,11 @@ def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str |
     if options.get("identifiable") is None:
         return None
     for c in sorted(cells, key=lambda c: -(c.get("identifiable") or 0)):
-        share, n = c.get("identifiable"), c.get(f"{metric}_n") or 0
-        if share is None or n < 2 or math.isnan(share) or share < options["identifiable"]:
-            return None
+        share, n = c.get("identifiable"), c.get("identifiable_n") or 0
+        if share is None or n < 2 or math.isnan(share):
+            continue
+        if share < options["identifiable"]:
+            return None  # the cells are in decreasing share: none of the rest reaches it either
         hits = round(share * n)
         p = binomtest(hits, n, 1 / n, alternative="greater").pvalue
         if p < 1 - options["confidence"]:
@@ -184,6 +188,12 @@ def identifiable_share(distances: np.ndarray) -> float:
 
 
 def gate_failures(summary: dict[str, Any]) -> list[str]:
-    """One line per setting marked ``must_protect`` whose verdict is ``leaks`` (what ``--fail-on-leak`` fails on)."""
-    return [f"{w['setting']} (must_protect) leaks at step {w['verdict_checkpoint']}: {w['reason']}"
-            for w in summary["worst_case"] if w.get("must_protect") and w["verdict"] == LEAKS]
+    """One line per setting marked ``must_protect`` that leaks, or that could not be judged (the gate fails
+    closed: a setting it cannot vouch for is not passed)."""
+    lines = []
+    for w in summary["worst_case"]:
+        if w.get("must_protect") and w["verdict"] == LEAKS:
+            lines.append(f"{w['setting']} (must_protect) leaks at step {w['verdict_checkpoint']}: {w['reason']}")
+        elif w.get("must_protect") and w["verdict"] is None:
+            lines.append(f"{w['setting']} (must_protect) could not be judged: {w['reason']}")
+    return lines

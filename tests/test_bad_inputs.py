@@ -183,7 +183,7 @@ CASES = [
      "attacks[0].params.layer_weights: unknown parameter"),
     # verdict thresholds and the gate's marks
     (_with("verdict.statistic", "median"), "verdict.statistic: 'median' is not one of the choices; choices: mean, "
-                                           "ci_bound, worst_image"),
+                                           "ci_bound"),
     (_with("verdict.margin", -1.0), "verdict.margin: -1.0 is below the minimum 0.0"),
     (_with("verdict.confidence", 1.5), "verdict.confidence: 1.5 is above the maximum 0.999"),
     (_with("verdict.bootstrap", 10), "verdict.bootstrap: 10 is below the minimum 100"),

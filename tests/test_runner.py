@@ -273,5 +273,23 @@ def test_a_worker_killed_by_the_system_is_one_line_and_resumable(write_audit, tm
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 2, err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("leakaudit: error: a worker process died during attacks (")
+    assert err.strip().splitlines()[-1].startswith(
+        "leakaudit: error: a worker process died or failed to start during attacks (")
     assert err.strip().endswith("rerun with --resume, with a smaller max_problems: or fewer --workers")
+
+
+def test_resume_allows_what_only_judges_and_refuses_another_device(write_audit, tmp_path):
+    """A changed name, leakage_metric, verdict or must_protect changes no row: resume goes on. A resume on
+    another kind of device would mix its numbers with the first session's: refused in one line."""
+    out = tmp_path / "out"
+    first = small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}])
+    run_audit(load_audit(write_audit(first)), out, progress=False)
+    judged = {**first, "name": "renamed", "leakage_metric": "ssim", "verdict": {"margin": 0.1, "bootstrap": 500},
+              "defenses": [{"name": "none"}, {"name": "gaussian", "params": {"sigma": 0.1}, "must_protect": True}]}
+    summary = run_audit(load_audit(write_audit(judged, "judged.yaml")), out, resume=True, progress=False)
+    assert summary["audit"] == "renamed" and summary["leak_threshold"]["margin"] == 0.1
+    info = json.loads((out / "run.json").read_text())
+    assert len(info["sessions"]) == 2 and info["device_type"] == "cpu"
+    (out / "run.json").write_text(json.dumps({**info, "device_type": "cuda"}))
+    with pytest.raises(RunError, match=r"^--resume: .* was run with device cuda and this session has cpu"):
+        run_audit(load_audit(write_audit(first)), out, resume=True, progress=False)

@@ -111,9 +111,11 @@ def test_deterministic_kernels_on_cuda_only_and_only_when_asked(monkeypatch):
         deterministic_kernels(SimpleNamespace(device="cpu", deterministic=True))
         deterministic_kernels(SimpleNamespace(device="cuda", deterministic=False))
         assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
-        deterministic_kernels(SimpleNamespace(device="cuda", deterministic=True))
+        restore = deterministic_kernels(SimpleNamespace(device="cuda", deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        restore()  # run_audit restores them when it ends: the caller's own code is not left deterministic
+        assert torch.are_deterministic_algorithms_enabled() == before[0]
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

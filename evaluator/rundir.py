@@ -313,7 +313,8 @@ def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[st
         audit = load_audit(config, list(plugins_dirs))
         if not same_audit(text, audit.text):
             raise RunError(f"--config: {config} asks for other results than the run in {path} (saved as {saved}); "
-                           "only its verdict: section, workers and must_protect marks may differ")
+                           "only its name, leakage_metric, verdict: section, workers and must_protect marks may "
+                           "differ")
         return audit
     info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
     original = Path(info.get("audit_file", ""))

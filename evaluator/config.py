@@ -86,6 +86,9 @@ UTILITY = {
     "momentum": Param(0.0, float, min=0.0, max=1.0),
     "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True,
                    help="delta at which epsilon is reported for defenses with a formal guarantee"),
+    "train_defended": Param(True, bool, help="train under the defense; false: plain SGD on clean updates, the "
+                                             "defense only on the attacked update (Balunovic et al. 2022's "
+                                             "setting); accuracy is then the clean model's, and no epsilon"),
 }
 STATISTICS = ("mean", "ci_bound")
 VERDICT = {

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.config import DefenseSetting
 from leakaudit.evaluator.scenario import Scenario, derive_seed, generator, loss_fn
 from leakaudit.plugins.defense import Defense
@@ -39,13 +40,14 @@ def training_run(scenario: Scenario, setting: DefenseSetting, steps: int) -> Tra
 
 
 def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:
-    """Epsilon at ``utility.delta`` after the utility training (None: no formal guarantee).
+    """Epsilon at ``utility.delta`` after the utility training (None: no formal guarantee, no training, or
+    training that did not run under the defense).
 
     The sample rate is Opacus's, 1 / ceil(train size / batch size), so the figure is the one
     Opacus's PrivacyEngine reports for the same training.
     """
     cfg = scenario.audit.utility
-    if cfg["train_steps"] == 0:
+    if cfg["train_steps"] == 0 or not cfg["train_defended"]:
         return None
     rate = opacus_sample_rate(len(scenario.data.train_x), cfg["batch_size"])
     return defense.privacy_spent(cfg["train_steps"], rate, cfg["delta"])
@@ -64,14 +66,17 @@ def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str
     total = max(cfg["train_steps"], max(audit.checkpoints))
     states: dict[int, dict] = {}
     accuracies: dict[int, float] = {}
-    for step, current in enumerate(defense.train(model, training_run(scenario, setting, total))):
+    # utility.train_defended: false trains as the undefended baseline does (plain SGD on clean updates)
+    trainer = defense if cfg["train_defended"] else NoDefense()
+    for step, current in enumerate(trainer.train(model, training_run(scenario, setting, total))):
         if step in audit.checkpoints:
             states[step] = {k: v.detach().clone() for k, v in current.state_dict().items()}
         if step in audit.checkpoints or step == cfg["train_steps"]:
             accuracies[step] = accuracy(current, scenario)
     final = accuracies[cfg["train_steps"]] if cfg["train_steps"] > 0 else None
     return {"setting": setting.key, "defense": setting.name, "params": setting.params, "accuracy": final,
-            "train_steps": cfg["train_steps"], "epsilon": privacy_spent(scenario, defense), "delta": cfg["delta"],
+            "train_steps": cfg["train_steps"], "train_defended": cfg["train_defended"],
+            "epsilon": privacy_spent(scenario, defense), "delta": cfg["delta"],
             "model_changes": defense.model_changes,
             "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
             "seconds": time.perf_counter() - start, "states": states}

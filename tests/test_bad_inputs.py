@@ -161,6 +161,7 @@ CASES = [
     (_with("utility.momentum", 2), "utility.momentum: 2 is above the maximum 1.0"),
     (_with("utility.delta", 0), "utility.delta: 0 must be greater than 0.0"),
     (_with("utility.epochs", 3), "utility.epochs: unknown parameter"),
+    (_with("utility.train_defended", "no"), "utility.train_defended: 'no' is not of type bool"),
     (_with("utility", 5), "utility: 5 is not of type dict"),
     (_with("threat.known_labels", "yes"), "threat.known_labels: 'yes' is not of type bool"),
     (_with("threat.labels", True), "threat.labels: unknown parameter"),

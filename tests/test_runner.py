@@ -293,3 +293,25 @@ def test_resume_allows_what_only_judges_and_refuses_another_device(write_audit, 
     (out / "run.json").write_text(json.dumps({**info, "device_type": "cuda"}))
     with pytest.raises(RunError, match=r"^--resume: .* was run with device cuda and this session has cpu"):
         run_audit(load_audit(write_audit(first)), out, resume=True, progress=False)
+
+
+def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_audit, tmp_path):
+    """utility.train_defended: false (Balunovic et al. 2022's step-500 setting): every setting trains as the
+    undefended one does, from the same start on the same batches, so their models and accuracies are equal;
+    epsilon is not claimed; the attacked update is still defended."""
+    audit = small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}},
+                                  {"name": "dpsgd", "params": {"noise_multiplier": 1.0}}],
+                        model={"name": "lenet_zhu", "checkpoints": [0, 5]},
+                        attacks=[{"name": "inverting_gradients", "params": {"iterations": 150, "lr": 0.1,
+                                                                           "priors": {"tv": 0.01}}}],
+                        utility={"train_steps": 5, "batch_size": 8, "train_defended": False})
+    summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
+    utility = summary["utility"]
+    accuracies = {u["accuracy"] for u in utility.values()}
+    assert len(accuracies) == 1 and all(u["epsilon"] is None for u in utility.values())
+    rows = {(r["setting"], r["checkpoint"]): r["psnr"] for r in _rows(tmp_path / "out") if r["target"] == 0}
+    assert rows[("gaussian(sigma=1.0)", 0)] < rows[("none", 0)] - 3.0  # the shared update is still noised
+    defended = run_audit(load_audit(write_audit({**audit, "utility": {**audit["utility"], "train_defended": True}},
+                                                "defended.yaml")), tmp_path / "defended", progress=False)
+    assert len({u["accuracy"] for u in defended["utility"].values()}) > 1  # trained under the defenses: they differ
+    assert defended["utility"]["dpsgd(noise_multiplier=1.0)"]["epsilon"] > 0

@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     rep = sub.add_parser("report", help="write the report of a finished run folder again (no attack is rerun)")
     rep.add_argument("folder", help="a run's --out folder")
-    rep.add_argument("--config", help="judge with this audit file's verdict: section and must_protect marks "
-                                      "(it must ask for the same results as the run's)")
+    rep.add_argument("--config", help="judge with this audit file's name, leakage_metric, verdict: section and "
+                                      "must_protect marks (it must ask for the same results as the run's)")
     for sp in (run, rep):
         sp.add_argument("--template", type=Path, help="a Jinja2 template for report.html (it may extend "
                                                       "'report.html.j2' and replace its blocks)")

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from leakaudit.evaluator.config import Audit  # noqa: E402
-from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob, RunFolder  # noqa: E402
+from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob, RunFolder, row_key  # noqa: E402
 from leakaudit.evaluator.tuning import grid_positions, value_at, winners  # noqa: E402
 from leakaudit.evaluator.verdict import (  # noqa: E402
     LEAKS,
@@ -49,14 +49,14 @@ def _per_image(row: dict, metric: str) -> list[float | None]:
 
 
 def _worst_image(rows: list[dict], metric) -> dict[str, Any] | None:
-    """The single most leaking image of a cell: its score, target batch and place in the batch (None for rows
-    without per-image scores: a label metric, or rows written before they were kept)."""
+    """The single most leaking image of ``rows``: its attack, step, score, target batch and place in the batch
+    (None for rows without per-image scores: a label metric, or rows written before they were kept)."""
     best = None
     for r in rows:
         for i, v in enumerate(r.get("per_image", {}).get(metric.name, [])):
             if v is not None and math.isfinite(v) and (best is None or metric.better(v, best["score"])):
-                best = {"score": v, "target": r["target"], "index": i,
-                        "image": r["images"][i] if "images" in r and i < len(r["images"]) else None}
+                best = {"attack": r["attack"], "checkpoint": r["checkpoint"], "score": v, "target": r["target"],
+                        "index": i, "image": r["images"][i] if "images" in r and i < len(r["images"]) else None}
     return best
 
 
@@ -88,9 +88,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             if bad:
                 notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
                              "(the model or the reconstruction diverged); the cell leaves them out")
-        worst = _worst_image(rs, leakage)
-        cell["worst_image"] = None if worst is None else worst["score"]
-        cell["worst_image_at"] = worst
+        cell["worst_image"] = _worst_image(rs, leakage)
         cell["identifiable"], cell["identifiable_by"] = identified.get(key), identified_by
         cell["identifiable_n"] = len(rs) * audit.data["batch_size"]
         cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
@@ -112,8 +110,6 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         verdicts.extend(per_step)
         top, _ = strongest(mine, leakage)
         final = overall(per_step)
-        worst_cell = max(mine, key=lambda c: -math.inf if c["worst_image"] is None else
-                         (c["worst_image"] if leakage.higher_is_better else -c["worst_image"]))
         worst_case.append({
             "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
             "must_protect": s.must_protect, "accuracy": top["accuracy"], "epsilon": top["epsilon"],
@@ -123,8 +119,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             **{f"{m}_ci": top.get(f"{m}_ci") for m in (leakage.name, *SECOND_METRICS) if f"{m}_ci" in top},
             "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
             "verdict_checkpoint": final["checkpoint"],
-            "worst_image": {"attack": worst_cell["attack"], "checkpoint": worst_cell["checkpoint"],
-                            **(worst_cell["worst_image_at"] or {})}})
+            "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}})
     return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better,
             "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
@@ -199,14 +194,17 @@ def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list
 
 # --- identifiability ---------------------------------------------------------------------------
 
+def _job(audit: Audit, setting: str, attack: str, checkpoint: int, target: int) -> AttackJob:
+    """The attack job of a results row's key, to find its saved reconstruction."""
+    return AttackJob(next(s for s in audit.settings if s.key == setting),
+                     next(a for a in audit.attacks if a.key == attack), checkpoint, target)
+
+
 def _cell_images(folder: RunFolder, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A cell's reconstructions and originals over all its target batches (None when one is missing)."""
-    audit = folder.audit
-    setting = next(s for s in audit.settings if s.key == key[0])
-    attack = next(a for a in audit.attacks if a.key == key[1])
     recs, origs = [], []
-    for t in range(audit.num_batches):
-        saved = folder.load_reconstruction(AttackJob(setting, attack, key[2], t))
+    for t in range(folder.audit.num_batches):
+        saved = folder.load_reconstruction(_job(folder.audit, *key, t))
         if saved is None:
             return None
         recs.append(saved["reconstruction"].float())
@@ -501,9 +499,7 @@ def plot_worst_images(folder: RunFolder, summary: dict, path: Path) -> bool:
         at = w["worst_image"]
         if "target" not in at:
             continue
-        setting = next(s for s in audit.settings if s.key == w["setting"])
-        attack = next(a for a in audit.attacks if a.key == at["attack"])
-        saved = folder.load_reconstruction(AttackJob(setting, attack, at["checkpoint"], at["target"]))
+        saved = folder.load_reconstruction(_job(audit, w["setting"], at["attack"], at["checkpoint"], at["target"]))
         if saved is not None:
             shown.append((w, saved["original"][at["index"]], saved["reconstruction"][at["index"]]))
     if not shown:
@@ -604,7 +600,7 @@ def page_template(template: Path | None = None) -> jinja2.Template:
     return env.get_template(TEMPLATE) if template is None else env.from_string(template.read_text())
 
 
-def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes: list[str],
+def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
                  baselines: dict[str, dict[str, float | None]], tuning: list[dict],
                  architecture: list[dict[str, Any]], run_info: dict[str, Any] | None = None,
                  template: Path | None = None) -> dict:
@@ -614,12 +610,12 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict], notes
     """
     audit, out_dir = folder.audit, folder.path
     run_info = run_info or {}
-    notes = sorted(set(notes) | {n for r in rows for n in r.get("notes", [])})
+    notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
     summary = summarise(audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
-    summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning, notes), architecture=architecture,
-                   run=run_info)
+    summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning, summary["warnings"]),
+                   architecture=architecture, run=run_info)
     folder.write_json(SUMMARY, summary)
-    by_key = {(r["setting"], r["attack"], r["checkpoint"], r["target"]): r for r in rows}
+    by_key = {row_key(r): r for r in rows}
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p)),
                        ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),

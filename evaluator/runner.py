@@ -259,20 +259,23 @@ class WorkerPool:
                     try:
                         result = fut.result()
                     except BrokenProcessPool:
-                        raise RunError(f"a worker process died or failed to start during {desc} "
-                                       f"({_describe(futures[fut])}): killed by the system (out of memory?) or "
-                                       "stopped by an error printed above; the rows already written are kept: rerun "
-                                       "with --resume, with a smaller max_problems: or fewer --workers") from None
+                        raise _worker_lost(f"{desc} ({_describe(futures[fut])})") from None
                     on_result(futures[fut], result)
                     bar.update(_size(futures[fut]))
             except BrokenProcessPool:  # broken before any result came back (a worker failed to start)
-                raise RunError(f"a worker process died or failed to start during {desc}: killed by the system "
-                               "(out of memory?) or stopped by an error printed above; rerun with --resume") from None
+                raise _worker_lost(desc) from None
             except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
                 for fut in futures:
                     fut.cancel()
                 raise
         bar.close()
+
+
+def _worker_lost(during: str) -> RunError:
+    """A worker process that died (the system's out-of-memory killer) or failed to start, as one line."""
+    return RunError(f"a worker process died or failed to start during {during}: killed by the system (out of "
+                    "memory?) or stopped by an error printed above; the rows already written are kept: rerun with "
+                    "--resume, with a smaller max_problems: or fewer --workers")
 
 
 def _describe(item: Any) -> str:
@@ -303,9 +306,8 @@ def run_info(scenario: Scenario, workers: int) -> dict[str, Any]:
 
     from leakaudit import __version__
 
-    versions = {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version()}
-    for name in ("torchvision", "opacus"):
-        versions[name] = sys.modules[name].__version__ if name in sys.modules else _version(name)
+    versions = {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                **{name: _version(name) for name in ("torchvision", "opacus")}}
     device = scenario.device
     where = (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
              else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
@@ -379,8 +381,7 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     folder.write_json(BASELINES, baselines)
     analysis = architecture(scenario, folder)
     info = folder.finish_session(time.perf_counter() - started)
-    return write_report(folder, rows, folder.utility.read(), sorted(notes), baselines, trials, analysis, info,
-                        template)
+    return write_report(folder, rows, folder.utility.read(), baselines, trials, analysis, info, template)
 
 
 def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str, Any]:
@@ -395,7 +396,7 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str,
     if len(rows) < expected:
         raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
                        f"leakaudit run {audit.path} --out {folder.path} --resume")
-    return write_report(folder, rows, folder.utility.read(), [], folder.read_json(BASELINES), folder.tuning.read(),
+    return write_report(folder, rows, folder.utility.read(), folder.read_json(BASELINES), folder.tuning.read(),
                         folder.read_json(ARCHITECTURE), folder.read_json(RUN_INFO), template)
 
 

@@ -119,8 +119,8 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
     out = {"attack": top["attack"], "score": top[f"{name}_mean"], "ci": top[f"{name}_ci"], "statistic": statistic,
            "compared": value, "threshold": None if threshold is None else threshold["value"],
            "accuracy": accuracy, "min_accuracy": needed}
+    named = identified(cells, name, options)
     if threshold is None:
-        named = identified(cells, name, options)
         if named is not None:
             return {**out, "verdict": LEAKS, "reason": f"{evidence}; {named}"}
         return {**out, "verdict": None, "reason": f"not judged: no guess without the gradient scores {name}"}
@@ -129,7 +129,6 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
            f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold['margin'])})")
     if beats:
         return {**out, "verdict": LEAKS, "reason": f"{evidence}; its {what} beats the leak threshold {bar}"}
-    named = identified(cells, name, options)
     if named is not None:
         return {**out, "verdict": LEAKS, "reason": f"{evidence}; its {what} does not beat the leak threshold {bar}, "
                                                    f"but {named}"}

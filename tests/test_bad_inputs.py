@@ -189,6 +189,8 @@ CASES = [
     (_with("verdict.confidence", 1.5), "verdict.confidence: 1.5 is above the maximum 0.999"),
     (_with("verdict.bootstrap", 10), "verdict.bootstrap: 10 is below the minimum 100"),
     (_with("verdict.min_accuracy", 2), "verdict.min_accuracy: 2 is above the maximum 1.0"),
+    (_with("verdict.identifiable", 1.5), "verdict.identifiable: 1.5 is above the maximum 1.0"),
+    (_with("verdict.utility_margin", -0.1), "verdict.utility_margin: -0.1 is below the minimum 0.0"),
     (_with("verdict.threshold", 3), "verdict.threshold: unknown parameter"),
     (_with("verdict", "strict"), "verdict: 'strict' is not of type dict"),
     (_with("defenses.1.must_protect", "yes"), "defenses[1].must_protect: 'yes' is not of type bool"),

@@ -32,9 +32,8 @@ BASELINES = {"random": {"psnr": 6.0, "mse": 0.25}, "grey": {"psnr": 8.5, "mse": 
                                                                                                "mse": 0.12}}
 
 
-def _cell(attack: str, mean: float, ci: tuple[float, float], worst: float, n: int = 8) -> dict:
-    return {"attack": attack, "psnr_mean": mean, "psnr_ci": list(ci), "psnr_n": n, "worst_image": worst,
-            "identifiable_n": n}
+def _cell(attack: str, mean: float, ci: tuple[float, float], n: int = 8) -> dict:
+    return {"attack": attack, "psnr_mean": mean, "psnr_ci": list(ci), "psnr_n": n, "identifiable_n": n}
 
 
 # --- the statistics, exactly -------------------------------------------------------------------
@@ -71,12 +70,12 @@ def test_leak_threshold_is_the_better_guess_plus_the_metric_margin():
 
 def test_judge_leaks_protects_and_unusable_with_the_reason():
     t = leak_threshold(BASELINES, PSNR, None)
-    strong = [_cell("ig", 14.0, (12.0, 16.0), 18.0), _cell("dlg", 13.5, (11.0, 15.0), 15.0)]
+    strong = [_cell("ig", 14.0, (12.0, 16.0)), _cell("dlg", 13.5, (11.0, 15.0))]
     v = judge(strong, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
     assert v["verdict"] == LEAKS and v["attack"] == "ig"
     assert v["reason"] == ("ig reaches psnr 14 (95% CI 12 to 16, n=8); dlg is within its interval; its mean beats "
                            "the leak threshold 10 (mean guess 9 + margin 1)")
-    weak = [_cell("ig", 9.5, (8.0, 11.0), 12.0)]
+    weak = [_cell("ig", 9.5, (8.0, 11.0))]
     assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS
     unusable = judge(weak, PSNR, t, 0.11, 0.15, 0.1, OPTIONS)
     assert unusable["verdict"] == UNUSABLE
@@ -88,14 +87,14 @@ def test_judge_leaks_protects_and_unusable_with_the_reason():
 
 def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only():
     t = leak_threshold(BASELINES, PSNR, None)
-    weak = _cell("bayes", 9.5, (8.0, 11.0), 12.0, n=32)
+    weak = _cell("bayes", 9.5, (8.0, 11.0), n=32)
     # 11 of 32 nearest their own original: a guess gets 1 in 32; P(X >= 11) under Binomial(32, 1/32) = 1.9e-09
     v = judge([{**weak, "identifiable": 11 / 32}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
     assert v["verdict"] == LEAKS
     assert v["reason"].endswith("but bayes identifies 11 of 32 images (each reconstruction nearest its own original; "
                                 "a guess: 1 in 32, binomial p = 1.9e-09), at least the 25% the verdict allows")
     assert judge([{**weak, "identifiable": 4 / 32}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS  # < 25%
-    few = _cell("bayes", 9.5, (8.0, 11.0), 12.0, n=4)  # 2 of 4: P(X >= 2 | 4, 1/4) = 0.26, chance explains it
+    few = _cell("bayes", 9.5, (8.0, 11.0), n=4)  # 2 of 4: P(X >= 2 | 4, 1/4) = 0.26, chance explains it
     assert judge([{**few, "identifiable": 0.5}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS
     off = {**OPTIONS, "identifiable": None}
     assert judge([{**weak, "identifiable": 11 / 32}], PSNR, t, 0.9, 0.15, 0.1, off)["verdict"] == PROTECTS
@@ -269,3 +268,9 @@ def test_the_ci_gate_example_passes_its_own_tests(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:]
     assert "2 passed" in done.stdout
+
+
+def test_null_turns_a_verdict_option_off_and_keeps_the_default_elsewhere(write_audit):
+    audit = load_audit(write_audit(_audit(verdict={"identifiable": None, "margin": None, "min_accuracy": None})))
+    assert audit.verdict["identifiable"] is None and audit.verdict["margin"] is None
+    assert audit.verdict["statistic"] == "mean" and audit.verdict["utility_margin"] == 0.05

@@ -49,6 +49,11 @@ class Chain(Defense):
             loss_fn = m.client_loss(model, loss_fn)
         return loss_fn
 
+    def augment(self, pixels: Tensor, generator: torch.Generator) -> Tensor:
+        for m in self.members:
+            pixels = m.augment(pixels, generator)
+        return pixels
+
     def defended_tensors(self, names) -> set[str]:
         return set().union(*(m.defended_tensors(names) for m in self.members))
 

@@ -64,7 +64,11 @@ DATA = {
 }
 MODEL = {"name": Param(None, str, help="a zoo model (leakaudit plugins)"),
          "factory": Param(None, str, help="'package.module:build' returning your own nn.Module (instead of name)"),
-         "params": Param({}, dict), "checkpoints": Param([0], list)}
+         "params": Param({}, dict), "checkpoints": Param([0], list),
+         "mode": Param("train", str, choices=("train", "eval"),
+                       help="the mode the client's update is computed (and attacked) in: train (BatchNorm batch "
+                            "statistics) or eval (running statistics, as Geiping et al.'s and Balunovic et al.'s "
+                            "code attack)")}
 DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
            "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}"),
            "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)"),

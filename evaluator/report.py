@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from leakaudit.evaluator.config import Audit  # noqa: E402
 from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob, RunFolder, row_key  # noqa: E402
-from leakaudit.evaluator.tuning import grid_positions, value_at, winners  # noqa: E402
+from leakaudit.evaluator.tuning import grid_positions, value_at, winners, with_value  # noqa: E402
 from leakaudit.evaluator.verdict import (  # noqa: E402
     LEAKS,
     cell_statistics,
@@ -170,7 +170,8 @@ def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
 
 def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list[dict[str, Any]]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting,
-    and where the winner sits on each grid; a winner on a grid's edge adds a warning to ``notes``."""
+    and where the winner sits on each grid (a scan's best on the scan's own range); a winner on a grid's edge
+    adds a warning to ``notes``."""
     best = winners(trials, audit.registry)
     out = []
     for key, win in best.items():
@@ -178,12 +179,25 @@ def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list
         untuned = next(t for t in mine if t["trial"] == 0)
         spec = next(a.tune for a in audit.attacks if a.key == key[1])
         changed = {k: v for k, v in win["params"].items() if untuned["params"].get(k) != v}
-        positions = grid_positions(spec.space, win["params"]) if win["trial"] != 0 else {}
-        for name, where in positions.items():
-            if where in ("lowest", "highest"):
-                notes.append(f"{key[0]}, {key[1]}, step {key[2]}: the tuned {name}={value_at(win['params'], name)} "
-                             f"is the {where} value of its grid {spec.space[name]}; the best may lie beyond it: "
-                             "widen the grid")
+        where = f"{key[0]}, {key[1]}, step {key[2]}"
+        scanned = None
+        if spec.scan:
+            (scan_win,) = winners([t for t in mine if t.get("stage") == "scan"], audit.registry).values()
+            scanned = value_at(scan_win["params"], spec.scan.param)
+        space = spec.space_after(scanned)
+        positions = grid_positions(space, win["params"]) if win["trial"] != 0 else {}
+        for name, place in positions.items():
+            if place in ("lowest", "highest"):
+                notes.append(f"{where}: the tuned {name}={value_at(win['params'], name)} is the {place} value "
+                             f"of its grid {space[name]}; the best may lie beyond it: widen the grid")
+        if spec.scan:
+            name = spec.scan.param
+            place = grid_positions({name: spec.scan.values()}, with_value({}, name, scanned))[name]
+            if place in ("lowest", "highest"):
+                notes.append(f"{where}: the scan's best {name}={scanned} is the {place} value of its scan "
+                             f"{spec.scan.low:g}..{spec.scan.high:g}; the best may lie beyond it: widen the scan")
+            positions = {f"scan {name}": f"{scanned:g} ({'untuned' if place == 'off the grid' else place})",
+                         **positions}
         out.append({"setting": key[0], "attack": key[1], "checkpoint": key[2], "metric": win["metric"],
                     "budget": spec.budget, "trials": len(mine), "tuning_batches": spec.targets,
                     "untuned": untuned["score"], "tuned": win["score"], "winner": changed or "untuned",
@@ -564,6 +578,8 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
     naive = [a.key for a in audit.attacks if a.role != "adaptive"]
     return [
         ("Model weights", "the attacked checkpoint's weights and architecture (white box, as the server holds them)"),
+        ("Model mode", "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model["mode"] ==
+         "train" else "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),
         ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.get("known_labels")
          else "not given: each attack recovers them from the update"),
         ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "")

@@ -64,6 +64,7 @@ class TuneJob:
     checkpoint: int
     trial: int
     params: dict
+    stage: str = "grid"  # "scan": the first stage of a two-stage search (tune.scan), else "grid"
 
     @property
     def key(self) -> tuple:

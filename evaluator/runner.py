@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from leakaudit.evaluator.analysis import analyse_all
@@ -47,7 +48,7 @@ from leakaudit.evaluator.scenario import (
     loss_fn,
     round_generators,
 )
-from leakaudit.evaluator.tuning import candidates, winners
+from leakaudit.evaluator.tuning import candidates, scan_best, scan_candidates, winners
 from leakaudit.evaluator.utility import privacy_spent, train_under_defense
 from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
@@ -62,14 +63,22 @@ def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[Attack
             if a.applies_to(s)]
 
 
-def tune_jobs_of(audit: Audit) -> list[TuneJob]:
+def tune_jobs_of(audit: Audit, tried: list[dict] = ()) -> list[TuneJob]:
+    """Every tuning trial known so far: a scanning search's grid trials appear once ``tried`` (the tuning
+    rows) holds its whole scan."""
     jobs = []
     for a in (a for a in audit.attacks if a.tune is not None):
         cls = audit.registry.get("attack", a.name)
         defaults = {k: p.default for k, p in cls.params.items() if not p.required}
-        trials = candidates(a.tune, a.params, defaults, derive_seed(audit.seed, "tune", a.identity))
-        jobs += [TuneJob(s, a, c, i, p) for s in audit.settings if a.applies_to(s) for c in audit.checkpoints
-                 for i, p in enumerate(trials)]
+        seed = derive_seed(audit.seed, "tune", a.identity)
+        scanned = len(scan_candidates(a.tune, a.params, defaults)) if a.tune.scan else 0
+        for s, c in ((s, c) for s in audit.settings if a.applies_to(s) for c in audit.checkpoints):
+            best = None
+            if a.tune.scan:
+                mine = [r for r in tried if (r["setting"], r["attack"], r["checkpoint"]) == (s.key, a.key, c)]
+                best = scan_best(a.tune, mine, scanned, audit.registry)
+            jobs += [TuneJob(s, a, c, i, p, "scan" if i < scanned else "grid")
+                     for i, p in enumerate(candidates(a.tune, a.params, defaults, seed, best))]
     return jobs
 
 
@@ -100,8 +109,11 @@ class AuditWorker:
             self._epsilon[setting.key] = privacy_spent(self.scenario, self.scenario.defense(setting))
         return self._epsilon[setting.key]
 
-    def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> list[Problem]:
-        """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems.
+    def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
+            list[Problem], list[Tensor]]:
+        """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems,
+        and the images each update was computed on (the pixels, or their augmentations under ATS): the
+        originals a reconstruction is scored against.
 
         The model is built and loaded once, so the problems share it (and vectorised attacks solve them
         together). ``purpose`` ("" for targets, "tune-" for tuning batches) and ``index`` seed the defense's
@@ -111,16 +123,19 @@ class AuditWorker:
         defense = sc.defense(setting)
         model = sc.fresh_model(defense, setting)
         model.load_state_dict(self._states_of(setting)[checkpoint])
-        model.train()
+        model.train(sc.model_section(setting)["mode"] == "train")
         shared: dict[int, tuple] = {}
-        out = []
+        out, originals = [], []
         for pixels, labels, index, attack in batches:
             share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint, index, purpose)
             if index not in shared:  # every trial of a search attacks the same update of a batch
+                pixels = defense.augment(pixels, share_gen)
                 step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.audit.protocol)
-                shared[index] = (defense.share(step), sc.threat(model, defense, labels))
-            out.append(Problem(*shared[index], attack_gen, attack))
-        return out
+                shared[index] = (defense.share(step), sc.threat(model, defense, labels), pixels)
+            update, threat, pixels = shared[index]
+            out.append(Problem(update, threat, attack_gen, attack))
+            originals.append(pixels)
+        return out, originals
 
     def tune(self, cell: Cell) -> list[dict[str, Any]]:
         """Every trial of one search, each on the tuning batches, solved together; a row per trial."""
@@ -129,16 +144,17 @@ class AuditWorker:
         metric = sc.audit.registry.get("metric", spec.metric)
         batches = [sc.tuning_batch(t) for t in range(spec.targets)]
         attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
-        problems = self.problems(first.setting, first.checkpoint, [
+        problems, originals = self.problems(first.setting, first.checkpoint, [
             (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
         recs = type(attacks[0]).reconstruct_all(problems, sc.audit.max_problems)
         rows = []
         for j, job in enumerate(cell.jobs):
-            mine = recs[j * spec.targets:(j + 1) * spec.targets]
-            values = [score([metric], r.images, px, r.labels, lb).values[metric.name] for r, (px, lb) in zip(mine, batches)]
+            mine = slice(j * spec.targets, (j + 1) * spec.targets)
+            values = [score([metric], r.images, px, r.labels, lb).values[metric.name]
+                      for r, px, (_, lb) in zip(recs[mine], originals[mine], batches)]
             rows.append({"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
-                         "trial": job.trial, "params": job.params, "metric": metric.name,
-                         "score": sum(values) / len(values), "seconds": round(sum(r.seconds for r in mine), 3)})
+                         "trial": job.trial, "stage": job.stage, "params": job.params, "metric": metric.name,
+                         "score": sum(values) / len(values), "seconds": round(sum(r.seconds for r in recs[mine]), 3)})
         return rows
 
     def attack(self, cell: Cell) -> list[tuple[dict[str, Any], list[str]]]:
@@ -147,11 +163,12 @@ class AuditWorker:
         audit = sc.audit
         attack = sc.attack(first.attack, first.params)
         batches = [sc.target_batch(job.target) for job in cell.jobs]
-        problems = self.problems(first.setting, first.checkpoint,
-                                 [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
+        problems, originals = self.problems(first.setting, first.checkpoint,
+                                            [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
         recs = type(attack).reconstruct_all(problems, audit.max_problems)
         metrics = [audit.registry.get("metric", m) for m in audit.metrics]
-        return [self._row(job, px, lb, rec, metrics) for job, (px, lb), rec in zip(cell.jobs, batches, recs)]
+        return [self._row(job, px, lb, rec, metrics)
+                for job, px, (_, lb), rec in zip(cell.jobs, originals, batches, recs)]
 
     def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
         """Score one reconstruction, keep it for the report, and make its results row."""
@@ -365,10 +382,13 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
         pool.run("train", [s for s in audit.settings if s.key not in trained], "training", progress,
                  lambda s, row: folder.utility.append(row))
 
-        tried = {trial_key(r) for r in folder.tuning.read()}
-        pool.run("tune", cells_of([j for j in tune_jobs_of(audit) if j.key not in tried], workers), "tuning",
-                 progress, lambda cell, rows: [folder.tuning.append(row) for row in rows])
         trials = folder.tuning.read()
+        for stage in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
+            tried = {trial_key(r) for r in trials}
+            pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], workers),
+                     "tuning" if stage == "scan" else "tuning, refined", progress,
+                     lambda cell, rows: [folder.tuning.append(row) for row in rows])
+            trials = folder.tuning.read()
 
         finished = {row_key(r) for r in folder.results.read()}
         pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]

@@ -129,6 +129,9 @@ class Scenario:
     def normalise(self, pixels: Tensor) -> Tensor:
         return (pixels - self.mean) / self.std
 
+    def denormalise(self, inputs: Tensor) -> Tensor:
+        return inputs * self.std + self.mean
+
     def defense(self, setting: DefenseSetting) -> Defense:
         return setting.build(self.audit.registry)
 

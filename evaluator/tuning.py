@@ -5,11 +5,16 @@ runner tries ``budget`` settings on tuning images drawn from the training split
 (the attacker's own data, never an attacked target), the untuned setting first,
 and attacks every target with the best. Balunovic et al. 2022: untuned attacks understate
 leakage, so an evaluator must tune them.
+
+With ``scan:`` the search has two stages, as in Balunovic et al. 2022 (Appendix A.3): one parameter (the prior
+weight beta) is first scanned on a log scale with the others untuned; the grid then searches it over
+``[best / factor, best * factor]`` beside the ``space``. Both stages count against the one budget.
 """
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +27,42 @@ TUNE = {
     "space": Param(type=dict, help="candidate values per parameter; dotted keys reach into mappings (priors.tv)"),
     "metric": Param("psnr", str, help="image metric that picks the winner"),
     "targets": Param(1, int, min=1, help="tuning batches drawn from the training split"),
+    "scan": Param(None, dict, help="a first stage: one parameter on a log scale, then refined in the grid "
+                                   "(param, low, high, per_decade, refine, factor)"),
 }
+
+SCAN = {
+    "param": Param(type=str, help="the parameter scanned first, dotted keys allowed (priors.tv: the prior weight)"),
+    "low": Param(type=float, min=0.0, exclusive_min=True, help="lowest value of the log scan"),
+    "high": Param(type=float, min=0.0, exclusive_min=True, help="highest value of the log scan"),
+    "per_decade": Param(1, int, min=1, help="scan values per factor of ten"),
+    "refine": Param(5, int, min=1, help="values of param in the grid, log-spaced over [best/factor, best*factor]"),
+    "factor": Param(2.0, float, min=1.0, exclusive_min=True, help="how far the grid reaches either side of the "
+                                                                  "scan's best"),
+}
+
+
+@dataclass(frozen=True)
+class ScanSpec:
+    """A validated ``tune.scan`` section: the first stage of a two-stage search."""
+
+    param: str
+    low: float
+    high: float
+    per_decade: int = 1
+    refine: int = 5
+    factor: float = 2.0
+
+    def values(self) -> list[float]:
+        """The scan's values, log-spaced from ``low`` to ``high``, each to 3 significant digits."""
+        steps = max(1, round(math.log10(self.high / self.low) * self.per_decade))
+        return [float(f"{self.low * (self.high / self.low) ** (i / steps):.3g}") for i in range(steps + 1)]
+
+    def around(self, best: float) -> list[float]:
+        """The grid's values of ``param``: ``refine`` points log-spaced over [best/factor, best*factor]."""
+        if self.refine == 1:
+            return [best]
+        return [float(f"{best * self.factor ** (2 * i / (self.refine - 1) - 1):.3g}") for i in range(self.refine)]
 
 
 @dataclass(frozen=True)
@@ -33,6 +73,13 @@ class TuneSpec:
     budget: int = 8
     metric: str = "psnr"
     targets: int = 1
+    scan: ScanSpec | None = None
+
+    def space_after(self, best: float | None) -> dict[str, list]:
+        """The grid of the second stage: ``space`` and, when scanning, the scanned parameter around ``best``."""
+        if self.scan is None or best is None:
+            return dict(self.space)
+        return {**self.space, self.scan.param: self.scan.around(best)}
 
 
 def with_value(params: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -46,23 +93,48 @@ def with_value(params: dict[str, Any], dotted: str, value: Any) -> dict[str, Any
     return out
 
 
-def candidates(spec: TuneSpec, base: dict[str, Any], defaults: dict[str, Any], seed: int) -> list[dict[str, Any]]:
-    """The untuned parameters first, then up to ``budget - 1`` distinct points of the space, seeded."""
+def scan_candidates(spec: TuneSpec, base: dict[str, Any], defaults: dict[str, Any]) -> list[dict[str, Any]]:
+    """The first stage of a scanning search: the untuned parameters, then each scan value with the rest untuned."""
     start = {**defaults, **base}
-    keys = sorted(spec.space)
-    grid = [dict(zip(keys, combo)) for combo in itertools.product(*(spec.space[k] for k in keys))]
+    out = [start]
+    for v in spec.scan.values() if spec.scan else []:
+        params = with_value(start, spec.scan.param, v)
+        if params not in out:
+            out.append(params)
+    return out
+
+
+def candidates(spec: TuneSpec, base: dict[str, Any], defaults: dict[str, Any], seed: int,
+               best: float | None = None) -> list[dict[str, Any]]:
+    """Every trial of a search, in order: the untuned parameters first, then up to ``budget`` distinct points,
+    seeded. A scanning search's trials are its scan, then (once the scan's ``best`` value is known) its grid."""
+    start = {**defaults, **base}
+    out = scan_candidates(spec, base, defaults)
+    if spec.scan is not None and best is None:
+        return out
+    space = spec.space_after(best)
+    keys = sorted(space)
+    grid = [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
     order = torch.randperm(len(grid), generator=torch.Generator().manual_seed(seed)).tolist()
-    out, seen = [start], [start]
     for i in order:
+        if len(out) >= spec.budget:
+            break
         params = start
         for k, v in grid[i].items():
             params = with_value(params, k, v)
-        if params not in seen:
-            seen.append(params)
+        if params not in out:
             out.append(params)
-        if len(out) == spec.budget:
-            break
     return out
+
+
+def scan_best(spec: TuneSpec, trials: list[dict[str, Any]], scanned: int, registry: Any) -> float | None:
+    """The scanned parameter's value in the best of one search's first ``scanned`` trials (its scan stage);
+    None until each of them has a row."""
+    first = [t for t in trials if t["trial"] < scanned]
+    if len({t["trial"] for t in first}) < scanned:
+        return None
+    (row,) = winners(first, registry).values()
+    return value_at(row["params"], spec.scan.param)
 
 
 def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: dict, where: str) -> tuple[
@@ -86,6 +158,7 @@ def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: di
                         attack_cls(**with_value(base, key, v))
                     except (ValueError, TypeError) as exc:
                         problems.append(f"{where}.space.{key}[{i}]: {exc}")
+    scan = _check_scan(section.get("scan"), attack_cls, base, section, f"{where}.scan", problems)
     metric = section.get("metric", "psnr")
     if metric in metrics and metrics[metric].on != "images":
         problems.append(f"{where}.metric: {metric!r} does not score images; choose an image metric")
@@ -95,7 +168,40 @@ def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: di
     if problems:
         return None, problems
     return TuneSpec(space=dict(space), budget=section.get("budget", 8), metric=metric,
-                    targets=section.get("targets", 1)), []
+                    targets=section.get("targets", 1), scan=scan), []
+
+
+def _check_scan(section: Any, attack_cls: type, base: dict[str, Any], tune: dict, where: str,
+                problems: list[str]) -> ScanSpec | None:
+    """Validate a ``tune.scan`` mapping; its problems are appended to ``problems``."""
+    if not isinstance(section, dict):
+        return None
+    found = check_params(SCAN, section, where)
+    if found:
+        problems.extend(found)
+        return None
+    scan = ScanSpec(**section)
+    head = scan.param.partition(".")[0]
+    if head not in attack_cls.params:
+        problems.append(f"{where}.param: {scan.param!r} is not a parameter of {attack_cls.name!r}; "
+                        f"choices: {', '.join(sorted(attack_cls.params))}")
+    elif scan.param in (tune.get("space") or {}):
+        problems.append(f"{where}.param: {scan.param!r} is also in tune.space; the scan sets its grid "
+                        "(remove it from space)")
+    elif scan.high <= scan.low:
+        problems.append(f"{where}.high: {scan.high!r} must be greater than low ({scan.low!r})")
+    elif tune.get("budget", TUNE["budget"].default) < len(scan.values()) + 2:
+        problems.append(f"{where}: {len(scan.values())} scan values and the untuned setting leave no grid "
+                        f"trial in tune.budget {tune.get('budget', TUNE['budget'].default)}; raise the budget to "
+                        f"at least {len(scan.values()) + 2} or scan fewer values")
+    else:
+        for bound in ("low", "high"):
+            try:
+                attack_cls(**with_value(base, scan.param, getattr(scan, bound)))
+            except (ValueError, TypeError) as exc:
+                problems.append(f"{where}.{bound}: {exc}")
+                break  # the other bound would only repeat it
+    return scan
 
 
 def winners(rows: list[dict[str, Any]], registry: Any) -> dict[tuple, dict[str, Any]]:

@@ -28,15 +28,19 @@ def accuracy(model: nn.Module, scenario: Scenario, batch: int = 256) -> float:
     return float(correct) / len(data.test_x)
 
 
-def training_run(scenario: Scenario, setting: DefenseSetting, steps: int) -> TrainingRun:
-    """The utility training of one defense setting: the whole training split, normalised, on the device."""
+def training_run(scenario: Scenario, setting: DefenseSetting, steps: int, defense: Defense) -> TrainingRun:
+    """The utility training of one defense setting: the whole training split, normalised, on the device,
+    each batch through ``defense.augment`` when the defense augments."""
     audit, data, cfg = scenario.audit, scenario.data, scenario.audit.utility
+    noise = generator(scenario.device, audit.seed, "utility", setting.identity)
+    transform = None
+    if defense.augments():
+        transform = lambda x: scenario.normalise(defense.augment(scenario.denormalise(x), noise))  # noqa: E731
     return TrainingRun(
         inputs=scenario.normalise(data.train_x.to(scenario.device)), labels=data.train_y.to(scenario.device),
         loss_fn=loss_fn, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], momentum=cfg["momentum"],
         batch_generator=torch.Generator().manual_seed(derive_seed(audit.seed, "batches")),
-        noise_generator=generator(scenario.device, audit.seed, "utility", setting.identity),
-        protocol=audit.protocol)
+        noise_generator=noise, protocol=audit.protocol, transform=transform)
 
 
 def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:
@@ -68,7 +72,7 @@ def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str
     accuracies: dict[int, float] = {}
     # utility.train_defended: false trains as the undefended baseline does (plain SGD on clean updates)
     trainer = defense if cfg["train_defended"] else NoDefense()
-    for step, current in enumerate(trainer.train(model, training_run(scenario, setting, total))):
+    for step, current in enumerate(trainer.train(model, training_run(scenario, setting, total, trainer))):
         if step in audit.checkpoints:
             states[step] = {k: v.detach().clone() for k, v in current.state_dict().items()}
         if step in audit.checkpoints or step == cfg["train_steps"]:

@@ -79,6 +79,17 @@ class Defense:
         """Names of shared tensors the defense rewrote so that an informed attacker leaves them out of a match."""
         return set()
 
+    def augment(self, pixels: Tensor, generator: torch.Generator) -> Tensor:
+        """The images the client really computes its update on, in pixel space [0, 1]: the private images
+        themselves, or their augmentations for a defense that trains on augmented images (ATS). Attacks
+        reconstruct, and are scored against, these. Draws all randomness from ``generator``."""
+        return pixels
+
+    @classmethod
+    def augments(cls) -> bool:
+        """Whether the defense changes the images the client trains on (overrides ``augment``)."""
+        return cls.augment is not Defense.augment
+
     @classmethod
     def shares_itself(cls) -> bool:
         """Whether the defense computes the update from the model and inputs (overrides ``share``)."""
@@ -88,8 +99,9 @@ class Defense:
         """Train ``model`` in place for ``run.steps`` steps under the defense (the utility side).
 
         Yields the model before every step and once after the last, so the caller can
-        checkpoint and score it. The default draws fixed-size batches with replacement and
-        applies each step's shared update with SGD; override to train another way (Opacus).
+        checkpoint and score it. The default draws fixed-size batches with replacement (through
+        ``augment`` when the defense augments) and applies each step's shared update with SGD;
+        override to train another way (Opacus).
         """
         optimiser = torch.optim.SGD(trainable(model), lr=run.lr, momentum=run.momentum)
         model.train()

@@ -20,6 +20,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.defenses.clipping",
     "leakaudit.defenses.dpsgd",
     "leakaudit.defenses.soteria",
+    "leakaudit.defenses.ats",
     "leakaudit.defenses.precode",
     "leakaudit.defenses.bayesian",
     "leakaudit.attacks.gradient_matching",

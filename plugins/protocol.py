@@ -269,12 +269,15 @@ class TrainingRun:
     batch_generator: torch.Generator
     noise_generator: torch.Generator
     protocol: Protocol = field(default=FEDSGD)
+    #: Applied to every drawn batch: an augmenting defense's ``augment``, in normalised space.
+    transform: Callable[[Tensor], Tensor] | None = None
 
     def batch(self) -> tuple[Tensor, Tensor]:
-        """A batch of ``batch_size`` examples drawn uniformly with replacement."""
+        """A batch of ``batch_size`` examples drawn uniformly with replacement, through ``transform``."""
         idx = torch.randint(len(self.inputs), (self.batch_size,), generator=self.batch_generator)
         idx = idx.to(self.inputs.device)
-        return self.inputs[idx], self.labels[idx]
+        x = self.inputs[idx]
+        return (self.transform(x) if self.transform else x), self.labels[idx]
 
     @property
     def sample_rate(self) -> float:

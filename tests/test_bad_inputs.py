@@ -103,6 +103,9 @@ CASES = [
     (_with("model.checkpoints", [0, "end"]), "model.checkpoints[1]: 'end' is not a training step"),
     (_with("model.checkpoints", [10 ** 9]), "model.checkpoints[0]: 1000000000 is past the 100000 training steps"),
     (_with("model.checkpoints", 5), "model.checkpoints: 5 is not of type list"),
+    (_with("model.mode", "inference"), "model.mode: 'inference' is not one of the choices; choices: train, eval"),
+    (_with("defenses.1", {**GAUSS, "model": {"name": "lenet_zhu", "mode": "test"}}),
+     "defenses[1].model.mode: 'test' is not one of the choices; choices: train, eval"),
     (_with("model.factory", "math:pi", _with("model.name", ...)), "model.factory: 'math:pi' is a float"),
     (_with("model.factory", "no_such_module_x:build", _with("model.name", ...)), "model.factory: cannot import module"),
     # defenses

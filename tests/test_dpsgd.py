@@ -152,7 +152,7 @@ def test_utility_training_is_opacus_privacy_engine_and_its_epsilon_is_the_report
     defense = scenario.defense(setting)
     model = scenario.fresh_model(defense)
     before = [p.detach().clone() for p in model.parameters()]
-    run = training_run(scenario, setting, 6)
+    run = training_run(scenario, setting, 6, defense)
     yielded = list(defense.train(model, run))
     assert len(yielded) == 7 and all(m is model for m in yielded)
     accountant = RDPAccountant()
@@ -161,7 +161,8 @@ def test_utility_training_is_opacus_privacy_engine_and_its_epsilon_is_the_report
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())  # Opacus's hooks are gone
     rerun = scenario.fresh_model(scenario.defense(setting))
-    list(scenario.defense(setting).train(rerun, training_run(scenario, setting, 6)))
+    again = scenario.defense(setting)
+    list(again.train(rerun, training_run(scenario, setting, 6, again)))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), rerun.parameters()))  # seeded: same model
 
 

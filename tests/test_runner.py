@@ -315,3 +315,31 @@ def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_aud
                                                 "defended.yaml")), tmp_path / "defended", progress=False)
     assert len({u["accuracy"] for u in defended["utility"].values()}) > 1  # trained under the defenses: they differ
     assert defended["utility"]["dpsgd(noise_multiplier=1.0)"]["epsilon"] > 0
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_the_update_is_computed_in_the_model_mode_the_audit_names(write_audit, tmp_path, mode):
+    import torch
+
+    from leakaudit.evaluator.rundir import RunFolder
+    from leakaudit.evaluator.scenario import Scenario, loss_fn
+    from leakaudit.plugins.protocol import fedsgd_update
+
+    audit = load_audit(write_audit(small_audit(
+        model={"name": "convnet", "params": {"width": 4}, "checkpoints": [3], "mode": mode},
+        defenses=[{"name": "none"}], utility={"train_steps": 3, "batch_size": 8})))
+    scenario, setting = Scenario(audit), audit.settings[0]
+    worker = runner.AuditWorker(scenario, RunFolder(tmp_path / "out", audit))
+    worker.folder.prepare(False)
+    worker.train(setting)
+    pixels, labels = scenario.target_batch(0)
+    (problem,), _ = worker.problems(setting, 3, [(pixels, labels, 0, None)], "")
+    model = scenario.fresh_model(scenario.defense(setting))
+    model.load_state_dict(worker._states_of(setting)[3])
+    expected = {}
+    for name in ("eval", "train"):  # eval first: a train-mode pass moves the running statistics
+        model.train(name == "train")
+        expected[name] = fedsgd_update(model, loss_fn, scenario.normalise(pixels), labels)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(problem.observed.tensors, expected[mode]))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(expected["train"], expected["eval"]))
+    assert problem.threat.model.training == (mode == "train")

@@ -57,6 +57,11 @@ DATA = {
     "factory": Param(None, str, help="'package.module:load' returning your own ImageData (instead of dataset)"),
     "image_size": Param(32, int, min=8, max=512),
     "targets": Param(4, int, min=1, help="private images attacked"),
+    "target_split": Param("test", str, choices=("test", "train"),
+                          help="the split the targets come from: test (never trained on) or train (also trained "
+                               "on, as Balunovic et al. 2022 attack the first 100 training images)"),
+    "target_order": Param("random", str, choices=("random", "first"),
+                          help="a seeded draw of the split, or its first images in the dataset's own order"),
     "batch_size": Param(1, int, min=1, help="images per shared update"),
     "root": Param(None, str),
     "download": Param(False, bool),

@@ -143,7 +143,7 @@ def _check_root(name: str) -> Callable[[dict[str, Any]], list[str]]:
 def _as_tensors(dataset, limit: int) -> tuple[Tensor, Tensor]:
     n = min(limit, len(dataset))
     gen = torch.Generator().manual_seed(SPLIT_SEED)
-    idx = torch.randperm(len(dataset), generator=gen)[:n].tolist()
+    idx = sorted(torch.randperm(len(dataset), generator=gen)[:n].tolist())  # kept in the dataset's own order
     xs, ys = zip(*(dataset[i] for i in idx))
     return torch.stack(xs), torch.tensor(ys)
 

@@ -60,11 +60,14 @@ def lecun_normal_(model: nn.Module) -> nn.Module:
 
 
 def cnn_bayes(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """Balunovic et al.'s (2022) CNN (conv 32 3x3, ReLU, avg-pool, conv 64 3x3, ReLU, avg-pool, dense 100, dense), flax's init."""
-    side = ((image_size - 2) // 2 - 2) // 2
+    """Balunovic et al.'s (2022) CNN (conv 32 3x3, ReLU, avg-pool, conv 64 3x3, ReLU, avg-pool, dense 100, dense), flax's init.
+
+    Flax's convolutions pad to keep the size ('SAME'): at 28 px the flattened layer has 64 x 7 x 7 = 3136 units,
+    as in the paper's code."""
+    side = image_size // 2 // 2
     return lecun_normal_(nn.Sequential(
-        nn.Conv2d(channels, 32, 3), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
         nn.Flatten(), nn.Linear(64 * side * side, 100), nn.ReLU(), nn.Linear(100, num_classes),
     ))
 

@@ -586,7 +586,10 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
          + f"; one update of {audit.data['batch_size']} private image(s)"),
         ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
                      "no attack uses it") + (f"; ignored by {', '.join(naive)}" if naive else "")),
-        ("Targets", f"{audit.data['targets']} images of the test split, never seen in training or tuning"),
+        ("Targets", f"{audit.data['targets']} images of the {audit.data['target_split']} split"
+         + (" (its first ones)" if audit.data["target_order"] == "first" else "")
+         + (", never seen in training or tuning" if audit.data["target_split"] == "test"
+            else ", trained on but never tuned on")),
     ]
 
 

@@ -83,35 +83,52 @@ class Scenario:
             spec = self.audit.registry.get("dataset", section["dataset"])
             data = spec.load(image_size=section["image_size"], root=section["root"], download=section["download"],
                              **section["params"])
-        if len(data.test_x) < section["targets"]:
+        split = section["target_split"]
+        available = len(data.test_x if split == "test" else data.train_x)
+        if available < section["targets"]:
             raise ConfigError([f"{self.audit.path}: data.targets: {section['targets']} targets requested but "
-                               f"the data has only {len(data.test_x)} test images"])
+                               f"the data has only {available} {split} images"])
         return data
+
+    @property
+    def _target_split(self) -> tuple[Tensor, Tensor]:
+        """The images and labels of the split the targets come from (``data.target_split``)."""
+        if self.audit.data["target_split"] == "train":
+            return self.data.train_x, self.data.train_y
+        return self.data.test_x, self.data.test_y
 
     @cached_property
     def target_indices(self) -> Tensor:
-        """Test-split images attacked, drawn once from the audit seed."""
+        """Indices, in the target split, of the images attacked: its first ones, or a draw from the audit seed."""
+        count, size = self.audit.data["targets"], len(self._target_split[0])
+        if self.audit.data["target_order"] == "first":
+            return torch.arange(count)
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "targets"))
-        return torch.randperm(len(self.data.test_x), generator=gen)[: self.audit.data["targets"]]
+        return torch.randperm(size, generator=gen)[:count]
 
     @cached_property
     def tuning_indices(self) -> Tensor:
-        """Training-split images the attacker tunes on (its own data), drawn once from the audit seed."""
+        """Training-split images the attacker tunes on (its own data), drawn once from the audit seed; never a
+        target."""
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
-        return torch.randperm(len(self.data.train_x), generator=gen)
+        order = torch.randperm(len(self.data.train_x), generator=gen)
+        if self.audit.data["target_split"] == "train":
+            order = order[~torch.isin(order, self.target_indices)]
+        return order
 
     def _batch_of(self, order: Tensor, index: int) -> Tensor:
         b = self.audit.data["batch_size"]
         return order[index * b:(index + 1) * b]
 
     def target_ids(self, index: int) -> Tensor:
-        """Test-split indices of target batch ``index``."""
+        """Target-split indices of target batch ``index``."""
         return self._batch_of(self.target_indices, index)
 
     def target_batch(self, index: int) -> tuple[Tensor, Tensor]:
         """Batch ``index`` of private images (pixel space) and labels, on the device."""
         idx = self.target_ids(index)
-        return self.data.test_x[idx].to(self.device), self.data.test_y[idx].to(self.device)
+        x, y = self._target_split
+        return x[idx].to(self.device), y[idx].to(self.device)
 
     def tuning_batch(self, index: int) -> tuple[Tensor, Tensor]:
         """Batch ``index`` of the attacker's own tuning images, drawn from the training split."""

@@ -76,6 +76,8 @@ CASES = [
     (_with("data.batch_size", 0), "data.batch_size: 0 is below the minimum 1"),
     (_with("data.batch_size", 3), "data.targets: 2 is not a multiple of data.batch_size 3"),
     (_with("data.download", "yes"), "data.download: 'yes' is not of type bool"),
+    (_with("data.target_split", "val"), "data.target_split: 'val' is not one of the choices; choices: test, train"),
+    (_with("data.target_order", "last"), "data.target_order: 'last' is not one of the choices; choices: random, first"),
     (_with("data.params", {"crops": 3}), "data.params.crops: unknown parameter"),
     (_with("data", {"dataset": "photos", "params": {"crops": 0}, "targets": 2}), "data.params.crops: 0 is below"),
     (_with("data", {"dataset": "cifar10", "targets": 2}), "data.root: dataset 'cifar10' needs a root folder"),

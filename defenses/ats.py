@@ -20,7 +20,7 @@ import torchvision.transforms.functional as TF
 from torch import Tensor
 
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.defense import Defense, SharedUpdate, cosine_distance
 
 #: Gao et al.'s search space: (operation, magnitude), indexed as in their policy strings. Magnitudes are in
 #: the operation's own unit: a fraction of the image side (translate), a shear factor, degrees (rotate), an
@@ -154,9 +154,7 @@ class ATS(Defense):
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
         """Gaussian in cosine distance, ``-(1 - cos(g, g(x')))`` for the augmented image x' (Balunovic et al.
         2022, Table 6): the update is exact, so only its direction matters; its scale is the prior weight's."""
-        dot = sum((o * c).sum() for o, c in zip(observed.tensors, candidate))
-        norms = (sum((o ** 2).sum() for o in observed.tensors) * sum((c ** 2).sum() for c in candidate)).sqrt()
-        return dot / norms.clamp_min(1e-12) - 1
+        return -cosine_distance(observed.tensors, candidate)
 
 
 @hookimpl

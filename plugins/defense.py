@@ -180,3 +180,11 @@ class DeterministicDefense(Defense):
 def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
     """Sum over all tensors of the squared Euclidean distance."""
     return sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate))
+
+
+def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
+    """1 - cosine similarity of the whole updates, all layers jointly (Geiping et al. 2020, Eq. 4)."""
+    dot = sum((o * c).sum() for o, c in zip(observed, candidate))
+    norm_o = sum((o * o).sum() for o in observed).sqrt()
+    norm_c = sum((c * c).sum() for c in candidate).sqrt()
+    return 1 - dot / (norm_o * norm_c).clamp_min(1e-12)

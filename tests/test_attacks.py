@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from leakaudit.attacks.gradient_matching import (
-    InvertingGradients,
-    cosine_distance,
-    step_decay_milestones,
-)
+from leakaudit.attacks.gradient_matching import InvertingGradients, step_decay_milestones
 from leakaudit.attacks.labels import labels_from_signs
 from leakaudit.attacks.priors import total_variation
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
@@ -16,6 +12,7 @@ from leakaudit.evaluator.metrics import psnr
 from leakaudit.evaluator.models import lenet_zhu, mlp
 from leakaudit.evaluator.scenario import loss_fn
 from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.defense import cosine_distance
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
 
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from leakaudit.evaluator.config import Audit  # noqa: E402
 from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob, RunFolder, row_key  # noqa: E402
-from leakaudit.evaluator.tuning import grid_positions, value_at, winners, with_value  # noqa: E402
+from leakaudit.evaluator.tuning import grid_positions, position, scan_best, value_at, winners  # noqa: E402
 from leakaudit.evaluator.verdict import (  # noqa: E402
     LEAKS,
     cell_statistics,
@@ -180,10 +180,8 @@ def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list
         spec = next(a.tune for a in audit.attacks if a.key == key[1])
         changed = {k: v for k, v in win["params"].items() if untuned["params"].get(k) != v}
         where = f"{key[0]}, {key[1]}, step {key[2]}"
-        scanned = None
-        if spec.scan:
-            (scan_win,) = winners([t for t in mine if t.get("stage") == "scan"], audit.registry).values()
-            scanned = value_at(scan_win["params"], spec.scan.param)
+        scanned = scan_best(spec, mine, sum(t.get("stage") == "scan" for t in mine), audit.registry) \
+            if spec.scan else None
         space = spec.space_after(scanned)
         positions = grid_positions(space, win["params"]) if win["trial"] != 0 else {}
         for name, place in positions.items():
@@ -191,8 +189,7 @@ def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list
                 notes.append(f"{where}: the tuned {name}={value_at(win['params'], name)} is the {place} value "
                              f"of its grid {space[name]}; the best may lie beyond it: widen the grid")
         if spec.scan:
-            name = spec.scan.param
-            place = grid_positions({name: spec.scan.values()}, with_value({}, name, scanned))[name]
+            name, place = spec.scan.param, position(spec.scan.values(), scanned)
             if place in ("lowest", "highest"):
                 notes.append(f"{where}: the scan's best {name}={scanned} is the {place} value of its scan "
                              f"{spec.scan.low:g}..{spec.scan.high:g}; the best may lie beyond it: widen the scan")

@@ -190,10 +190,10 @@ def _check_scan(section: Any, attack_cls: type, base: dict[str, Any], tune: dict
                         "(remove it from space)")
     elif scan.high <= scan.low:
         problems.append(f"{where}.high: {scan.high!r} must be greater than low ({scan.low!r})")
-    elif tune.get("budget", TUNE["budget"].default) < len(scan.values()) + 2:
+    elif (budget := tune.get("budget", TUNE["budget"].default)) < len(scan.values()) + 2:
         problems.append(f"{where}: {len(scan.values())} scan values and the untuned setting leave no grid "
-                        f"trial in tune.budget {tune.get('budget', TUNE['budget'].default)}; raise the budget to "
-                        f"at least {len(scan.values()) + 2} or scan fewer values")
+                        f"trial in tune.budget {budget}; raise the budget to at least {len(scan.values()) + 2} "
+                        "or scan fewer values")
     else:
         for bound in ("low", "high"):
             try:
@@ -223,22 +223,19 @@ def value_at(params: dict[str, Any], dotted: str) -> Any:
     return value.get(rest) if rest and isinstance(value, dict) else (None if rest else value)
 
 
+def position(values: list, value: Any) -> str:
+    """Where ``value`` sits on the grid ``values``: ``lowest`` or ``highest`` of a numeric grid (the optimum
+    may lie beyond it), ``inside``, ``one of`` a categorical grid, or ``off the grid`` (the untuned value)."""
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if value not in values:
+        return "off the grid"
+    if not numeric or len(values) < 2:
+        return "one of"
+    if value == min(values):
+        return "lowest"
+    return "highest" if value == max(values) else "inside"
+
+
 def grid_positions(space: dict[str, list], params: dict[str, Any]) -> dict[str, str]:
-    """Where each searched parameter of ``params`` sits on its grid: ``lowest`` or ``highest`` of a numeric
-    grid (the optimum may lie beyond it), ``inside``, ``one of`` a categorical grid, or ``off the grid`` (the
-    untuned value)."""
-    out = {}
-    for key, values in space.items():
-        value = value_at(params, key)
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        if value not in values:
-            out[key] = "off the grid"
-        elif not numeric or len(values) < 2:
-            out[key] = "one of"
-        elif value == min(values):
-            out[key] = "lowest"
-        elif value == max(values):
-            out[key] = "highest"
-        else:
-            out[key] = "inside"
-    return out
+    """The ``position`` of each searched parameter of ``params`` on its grid in ``space``."""
+    return {key: position(values, value_at(params, key)) for key, values in space.items()}

@@ -5,7 +5,7 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.config import DefenseSetting
@@ -33,14 +33,15 @@ def training_run(scenario: Scenario, setting: DefenseSetting, steps: int, defens
     each batch through ``defense.augment`` when the defense augments."""
     audit, data, cfg = scenario.audit, scenario.data, scenario.audit.utility
     noise = generator(scenario.device, audit.seed, "utility", setting.identity)
-    transform = None
-    if defense.augments():
-        transform = lambda x: scenario.normalise(defense.augment(scenario.denormalise(x), noise))  # noqa: E731
+
+    def augmented(inputs: Tensor) -> Tensor:
+        return scenario.normalise(defense.augment(scenario.denormalise(inputs), noise))
+
     return TrainingRun(
         inputs=scenario.normalise(data.train_x.to(scenario.device)), labels=data.train_y.to(scenario.device),
         loss_fn=loss_fn, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], momentum=cfg["momentum"],
         batch_generator=torch.Generator().manual_seed(derive_seed(audit.seed, "batches")),
-        noise_generator=noise, protocol=audit.protocol, transform=transform)
+        noise_generator=noise, protocol=audit.protocol, transform=augmented if defense.augments() else None)
 
 
 def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:

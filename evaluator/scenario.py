@@ -193,7 +193,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
         return
     _check_data_memory(audit)
     _load(scenario)
-    problems = []
+    problems = _tuning_images_problems(scenario)
     reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
     for setting in audit.settings:
         section = scenario.model_section(setting)
@@ -221,6 +221,21 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
         problems.append(f"{audit.path}: attacks[{i}]: {where}{why}")
     if problems:
         raise ConfigError(problems)
+
+
+def _tuning_images_problems(scenario: Scenario) -> list[str]:
+    """A search whose tuning batches need more training images than are left once the targets are taken."""
+    audit, left = scenario.audit, len(scenario.tuning_indices)
+    out = []
+    for i, spec in enumerate(audit.attacks):
+        need = spec.tune.targets * audit.data["batch_size"] if spec.tune else 0
+        if need > left:
+            taken = (f" ({audit.data['targets']} are targets: data.target_split is train)"
+                     if audit.data["target_split"] == "train" else "")
+            out.append(f"{audit.path}: attacks[{i}].tune.targets: {spec.tune.targets} tuning batches of "
+                       f"{audit.data['batch_size']} need {need} training images; {left} are left to tune on{taken}; "
+                       "lower tune.targets or data.targets")
+    return out
 
 
 def _check_data_memory(audit: Audit) -> None:

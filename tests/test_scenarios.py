@@ -139,3 +139,22 @@ def test_targets_can_be_the_first_training_images_and_are_then_never_tuned_on(wr
     drawn = Scenario(load_audit(write_audit(small_audit(), "drawn.yaml")))
     assert drawn.target_indices.tolist() != list(range(len(drawn.target_indices)))  # the default: a seeded draw
     assert len(drawn.tuning_indices) == len(drawn.data.train_x)
+
+
+def test_a_search_with_no_training_image_left_to_tune_on_is_refused_before_work(write_audit):
+    from leakaudit.evaluator.config import ConfigError, load_audit
+    from leakaudit.evaluator.scenario import Scenario, check_scenario
+
+    from conftest import small_audit
+
+    tuned = {"name": "bayes", "params": {"iterations": 2}, "tune": {"budget": 2, "space": {"lr": [0.1]}, "targets": 2}}
+    data = {"dataset": "mnist_samples", "image_size": 28, "targets": 9, "batch_size": 1, "target_split": "train",
+            "target_order": "first"}
+    path = write_audit(small_audit(data=data, attacks=[tuned], model={"name": "cnn_bayes"}))
+    with pytest.raises(ConfigError) as info:
+        check_scenario(Scenario(load_audit(path)))
+    assert info.value.lines == [f"{path}: attacks[0].tune.targets: 2 tuning batches of 1 need 2 training images; "
+                                "1 are left to tune on (9 are targets: data.target_split is train); lower "
+                                "tune.targets or data.targets"]
+    check_scenario(Scenario(load_audit(write_audit(small_audit(data={**data, "targets": 8}, attacks=[tuned],
+                                                               model={"name": "cnn_bayes"}), "fits.yaml"))))

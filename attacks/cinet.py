@@ -1,12 +1,16 @@
 """CI-Net (Zhang et al. 2023): a whole batch from one over-parameterised convolutional generator.
 
-The generator maps fixed random latents (one per image) through a "linear to conv" layer and
-blocks of nearest-neighbour upsampling, 3x3 convolution with spectral normalisation and
-LeakyReLU, to a direct 3x3 output layer; its channel count is the smallest of a ladder whose
-parameters outnumber the attacked model's. Only the generator's weights are trained, by
-signed gradient steps on the squared distance between the batch's gradient and the observed
-one, with labels read from the gradient (Zhang et al. 2023, Algorithm 1). The images share the
-generator's convolutional prior, which is what helps at large batch sizes.
+The generator follows the authors' released code: one latent per image, a transposed convolution to a
+4x4 map with BatchNorm and LeakyReLU(0.1), then at each scale (4, 8, 16, 32 px, nearest-neighbour
+upsampling between scales) two spectral-norm 3x3 convolutions with BatchNorm and LeakyReLU(0.1), and a
+1x1 convolution to the image channels with tanh, mapped onto the pixel range [0, 1]. Its width starts at
+32 and doubles while the generator keeps at most 4·B·H·W parameters. Only the generator's weights are
+trained, by Adam on the sign of their gradient (no decay), on the cosine distance between the batch's
+update and the observed one, with no image prior; labels are read from the gradient.
+
+The supplement's Algorithm 1 states a squared-L2 loss, plain signed steps and a width chosen so that the
+generator outnumbers the model; the code the authors released (and this module) differ on all three.
+The images share the generator's convolutional prior, which is what helps at large batch sizes.
 """
 from __future__ import annotations
 
@@ -21,34 +25,62 @@ from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate, squared_distance
+from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 
-#: Channel counts tried, smallest first, until the generator has more parameters than the model.
-CHANNEL_LADDER = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 START = 4  # side of the first feature map
+FIRST_WIDTH = 32  # the width rule's first value, doubled while the generator stays within its budget
+PARAMETERS_PER_VALUE = 4  # the width rule's budget: this many generator parameters per pixel value of the batch
+SLOPE = 0.1  # LeakyReLU's negative slope
+
+
+def scales(size: int) -> int:
+    """Number of feature-map sides 4, 8, 16, ... up to the first at least ``size``."""
+    return 1 + max(0, math.ceil(math.log2(size / START)))
+
+
+def _block(width: int) -> list[nn.Module]:
+    return [spectral_norm(nn.Conv2d(width, width, 3, padding=1)), nn.BatchNorm2d(width), nn.LeakyReLU(SLOPE)]
 
 
 class Generator(nn.Module):
-    """Latents -> linear to conv -> [nearest x2, spectral-norm conv, LeakyReLU] blocks -> conv output."""
+    """Latents -> transposed conv to 4x4 -> [two spectral-norm conv-BN-LeakyReLU per scale] -> 1x1 conv."""
 
-    def __init__(self, latents: Tensor, channels: int, out_channels: int, size: int) -> None:
+    def __init__(self, latents: Tensor, width: int, out_channels: int, size: int) -> None:
         super().__init__()
-        self.register_buffer("latents", latents)
-        self.size, self.channels = size, channels
-        self.to_conv = nn.Linear(latents.shape[1], channels * START * START)
-        blocks: list[nn.Module] = []
-        for _ in range(max(0, math.ceil(math.log2(size / START)))):
-            blocks += [nn.Upsample(scale_factor=2, mode="nearest"),
-                       spectral_norm(nn.Conv2d(channels, channels, 3, padding=1)), nn.LeakyReLU(0.2)]
-        self.blocks = nn.Sequential(*blocks)
-        self.out = nn.Conv2d(channels, out_channels, 3, padding=1)
+        self.register_buffer("latents", latents[:, :, None, None])
+        self.size, self.width = size, width
+        layers: list[nn.Module] = [nn.ConvTranspose2d(latents.shape[1], width, START), nn.BatchNorm2d(width),
+                                   nn.LeakyReLU(SLOPE)]
+        for scale in range(scales(size)):
+            if scale:
+                layers.append(nn.Upsample(scale_factor=2, mode="nearest"))
+            layers += _block(width) + _block(width)
+        layers.append(nn.Conv2d(width, out_channels, 1))
+        self.body = nn.Sequential(*layers)
+
+    def logits(self) -> Tensor:
+        """The output before tanh, resized to the image side where the last scale overshoots it."""
+        x = self.body(self.latents)
+        return x if x.shape[-1] == self.size else F.adaptive_avg_pool2d(x, self.size)
 
     def forward(self) -> Tensor:
-        x = self.to_conv(self.latents).view(-1, self.channels, START, START)
-        x = self.out(self.blocks(x))
-        if x.shape[-1] != self.size:
-            x = F.interpolate(x, size=(self.size, self.size), mode="nearest")
-        return x
+        """The batch in pixel range [0, 1]."""
+        return (torch.tanh(self.logits()) + 1) / 2
+
+
+def generator_parameters(width: int, latent: int, channels: int, size: int) -> int:
+    """Trainable parameters of a ``Generator`` (spectral norm adds buffers, not parameters)."""
+    conv = 9 * width * width + width + 2 * width
+    return (latent * START * START * width + width + 2 * width) + 2 * scales(size) * conv + width * channels + channels
+
+
+def width_for(batch: int, channels: int, size: int, latent: int) -> int:
+    """The authors' rule: start at 32 and double while the generator has at most 4·B·H·W parameters."""
+    budget = PARAMETERS_PER_VALUE * batch * size * size
+    width = FIRST_WIDTH
+    while generator_parameters(2 * width, latent, channels, size) <= budget:
+        width *= 2
+    return width
 
 
 def parameter_count(module: nn.Module) -> int:
@@ -56,18 +88,16 @@ def parameter_count(module: nn.Module) -> int:
 
 
 class CINet(Attack):
-    """A convolutional generator trained by signed gradient steps to match the batch's gradient."""
+    """A convolutional generator trained by Adam on signed gradients to match the batch's update in cosine."""
 
     name = "cinet"
     paper = "Zhang et al. 2023"
     params = {
-        "iterations": Param(2000, int, min=1, help="signed gradient steps on the generator"),
-        "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="step size of the signed steps"),
-        "lr_decay": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True,
-                          help="final step size as a fraction of the first (exponential decay)"),
+        "iterations": Param(2000, int, min=1, help="Adam steps on the generator (the last iterate is reported)"),
+        "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="Adam's step size on the signed gradient"),
         "latent": Param(128, int, min=1, help="latent size per image"),
-        "channels": Param(None, int, min=1, help="generator channels (default: the smallest of "
-                                                 f"{', '.join(map(str, CHANNEL_LADDER))} that outnumbers the model)"),
+        "width": Param(None, int, min=1, help=f"generator channels (default: {FIRST_WIDTH}, doubled while the "
+                                              f"generator has at most {PARAMETERS_PER_VALUE}·B·H·W parameters)"),
         "label_method": LABEL_METHOD,
     }
 
@@ -75,42 +105,36 @@ class CINet(Attack):
         labels = recover_labels(observed, threat, self.label_method, generator)
         target = [t.to(threat.device) for t in observed.tensors]
         net = self.generator_for(threat, generator)
-        params = list(net.parameters())
-        schedule = self.lr_decay ** (1.0 / self.iterations)
-        trace = torch.empty(self.iterations, device=threat.device)
-        lo, hi = threat.box()
-        step = self.lr
-        for it in range(self.iterations):
-            images = torch.maximum(torch.minimum(net(), hi), lo)
-            loss = squared_distance(target, threat.candidate_update(images, labels))
-            grads = torch.autograd.grad(loss, params)
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    p.sub_(step * g.sign())
-            step *= schedule
-            trace[it] = loss.detach()
+        trace = self.train_generator(net, target, threat, labels)
         with torch.no_grad():
-            images = torch.maximum(torch.minimum(net(), hi), lo)
-        return Reconstruction(threat.to_pixels(images), labels, trace.tolist(), 0.0,
-                              {"generator_parameters": parameter_count(net), "channels": net.channels})
+            pixels = net()
+        return Reconstruction(pixels, labels, trace.tolist(), 0.0,
+                              {"generator_parameters": parameter_count(net), "width": net.width})
+
+    def train_generator(self, net: Generator, target: list[Tensor], threat: ThreatModel, labels: Tensor) -> Tensor:
+        """``iterations`` Adam steps on the sign of the cosine loss's gradient; returns the loss trace."""
+        params = list(net.parameters())
+        optimiser = torch.optim.Adam(params, lr=self.lr)
+        trace = torch.empty(self.iterations, device=threat.device)
+        for it in range(self.iterations):
+            loss = cosine_distance(target, threat.candidate_update(threat.normalise(net()), labels))
+            grads = torch.autograd.grad(loss, params)
+            for p, g in zip(params, grads):
+                p.grad = g.sign()
+            optimiser.step()
+            trace[it] = loss.detach()
+        return trace
 
     def generator_for(self, threat: ThreatModel, generator: torch.Generator) -> Generator:
         """The generator, its latents and initial weights drawn from ``generator`` (the attack's seed)."""
-        target = parameter_count(threat.model)
-        channels = self.channels or next((c for c in CHANNEL_LADDER if self._count(c, threat) > target),
-                                         CHANNEL_LADDER[-1])
+        channels, size = threat.input_shape[0], threat.input_shape[1]
+        width = self.width or width_for(threat.batch_size, channels, size, self.latent)
         latents = torch.randn((threat.batch_size, self.latent), generator=generator, device=threat.device)
         seed = int(torch.randint(2 ** 62, (1,), generator=generator, device=threat.device))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            net = Generator(latents, channels, threat.input_shape[0], threat.input_shape[1])
+            net = Generator(latents, width, channels, size)
         return net.to(threat.device)
-
-    def _count(self, channels: int, threat: ThreatModel) -> int:
-        size = threat.input_shape[1]
-        blocks = max(0, math.ceil(math.log2(size / START)))
-        return (self.latent + 1) * channels * START * START + blocks * (9 * channels + 1) * channels \
-            + (9 * channels + 1) * threat.input_shape[0]
 
 
 @hookimpl

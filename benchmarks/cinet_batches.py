@@ -1,13 +1,15 @@
 """CI-Net on large batches (Zhang et al. 2023): SSIM, PSNR and time for batches of 64 to 256 on one averaged gradient.
 
-Case: an untrained ConvNet (Geiping et al.'s (2020), ``--width``) or a ResNet-18 whose ReLUs are sigmoids,
-on 32x32 images drawn from the offline sets (the 20 CIFAR-10 images of the foolbox wheel are
-too few, so scikit-image's photographs and LFW faces are tiled into the batch), labels known.
+Case: an untrained ConvNet (Geiping et al. 2020, width 16, ReLU or sigmoid) or the zoo's ResNet-18 with
+sigmoids (Zhang et al.'s victim), in train or eval mode (``--mode``), on 32x32 images drawn from the offline
+sets (the 20 CIFAR-10 images of the foolbox wheel are too few, so scikit-image's photographs and LFW faces are
+tiled into the batch), labels known.
 Prints one line per (model, batch): mean SSIM and PSNR of ``cinet`` and of Inverting Gradients
 at the same iteration budget, a flat grey guess, and seconds. A GPU workload: on a CPU use
 small batches and few iterations.
 
-    python benchmarks/cinet_batches.py [--device cuda] [--batches 64 128 256] [--iterations 2000]
+    python benchmarks/cinet_batches.py [--device cuda] [--batches 64 128 256] [--iterations 2000] \\
+        [--models sigmoid_resnet18] [--mode train]
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from leakaudit.attacks.cinet import CINet, parameter_count
 from leakaudit.attacks.gradient_matching import InvertingGradients
@@ -26,16 +27,6 @@ from leakaudit.evaluator.models import convnet, resnet18
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import ClientStep
-
-
-def sigmoid_resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """The zoo's ResNet-18 with every ReLU replaced by a sigmoid (Zhang et al.'s (2023) variant)."""
-    model = resnet18(channels, num_classes, image_size)
-    for module in list(model.modules()):
-        for child, sub in list(module.named_children()):
-            if isinstance(sub, nn.ReLU):
-                setattr(module, child, nn.Sigmoid())
-    return model
 
 
 def images(registry, count: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,19 +41,24 @@ def images(registry, count: int, device: str) -> tuple[torch.Tensor, torch.Tenso
     return x.to(device), (torch.arange(count) % 10).to(device)
 
 
-def run(model_name: str, batch: int, iterations: int, device: str, registry) -> None:
+MODELS = {"convnet": lambda: convnet(3, 10, 32, width=16),
+          "sigmoid_convnet": lambda: convnet(3, 10, 32, width=16, activation="sigmoid"),
+          "sigmoid_resnet18": lambda: resnet18(3, 10, 32, activation="sigmoid")}
+
+
+def run(model_name: str, batch: int, iterations: int, device: str, mode: str, registry) -> None:
     pixels, labels = images(registry, batch, device)
     mean = pixels.mean(dim=(0, 2, 3)).view(-1, 1, 1)
     std = pixels.std(dim=(0, 2, 3)).view(-1, 1, 1)
     torch.manual_seed(0)
-    model = (convnet(3, 10, 32, width=16) if model_name == "convnet" else sigmoid_resnet18(3, 10, 32)).to(device)
+    model = MODELS[model_name]().to(device).train(mode == "train")
     observed = NoDefense().share(ClientStep(model, F.cross_entropy, (pixels - mean) / std, labels,
                                             torch.Generator(device=device)))
     threat = ThreatModel(model, F.cross_entropy, (3, 32, 32), mean, std, 10, batch, NoDefense(), labels=labels,
                          device=torch.device(device))
     metrics = [registry.get("metric", "ssim"), registry.get("metric", "psnr")]
     grey = score(metrics, torch.full_like(pixels, 0.5), pixels, labels, labels)[0]
-    line = [f"{model_name} ({parameter_count(model)} parameters), batch {batch}, {iterations} iterations: "
+    line = [f"{model_name} ({parameter_count(model)} parameters, {mode} mode), batch {batch}, {iterations} iterations: "
             f"grey SSIM {grey['ssim']:.3f}"]
     for attack in (CINet(iterations=iterations), InvertingGradients(iterations=iterations)):
         start = time.perf_counter()
@@ -80,13 +76,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument("--models", nargs="+", default=["convnet", "sigmoid_resnet18"],
-                        choices=["convnet", "sigmoid_resnet18"])
+    parser.add_argument("--models", nargs="+", default=["sigmoid_resnet18"], choices=sorted(MODELS))
+    parser.add_argument("--mode", default="train", choices=["train", "eval"],
+                        help="BatchNorm of the attacked model: batch statistics (train, Zhang et al.) or running ones")
     args = parser.parse_args()
     registry = load_registry()
     for model_name in args.models:
         for batch in args.batches:
-            run(model_name, batch, args.iterations, args.device, registry)
+            run(model_name, batch, args.iterations, args.device, args.mode, registry)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,8 @@ ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(Non
           "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)"),
           "defenses": Param(None, list, help="run only on settings with a defense (or chain member) of these "
                                              "names, or with these labels"),
+          "checkpoints": Param(None, list, help="run only at these of model.checkpoints (e.g. a prior weight for the "
+                                                "untrained model and another for the trained one)"),
           "role": Param(None, str, choices=ROLES, help="how the report counts it (default: adaptive when the "
                                                        "attack uses what the defense does)")}
 UTILITY = {
@@ -187,6 +189,7 @@ class AttackSpec:
     tune: TuneSpec | None = None
     defenses: tuple[str, ...] | None = None  # None: every setting
     role: str = "naive"  # "adaptive": the attack uses what the defense does
+    checkpoints: tuple[int, ...] | None = None  # None: every checkpoint of the model
 
     @property
     def key(self) -> str:
@@ -205,6 +208,10 @@ class AttackSpec:
         """Whether the attack runs on this setting (``defenses:`` names one of its members, or its label)."""
         return (self.defenses is None or setting.label in self.defenses
                 or any(n in self.defenses for n, _ in setting.members))
+
+    def runs_at(self, checkpoint: int) -> bool:
+        """Whether the attack runs at this training step (``checkpoints:`` lists it, or is absent)."""
+        return self.checkpoints is None or checkpoint in self.checkpoints
 
 
 @dataclass
@@ -366,7 +373,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     _check_model(model, registry, into("model") if model_ok else [])
     protocol = _check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
     settings = _expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
-    attacks = _check_attacks(top.get("attacks"), registry, into("attacks"))
+    attacks = _check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
     _check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
@@ -557,7 +564,9 @@ def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) 
     return out
 
 
-def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[AttackSpec]:
+def _check_attacks(value: Any, registry: Registry, problems: list[str],
+                   model_checkpoints: list[int] | None) -> list[AttackSpec]:
+    """The attack entries; ``model_checkpoints`` is None where the model section was already reported."""
     specs: list[AttackSpec] = []
     for where, item in _items(value, "attacks", problems):
         item, ok = _checked_section(item, ATTACK, where, problems)
@@ -589,8 +598,22 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str]) -> list[
             problems.append(f"{where}.label: attack label {label!r} is used twice; give each a distinct label")
             continue
         role = item["role"] or ("adaptive" if attack.knows_defense else "naive")
-        specs.append(AttackSpec(name, dict(item["params"]), label, tune, defenses, role))
+        checkpoints = _attack_checkpoints(item["checkpoints"], model_checkpoints, f"{where}.checkpoints", problems)
+        specs.append(AttackSpec(name, dict(item["params"]), label, tune, defenses, role, checkpoints))
     return specs
+
+
+def _attack_checkpoints(value: list | None, model_checkpoints: list[int] | None, where: str,
+                        problems: list[str]) -> tuple[int, ...] | None:
+    """The training steps an attack is restricted to: a non-empty subset of the model's checkpoints."""
+    if value is None or model_checkpoints is None:
+        return None
+    wrong = [c for c in value if c not in model_checkpoints or isinstance(c, bool)] if value else [None]
+    if wrong:
+        problems.append(f"{where}: expected a non-empty list of steps from model.checkpoints, got {value!r}; "
+                        f"choices: {', '.join(map(str, model_checkpoints))}")
+        return None
+    return tuple(sorted(set(value)))
 
 
 def _defense_names(value: list | None, where: str, problems: list[str]) -> tuple[str, ...] | None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchvision.models.resnet import BasicBlock, ResNet
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import ModelSpec
@@ -34,7 +34,7 @@ def _after_strides(size: int, halvings: int) -> int:
     return size
 
 
-def convnet(channels: int, num_classes: int, image_size: int, width: int = 64) -> nn.Module:
+def convnet(channels: int, num_classes: int, image_size: int, width: int = 64, activation: str = "relu") -> nn.Module:
     """Geiping et al.'s (2020) ConvNet: eight 3x3 conv-BN-ReLU blocks (widths w, 2w, 2w, 4w...) and two max-pools."""
     widths = [width, 2 * width, 2 * width, 4 * width, 4 * width, 4 * width, 4 * width, 4 * width]
     layers, cin = [], channels
@@ -45,7 +45,7 @@ def convnet(channels: int, num_classes: int, image_size: int, width: int = 64) -
             layers.append(nn.MaxPool2d(3))
     side = image_size // 3 // 3
     layers += [nn.Flatten(), nn.Linear(cin * side * side, num_classes)]
-    return nn.Sequential(*layers)
+    return with_activation(nn.Sequential(*layers), activation)
 
 
 def lecun_normal_(model: nn.Module) -> nn.Module:
@@ -133,15 +133,50 @@ def mlp(channels: int, num_classes: int, image_size: int, width: int = 256, dept
     return nn.Sequential(*layers)
 
 
-def _cifar_stem(model: ResNet, channels: int, width: int) -> ResNet:
-    model.conv1 = nn.Conv2d(channels, width, 3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
+ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid}
+STEMS = ("auto", "cifar", "imagenet")
+#: ``stem: auto`` keeps the CIFAR stem up to this image side and takes the ImageNet stem above it.
+CIFAR_STEM_MAX_SIDE = 64
+
+
+def with_activation(model: nn.Module, activation: str) -> nn.Module:
+    """``model`` with every ReLU replaced by ``activation`` (Zhang et al. 2023 attack a sigmoid ResNet-18)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.ReLU):
+                setattr(module, name, ACTIVATIONS[activation]())
     return model
 
 
-def resnet18(channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """ResNet-18 with the CIFAR stem (3x3 stride-1 first convolution, no max-pool)."""
-    return _cifar_stem(ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes), channels, 64)
+def _torchvision_resnet(block: type[nn.Module], layers: list[int], channels: int, num_classes: int,
+                        image_size: int, stem: str, activation: str) -> nn.Module:
+    """torchvision's ResNet with the ImageNet stem (7x7 stride-2 convolution, max-pool) or the CIFAR stem
+    (3x3 stride-1 convolution, no max-pool); ``auto`` picks CIFAR's up to 64 px, ImageNet's above."""
+    model = ResNet(block, layers, num_classes=num_classes)
+    if stem == "cifar" or (stem == "auto" and image_size <= CIFAR_STEM_MAX_SIDE):
+        model.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    elif channels != 3:
+        model.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
+    return with_activation(model, activation)
+
+
+def resnet18(channels: int, num_classes: int, image_size: int, stem: str = "auto",
+             activation: str = "relu") -> nn.Module:
+    """ResNet-18 (He et al. 2016): the CIFAR stem up to 64 px, the ImageNet stem above (``stem:``)."""
+    return _torchvision_resnet(BasicBlock, [2, 2, 2, 2], channels, num_classes, image_size, stem, activation)
+
+
+def resnet34(channels: int, num_classes: int, image_size: int, stem: str = "auto",
+             activation: str = "relu") -> nn.Module:
+    """ResNet-34 (He et al. 2016): the CIFAR stem up to 64 px, the ImageNet stem above (``stem:``)."""
+    return _torchvision_resnet(BasicBlock, [3, 4, 6, 3], channels, num_classes, image_size, stem, activation)
+
+
+def resnet50(channels: int, num_classes: int, image_size: int, stem: str = "auto",
+             activation: str = "relu") -> nn.Module:
+    """ResNet-50 (He et al. 2016, bottleneck blocks): the CIFAR stem up to 64 px, the ImageNet stem above."""
+    return _torchvision_resnet(Bottleneck, [3, 4, 6, 3], channels, num_classes, image_size, stem, activation)
 
 
 class CifarResNet(nn.Module):
@@ -173,14 +208,22 @@ def resnet20(channels: int, num_classes: int, image_size: int, width: int = 16) 
     return CifarResNet(channels, num_classes, blocks=3, width=width)
 
 
+ACTIVATION = Param("relu", str, choices=tuple(ACTIVATIONS), help="the nonlinearity after every convolution")
+RESNET_PARAMS = {"stem": Param("auto", str, choices=STEMS, help="first layers: cifar (3x3, no max-pool), imagenet "
+                                                            f"(7x7 stride 2, max-pool), auto (cifar up to "
+                                                            f"{CIFAR_STEM_MAX_SIDE} px)"),
+                 "activation": ACTIVATION}
+
 ZOO = [
     ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__, paper="Zhu et al. 2019"),
-    ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block")},
+    ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block"),
+                                   "activation": ACTIVATION},
               summary=convnet.__doc__, paper="Geiping et al. 2020"),
     ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__, paper="Balunovic et al. 2022"),
     ModelSpec("convbig", convbig, summary=convbig.__doc__, paper="Balunovic et al. 2022"),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
-    ModelSpec("resnet18", resnet18, summary=resnet18.__doc__, paper="He et al. 2016"),
+    *(ModelSpec(f.__name__, f, RESNET_PARAMS, summary=f.__doc__, paper="He et al. 2016")
+      for f in (resnet18, resnet34, resnet50)),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
               summary=resnet20.__doc__, paper="He et al. 2016"),
     *(_linear_system_spec(name) for name in LINEAR_SYSTEM_VARIANTS),

@@ -60,7 +60,7 @@ def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[Attack
     tuned = tuned or {}
     return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
             for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks
-            if a.applies_to(s)]
+            if a.applies_to(s) and a.runs_at(c)]
 
 
 def tune_jobs_of(audit: Audit, tried: list[dict] = ()) -> list[TuneJob]:
@@ -72,7 +72,7 @@ def tune_jobs_of(audit: Audit, tried: list[dict] = ()) -> list[TuneJob]:
         defaults = {k: p.default for k, p in cls.params.items() if not p.required}
         seed = derive_seed(audit.seed, "tune", a.identity)
         scanned = len(scan_candidates(a.tune, a.params, defaults)) if a.tune.scan else 0
-        for s, c in ((s, c) for s in audit.settings if a.applies_to(s) for c in audit.checkpoints):
+        for s, c in ((s, c) for s in audit.settings if a.applies_to(s) for c in audit.checkpoints if a.runs_at(c)):
             best = None
             if a.tune.scan:
                 mine = [r for r in tried if (r["setting"], r["attack"], r["checkpoint"]) == (s.key, a.key, c)]

@@ -188,3 +188,8 @@ def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> 
     norm_o = sum((o * o).sum() for o in observed).sqrt()
     norm_c = sum((c * c).sum() for c in candidate).sqrt()
     return 1 - dot / (norm_o * norm_c).clamp_min(1e-12)
+
+
+def per_tensor_cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
+    """Sum over tensors of each tensor's own 1 - cosine similarity (Chen & Campbell 2022's hybrid)."""
+    return sum(cosine_distance([o], [c]) for o, c in zip(observed, candidate))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -25,6 +26,7 @@ class Param:
     help: str = ""
     exclusive_min: bool = False
     nullable: bool = False  # YAML's null is accepted (always so where the default is None: "not set")
+    items: int | None = None  # also accepted: a list of exactly this many values, each checked as one value
 
     @property
     def required(self) -> bool:
@@ -34,6 +36,13 @@ class Param:
         """Why `value` is not acceptable, or None when it is."""
         if value is None and (self.nullable or self.default is None):
             return None
+        if self.items is not None and isinstance(value, list):
+            if len(value) != self.items:
+                return f"{value!r} is not one value or a list of {self.items}"
+            return next((f"[{i}]: {why}" for i, v in enumerate(value) if (why := self._scalar_problem(v))), None)
+        return self._scalar_problem(value)
+
+    def _scalar_problem(self, value: Any) -> str | None:
         if self.type is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif self.type is int:
@@ -61,7 +70,7 @@ class Param:
         return " or ".join(t.__name__ for t in types)
 
     def describe(self) -> str:
-        parts = [self.type_name]
+        parts = [self.type_name + ("" if self.items is None else f" (or a list of {self.items})")]
         if not self.required:
             parts.append(f"default {self.default!r}")
         if self.min is not None or self.max is not None:
@@ -91,6 +100,9 @@ def did_you_mean(name: Any, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+ITEM_PROBLEM = re.compile(r"\[\d+\]: ")  # a problem of one item of a list value: "[1]: ..."
+
+
 def check_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str) -> list[str]:
     """Every problem with `given` as lines '<where>.<key>: ...'."""
     problems = []
@@ -101,7 +113,7 @@ def check_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str
             continue
         why = spec[key].problem(value)
         if why:
-            problems.append(f"{where}.{key}: {why}")
+            problems.append(f"{where}.{key}{'' if ITEM_PROBLEM.match(why) else ': '}{why}")
     unknown = [k for k in given if k not in spec]
     for key, p in spec.items():
         if p.required and key not in given and not any(did_you_mean(u, [key]) for u in unknown):

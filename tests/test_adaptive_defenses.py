@@ -460,7 +460,7 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
     ("attacks", {"name": "rgap", "params": {"dense_limit": 0}}, "attacks[0].params.dense_limit: 0 is below the minimum 1"),
     ("attacks", {"name": "rgap", "params": {"cg_iterations": 0}},
      "attacks[0].params.cg_iterations: 0 is below the minimum 1"),
-    ("attacks", {"name": "cinet", "params": {"channels": 0}}, "attacks[0].params.channels: 0 is below the minimum 1"),
+    ("attacks", {"name": "cinet", "params": {"width": 0}}, "attacks[0].params.width: 0 is below the minimum 1"),
     ("attacks", {"name": "cinet", "params": {"latent": 0}}, "attacks[0].params.latent: 0 is below the minimum 1"),
     ("attacks", {"name": "inverting_gradients", "params": {"drop_defended": "yes"}},
      "attacks[0].params.drop_defended: 'yes' is not of type bool"),

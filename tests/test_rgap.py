@@ -59,6 +59,18 @@ def test_hybrid_improves_on_rgap_where_the_system_is_rank_deficient(name):
     assert mse_hybrid < 0.9 * mse_rgap, (mse_hybrid, mse_rgap)
 
 
+def test_hybrid_takes_appendix_d_settings_per_convolution_from_the_input():
+    """Chen & Campbell 2022, Appendix D: 10000 / 8000 / 1000 steps for the first, second and other convolutions."""
+    hybrid = HybridInversion()
+    assert [hybrid.setting("iterations", k) for k in range(4)] == [10000, 8000, 1000, 1000]
+    assert [hybrid.setting("system_weight", k) for k in range(3)] == [0.05, 0.1, 1.0]
+    assert [hybrid.setting("cosine_weight", k) for k in range(3)] == [1.0, 1.0, 10.0]
+    assert hybrid.cosine == "per_tensor" and HybridInversion(tv=0.3).setting("tv", 5) == 0.3
+    observed, threat, pixels = case("cnn3_v2", 16)
+    steps = HybridInversion(iterations=[7, 3, 1]).reconstruct(observed, threat, torch.Generator()).loss_trace
+    assert len(steps) == 7 + 3  # two convolutions: the first's steps, then the second's
+
+
 def test_matrix_free_conjugate_gradients_reach_the_dense_minimum_norm_solution():
     model = linear_system_cnn(3, 10, 12, LINEAR_SYSTEM_VARIANTS["cnn3_v2"]).double()
     (first, second) = conv_systems(model, F.cross_entropy, torch.rand(1, 3, 12, 12, dtype=torch.float64),
@@ -81,9 +93,14 @@ def test_bad_hybrid_settings_and_models_fail_before_work(write_audit, capsys):
 
     from conftest import small_audit
 
-    path = write_audit(small_audit(attacks=[{"name": "hybrid", "params": {"tv": -1.0}}]))
-    assert main(["validate", str(path)]) == 2
-    assert capsys.readouterr().err.strip() == f"leakaudit: error: {path}: attacks[0].params.tv: -1.0 is below the minimum 0.0"
+    for params, why in (({"tv": -1.0}, "tv: -1.0 is below the minimum 0.0"),
+                        ({"tv": [0.1, -1.0, 0.0]}, "tv[1]: -1.0 is below the minimum 0.0"),
+                        ({"iterations": [10, 10]}, "iterations: [10, 10] is not one value or a list of 3"),
+                        ({"iterations": [10, 1.5, 10]}, "iterations[1]: 1.5 is not of type int"),
+                        ({"cosine": "l2"}, "cosine: 'l2' is not one of the choices; choices: per_tensor, joint")):
+        path = write_audit(small_audit(attacks=[{"name": "hybrid", "params": params}]))
+        assert main(["validate", str(path)]) == 2
+        assert capsys.readouterr().err.strip() == f"leakaudit: error: {path}: attacks[0].params.{why}"
     path = write_audit(small_audit(model={"name": "mlp"}, attacks=[{"name": "rgap"}]))
     assert main(["validate", str(path)]) == 2
     assert capsys.readouterr().err.strip() == (

@@ -343,3 +343,19 @@ def test_the_update_is_computed_in_the_model_mode_the_audit_names(write_audit, t
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(problem.observed.tensors, expected[mode]))
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(expected["train"], expected["eval"]))
     assert problem.threat.model.training == (mode == "train")
+
+
+def test_an_attack_restricted_to_checkpoints_runs_only_there(write_audit, tmp_path):
+    """Geiping et al. (2020, Table 4) weigh total variation differently on the untrained and the trained model."""
+    audit = load_audit(write_audit(small_audit(
+        model={"name": "lenet_zhu", "checkpoints": [0, 5]}, defenses=[{"name": "none"}],
+        attacks=[{"name": "inverting_gradients", "label": "ig_untrained", "checkpoints": [0],
+                  "params": {"iterations": 10, "priors": {"tv": 0.0}}},
+                 {"name": "inverting_gradients", "label": "ig_trained", "checkpoints": [5],
+                  "params": {"iterations": 10, "priors": {"tv": 1e-2}}}])))
+    assert [(j.attack.key, j.checkpoint) for j in runner.jobs_of(audit)] == [
+        ("ig_untrained", 0), ("ig_untrained", 0), ("ig_trained", 5), ("ig_trained", 5)]
+    run_audit(audit, tmp_path / "out", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert sorted({(r["attack"], r["checkpoint"]) for r in rows}) == [("ig_trained", 5), ("ig_untrained", 0)]
+    assert (tmp_path / "out" / "report.html").exists()

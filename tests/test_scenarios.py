@@ -29,6 +29,28 @@ def test_lenet_zhu_is_the_dlg_network():
     assert sum(isinstance(m, torch.nn.Sigmoid) for m in model.modules()) == 3
 
 
+def test_resnets_take_the_imagenet_stem_above_64_px_and_any_activation():
+    """Geiping et al. (2020) attack ImageNet-size ResNets with the ImageNet stem; Zhang et al. (2023) a sigmoid one."""
+    from leakaudit.evaluator.models import resnet18, resnet34, resnet50
+
+    small, large, forced = resnet18(3, 10, 32), resnet18(3, 10, 128), resnet18(1, 10, 32, stem="imagenet")
+    assert small.conv1.kernel_size == (3, 3) and small.conv1.stride == (1, 1)
+    assert isinstance(small.maxpool, torch.nn.Identity)
+    assert large.conv1.kernel_size == (7, 7) and large.conv1.stride == (2, 2)
+    assert isinstance(large.maxpool, torch.nn.MaxPool2d)
+    assert forced.conv1.kernel_size == (7, 7) and forced.conv1.in_channels == 1
+    assert large(torch.rand(1, 3, 128, 128)).shape == (1, 10)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert (count(resnet18(3, 1000, 224)), count(resnet34(3, 1000, 224)), count(resnet50(3, 1000, 224))) == (
+        11_689_512, 21_797_672, 25_557_032)  # torchvision's ImageNet ResNets
+    sigmoid = resnet18(3, 10, 32, activation="sigmoid")
+    assert not any(isinstance(m, torch.nn.ReLU) for m in sigmoid.modules())
+    assert sum(isinstance(m, torch.nn.Sigmoid) for m in sigmoid.modules()) == 9  # stem, one per block (used twice)
+    convnet = build_model(next(s for s in ZOO if s.name == "convnet"), 3, 10, 32,
+                          {"width": 8, "activation": "sigmoid"}, seed=0)
+    assert sum(isinstance(m, torch.nn.Sigmoid) for m in convnet.modules()) == 8
+
+
 def test_same_seed_same_weights_other_seed_other_weights():
     a, b, c = (build_model(ZOO[0], 1, 10, 16, {}, seed=s) for s in (5, 5, 6))
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))

@@ -46,7 +46,8 @@ def test_every_shipped_audit_is_valid():
     assert len(paths) >= 11
     for path in paths:
         if _needs_absent_data(path):
-            with pytest.raises(ConfigError, match=r"data\.root: folder .* does not exist; put MNIST/raw/ there"):
+            with pytest.raises(ConfigError, match=r"data\.root: folder .* does not exist; put (MNIST/raw|"
+                                                  r"cifar-10-batches-py)/ there"):
                 load_audit(path)
             continue
         audit = load_audit(path)
@@ -121,11 +122,12 @@ def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_p
 
 
 def _reduced(audit: dict) -> dict:
-    """The audit at a token budget: one target batch, step 0 and two training steps of at most 8 images, the
-    first point of each sweep, two iterations and one restart or sample per attack, two tuning trials (four
-    when a search scans)."""
+    """The audit at a token budget: one target batch of at most 8 images, step 0 (every attack runs there) and two
+    training steps of at most 8 images, the first point of each sweep, two iterations and one restart or sample
+    per attack, two tuning trials (four when a search scans)."""
     audit = {**audit, "workers": 1, "device": "cpu"}
-    audit["data"] = {**audit["data"], "targets": audit["data"].get("batch_size", 1)}
+    batch = min(audit["data"].get("batch_size", 1), 8)
+    audit["data"] = {**audit["data"], "targets": batch, "batch_size": batch}
     audit["model"] = {**audit["model"], "checkpoints": [0]}
     utility = audit.get("utility", {})
     audit["utility"] = {**utility, "train_steps": 2, "batch_size": min(utility.get("batch_size", 8), 8)}
@@ -134,6 +136,7 @@ def _reduced(audit: dict) -> dict:
             member["sweep"] = {k: v[:1] for k, v in member.get("sweep", {}).items()}
     registry = load_registry()
     for attack in audit["attacks"]:
+        attack.pop("checkpoints", None)
         params = attack.setdefault("params", {})
         declared = registry.get("attack", attack["name"]).params
         params.update({k: v for k, v in {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0,
@@ -146,10 +149,13 @@ def _reduced(audit: dict) -> dict:
     return audit
 
 
+STAND_INS = {"mnist": "mnist_samples", "cifar10": "cifar10_samples"}  # the foolbox wheel's real images
+
+
 def _offline(audit: dict, path) -> dict:
-    """``audit`` with the offline stand-in (the foolbox wheel's MNIST images) when its dataset is absent here."""
+    """``audit`` with the offline stand-in (the foolbox wheel's images of that set) when its dataset is absent."""
     if _needs_absent_data(path):
-        audit["data"] = {**audit["data"], "dataset": "mnist_samples", "root": None, "params": {}}
+        audit["data"] = {**audit["data"], "dataset": STAND_INS[audit["data"]["dataset"]], "root": None, "params": {}}
     return audit
 
 

@@ -109,7 +109,9 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
     problems = _check_call(step_fn, lr, inputs, labels) + ([stats] if isinstance(stats, str) else [])
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = _expand_defenses([entry], registry, problems, protocol)
-    specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems)
+    specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
+    problems += [f"attacks[{i}].checkpoints: audit_batch attacks the step you pass; leave checkpoints out"
+                 for i, item in enumerate(attacks) if isinstance(item, dict) and "checkpoints" in item]
     _check_metrics(list(metrics), registry, problems, min(inputs.shape[-2:]) if inputs.dim() == 4 else None)
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
     problems += [f"defense: {s.key}: model: audit_batch attacks the model you pass; leave model out"

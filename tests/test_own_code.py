@@ -70,6 +70,8 @@ def test_audit_batch_takes_an_opacus_wrapped_model_as_it_is():
     ({"attacks": [{"name": "bayes", "tune": {"budget": 2, "space": {"lr": [0.1, 0.01]}}}]},
      "audit_batch: attacks: bayes: tune needs the attacker's own images"),
     ({"attacks": ["analytic"]}, "audit_batch: attacks: analytic: analytic: the model must start with a fully connected"),
+    ({"attacks": [{"name": "inverting_gradients", "checkpoints": [0]}]},
+     "audit_batch: attacks[0].checkpoints: audit_batch attacks the step you pass; leave checkpoints out"),
 ])
 def test_audit_batch_refuses_bad_calls_before_any_work(kwargs, expected):
     x, y, _ = _digit()

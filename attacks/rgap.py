@@ -142,7 +142,7 @@ COSINES = {"per_tensor": per_tensor_cosine_distance, "joint": cosine_distance}
 
 
 def _per_layer(name: str, help: str, minimum: float) -> Param:
-    return Param(APPENDIX_D[name], int if name == "iterations" else float, min=minimum, items=3,
+    return Param(APPENDIX_D[name], type(APPENDIX_D[name][0]), min=minimum, items=3,
                  help=f"{help}: one value for every convolution, or three (the first convolution from the input, "
                       "the second, the others)")
 
@@ -164,7 +164,7 @@ class HybridInversion(LayerwiseInversion):
                              "all tensors as one vector"),
     }
 
-    def setting(self, name: str, conv: int) -> float:
+    def setting(self, name: str, conv: int) -> int | float:
         """The value of a per-layer setting at the ``conv``-th convolution from the input (0: the first)."""
         value = getattr(self, name)
         return value[min(conv, 2)] if isinstance(value, list) else value
@@ -179,7 +179,7 @@ class HybridInversion(LayerwiseInversion):
         x = value.clone().unsqueeze(0).requires_grad_(True)
         optimiser = torch.optim.Adam([x], lr=self.lr)
         rhs_norm = (system.rhs ** 2).sum().clamp_min(1e-30)
-        losses = torch.empty(int(self.setting("iterations", conv)), dtype=x.dtype, device=x.device)
+        losses = torch.empty(self.setting("iterations", conv), dtype=x.dtype, device=x.device)
         for it in range(len(losses)):
             loss = self._objective(later, params, order, x, labels, target, threat.loss_fn, system, rhs_norm,
                                    **weights)

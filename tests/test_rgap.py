@@ -97,6 +97,8 @@ def test_bad_hybrid_settings_and_models_fail_before_work(write_audit, capsys):
                         ({"tv": [0.1, -1.0, 0.0]}, "tv[1]: -1.0 is below the minimum 0.0"),
                         ({"iterations": [10, 10]}, "iterations: [10, 10] is not one value or a list of 3"),
                         ({"iterations": [10, 1.5, 10]}, "iterations[1]: 1.5 is not of type int"),
+                        ({"cosine_weight": -1}, "cosine_weight: -1 is below the minimum 0.0"),
+                        ({"system_weight": [1, 1, "x"]}, "system_weight[2]: 'x' is not of type float"),
                         ({"cosine": "l2"}, "cosine: 'l2' is not one of the choices; choices: per_tensor, joint")):
         path = write_audit(small_audit(attacks=[{"name": "hybrid", "params": params}]))
         assert main(["validate", str(path)]) == 2

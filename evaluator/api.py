@@ -14,7 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.evaluator.config import (
+    AttackSpec,
     ConfigError,
+    DefenseSetting,
     _check_attacks,
     _check_metrics,
     _expand_defenses,
@@ -22,6 +24,7 @@ from leakaudit.evaluator.config import (
 from leakaudit.evaluator.metrics import score
 from leakaudit.evaluator.scenario import round_generators
 from leakaudit.plugins.attack import Problem, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import (
     FEDSGD,
@@ -102,56 +105,90 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
                       metrics, (seed, step, batch_index), plugins_dirs)
 
 
-def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats, Stats] | str, step_fn, lr,
-           known_labels, metrics, draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
+@dataclass
+class Prepared:
+    """A validated audit of a live model: the defense settings built, the attack specs and the scorers."""
+
+    registry: Any
+    defenses: list[tuple[DefenseSetting, Any]]
+    specs: list[AttackSpec]
+    scorers: list[Any]
+
+
+def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str], protocol, batch_size: int,
+            image_size: int | None, plugins_dirs, problems: list[str], caller: str = "audit_batch",
+            scope: str = "the step you pass") -> Prepared:
+    """Check a live model's audit before any work: names, scopes and what each attack and defense supports.
+    Raises ConfigError, one line per problem (``problems`` holds those the caller found), prefixed ``caller``."""
     registry = load_registry(list(plugins_dirs))
-    protocol = FEDSGD if step_fn is None else OwnStep(function=step_fn, lr=lr)
-    problems = _check_call(step_fn, lr, inputs, labels) + ([stats] if isinstance(stats, str) else [])
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = _expand_defenses([entry], registry, problems, protocol)
     specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
-    problems += [f"attacks[{i}].checkpoints: audit_batch attacks the step you pass; leave checkpoints out"
+    problems += [f"attacks[{i}].checkpoints: {caller} attacks {scope}; leave checkpoints out"
                  for i, item in enumerate(attacks) if isinstance(item, dict) and "checkpoints" in item]
-    _check_metrics(list(metrics), registry, problems, min(inputs.shape[-2:]) if inputs.dim() == 4 else None)
+    _check_metrics(list(metrics), registry, problems, image_size)
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
-    problems += [f"defense: {s.key}: model: audit_batch attacks the model you pass; leave model out"
+    problems += [f"defense: {s.key}: model: {caller} attacks the model you pass; leave model out"
                  for s in settings if s.model is not None]
     defenses = [(s, s.build(registry)) for s in settings]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
                  "build your model with it, or audit from YAML" for s, d in defenses if _changes_architecture(d, model)]
     problems += [f"attacks: {s.label}: {why}" for s in specs
-                 if (why := s.build(registry).unsupported(model, len(inputs), protocol))]
+                 if (why := s.build(registry).unsupported(model, batch_size, protocol))]
     problems += [f"attacks: {a.label}: {why}" for setting, d in defenses for a in specs
                  if a.applies_to(setting) and (why := a.build(registry).unsupported_defense(d))]
     if problems:
-        raise ConfigError([f"audit_batch: {p.replace('defenses[0]', 'defense')}" for p in problems])
-    device = inputs.device
-    channels = inputs.shape[1]
-    mean, std = stats
+        raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
+    return Prepared(registry, defenses, specs, [registry.get("metric", m) for m in metrics])
+
+
+def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
+    """``(pixels in [0, 1], mean, std)`` of normalised ``inputs``, the statistics as (C, 1, 1) tensors on their
+    device; a ConfigError when ``inputs * std + mean`` leaves the pixel range (the wrong normalisation)."""
+    channels, device = inputs.shape[1], inputs.device
     mean_t, std_t = _channel_stats(mean, channels, device), _channel_stats(std, channels, device)
     raw = inputs * std_t + mean_t
     lo, hi = float(raw.min()), float(raw.max())
     if lo < -PIXEL_SLACK or hi > 1 + PIXEL_SLACK:
-        raise ConfigError([f"audit_batch: mean, std: inputs * std + mean spans [{lo:.3g}, {hi:.3g}], not the pixel "
+        raise ConfigError([f"{caller}: mean, std: inputs * std + mean spans [{lo:.3g}, {hi:.3g}], not the pixel "
                            "range [0, 1]; pass the mean and std your inputs were normalised with"])
-    pixels = raw.clamp(0, 1)
+    return raw.clamp(0, 1), mean_t, std_t
+
+
+def attack_shared(prepared: Prepared, setting: DefenseSetting, defense_obj, observed: SharedUpdate, model: nn.Module,
+                  loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor, known_labels: bool,
+                  protocol, attack_gen: Callable[[], torch.Generator]) -> list[tuple[AttackSpec, BatchAudit]]:
+    """Run every attack of ``setting`` on one shared update and score it against ``pixels``: the attacks see
+    ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``."""
     with torch.no_grad():
-        num_classes = model(inputs[:1]).shape[1]
-    scorers = [registry.get("metric", m) for m in metrics]
+        num_classes = model(((pixels - mean) / std)[:1]).shape[1]
+    threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(pixels.shape[1:]), mean=mean, std=std,
+                         num_classes=num_classes, batch_size=len(pixels), defense=defense_obj,
+                         labels=labels if known_labels else None, device=pixels.device, protocol=protocol)
+    out = []
+    for spec in (s for s in prepared.specs if s.applies_to(setting)):
+        attack = spec.build(prepared.registry)
+        (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen(), attack)])  # as the runner
+        values, _, _, order = score(prepared.scorers, rec.images, pixels, rec.labels, labels)
+        out.append((spec, BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds)))
+    return out
+
+
+def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats, Stats] | str, step_fn, lr,
+           known_labels, metrics, draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
+    protocol = FEDSGD if step_fn is None else OwnStep(function=step_fn, lr=lr)
+    problems = _check_call(step_fn, lr, inputs, labels) + ([stats] if isinstance(stats, str) else [])
+    prepared = prepare(model, defense, attacks, metrics, protocol, len(inputs),
+                       min(inputs.shape[-2:]) if inputs.dim() == 4 else None, plugins_dirs, problems)
+    pixels, mean_t, std_t = pixels_of(inputs, *stats)
     seed, step, index = draws
     results = []
-    for setting, defense_obj in defenses:
-        threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(inputs.shape[1:]), mean=mean_t, std=std_t,
-                             num_classes=num_classes, batch_size=len(inputs), defense=defense_obj,
-                             labels=labels if known_labels else None, device=device, protocol=protocol)
-        share_gen, _ = round_generators(device, seed, setting.identity, step, index)
+    for setting, defense_obj in prepared.defenses:
+        share_gen, _ = round_generators(inputs.device, seed, setting.identity, step, index)
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
-        for spec in (s for s in specs if s.applies_to(setting)):
-            _, attack_gen = round_generators(device, seed, setting.identity, step, index)  # the same start for every attack
-            attack = spec.build(registry)
-            (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen, attack)])  # as the runner
-            values, _, _, order = score(scorers, rec.images, pixels, rec.labels, labels)
-            results.append(BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds))
+        results += [r for _, r in attack_shared(  # the same start for every attack
+            prepared, setting, defense_obj, observed, model, loss_fn, pixels, labels, mean_t, std_t, known_labels,
+            protocol, lambda: round_generators(inputs.device, seed, setting.identity, step, index)[1])]
     return results
 
 

@@ -387,6 +387,34 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
                  top["deterministic"])
 
 
+def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str | Path] = (),
+                  registry: Registry | None = None) -> Audit:
+    """The audit a LeakMonitor's run folder stands for, from its ``monitor.json``: the live training's attacked
+    steps as checkpoints and one batch per step, so that the report and ``leakaudit report`` read the folder
+    like an audit file's. Raises ConfigError, one line per problem, prefixed with ``path``."""
+    problems: list[str] = []
+    dirs = [Path(d).resolve() for d in plugins_dirs]
+    registry = registry or load_registry(dirs)
+    batch = described["batch_size"]
+    data = {k: p.default for k, p in DATA.items() if not p.required} | {
+        "dataset": described["data"], "image_size": described["image_size"], "targets": batch, "batch_size": batch,
+        "target_split": "train", "target_order": "first"}
+    model = {k: p.default for k, p in MODEL.items() if not p.required} | {
+        "name": described["model"], "checkpoints": sorted(described["steps"]), "mode": described["mode"]}
+    protocol = _check_protocol(described.get("protocol", "fedsgd"), data, problems)
+    settings = _expand_defenses([described["defense"]], registry, problems, protocol)
+    attacks = _check_attacks(described["attacks"], registry, problems, None)
+    metrics = _check_metrics(described["metrics"], registry, problems, described["image_size"])
+    leakage = _check_leakage_metric(None, metrics, registry, problems)
+    if problems:
+        raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
+    utility = {k: p.default for k, p in UTILITY.items()} | {"train_steps": 0, "delta": described["delta"]}
+    verdict = {k: p.default for k, p in VERDICT.items()}
+    return Audit(path, yaml.safe_dump(described, sort_keys=True), described["name"], described["seed"],
+                 described["device"], 1, dirs, data, model, settings, attacks, utility, metrics,
+                 {"known_labels": described["known_labels"]}, protocol, registry, leakage, None, verdict, True)
+
+
 def available_cores() -> int:
     """Cores this process may use: its CPU affinity where the OS reports one (Linux), else the machine's count."""
     if hasattr(os, "sched_getaffinity"):

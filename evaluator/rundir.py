@@ -17,7 +17,14 @@ from typing import Any, Iterable
 import torch
 import yaml
 
-from leakaudit.evaluator.config import AttackSpec, Audit, AuditLoader, DefenseSetting, load_audit
+from leakaudit.evaluator.config import (
+    AttackSpec,
+    Audit,
+    AuditLoader,
+    DefenseSetting,
+    load_audit,
+    monitor_audit,
+)
 from leakaudit.evaluator.scenario import derive_seed
 
 RESULTS = "results.jsonl"
@@ -31,6 +38,7 @@ IDENTIFIABLE = "cache/identifiable.json"
 SUMMARY = "summary.json"
 REPORT = "report.html"
 AUDIT_COPY = "audit.yaml"
+MONITOR = "monitor.json"  # a LeakMonitor's description of the training it audits (instead of audit.yaml)
 
 
 class RunError(Exception):
@@ -305,7 +313,12 @@ class RunFolder:
 
 def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[str] = ()) -> Audit:
     """The audit a run folder was made with: ``config`` when given (it may differ only in how results are
-    judged), else the original file while it is unchanged (its factories resolve beside it), else the copy."""
+    judged), else the original file while it is unchanged (its factories resolve beside it), else the copy.
+    A LeakMonitor's folder has no audit file: its ``monitor.json`` describes the training it audited."""
+    if (path / MONITOR).is_file():
+        if config is not None:
+            raise RunError(f"--config: {path} was written by a LeakMonitor, not by an audit file; leave --config out")
+        return monitor_audit(json.loads((path / MONITOR).read_text()), path / MONITOR, list(plugins_dirs))
     saved = path / AUDIT_COPY
     if not saved.is_file():
         raise RunError(f"{path}: not a leakaudit run folder (no {AUDIT_COPY}); give a run's --out folder")

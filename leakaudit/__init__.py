@@ -12,6 +12,9 @@ The public API::
     audit = leakaudit.load_audit("audit.yaml")
     summary = leakaudit.run_audit(audit, "runs/mine")
 
+    monitor = leakaudit.LeakMonitor(every=100, out="runs/training")
+    model, optimizer, loader = monitor.attach(model, optimizer, loader)   # then train as before
+
 Plugin authors need only the names below; the rooms under ``leakaudit.plugins``,
 ``leakaudit.defenses``, ``leakaudit.attacks`` and ``leakaudit.evaluator`` hold the rest.
 """
@@ -43,6 +46,10 @@ def __getattr__(name: str):
         from leakaudit.evaluator import api
 
         return getattr(api, name)
+    if name == "LeakMonitor":
+        from leakaudit.evaluator import monitor
+
+        return monitor.LeakMonitor
     if name in ("run_audit", "RunError"):
         from leakaudit.evaluator import runner
 
@@ -57,4 +64,4 @@ def __getattr__(name: str):
 __all__ = ["__version__", "hookimpl", "Param", "PluginError", "Defense", "DeterministicDefense", "SharedUpdate",
            "Attack", "Problem", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
            "Metric", "MetricUnavailable", "ModelSpec", "DatasetSpec", "ImageData", "load_registry",
-           "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "audit_batch", "BatchAudit"]
+           "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "audit_batch", "BatchAudit", "LeakMonitor"]

@@ -163,20 +163,22 @@ def quiet_hooks() -> Iterator[None]:
 
 @contextmanager
 def opacus_hooks_off(model: nn.Module) -> Iterator[nn.Module]:
-    """The plain module of a user's live model, with Opacus's per-sample hooks paused (restored after)."""
+    """The plain module of a user's live model, with Opacus's per-sample hooks taken off (put back after):
+    merely disabled, its backward hooks would still stop torch.func's vmap, which vectorised attacks use."""
     from opacus import GradSampleModule
 
     if not isinstance(model, GradSampleModule):
         yield model
         return
     was_enabled = model.hooks_enabled
-    model.disable_hooks()
+    model.remove_hooks()
     try:
-        with quiet_hooks():
-            yield model._module
+        yield model._module
     finally:
-        if was_enabled:
-            model.enable_hooks()
+        model.add_hooks(loss_reduction=model.loss_reduction, batch_first=model.batch_first,
+                        force_functorch=model.force_functorch)
+        if not was_enabled:
+            model.disable_hooks()
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

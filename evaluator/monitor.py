@@ -1,0 +1,478 @@
+"""Audit your own training as it runs: attach once, as Opacus's ``make_private`` does, and leave the loop as it is.
+
+``LeakMonitor.attach(model, optimizer, loader)`` hooks the optimizer's step and the loader's batches. Every
+``every`` steps it keeps the weights before the step and the batch it came from, and after the step attacks
+the update the step really applied, ``(theta_before - theta_after) / lr`` (momentum, Adam state and weight
+decay included), with the configured attacks; under an Opacus ``DPOptimizer`` that is the noised DP update,
+attacked with ``dpsgd``'s likelihood. Rows, reconstructions and baselines go to a run folder as they are made,
+which ``leakaudit report DIR`` renders like an audit's, leakage plotted against the training step.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leakaudit.evaluator.api import (
+    DEFAULT_METRICS,
+    PIXEL_SLACK,
+    Prepared,
+    Stats,
+    _channel_stats,
+    attack_shared,
+    pixels_of,
+    prepare,
+)
+from leakaudit.evaluator.config import ConfigError, monitor_audit
+from leakaudit.evaluator.metrics import score
+from leakaudit.evaluator.report import write_report
+from leakaudit.evaluator.rundir import (
+    ARCHITECTURE,
+    BASELINES,
+    MONITOR,
+    RUN_INFO,
+    AttackJob,
+    RunFolder,
+    _now,
+)
+from leakaudit.evaluator.scenario import generator, round_generators
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import FEDSGD, LossFn, opacus_hooks_off, parameter_names, trainable
+
+MEAN_IMAGE_SAMPLE = 256  # dataset items averaged into the mean-image guess the verdict compares with
+CAPTURED = "cache/monitor"  # the mean image, kept for reports rebuilt without the dataset
+
+
+@dataclass
+class _Pending:
+    """One audited step in flight: the weights and buffers before it, and the batch it came from."""
+
+    step: int
+    before: list[Tensor]
+    buffers: dict[str, Tensor]
+    batch: Any
+
+
+class MonitoredLoader:
+    """The user's data loader, unchanged, telling its monitor each batch it yields."""
+
+    def __init__(self, loader: Any, monitor: "LeakMonitor") -> None:
+        self._loader = loader
+        self._monitor = monitor
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loader:
+            self._monitor.observe_batch(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class LeakMonitor:
+    """Attack the update of every ``every``-th training step as your loop runs, and record how much leaks.
+
+    ``defense`` and ``attacks`` take the names and mappings of an audit file's entries. ``defense`` is applied
+    to the update your step made (``none``: it is attacked as it is sent); under Opacus the update is already
+    DP-SGD's and the defense is ``dpsgd`` with your optimizer's noise multiplier and clipping norm.
+    ``mean`` and ``std`` are your inputs' normalisation; left out, they are read from the loader's torchvision
+    ``Normalize``, and a loader without one is refused rather than guessed. Results go to ``out`` as they
+    are made; a monitor attached again to the same folder with the same settings skips steps already there.
+    """
+
+    def __init__(self, defense: str | dict[str, Any] = "none",
+                 attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",), *, every: int = 100,
+                 out: str | Path = "runs/monitor", mean: Stats | None = None, std: Stats | None = None,
+                 loss_fn: LossFn = F.cross_entropy, known_labels: bool = False,
+                 metrics: Sequence[str] = DEFAULT_METRICS, seed: int = 0, delta: float = 1e-5,
+                 name: str = "monitor", plugins_dirs: Sequence[str] = ()) -> None:
+        problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
+        problems += [] if 0 < delta < 1 else [f"delta: {delta!r}; expected a number in (0, 1)"]
+        if problems:
+            raise ConfigError([f"LeakMonitor: {p}" for p in problems])
+        self.defense = {"name": defense} if isinstance(defense, str) else defense
+        self.attacks = [{"name": a} if isinstance(a, str) else a for a in attacks]
+        self.every, self.out = every, Path(out)
+        self.mean, self.std, self.loss_fn, self.known_labels = mean, std, loss_fn, known_labels
+        self.metrics, self.seed, self.delta, self.name = list(metrics), seed, delta, name
+        self.plugins_dirs = list(plugins_dirs)
+        self.steps_taken = 0
+        #: The update attacked at the last audited step, ``(theta_before - theta_after) / lr`` per parameter.
+        self.last_update: list[Tensor] | None = None
+        self._batch: Any = None
+        self._pending: _Pending | None = None
+        self._handles: list[Any] = []
+        self._model: nn.Module | None = None
+
+    # --- attaching -------------------------------------------------------------------------------------
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> tuple[nn.Module, Any, Any]:
+        """Hook ``optimizer``'s steps and ``loader``'s batches; returns ``(model, optimizer, loader)`` to train
+        with as before. Raises ConfigError, one line per problem, before any training step."""
+        self.bind(model, optimizer, getattr(loader, "dataset", None), loader)
+        return model, optimizer, MonitoredLoader(loader, self)
+
+    def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, loader: Any = None) -> None:
+        """``attach`` for loops that hand the monitor each batch themselves (``observe_batch``): Lightning."""
+        self.detach()
+        self._model, self._optimizer = model, optimizer
+        self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
+        self._dataset = dataset
+        self._dp = self._dp_settings(optimizer, loader)
+        problems: list[str] = []
+        stats = self._normalisation(loader, dataset, problems)
+        shape = self._input_shape(dataset, problems)
+        problems += self._unoptimised(model)
+        batch_size = self._batch_size(optimizer, loader)
+        defense = self._defense_entry(problems)
+        with opacus_hooks_off(model) as plain:
+            self._prepared = prepare(plain, defense, self.attacks, self.metrics, FEDSGD, batch_size,
+                                     min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
+                                     caller="LeakMonitor", scope=f"every {self.every}-th step")
+        if shape is not None:
+            self._check_range(dataset, *stats)
+        self._stats = stats
+        self._described = self._describe(plain, defense, batch_size, shape)
+        self._folder = self._open_folder()
+        self._handles = [self._inner.register_step_pre_hook(self._before_step),
+                         self._inner.register_step_post_hook(self._after_step)]
+
+    def detach(self) -> None:
+        """Remove the optimizer hooks (the model and optimizer are as they were before ``attach``)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> "LeakMonitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+        if self._model is not None and self._described["steps"]:
+            self.report()
+
+    def observe_batch(self, batch: Any) -> None:
+        """The batch the next optimizer step trains on (the loader wrapper calls this; a reference only)."""
+        self._batch = batch
+
+    # --- the two hooks: all the training path pays between audited steps is one comparison ----------------
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        step = self.steps_taken
+        if step % self.every or step in self._done or self._batch is None:
+            return
+        plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
+        self._pending = _Pending(step, [p.detach().clone() for p in trainable(plain)],
+                                 {n: b.detach().clone() for n, b in plain.named_buffers()}, self._batch)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps_taken += 1
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._audit(pending)
+
+    # --- one audited step --------------------------------------------------------------------------------
+
+    def _audit(self, pending: _Pending) -> None:
+        """Attack the update of one step at the weights it was computed at, then put the weights back."""
+        inputs, labels = _inputs_labels(pending.batch)
+        with opacus_hooks_off(self._model) as plain:
+            params = trainable(plain)
+            device = params[0].device
+            inputs, labels = inputs.to(device), labels.to(device)
+            if len(inputs) == 0:  # a Poisson-sampled batch can be empty: nothing to attack
+                return
+            lrs = _learning_rates(self._inner, params)
+            after = [p.detach().clone() for p in params]
+            update = [(b - a) / lr for b, a, lr in zip(pending.before, after, lrs)]
+            self.last_update = update
+            buffers = {n: b.detach().clone() for n, b in plain.named_buffers()}
+            try:
+                _load(plain, pending.before, pending.buffers)
+                self._attack(plain, pending.step, update, inputs, labels)
+            finally:
+                _load(plain, after, buffers)
+
+    def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor) -> None:
+        pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
+        names, n = parameter_names(plain), len(inputs)
+        epsilon = self._epsilon()
+        for setting, defense in self._prepared.defenses:
+            share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
+            if self._dp is not None:  # Opacus divided the noisy sum by the expected batch size: to the mean
+                observed = SharedUpdate([u * (self._dp["expected_batch_size"] / n) for u in update], names, n,
+                                        {"protocol": "fedsgd"})
+            else:
+                sent, public = defense.apply(update, share_gen)
+                observed = SharedUpdate(sent, names, n, {"protocol": "fedsgd", **public})
+            results = attack_shared(
+                self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
+                self.known_labels, FEDSGD, lambda: round_generators(inputs.device, self.seed, setting.identity,
+                                                                    step, 0)[1])
+            for spec, result in results:
+                self._write(AttackJob(setting, spec, step, 0), result, pixels, labels, epsilon)
+        self._described["steps"].append(step)
+        self._folder.write_json(MONITOR, self._described)
+        self._write_baselines()
+
+    def _write(self, job: AttackJob, result: Any, pixels: Tensor, labels: Tensor, epsilon: float | None) -> None:
+        """One results row and its reconstruction, written at once (a crash later loses nothing)."""
+        scores = score(self._prepared.scorers, result.reconstruction, pixels, result.labels, labels)
+        self._folder.save_reconstruction(job, {
+            "original": pixels.cpu(), "reconstruction": result.reconstruction.detach().cpu(),
+            "labels": labels.cpu(), "recovered_labels": result.labels.cpu(), "loss_trace": []})
+        row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
+               "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
+               "target": 0, "images": list(range(len(pixels))), "epsilon": epsilon, **scores.values,
+               "per_image": scores.per_image, "seconds": round(result.seconds, 3)}
+        if scores.notes:
+            row["notes"] = scores.notes
+        self._folder.results.append(row)
+        self._folder.results_csv.append(row)
+
+    # --- the report --------------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """Write report.html (and summary.json) from the rows so far; returns the summary."""
+        from leakaudit.evaluator.rundir import saved_audit
+        from leakaudit.evaluator.runner import rebuild_report
+
+        audit = saved_audit(self.out, plugins_dirs=self.plugins_dirs)
+        return rebuild_report(RunFolder(self.out, audit))
+
+    def _write_baselines(self) -> None:
+        """Scores of guesses made without the update (noise, grey, the data's mean image) on every attacked
+        batch so far: the verdict's bar."""
+        folder, audit = self._folder, self._folder.audit
+        audit.model["checkpoints"] = sorted(self._described["steps"])
+        metrics = [m for m in self._prepared.scorers if m.on == "images"]
+        mean_image = self._mean_image()
+        gen = generator(torch.device("cpu"), self.seed, "baseline")
+        out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
+        for step in audit.checkpoints:
+            job = AttackJob(audit.settings[0], audit.attacks[0], step, 0)
+            record = folder.load_reconstruction(job)
+            if record is None:
+                continue
+            pixels, labels = record["original"], record["labels"]
+            guesses = {"random": torch.rand(pixels.shape, generator=gen), "grey": torch.full_like(pixels, 0.5),
+                       **({"mean": mean_image.expand_as(pixels)} if mean_image is not None else {})}
+            for name, guess in guesses.items():
+                for m, v in score(metrics, guess, pixels, labels, labels).values.items():
+                    out[name].setdefault(m, []).append(v)
+        folder.write_json(BASELINES, {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()}
+                                      for name, d in out.items() if d})
+
+    def _mean_image(self) -> Tensor | None:
+        """The mean pixel image of up to 256 seeded items of the training set, computed once and kept."""
+        path = self.out / CAPTURED / "mean_image.pt"
+        if path.exists():
+            return torch.load(path, weights_only=True)
+        if self._dataset is None or not hasattr(self._dataset, "__len__"):
+            return None
+        gen = generator(torch.device("cpu"), self.seed, "mean_image")
+        picks = torch.randperm(len(self._dataset), generator=gen)[:MEAN_IMAGE_SAMPLE].tolist()
+        mean, std = self._stats
+        total = None
+        for i in picks:
+            x = torch.as_tensor(_inputs_labels(self._dataset[i], single=True)[0]).float().cpu()
+            px = (x * _channel_stats(std, x.shape[0], x.device) + _channel_stats(mean, x.shape[0], x.device)).clamp(0, 1)
+            total = px if total is None else total + px
+        image = total / len(picks)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(image, path)
+        return image
+
+    # --- what attach checks and records -------------------------------------------------------------------
+
+    def _dp_settings(self, optimizer: Any, loader: Any) -> dict[str, Any] | None:
+        """Opacus's noise multiplier, clipping norm, expected batch size and sampling rate, or None without it."""
+        from opacus.optimizers import DPOptimizer
+
+        if not isinstance(optimizer, DPOptimizer):
+            return None
+        dataset = getattr(loader, "dataset", None)
+        rate = getattr(loader, "sample_rate", None)
+        if rate is None and dataset is not None and hasattr(dataset, "__len__"):
+            rate = optimizer.expected_batch_size / len(dataset)
+        return {"noise_multiplier": float(optimizer.noise_multiplier), "max_grad_norm": float(optimizer.max_grad_norm),
+                "expected_batch_size": int(optimizer.expected_batch_size), "sample_rate": rate}
+
+    def _defense_entry(self, problems: list[str]) -> str | dict[str, Any]:
+        """The defense as an audit entry: the user's, or ``dpsgd`` with Opacus's settings under a DPOptimizer."""
+        if self._dp is None:
+            return self.defense
+        named = self.defense.get("name") if isinstance(self.defense, dict) else self.defense
+        if named not in ("none", "dpsgd"):
+            problems.append(f"defense: {named!r}: the optimizer is Opacus's DPOptimizer, whose update is already "
+                            "DP-SGD's; leave defense out (or name dpsgd)")
+        return {"name": "dpsgd", "params": {k: self._dp[k] for k in ("noise_multiplier", "max_grad_norm")}}
+
+    def _epsilon(self) -> float | None:
+        """Epsilon at ``delta`` spent so far (this step included) under Opacus, from its RDP accountant."""
+        if self._dp is None or self._dp["sample_rate"] is None:
+            return None
+        defense = self._prepared.defenses[0][1]
+        return defense.privacy_spent(self.steps_taken, self._dp["sample_rate"], self.delta)
+
+    def _normalisation(self, loader: Any, dataset: Any, problems: list[str]) -> tuple[Stats, Stats]:
+        found = find_normalize(loader if loader is not None else dataset)
+        if self.mean is not None and self.std is not None:
+            if found is not None and not (_same(self.mean, found.mean) and _same(self.std, found.std)):
+                problems.append(f"mean, std: {self.mean}, {self.std} differ from the loader's Normalize "
+                                f"(mean={list(found.mean)}, std={list(found.std)}); leave them out to use the loader's")
+            return self.mean, self.std
+        if (self.mean is None) != (self.std is None):
+            problems.append("mean, std: give both or neither")
+        elif found is not None:
+            return tuple(found.mean), tuple(found.std)
+        else:
+            problems.append("mean, std: the loader applies no torchvision Normalize to read them from, and "
+                            "leakaudit will not guess; pass mean= and std= (mean=0, std=1 for raw pixels in [0, 1])")
+        return 0.0, 1.0
+
+    def _input_shape(self, dataset: Any, problems: list[str]) -> tuple[int, ...] | None:
+        """One training input's shape (C, H, W), read from the dataset's first item; None when it has none."""
+        if dataset is None or not hasattr(dataset, "__getitem__") or not len(dataset):
+            return None
+        x = torch.as_tensor(_inputs_labels(dataset[0], single=True)[0])
+        if x.dim() != 3:
+            problems.append(f"loader: its items hold inputs of shape {tuple(x.shape)}; the attacks rebuild images "
+                            "(C, H, W)")
+            return None
+        return tuple(x.shape)
+
+    def _check_range(self, dataset: Any, mean: Stats, std: Stats) -> None:
+        x = torch.as_tensor(_inputs_labels(dataset[0], single=True)[0]).float()
+        raw = x * _channel_stats(std, x.shape[0], x.device) + _channel_stats(mean, x.shape[0], x.device)
+        lo, hi = float(raw.min()), float(raw.max())
+        if lo < -PIXEL_SLACK or hi > 1 + PIXEL_SLACK:
+            raise ConfigError([f"LeakMonitor: mean, std: the loader's first input * std + mean spans [{lo:.3g}, "
+                               f"{hi:.3g}], not the pixel range [0, 1]; pass the mean and std your inputs were "
+                               "normalised with"])
+
+    def _unoptimised(self, model: nn.Module) -> list[str]:
+        """Trainable parameters the optimizer does not step (their update cannot be read off the weights)."""
+        stepped = {id(p) for g in self._inner.param_groups for p in g["params"]}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
+        zero = [i for i, g in enumerate(self._inner.param_groups) if not g.get("lr")]
+        return ([f"optimizer: does not step {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; give it "
+                 "every trainable parameter of the model"] if missing else []) + (
+            [f"optimizer: param_groups {zero} have lr 0; the update is read as (before - after) / lr"] if zero else [])
+
+    @staticmethod
+    def _batch_size(optimizer: Any, loader: Any) -> int:
+        return int(getattr(optimizer, "expected_batch_size", None) or getattr(loader, "batch_size", None) or 1)
+
+    def _describe(self, plain: nn.Module, defense: Any, batch_size: int, shape: tuple | None) -> dict[str, Any]:
+        """``monitor.json``: what ``monitor_audit`` rebuilds this monitor's audit from."""
+        return {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
+                "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
+                "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
+                "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
+                "known_labels": self.known_labels, "delta": self.delta, "every": self.every,
+                "device": next(plain.parameters()).device.type, "dp": self._dp, "steps": []}
+
+    def _open_folder(self) -> RunFolder:
+        """The run folder: a new one, or the same monitor's earlier run continued (its audited steps skipped)."""
+        path, described = self.out, self._described
+        saved = path / MONITOR
+        if saved.is_file():
+            earlier = json.loads(saved.read_text())
+            if {k: v for k, v in earlier.items() if k != "steps"} != {k: v for k, v in described.items() if k != "steps"}:
+                raise ConfigError([f"LeakMonitor: out: {path} holds a monitor run with other settings; choose "
+                                   "another out"])
+            described["steps"] = earlier["steps"]
+        elif path.exists() and any(path.iterdir()):
+            raise ConfigError([f"LeakMonitor: out: {path} is not empty and holds no monitor run; choose another out"])
+        path.mkdir(parents=True, exist_ok=True)
+        audit = monitor_audit(json.loads(json.dumps(described)), saved, self.plugins_dirs, self._prepared.registry)
+        folder = RunFolder(path, audit)
+        folder.write_json(MONITOR, described)
+        if not (path / ARCHITECTURE).exists():
+            folder.write_json(ARCHITECTURE, [])
+        folder.write_json(RUN_INFO, self._run_info(folder))
+        self._done = set(described["steps"])
+        return folder
+
+    def _run_info(self, folder: RunFolder) -> dict[str, Any]:
+        import platform
+
+        from leakaudit import __version__
+        from leakaudit.evaluator.runner import _version
+
+        saved = folder.read_json(RUN_INFO) or {"sessions": []}
+        device = next(self._model.parameters()).device
+        versions = {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                    **{name: _version(name) for name in ("torchvision", "opacus")}}
+        saved.update(versions=versions, device=f"{device.type}: inside the training process (LeakMonitor)",
+                     device_type=device.type, deterministic=True, audit_file=str(folder.path / MONITOR),
+                     chance_accuracy=None)
+        saved["sessions"].append({"started": _now(), "finished": None, "seconds": None, "versions": versions,
+                                  "device": saved["device"]})
+        return saved
+
+
+def find_normalize(source: Any) -> Any | None:
+    """The torchvision ``Normalize`` a loader's (or dataset's) transform applies, looking through ``Subset``
+    and ``Compose``; None when there is none."""
+    dataset = getattr(source, "dataset", source)
+    seen: set[int] = set()
+    while dataset is not None and id(dataset) not in seen:
+        seen.add(id(dataset))
+        for attr in ("transform", "transforms"):
+            found = _normalize_in(getattr(dataset, attr, None))
+            if found is not None:
+                return found
+        dataset = getattr(dataset, "dataset", None)
+    return None
+
+
+def _normalize_in(transform: Any, depth: int = 0) -> Any | None:
+    if transform is None or depth > 8:
+        return None
+    if type(transform).__name__ == "Normalize" and hasattr(transform, "mean") and hasattr(transform, "std"):
+        return transform
+    children = list(getattr(transform, "transforms", None) or []) + [getattr(transform, "transform", None)]
+    for child in children:
+        found = _normalize_in(child, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _same(a: Stats, b: Stats) -> bool:
+    x, y = torch.as_tensor(a, dtype=torch.float64).flatten(), torch.as_tensor(b, dtype=torch.float64).flatten()
+    return x.shape == y.shape and bool(torch.allclose(x, y, atol=1e-6))
+
+
+def _inputs_labels(batch: Any, single: bool = False) -> tuple[Any, Any]:
+    """The inputs and labels of a ``(inputs, labels, ...)`` batch or dataset item."""
+    if isinstance(batch, dict):
+        return batch.get("inputs", batch.get("image")), batch.get("labels", batch.get("label"))
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ConfigError([f"LeakMonitor: loader: a {'dataset item' if single else 'batch'} is a "
+                           f"{type(batch).__name__}; expected (inputs, labels)"])
+    return batch[0], batch[1]
+
+
+def _learning_rates(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[float]:
+    """Each parameter's learning rate, from its param group."""
+    lr = {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+    return [lr[id(p)] for p in params]
+
+
+@torch.no_grad()
+def _load(model: nn.Module, params: list[Tensor], buffers: dict[str, Tensor]) -> None:
+    for p, value in zip(trainable(model), params):
+        p.copy_(value)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])

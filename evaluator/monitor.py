@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from leakaudit.evaluator.api import (
     DEFAULT_METRICS,
     PIXEL_SLACK,
-    Prepared,
     Stats,
     _channel_stats,
     attack_shared,
@@ -30,7 +29,6 @@ from leakaudit.evaluator.api import (
 )
 from leakaudit.evaluator.config import ConfigError, monitor_audit
 from leakaudit.evaluator.metrics import score
-from leakaudit.evaluator.report import write_report
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
     BASELINES,
@@ -151,12 +149,17 @@ class LeakMonitor:
             handle.remove()
         self._handles = []
 
+    @property
+    def audited_steps(self) -> list[int]:
+        """The training steps attacked so far (earlier runs into the same folder included)."""
+        return sorted(self._described["steps"]) if self._model is not None else []
+
     def __enter__(self) -> "LeakMonitor":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
-        if self._model is not None and self._described["steps"]:
+        if self.audited_steps:
             self.report()
 
     def observe_batch(self, batch: Any) -> None:

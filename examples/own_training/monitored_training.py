@@ -1,0 +1,47 @@
+"""Audit a training loop as it runs: attach a LeakMonitor once, as Opacus's make_private attaches, and train.
+
+The client is the digits CNN of ``digits_client.py``, trained with SGD, momentum and weight decay on
+pre-normalised images, one image per step (the most exposed update). Every 50 steps the monitor attacks
+the update the optimizer applied, writes the rows to ``runs/monitored_training`` and, at the end, the report.
+
+    python examples/own_training/monitored_training.py
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from leakaudit import LeakMonitor
+
+from digits_client import build_model, load_data
+
+
+def main(out: str = "runs/monitored_training", steps: int = 201, every: int = 50) -> dict:
+    data = load_data()
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    loader = DataLoader(TensorDataset((data.train_x - mean) / std, data.train_y), batch_size=1, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+    monitor = LeakMonitor(attacks=[{"name": "inverting_gradients", "params": {"iterations": 300}}], every=every,
+                          out=out, mean=data.mean, std=data.std)   # the loader normalised with these
+    model, optimizer, loader = monitor.attach(model, optimizer, loader)
+
+    for step, (x, y) in enumerate(loader):                           # the loop, unchanged
+        if step == steps:
+            break
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    monitor.detach()
+    summary = monitor.report()
+    for cell in summary["cells"]:
+        print(f"step {cell['checkpoint']}: {cell['attack']} rebuilds the image at {cell['psnr_mean']:.1f} dB PSNR")
+    print(f"report: {out}/report.html")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

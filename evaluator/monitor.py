@@ -35,6 +35,7 @@ from leakaudit.evaluator.rundir import (
     MONITOR,
     RUN_INFO,
     AttackJob,
+    RunError,
     RunFolder,
     _now,
 )
@@ -248,6 +249,9 @@ class LeakMonitor:
         from leakaudit.evaluator.rundir import saved_audit
         from leakaudit.evaluator.runner import rebuild_report
 
+        if not self.audited_steps:
+            raise RunError(f"LeakMonitor: no step attacked yet in {self.out}; attach the monitor and train past "
+                           f"step 0 (it attacks steps 0, {self.every}, {2 * self.every}, ...)")
         audit = saved_audit(self.out, plugins_dirs=self.plugins_dirs)
         return rebuild_report(RunFolder(self.out, audit))
 

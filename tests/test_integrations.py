@@ -7,13 +7,12 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import leakaudit
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "own_training"))
-from digits_client import build_model, load_data  # noqa: E402  (the example client)
+from digits_client import load_data  # noqa: E402  (the example client)
 
 ATTACK = [{"name": "inverting_gradients", "params": {"iterations": 300}}]
 
@@ -32,20 +31,7 @@ def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
 
     from leakaudit.evaluator.lightning import LeakAuditCallback
 
-    class Digits(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = build_model()
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+    from lightning_training import DigitsClassifier
 
     data = load_data()
     loader = DataLoader(normalised(data), batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0))
@@ -54,7 +40,7 @@ def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Digits(), loader)
+        trainer.fit(DigitsClassifier(), loader)
     found = {r["checkpoint"]: r for r in rows(tmp_path / "run")}
     assert sorted(found) == [0, 3]
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())

@@ -172,6 +172,8 @@ def test_a_second_attach_to_the_folder_resumes_and_report_rebuilds_it(digits, tm
     other = leakaudit.LeakMonitor(attacks=ATTACK, every=3, out=tmp_path / "run", mean=digits.mean, std=digits.std)
     with pytest.raises(leakaudit.ConfigError, match="holds a monitor run with other settings"):
         other.attach(model, torch.optim.SGD(model.parameters(), lr=LR), normalised_loader(digits))
+    with pytest.raises(leakaudit.RunError, match="^LeakMonitor: no step attacked yet in "):
+        leakaudit.LeakMonitor(attacks=ATTACK).report()
 
 
 def test_under_opacus_the_noised_dp_update_is_attacked_and_epsilon_reported(digits, tmp_path):

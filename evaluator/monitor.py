@@ -110,6 +110,7 @@ class LeakMonitor:
         self._pending: _Pending | None = None
         self._handles: list[Any] = []
         self._model: nn.Module | None = None
+        self._described: dict[str, Any] = {"steps": []}  # monitor.json, once attached
 
     # --- attaching -------------------------------------------------------------------------------------
 
@@ -153,7 +154,7 @@ class LeakMonitor:
     @property
     def audited_steps(self) -> list[int]:
         """The training steps attacked so far (earlier runs into the same folder included)."""
-        return sorted(self._described["steps"]) if self._model is not None else []
+        return sorted(self._described["steps"])
 
     def __enter__(self) -> "LeakMonitor":
         return self

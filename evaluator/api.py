@@ -21,9 +21,9 @@ from leakaudit.evaluator.config import (
     _check_metrics,
     _expand_defenses,
 )
-from leakaudit.evaluator.metrics import score
+from leakaudit.evaluator.metrics import Scores, score
 from leakaudit.evaluator.scenario import round_generators
-from leakaudit.plugins.attack import Problem, ThreatModel
+from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import (
@@ -157,7 +157,8 @@ def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batc
 
 def attack_shared(prepared: Prepared, setting: DefenseSetting, defense_obj, observed: SharedUpdate, model: nn.Module,
                   loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor, known_labels: bool,
-                  protocol, attack_gen: Callable[[], torch.Generator]) -> list[tuple[AttackSpec, BatchAudit]]:
+                  protocol, attack_gen: Callable[[], torch.Generator]
+                  ) -> list[tuple[AttackSpec, Reconstruction, Scores]]:
     """Run every attack of ``setting`` on one shared update and score it against ``pixels``: the attacks see
     ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``."""
     with torch.no_grad():
@@ -169,8 +170,7 @@ def attack_shared(prepared: Prepared, setting: DefenseSetting, defense_obj, obse
     for spec in (s for s in prepared.specs if s.applies_to(setting)):
         attack = spec.build(prepared.registry)
         (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen(), attack)])  # as the runner
-        values, _, _, order = score(prepared.scorers, rec.images, pixels, rec.labels, labels)
-        out.append((spec, BatchAudit(setting.key, spec.label, values, rec.images[order], rec.labels, rec.seconds)))
+        out.append((spec, rec, score(prepared.scorers, rec.images, pixels, rec.labels, labels)))
     return out
 
 
@@ -186,9 +186,11 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
     for setting, defense_obj in prepared.defenses:
         share_gen, _ = round_generators(inputs.device, seed, setting.identity, step, index)
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
-        results += [r for _, r in attack_shared(  # the same start for every attack
-            prepared, setting, defense_obj, observed, model, loss_fn, pixels, labels, mean_t, std_t, known_labels,
-            protocol, lambda: round_generators(inputs.device, seed, setting.identity, step, index)[1])]
+        results += [BatchAudit(setting.key, spec.label, s.values, rec.images[s.order], rec.labels, rec.seconds)
+                    for spec, rec, s in attack_shared(  # the same start for every attack
+                        prepared, setting, defense_obj, observed, model, loss_fn, pixels, labels, mean_t, std_t,
+                        known_labels, protocol,
+                        lambda: round_generators(inputs.device, seed, setting.identity, step, index)[1])]
     return results
 
 

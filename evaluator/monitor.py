@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from leakaudit.evaluator.api import (
     DEFAULT_METRICS,
-    PIXEL_SLACK,
     Stats,
     _channel_stats,
     attack_shared,
@@ -28,16 +27,14 @@ from leakaudit.evaluator.api import (
     prepare,
 )
 from leakaudit.evaluator.config import ConfigError, monitor_audit
-from leakaudit.evaluator.metrics import score
+from leakaudit.evaluator.metrics import guess_scores
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
     BASELINES,
     MONITOR,
-    RUN_INFO,
     AttackJob,
     RunError,
     RunFolder,
-    _now,
 )
 from leakaudit.evaluator.scenario import generator, round_generators
 from leakaudit.plugins.defense import SharedUpdate
@@ -123,7 +120,7 @@ class LeakMonitor:
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, loader: Any = None) -> None:
         """``attach`` for loops that hand the monitor each batch themselves (``observe_batch``): Lightning."""
         self.detach()
-        self._model, self._optimizer = model, optimizer
+        self._model = model
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
         self._dataset = dataset
         self._dp = self._dp_settings(optimizer, loader)
@@ -137,8 +134,9 @@ class LeakMonitor:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, FEDSGD, batch_size,
                                      min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
                                      caller="LeakMonitor", scope=f"every {self.every}-th step")
-        if shape is not None:
-            self._check_range(dataset, *stats)
+        if shape is not None:  # the first training input, to catch a wrong normalisation before any step
+            pixels_of(torch.as_tensor(_inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
+                      caller="LeakMonitor")
         self._stats = stats
         self._described = self._describe(plain, defense, batch_size, shape)
         self._folder = self._open_folder()
@@ -172,7 +170,7 @@ class LeakMonitor:
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step = self.steps_taken
-        if step % self.every or step in self._done or self._batch is None:
+        if step % self.every or step in self._described["steps"] or self._batch is None:
             return
         plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
         self._pending = _Pending(step, [p.detach().clone() for p in trainable(plain)],
@@ -222,26 +220,14 @@ class LeakMonitor:
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, FEDSGD, lambda: round_generators(inputs.device, self.seed, setting.identity,
                                                                     step, 0)[1])
-            for spec, result in results:
-                self._write(AttackJob(setting, spec, step, 0), result, pixels, labels, epsilon)
+            for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
+                row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
+                                               list(range(n)), epsilon)
+                self._folder.results.append(row)
+                self._folder.results_csv.append(row)
         self._described["steps"].append(step)
         self._folder.write_json(MONITOR, self._described)
         self._write_baselines()
-
-    def _write(self, job: AttackJob, result: Any, pixels: Tensor, labels: Tensor, epsilon: float | None) -> None:
-        """One results row and its reconstruction, written at once (a crash later loses nothing)."""
-        scores = score(self._prepared.scorers, result.reconstruction, pixels, result.labels, labels)
-        self._folder.save_reconstruction(job, {
-            "original": pixels.cpu(), "reconstruction": result.reconstruction.detach().cpu(),
-            "labels": labels.cpu(), "recovered_labels": result.labels.cpu(), "loss_trace": []})
-        row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
-               "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-               "target": 0, "images": list(range(len(pixels))), "epsilon": epsilon, **scores.values,
-               "per_image": scores.per_image, "seconds": round(result.seconds, 3)}
-        if scores.notes:
-            row["notes"] = scores.notes
-        self._folder.results.append(row)
-        self._folder.results_csv.append(row)
 
     # --- the report --------------------------------------------------------------------------------------
 
@@ -260,24 +246,12 @@ class LeakMonitor:
         """Scores of guesses made without the update (noise, grey, the data's mean image) on every attacked
         batch so far: the verdict's bar."""
         folder, audit = self._folder, self._folder.audit
-        audit.model["checkpoints"] = sorted(self._described["steps"])
-        metrics = [m for m in self._prepared.scorers if m.on == "images"]
-        mean_image = self._mean_image()
-        gen = generator(torch.device("cpu"), self.seed, "baseline")
-        out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
-        for step in audit.checkpoints:
-            job = AttackJob(audit.settings[0], audit.attacks[0], step, 0)
-            record = folder.load_reconstruction(job)
-            if record is None:
-                continue
-            pixels, labels = record["original"], record["labels"]
-            guesses = {"random": torch.rand(pixels.shape, generator=gen), "grey": torch.full_like(pixels, 0.5),
-                       **({"mean": mean_image.expand_as(pixels)} if mean_image is not None else {})}
-            for name, guess in guesses.items():
-                for m, v in score(metrics, guess, pixels, labels, labels).values.items():
-                    out[name].setdefault(m, []).append(v)
-        folder.write_json(BASELINES, {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()}
-                                      for name, d in out.items() if d})
+        records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
+                   for step in self.audited_steps)
+        batches = [(r["original"], r["labels"]) for r in records if r is not None]
+        folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
+                                                  self._mean_image(),
+                                                  generator(torch.device("cpu"), self.seed, "baseline")))
 
     def _mean_image(self) -> Tensor | None:
         """The mean pixel image of up to 256 seeded items of the training set, computed once and kept."""
@@ -288,13 +262,10 @@ class LeakMonitor:
             return None
         gen = generator(torch.device("cpu"), self.seed, "mean_image")
         picks = torch.randperm(len(self._dataset), generator=gen)[:MEAN_IMAGE_SAMPLE].tolist()
-        mean, std = self._stats
-        total = None
-        for i in picks:
-            x = torch.as_tensor(_inputs_labels(self._dataset[i], single=True)[0]).float().cpu()
-            px = (x * _channel_stats(std, x.shape[0], x.device) + _channel_stats(mean, x.shape[0], x.device)).clamp(0, 1)
-            total = px if total is None else total + px
-        image = total / len(picks)
+        x = torch.stack([torch.as_tensor(_inputs_labels(self._dataset[i], single=True)[0]).float().cpu()
+                         for i in picks])
+        mean, std = (_channel_stats(s, x.shape[1], x.device) for s in self._stats)
+        image = (x * std + mean).clamp(0, 1).mean(dim=0)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(image, path)
         return image
@@ -358,15 +329,6 @@ class LeakMonitor:
             return None
         return tuple(x.shape)
 
-    def _check_range(self, dataset: Any, mean: Stats, std: Stats) -> None:
-        x = torch.as_tensor(_inputs_labels(dataset[0], single=True)[0]).float()
-        raw = x * _channel_stats(std, x.shape[0], x.device) + _channel_stats(mean, x.shape[0], x.device)
-        lo, hi = float(raw.min()), float(raw.max())
-        if lo < -PIXEL_SLACK or hi > 1 + PIXEL_SLACK:
-            raise ConfigError([f"LeakMonitor: mean, std: the loader's first input * std + mean spans [{lo:.3g}, "
-                               f"{hi:.3g}], not the pixel range [0, 1]; pass the mean and std your inputs were "
-                               "normalised with"])
-
     def _unoptimised(self, model: nn.Module) -> list[str]:
         """Trainable parameters the optimizer does not step (their update cannot be read off the weights)."""
         stepped = {id(p) for g in self._inner.param_groups for p in g["params"]}
@@ -407,26 +369,13 @@ class LeakMonitor:
         folder.write_json(MONITOR, described)
         if not (path / ARCHITECTURE).exists():
             folder.write_json(ARCHITECTURE, [])
-        folder.write_json(RUN_INFO, self._run_info(folder))
-        self._done = set(described["steps"])
+        from leakaudit.evaluator.runner import versions
+
+        device = next(self._model.parameters()).device.type
+        folder.start_session({"versions": versions(), "device": f"{device}: inside the training process (LeakMonitor)",
+                              "device_type": device, "deterministic": True, "audit_file": str(saved),
+                              "chance_accuracy": None})
         return folder
-
-    def _run_info(self, folder: RunFolder) -> dict[str, Any]:
-        import platform
-
-        from leakaudit import __version__
-        from leakaudit.evaluator.runner import _version
-
-        saved = folder.read_json(RUN_INFO) or {"sessions": []}
-        device = next(self._model.parameters()).device
-        versions = {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version(),
-                    **{name: _version(name) for name in ("torchvision", "opacus")}}
-        saved.update(versions=versions, device=f"{device.type}: inside the training process (LeakMonitor)",
-                     device_type=device.type, deterministic=True, audit_file=str(folder.path / MONITOR),
-                     chance_accuracy=None)
-        saved["sessions"].append({"started": _now(), "finished": None, "seconds": None, "versions": versions,
-                                  "device": saved["device"]})
-        return saved
 
 
 def find_normalize(source: Any) -> Any | None:

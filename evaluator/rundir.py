@@ -266,6 +266,23 @@ class RunFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(record, path)
 
+    def save_result(self, job: AttackJob, pixels: torch.Tensor, labels: torch.Tensor, rec: Any, scores: Any,
+                    images: list[int], epsilon: float | None) -> dict[str, Any]:
+        """Keep one job's originals and aligned reconstruction for the report, and return its results row
+        (``rec``: the attack's Reconstruction; ``scores``: its metrics.Scores)."""
+        self.save_reconstruction(job, {
+            "original": pixels.cpu(), "reconstruction": rec.images[scores.order].detach().cpu(),
+            "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
+        row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
+               "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
+               "target": job.target, "images": images, "epsilon": epsilon, **scores.values,
+               "per_image": scores.per_image, "seconds": round(rec.seconds, 3)}
+        if job.params is not None:
+            row["attack_params"] = job.params
+        if scores.notes:
+            row["notes"] = scores.notes
+        return row
+
     def load_reconstruction(self, job: AttackJob) -> dict[str, Any] | None:
         path = self.recon_file(job)
         return torch.load(path, weights_only=True) if path.exists() else None

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from leakaudit.evaluator.analysis import analyse_all
 from leakaudit.evaluator.config import Audit, load_audit
-from leakaudit.evaluator.metrics import score
+from leakaudit.evaluator.metrics import guess_scores, score
 from leakaudit.evaluator.report import write_report
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
@@ -173,18 +173,8 @@ class AuditWorker:
     def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
         """Score one reconstruction, keep it for the report, and make its results row."""
         scores = score(metrics, rec.images, pixels, rec.labels, labels)
-        self.folder.save_reconstruction(job, {
-            "original": pixels.cpu(), "reconstruction": rec.images[scores.order].detach().cpu(),
-            "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
-        row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
-               "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-               "target": job.target, "images": self.scenario.target_ids(job.target).tolist(),
-               "epsilon": self.epsilon(job.setting), **scores.values, "per_image": scores.per_image,
-               "seconds": round(rec.seconds, 3)}
-        if job.params is not None:
-            row["attack_params"] = job.params
-        if scores.notes:
-            row["notes"] = scores.notes
+        row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target).tolist(),
+                                      self.epsilon(job.setting))
         return row, scores.notes
 
 
@@ -319,22 +309,26 @@ def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
 
 def run_info(scenario: Scenario, workers: int) -> dict[str, Any]:
     """What the report's provenance box and verdicts need from this run: versions, device, chance accuracy."""
-    import platform
-
-    from leakaudit import __version__
-
-    versions = {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version(),
-                **{name: _version(name) for name in ("torchvision", "opacus")}}
     device = scenario.device
     where = (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
              else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
              else f"cpu: one process, {torch.get_num_threads()} torch thread(s)")
     labels = scenario.data.test_y.long().cpu()
-    return {"versions": versions, "device": where, "device_type": device.type,
+    return {"versions": versions(), "device": where, "device_type": device.type,
             "deterministic": scenario.audit.deterministic or device.type != "cuda",
             "audit_file": str(scenario.audit.path.resolve()),
             "num_classes": scenario.data.num_classes,
             "chance_accuracy": float(torch.bincount(labels).max()) / len(labels)}
+
+
+def versions() -> dict[str, str]:
+    """The versions a run's numbers depend on, for run.json and the report's provenance box."""
+    import platform
+
+    from leakaudit import __version__
+
+    return {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            **{name: _version(name) for name in ("torchvision", "opacus")}}
 
 
 def _version(package: str) -> str:
@@ -425,17 +419,9 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
     training split's mean image (what an attacker who knows the data's distribution guesses without looking)."""
     audit = scenario.audit
     metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
-    out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
-    gen = generator(scenario.device, audit.seed, "baseline")
     average = scenario.data.train_x.float().mean(dim=0).to(scenario.device)
-    for t in range(audit.num_batches):
-        pixels, labels = scenario.target_batch(t)
-        guesses = {"random": torch.rand(pixels.shape, generator=gen, device=pixels.device),
-                   "grey": torch.full_like(pixels, 0.5), "mean": average.expand_as(pixels)}
-        for name, guess in guesses.items():
-            for m, v in score(metrics, guess, pixels, labels, labels).values.items():
-                out[name].setdefault(m, []).append(v)
-    return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()} for name, d in out.items()}
+    return guess_scores(metrics, (scenario.target_batch(t) for t in range(audit.num_batches)), average,
+                        generator(scenario.device, audit.seed, "baseline"))
 
 
 def _in_job_order(audit: Audit, rows: list[dict]) -> list[dict]:

@@ -132,6 +132,7 @@ def test_reads_the_loaders_torchvision_normalize_and_refuses_a_wrong_one(digits,
                                           "attack (did you mean 'inverting_gradients'?); choices:"),
     ({"defense": "gausian"}, "LeakMonitor: defense.name: 'gausian' is not a registered defense (did you mean "
                              "'gaussian'?); choices:"),
+    ({"delta": 2.0}, "LeakMonitor: delta: 2.0; expected a number in (0, 1)"),
     ({"attacks": [{"name": "bayes", "checkpoints": [0]}]},
      "LeakMonitor: attacks[0].checkpoints: LeakMonitor attacks every 100-th step; leave checkpoints out"),
 ])
@@ -143,6 +144,16 @@ def test_bad_settings_are_one_line_errors_before_any_work(digits, tmp_path, kwar
         monitor.attach(model, torch.optim.SGD(model.parameters(), lr=LR), normalised_loader(digits))
     assert str(err.value).splitlines()[0].startswith(expected)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_loader_of_non_images_is_refused(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.rand(8, 4), torch.zeros(8, dtype=torch.long)), batch_size=2)
+    with pytest.raises(leakaudit.ConfigError) as err:
+        leakaudit.LeakMonitor(attacks=ATTACK, mean=0, std=1, out=tmp_path / "run").attach(
+            model, torch.optim.SGD(model.parameters(), lr=LR), loader)
+    assert str(err.value).splitlines()[0] == ("LeakMonitor: loader: its items hold inputs of shape (4,); the attacks "
+                                              "rebuild images (C, H, W)")
 
 
 def test_a_defense_is_applied_to_the_update_and_attacked_with_its_likelihood(digits, tmp_path):

@@ -395,7 +395,7 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
     problems: list[str] = []
     dirs = [Path(d).resolve() for d in plugins_dirs]
     registry = registry or load_registry(dirs)
-    batch = described["batch_size"]
+    batch = described.get("images", described["batch_size"])  # federated rounds: the last audited round's
     data = {k: p.default for k, p in DATA.items() if not p.required} | {
         "dataset": described["data"], "image_size": described["image_size"], "targets": batch, "batch_size": batch,
         "target_split": "train", "target_order": "first"}

@@ -6,17 +6,25 @@ the update the step really applied, ``(theta_before - theta_after) / lr`` (momen
 decay included), with the configured attacks; under an Opacus ``DPOptimizer`` that is the noised DP update,
 attacked with ``dpsgd``'s likelihood. Rows, reconstructions and baselines go to a run folder as they are made,
 which ``leakaudit report DIR`` renders like an audit's, leakage plotted against the training step.
+
+Federated clients make their optimizer anew in each round: ``watch(loader)``, ``bind_rounds(model, loader)``
+and ``with monitor.local_round(n): ...`` attack the round's ``theta_before - theta_after`` as FedAvg's, over
+the batches the watched loader gave (``evaluator/flower.py`` wraps a Flower client with them).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from leakaudit.evaluator.api import (
     DEFAULT_METRICS,
@@ -38,8 +46,9 @@ from leakaudit.evaluator.rundir import (
 )
 from leakaudit.evaluator.scenario import generator, round_generators
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import FEDSGD, LossFn, opacus_hooks_off, parameter_names, trainable
+from leakaudit.plugins.protocol import FEDSGD, FedAvg, LossFn, opacus_hooks_off, parameter_names, trainable
 
+RECORDED = ("steps", "fits", "rounds", "skipped", "protocol", "images")  # monitor.json's record of the run so far
 MEAN_IMAGE_SAMPLE = 256  # dataset items averaged into the mean-image guess the verdict compares with
 CAPTURED = "cache/monitor"  # the mean image, kept for reports rebuilt without the dataset
 
@@ -54,6 +63,30 @@ class _Pending:
     batch: Any
 
 
+@dataclass
+class _RoundStep:
+    """One optimizer step of an audited federated round: its batch, pass over the loader, lrs and optimizer."""
+
+    batch: Any
+    pass_index: int
+    lrs: tuple[float, ...]
+    optimizer: str
+
+
+@dataclass
+class LocalRound:
+    """A federated round being watched (``LeakMonitor.local_round``). Set ``sent`` to the weights the client
+    sends (a list of arrays, as the model's ``state_dict`` or its trainable parameters) when they are not the
+    model's own."""
+
+    number: int
+    params: set[int]
+    sent: Sequence[Any] | None = None
+    before: list[Tensor] | None = None
+    buffers: dict[str, Tensor] | None = None
+    steps: list[_RoundStep] = field(default_factory=list)
+
+
 class MonitoredLoader:
     """The user's data loader, unchanged, telling its monitor each batch it yields."""
 
@@ -62,6 +95,7 @@ class MonitoredLoader:
         self._monitor = monitor
 
     def __iter__(self) -> Iterator[Any]:
+        self._monitor.observe_pass()
         for batch in self._loader:
             self._monitor.observe_batch(batch)
             yield batch
@@ -104,6 +138,11 @@ class LeakMonitor:
         #: The update attacked at the last audited step, ``(theta_before - theta_after) / lr`` per parameter.
         self.last_update: list[Tensor] | None = None
         self._batch: Any = None
+        self._passes = 0
+        self._attack_seconds = 0.0  # this session's, for run.json
+        self._round: LocalRound | None = None
+        self.watched: Any = None  # the loader given to ``watch``
+        self.max_images = 64
         self._pending: _Pending | None = None
         self._handles: list[Any] = []
         self._model: nn.Module | None = None
@@ -120,28 +159,50 @@ class LeakMonitor:
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, loader: Any = None) -> None:
         """``attach`` for loops that hand the monitor each batch themselves (``observe_batch``): Lightning."""
         self.detach()
-        self._model = model
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
-        self._dataset = dataset
         self._dp = self._dp_settings(optimizer, loader)
-        problems: list[str] = []
+        problems = self._unoptimised(model)
+        defense = self._defense_entry(problems)
+        self._setup(model, dataset, loader, defense, FEDSGD, self._batch_size(optimizer, loader), problems,
+                    f"every {self.every}-th step")
+        self._handles = [self._inner.register_step_pre_hook(self._before_step),
+                         self._inner.register_step_post_hook(self._after_step)]
+
+    def watch(self, loader: Any) -> MonitoredLoader:
+        """``loader``, telling this monitor each batch and each pass: build a federated client with it, for
+        ``bind_rounds`` and ``local_round`` (Flower's ``LeakAuditClient``)."""
+        self.watched = loader
+        return MonitoredLoader(loader, self)
+
+    def bind_rounds(self, model: nn.Module, loader: Any, max_images: int = 64) -> None:
+        """``attach`` for federated clients, whose optimizer is made anew in each round: check the audit and
+        open the run folder; ``local_round`` then audits each round's update. Raises ConfigError before any
+        work. ``max_images``: rounds that train on more images are not attacked (said in a warning)."""
+        self.detach()
+        self._inner, self._dp, self.max_images = None, None, max_images
+        problems = ([f"model: an Opacus {type(model).__name__}; DP-SGD inside federated rounds is not audited "
+                     "yet: audit it with LeakMonitor.attach in a plain loop"] if hasattr(model, "_module") else [])
+        batch_size = int(getattr(loader, "batch_size", None) or 1)
+        self._setup(model, getattr(loader, "dataset", None), loader, self.defense,
+                    FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update")
+
+    def _setup(self, model: nn.Module, dataset: Any, loader: Any, defense: Any, protocol: Any, batch_size: int,
+               problems: list[str], scope: str) -> None:
+        """What attaching checks and opens, whatever drives the steps: the normalisation, the input shape, the
+        defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
+        self._model, self._dataset = model, dataset
         stats = self._normalisation(loader, dataset, problems)
         shape = self._input_shape(dataset, problems)
-        problems += self._unoptimised(model)
-        batch_size = self._batch_size(optimizer, loader)
-        defense = self._defense_entry(problems)
         with opacus_hooks_off(model) as plain:
-            self._prepared = prepare(plain, defense, self.attacks, self.metrics, FEDSGD, batch_size,
+            self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
                                      min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
-                                     caller="LeakMonitor", scope=f"every {self.every}-th step")
+                                     caller="LeakMonitor", scope=scope)
         if shape is not None:  # the first training input, to catch a wrong normalisation before any step
             pixels_of(torch.as_tensor(_inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
                       caller="LeakMonitor")
         self._stats = stats
-        self._described = self._describe(plain, defense, batch_size, shape)
+        self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
-        self._handles = [self._inner.register_step_pre_hook(self._before_step),
-                         self._inner.register_step_post_hook(self._after_step)]
 
     def detach(self) -> None:
         """Remove the optimizer hooks (the model and optimizer are as they were before ``attach``)."""
@@ -166,6 +227,10 @@ class LeakMonitor:
         """The batch the next optimizer step trains on (the loader wrapper calls this; a reference only)."""
         self._batch = batch
 
+    def observe_pass(self) -> None:
+        """A new pass over the loader begins (the loader wrapper calls this): FedAvg's local epochs."""
+        self._passes += 1
+
     # --- the two hooks: all the training path pays between audited steps is one comparison ----------------
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -185,26 +250,37 @@ class LeakMonitor:
     # --- one audited step --------------------------------------------------------------------------------
 
     def _audit(self, pending: _Pending) -> None:
-        """Attack the update of one step at the weights it was computed at, then put the weights back."""
-        inputs, labels = _inputs_labels(pending.batch)
+        """Attack one step's update, ``(theta_before - theta_after) / lr`` with each parameter's own lr."""
+        params = trainable(getattr(self._model, "_module", self._model))
+        lrs = _learning_rates(self._inner, params)
+        update = [(b - a.detach()) / lr for b, a, lr in zip(pending.before, params, lrs)]
+        self._attack_at(pending.step, pending.before, pending.buffers, update, pending.batch, FEDSGD)
+
+    def _attack_at(self, step: int, before: list[Tensor], buffers: dict[str, Tensor], update: list[Tensor],
+                   batch: Any, protocol: Any) -> None:
+        """Attack ``update`` with the model at the weights and buffers it was computed at, then put back the
+        model's own."""
+        inputs, labels = _inputs_labels(batch)
         with opacus_hooks_off(self._model) as plain:
             params = trainable(plain)
             device = params[0].device
-            inputs, labels = inputs.to(device), labels.to(device)
+            inputs, labels = torch.as_tensor(inputs).to(device), torch.as_tensor(labels).to(device)
             if len(inputs) == 0:  # a Poisson-sampled batch can be empty: nothing to attack
                 return
-            lrs = _learning_rates(self._inner, params)
-            after = [p.detach().clone() for p in params]
-            update = [(b - a) / lr for b, a, lr in zip(pending.before, after, lrs)]
             self.last_update = update
-            buffers = {n: b.detach().clone() for n, b in plain.named_buffers()}
+            after = [p.detach().clone() for p in params]
+            now = {n: b.detach().clone() for n, b in plain.named_buffers()}
+            started = time.perf_counter()
             try:
-                _load(plain, pending.before, pending.buffers)
-                self._attack(plain, pending.step, update, inputs, labels)
+                _load(plain, before, buffers)
+                self._attack(plain, step, update, inputs, labels, protocol)
             finally:
-                _load(plain, after, buffers)
+                _load(plain, after, now)
+            self._attack_seconds += time.perf_counter() - started
+            self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
 
-    def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor) -> None:
+    def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
+                protocol: Any) -> None:
         pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
         epsilon = self._epsilon()
@@ -215,11 +291,11 @@ class LeakMonitor:
                                         {"protocol": "fedsgd"})
             else:
                 sent, public = defense.apply(update, share_gen)
-                observed = SharedUpdate(sent, names, n, {"protocol": "fedsgd", **public})
+                observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
-                self.known_labels, FEDSGD, lambda: round_generators(inputs.device, self.seed, setting.identity,
-                                                                    step, 0)[1])
+                self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
+                                                                      step, 0)[1])
             for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
                 row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
                                                list(range(n)), epsilon)
@@ -229,18 +305,100 @@ class LeakMonitor:
         self._folder.write_json(MONITOR, self._described)
         self._write_baselines()
 
+    # --- federated rounds: the optimizer is made inside each round, so every optimizer's steps are watched -------
+
+    @contextmanager
+    def local_round(self, server_round: int | None = None) -> Iterator[LocalRound]:
+        """Audit the local training inside the block as one federated round (after ``bind_rounds``).
+
+        Rounds 1, 1 + every, ... are attacked, numbered by ``server_round``, else by this client's count of
+        its rounds. The steps of any optimizer over the model's parameters are watched; the round's update,
+        ``theta_before - theta_after``, is attacked as FedAvg's over the watched loader's batches in the order
+        drawn. ``theta_after`` is ``LocalRound.sent`` when the block sets it (what leaves the client), else
+        the model's weights. A round that FedAvg cannot describe is not attacked, and a warning says why."""
+        if self._inner is not None or not hasattr(self, "_folder") or self._handles:
+            raise RunError("LeakMonitor.local_round: call bind_rounds(model, loader) first")
+        self._described["fits"] += 1
+        number = self._described["fits"] if server_round is None else int(server_round)
+        local = LocalRound(number, {id(p) for p in self._model.parameters()})
+        audited = (number - 1) % self.every == 0 and number not in self._described["steps"]
+        self._batch, self._round = None, local if audited else None
+        handle = register_optimizer_step_pre_hook(self._round_step) if audited else None
+        try:
+            yield local
+        finally:
+            if handle is not None:
+                handle.remove()
+            self._round = None
+        if audited:
+            self._audit_round(local)
+        self._folder.write_json(MONITOR, self._described)
+
+    def _round_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before each optimizer step in an audited round: the first keeps the weights; each keeps its batch."""
+        local = self._round
+        groups = optimizer.param_groups
+        if local is None or not any(id(p) in local.params for g in groups for p in g["params"]):
+            return
+        if local.before is None:
+            local.before = [p.detach().clone() for p in trainable(self._model)]
+            local.buffers = {n: b.detach().clone() for n, b in self._model.named_buffers()}
+        local.steps.append(_RoundStep(self._batch, self._passes, tuple(float(g["lr"]) for g in groups),
+                                      _optimizer_text(optimizer)))
+
+    def _audit_round(self, local: LocalRound) -> None:
+        found = self._round_update(local)
+        if isinstance(found, str):
+            self._described["skipped"][str(local.number)] = found
+            warnings.warn(f"LeakMonitor: round {local.number} not attacked: {found}", stacklevel=3)
+            return
+        protocol, batch, update, optimizer = found
+        fields = {k: getattr(protocol, k) for k in ("local_epochs", "local_batch_size", "local_lr")}
+        self._described["rounds"][str(local.number)] = {**fields, "images": len(batch[1]), "optimizer": optimizer}
+        self._described["protocol"] = {"name": protocol.name, **fields}
+        self._described["images"] = len(batch[1])
+        self._attack_at(local.number, local.before, local.buffers, update, batch, protocol)
+
+    def _round_update(self, local: LocalRound) -> tuple[FedAvg, tuple[Tensor, Tensor], list[Tensor], str] | str:
+        """The round as FedAvg describes it: the protocol, the images in order, and the update; or why not."""
+        steps = local.steps
+        if not steps:
+            return "no optimizer step on the model's parameters"
+        if any(s.batch is None for s in steps):
+            return "the model trained on batches the monitor did not see; build the client with monitor.watch(loader)"
+        if len({id(s.batch) for s in steps}) < len(steps):
+            return "the optimizer stepped twice on one batch; FedAvg's attacker models one step per batch"
+        lrs = {lr for s in steps for lr in s.lrs}
+        if len(lrs) > 1:
+            return f"the learning rate varied within the round ({', '.join(map(str, sorted(lrs)))}); FedAvg has one"
+        passes = [[s.batch for s in steps if s.pass_index == i] for i in dict.fromkeys(s.pass_index for s in steps)]
+        sizes = [[len(_inputs_labels(b)[1]) for b in p] for p in passes]
+        if any(p != sizes[0] for p in sizes):
+            return f"the passes over the loader trained on different batches ({sizes}); FedAvg repeats one pass"
+        size = sizes[0][0]
+        if any(n != size for n in sizes[0][:-1]) or sizes[0][-1] > size:
+            return f"batch sizes {sizes[0]}: FedAvg's minibatches are all the same size but the last"
+        inputs = torch.cat([torch.as_tensor(_inputs_labels(b)[0]) for b in passes[0]])
+        labels = torch.cat([torch.as_tensor(_inputs_labels(b)[1]).reshape(-1) for b in passes[0]])
+        if len(labels) > self.max_images:
+            return f"it trained on {len(labels)} images, more than max_images={self.max_images}"
+        after = _sent_weights(self._model, local.sent)
+        if isinstance(after, str):
+            return after
+        update = [b - a for b, a in zip(local.before, after)]
+        protocol = FedAvg(local_epochs=len(passes), local_batch_size=size, local_lr=lrs.pop())
+        return protocol, (inputs, labels), update, steps[0].optimizer
+
     # --- the report --------------------------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
         """Write report.html (and summary.json) from the rows so far; returns the summary."""
-        from leakaudit.evaluator.rundir import saved_audit
-        from leakaudit.evaluator.runner import rebuild_report
+        from leakaudit.evaluator.runner import report_folder
 
         if not self.audited_steps:
             raise RunError(f"LeakMonitor: no step attacked yet in {self.out}; attach the monitor and train past "
                            f"step 0 (it attacks steps 0, {self.every}, {2 * self.every}, ...)")
-        audit = saved_audit(self.out, plugins_dirs=self.plugins_dirs)
-        return rebuild_report(RunFolder(self.out, audit))
+        return report_folder(self.out, plugins_dirs=self.plugins_dirs)
 
     def _write_baselines(self) -> None:
         """Scores of guesses made without the update (noise, grey, the data's mean image) on every attacked
@@ -342,9 +500,13 @@ class LeakMonitor:
     def _batch_size(optimizer: Any, loader: Any) -> int:
         return int(getattr(optimizer, "expected_batch_size", None) or getattr(loader, "batch_size", None) or 1)
 
-    def _describe(self, plain: nn.Module, defense: Any, batch_size: int, shape: tuple | None) -> dict[str, Any]:
-        """``monitor.json``: what ``monitor_audit`` rebuilds this monitor's audit from."""
-        return {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
+    def _describe(self, plain: nn.Module, defense: Any, protocol: Any, batch_size: int,
+                  shape: tuple | None) -> dict[str, Any]:
+        """``monitor.json``: what ``monitor_audit`` rebuilds this monitor's audit from. Federated rounds add the
+        rounds taken part in (``fits``) and each audited round's local training (``rounds``, ``protocol``)."""
+        rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": {"name": protocol.name}} \
+            if protocol.name == "fedavg" else {}
+        return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
                 "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
@@ -357,10 +519,10 @@ class LeakMonitor:
         saved = path / MONITOR
         if saved.is_file():
             earlier = json.loads(saved.read_text())
-            if {k: v for k, v in earlier.items() if k != "steps"} != {k: v for k, v in described.items() if k != "steps"}:
+            if _settings(earlier) != _settings(described):
                 raise ConfigError([f"LeakMonitor: out: {path} holds a monitor run with other settings; choose "
                                    "another out"])
-            described["steps"] = earlier["steps"]
+            described.update({k: earlier[k] for k in RECORDED if k in earlier})
         elif path.exists() and any(path.iterdir()):
             raise ConfigError([f"LeakMonitor: out: {path} is not empty and holds no monitor run; choose another out"])
         path.mkdir(parents=True, exist_ok=True)
@@ -376,6 +538,11 @@ class LeakMonitor:
                               "device_type": device, "deterministic": True, "audit_file": str(saved),
                               "chance_accuracy": None})
         return folder
+
+
+def _settings(described: dict[str, Any]) -> dict[str, Any]:
+    """A monitor.json's settings, without its record of the run so far: what a resumed monitor must match."""
+    return {k: v for k, v in described.items() if k not in RECORDED}
 
 
 def find_normalize(source: Any) -> Any | None:
@@ -414,11 +581,36 @@ def _same(a: Stats, b: Stats) -> bool:
 def _inputs_labels(batch: Any, single: bool = False) -> tuple[Any, Any]:
     """The inputs and labels of a ``(inputs, labels, ...)`` batch or dataset item."""
     if isinstance(batch, dict):
-        return batch.get("inputs", batch.get("image")), batch.get("labels", batch.get("label"))
+        inputs = next((batch[k] for k in ("inputs", "image", "img") if k in batch), None)
+        return inputs, next((batch[k] for k in ("labels", "label") if k in batch), None)
     if not isinstance(batch, (tuple, list)) or len(batch) < 2:
         raise ConfigError([f"LeakMonitor: loader: a {'dataset item' if single else 'batch'} is a "
                            f"{type(batch).__name__}; expected (inputs, labels)"])
     return batch[0], batch[1]
+
+
+def _optimizer_text(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class and the settings FedAvg's plain-SGD attacker does not model, e.g. SGD(momentum=0.9)."""
+    group = optimizer.param_groups[0]
+    odd = {k: group[k] for k in ("momentum", "weight_decay") if group.get(k)}
+    return f"{type(optimizer).__name__}({', '.join(f'{k}={v}' for k, v in odd.items())})"
+
+
+def _sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] | str:
+    """The trainable parameters' values the client sends: from ``sent`` (arrays in the order of the model's
+    ``state_dict`` or of its trainable parameters), or the model's own when None; or why they cannot be read."""
+    params = trainable(model)
+    if sent is None:
+        return [p.detach().clone() for p in params]
+    state = model.state_dict()
+    shapes = [tuple(getattr(a, "shape", ())) for a in sent]
+    if shapes == [tuple(v.shape) for v in state.values()]:
+        by_name = dict(zip(state, sent))
+        sent = [by_name[n] for n in parameter_names(model)]
+    elif shapes != [tuple(p.shape) for p in params]:
+        return (f"the client sends {len(shapes)} arrays, matching neither the model's state_dict ({len(state)}) "
+                f"nor its trainable parameters ({len(params)}) in order and shape")
+    return [torch.as_tensor(a).to(device=p.device, dtype=p.dtype) for a, p in zip(sent, params)]
 
 
 def _learning_rates(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[float]:

@@ -6,6 +6,7 @@ the run's provenance), so ``leakaudit report DIR`` writes the same report again 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import textwrap
@@ -570,7 +571,8 @@ def _data_uri(path: Path) -> str:
 def threat_model(audit: Audit) -> list[tuple[str, str]]:
     """What the attacker is given, line by line, for the report's threat box."""
     protocol = audit.protocol
-    fields = {k: getattr(protocol, k) for k in getattr(protocol, "__dataclass_fields__", {}) if k != "name"}
+    fields = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)} if dataclasses.is_dataclass(
+        protocol) else {}  # its settings, not its ClassVars
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]
     naive = [a.key for a in audit.attacks if a.role != "adaptive"]
     return [

@@ -53,7 +53,7 @@ from leakaudit.evaluator.utility import privacy_spent, train_under_defense
 from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
 
-__all__ = ["run_audit", "rebuild_report", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
+__all__ = ["run_audit", "rebuild_report", "report_folder", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
 
 
 def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
@@ -412,6 +412,15 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str,
                        f"leakaudit run {audit.path} --out {folder.path} --resume")
     return write_report(folder, rows, folder.utility.read(), folder.read_json(BASELINES), folder.tuning.read(),
                         folder.read_json(ARCHITECTURE), folder.read_json(RUN_INFO), template)
+
+
+def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Iterable[str] = (),
+                  template: Path | None = None) -> dict[str, Any]:
+    """``leakaudit report DIR``: rewrite a run folder's report (an audit's or a LeakMonitor's) from its saved
+    rows; returns the summary."""
+    from leakaudit.evaluator.rundir import saved_audit
+
+    return rebuild_report(RunFolder(path, saved_audit(Path(path), config, plugins_dirs)), template)
 
 
 def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:

@@ -50,7 +50,7 @@ def __getattr__(name: str):
         from leakaudit.evaluator import monitor
 
         return monitor.LeakMonitor
-    if name in ("run_audit", "RunError"):
+    if name in ("run_audit", "RunError", "report_folder"):
         from leakaudit.evaluator import runner
 
         return getattr(runner, name)
@@ -64,4 +64,4 @@ def __getattr__(name: str):
 __all__ = ["__version__", "hookimpl", "Param", "PluginError", "Defense", "DeterministicDefense", "SharedUpdate",
            "Attack", "Problem", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
            "Metric", "MetricUnavailable", "ModelSpec", "DatasetSpec", "ImageData", "load_registry",
-           "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "audit_batch", "BatchAudit", "LeakMonitor"]
+           "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "report_folder", "audit_batch", "BatchAudit", "LeakMonitor"]

@@ -6,6 +6,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -58,3 +59,119 @@ def test_the_examples_run(tmp_path):
         warnings.simplefilter("ignore")
         inside = lightning_training.main(out=str(tmp_path / "lightning"), steps=4, every=3)
     assert inside["checkpoints"] == [0, 3] and inside["worst_case"][0]["verdict"] == "leaks"
+
+
+# --- Flower -----------------------------------------------------------------------------------------------
+
+
+def flower_client(tmp_path, every=1, seed=0, **monitor_args):
+    """The example's Flower client on 4 digits, wrapped; with the loader's batch order it will draw."""
+    from leakaudit.evaluator.flower import LeakAuditClient
+
+    import flower_training
+    from digits_client import build_model
+
+    data = load_data()
+    items = TensorDataset(*normalised(data)[:4])
+    loader = DataLoader(items, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    order = list(DataLoader(items, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seed)))
+    monitor = leakaudit.LeakMonitor(attacks=ATTACK, every=every, out=tmp_path / "run", mean=data.mean,
+                                    std=data.std, **monitor_args)
+    client = flower_training.DigitsClient(build_model(), monitor.watch(loader))
+    return LeakAuditClient(client, monitor, client.net), order
+
+
+def test_flower_client_attacks_the_fedavg_update_it_returns(tmp_path):
+    from leakaudit.evaluator.report import threat_model
+    from leakaudit.evaluator.rundir import saved_audit
+    from leakaudit.plugins.protocol import FedAvg, fedavg_update
+
+    import flower_training
+    from digits_client import build_model
+
+    wrapped, order = flower_client(tmp_path, every=2)
+    received = flower_training.get_weights(build_model(seed=1))
+    sent, examples, _ = wrapped.fit(received, {"server_round": 1})
+    assert examples == 4
+    net = wrapped.client.net
+    index = {name: i for i, name in enumerate(net.state_dict())}
+    names = [n for n, _ in net.named_parameters()]
+    expected = [torch.as_tensor(received[index[n]] - sent[index[n]]) for n in names]
+    update = wrapped.monitor.last_update
+    assert all(torch.equal(u, e) for u, e in zip(update, expected))  # what leaves the client, exactly
+
+    flower_training.set_weights(net, received)  # FedAvg's attacker, unrolled over the batches in the order drawn
+    x, y = torch.cat([b[0] for b in order]), torch.cat([b[1] for b in order])
+    unrolled = fedavg_update(net, torch.nn.functional.cross_entropy, x, y,
+                             FedAvg(local_epochs=1, local_batch_size=2, local_lr=flower_training.LR))
+    assert max(float((u - r).detach().abs().max()) for u, r in zip(update, unrolled)) < 1e-5
+
+    described = json.loads((tmp_path / "run" / "monitor.json").read_text())
+    assert described["rounds"]["1"] == {"local_epochs": 1, "local_batch_size": 2, "local_lr": flower_training.LR,
+                                        "images": 4, "optimizer": "SGD()"}
+    found = rows(tmp_path / "run")
+    baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
+    assert [r["checkpoint"] for r in found] == [1] and found[0]["psnr"] > baselines["random"]["psnr"] + 10
+    assert dict(threat_model(saved_audit(tmp_path / "run")))["Protocol"].startswith(
+        "fedavg (local_epochs=1, local_batch_size=2, local_lr=0.05); one update of 4 private image(s)")
+
+    wrapped.fit(sent, {"server_round": 2})  # every=2: rounds 1, 3, 5, ... are attacked
+    assert [r["checkpoint"] for r in rows(tmp_path / "run")] == [1]
+    assert json.loads((tmp_path / "run" / "monitor.json").read_text())["fits"] == 2
+
+
+def test_flower_round_that_fedavg_cannot_describe_is_skipped_with_a_warning(tmp_path):
+    import flower_training
+
+    wrapped, _ = flower_client(tmp_path)
+    client = wrapped.client
+
+    def fit_with_decay(parameters, config):  # the lr changes between the two local steps
+        flower_training.set_weights(client.net, parameters)
+        optimizer = torch.optim.SGD(client.net.parameters(), lr=0.05)
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for x, y in client.trainloader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(client.net(x), y).backward()
+            optimizer.step()
+            decay.step()
+        return flower_training.get_weights(client.net), 4, {}
+
+    client.fit = fit_with_decay
+    with pytest.warns(UserWarning, match=r"round 1 not attacked: the learning rate varied within the round "
+                                         r"\(0.025, 0.05\); FedAvg has one"):
+        wrapped.fit(flower_training.get_weights(client.net), {})
+    described = json.loads((tmp_path / "run" / "monitor.json").read_text())
+    assert described["steps"] == [] and "learning rate varied" in described["skipped"]["1"]
+    assert not (tmp_path / "run" / "results.jsonl").exists() or not rows(tmp_path / "run")
+
+
+def test_flower_client_refuses_before_any_round(tmp_path):
+    from opacus import GradSampleModule
+
+    from leakaudit.evaluator.flower import LeakAuditClient
+
+    import flower_training
+    from digits_client import build_model
+
+    monitor = leakaudit.LeakMonitor(attacks=ATTACK, out=tmp_path / "a", mean=0.5, std=0.5)
+    loader = DataLoader(TensorDataset(torch.rand(4, 1, 16, 16), torch.arange(4)), batch_size=2)
+    with pytest.raises(leakaudit.ConfigError, match="the monitor watches no loader; build the client with "
+                                                    r"monitor.watch\(trainloader\)"):
+        LeakAuditClient(flower_training.DigitsClient(build_model(), loader), monitor, build_model())
+    private = GradSampleModule(build_model())
+    with pytest.raises(leakaudit.ConfigError, match="model: an Opacus GradSampleModule; DP-SGD inside federated "
+                                                    "rounds is not audited yet"):
+        LeakAuditClient(flower_training.DigitsClient(private, monitor.watch(loader)), monitor, private)
+    assert not (tmp_path / "a").exists()  # refused before any work
+
+
+def test_flower_simulation_audits_every_client_round(tmp_path):
+    import flower_training
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        summaries = flower_training.main(out=str(tmp_path / "sim"), rounds=2, every=1)
+    assert len(summaries) == 2  # one run folder per simulated client
+    for summary in summaries:
+        assert summary["checkpoints"] == [1, 2] and summary["worst_case"][0]["verdict"] == "leaks"

@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True, help="output folder (results.jsonl, results.csv, summary.json, report.html)")
     run.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished rows")
     run.add_argument("--workers", type=int, help="worker processes (overrides workers: in the file)")
+    run.add_argument("--executor", choices=("local", "ray"),
+                     help="where the jobs run: worker processes here, or tasks on a Ray cluster (overrides the "
+                          "name of executor: in the file; its other settings are kept)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     rep = sub.add_parser("report", help="write the report of a finished run folder again (no attack is rerun)")
     rep.add_argument("folder", help="a run's --out folder")
@@ -128,13 +131,15 @@ def _check_report_options(args, audit) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.config import check_executor, load_audit
     from leakaudit.evaluator.runner import run_audit
 
     audit = load_audit(args.config, args.plugins_dir)
     problems = _check_report_options(args, audit)
     if args.workers is not None and args.workers < 1:
         problems.append(f"--workers: {args.workers} must be at least 1")
+    if args.executor is not None:
+        audit.executor = check_executor({**audit.executor, "name": args.executor}, audit.device, problems)
     if problems:
         return _fail(problems)
     summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers,

@@ -1,6 +1,7 @@
 """Audit files: YAML loaded and validated in full before any work, one line per problem."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import re
@@ -37,6 +38,8 @@ TOP = {
                                             "several times slower (false: faster, reruns differ slightly)"),
     "workers": Param(None, int, min=1, help="worker processes (default: one per core on the CPU, one per "
                                             "visible GPU on CUDA)"),
+    "executor": Param("local", (str, dict), help="local (worker processes on this machine) or ray (tasks on a Ray "
+                                                 "cluster), or a mapping: {name: ray, address: auto, ...}"),
     "max_problems": Param("auto", (str, int), help="problems (targets x restarts x tuning trials) an attack "
                                                    "optimises together: auto (what fits in free memory) or a number"),
     "plugins_dir": Param(None, str, help="folder of drop-in *.py plugins, relative to this file"),
@@ -51,6 +54,14 @@ TOP = {
     "threat": Param({}, dict),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
     "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/verdict.py)"),
+}
+EXECUTOR = {
+    "name": Param("local", str, choices=("local", "ray")),
+    "address": Param(None, str, help="the Ray cluster to join: auto (the one this machine is part of) or "
+                                     "ray://HOST:10001; left out: RAY_ADDRESS, else a Ray started on this machine"),
+    "num_cpus": Param(1.0, float, min=0.0, exclusive_min=True, help="CPUs each Ray task asks for"),
+    "num_gpus": Param(None, float, min=0.0, help="GPUs each Ray task asks for (default: 1 with device cuda, else 0)"),
+    "max_retries": Param(3, int, min=0, help="times Ray reruns a task whose worker process or node died"),
 }
 DATA = {
     "dataset": Param(None, str, help="a registered dataset (leakaudit plugins)"),
@@ -238,6 +249,7 @@ class Audit:
     max_problems: int | None = None  # None: auto
     verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
     deterministic: bool = True
+    executor: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in EXECUTOR.items()})
 
     @property
     def checkpoints(self) -> list[int]:
@@ -322,6 +334,11 @@ def read_yaml(path: Path) -> tuple[str, Any]:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not a text file (byte {exc.start} is not UTF-8); give the audit's YAML file"]) from None
+    return text, parse_yaml(path, text)
+
+
+def parse_yaml(path: Path, text: str) -> Any:
+    """An audit file's contents parsed; a ConfigError, naming ``path``, when they are not YAML."""
     try:
         raw = yaml.load(text, Loader=AuditLoader)
     except yaml.YAMLError as exc:
@@ -333,16 +350,18 @@ def read_yaml(path: Path) -> tuple[str, Any]:
     if _expanded_size(raw, {}) > MAX_YAML_VALUES:
         raise ConfigError([f"{path}: its aliases expand to more than {MAX_YAML_VALUES} values; "
                            "an audit file needs far fewer"])
-    return text, raw
+    return raw
 
 
 TOP_NEEDS = "name, data, model, defenses and attacks (see configs/quickstart.yaml)"
 
 
-def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None) -> Audit:
-    """Read, validate and expand an audit file; raise ConfigError listing every problem."""
+def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None,
+               text: str | None = None) -> Audit:
+    """Read, validate and expand an audit file (``text``: its contents, where the file is elsewhere, as on a
+    Ray worker); raise ConfigError listing every problem."""
     path = Path(path)
-    text, raw = read_yaml(path)
+    text, raw = read_yaml(path) if text is None else (text, parse_yaml(path, text))
     if raw is None:
         raise ConfigError([f"{path}: the file is empty; an audit needs {TOP_NEEDS}"])
     if not isinstance(raw, dict):
@@ -380,11 +399,12 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     device = _check_device(top.get("device", "auto"), problems)
     workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else available_cores())
     max_problems = _check_max_problems(top.get("max_problems", "auto"), problems)
+    executor = check_executor(top.get("executor", "local"), device, problems)
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
                  attacks, utility, metrics, threat, protocol, registry, leakage, max_problems, verdict,
-                 top["deterministic"])
+                 top["deterministic"], executor)
 
 
 def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str | Path] = (),
@@ -687,6 +707,19 @@ def _check_leakage_metric(value: str | None, metrics: list[str], registry: Regis
     if value not in metrics:
         problems.append(f"leakage_metric: {value!r} is not one of this audit's metrics; choices: {', '.join(metrics)}")
     return value
+
+
+def check_executor(value: Any, device: str, problems: list[str]) -> dict[str, Any]:
+    """``executor:`` as a full mapping (a name alone takes the defaults); Ray must be installed to be named."""
+    value = {"name": value} if isinstance(value, str) else value if isinstance(value, dict) else {}
+    found = check_params(EXECUTOR, value, "executor")
+    problems.extend(found)
+    section = {k: p.default for k, p in EXECUTOR.items()} | ({} if found else value)
+    if section["num_gpus"] is None:
+        section["num_gpus"] = 1.0 if device == "cuda" else 0.0
+    if section["name"] == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("executor: ray needs Ray, which is not installed: pip install 'leakaudit[ray]'")
+    return section
 
 
 def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:

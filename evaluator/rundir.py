@@ -108,7 +108,7 @@ def _now() -> str:
 
 #: Audit keys that change only how results are judged and reported, never a result: a run may be resumed,
 #: or its report rebuilt, with them changed.
-JUDGING_KEYS = ("workers", "verdict", "name", "leakage_metric")
+JUDGING_KEYS = ("workers", "executor", "verdict", "name", "leakage_metric")
 
 
 def same_audit(first: str, second: str) -> bool:
@@ -283,6 +283,11 @@ class RunFolder:
             row["notes"] = scores.notes
         return row
 
+    def write_outbox(self, kept: list[tuple[str, Any, Any]]) -> None:
+        """Write what a remote worker's jobs kept for this folder (``Outbox.take``)."""
+        for kind, key, value in kept:
+            (self.save_checkpoints if kind == "checkpoints" else self.save_reconstruction)(key, value)
+
     def load_reconstruction(self, job: AttackJob) -> dict[str, Any] | None:
         path = self.recon_file(job)
         return torch.load(path, weights_only=True) if path.exists() else None
@@ -326,6 +331,27 @@ class RunFolder:
     def write_text(self, name: str, text: str) -> Path:
         (self.path / name).write_text(text)
         return self.path / name
+
+
+class Outbox(RunFolder):
+    """The run folder as a remote worker sees it (a Ray task, with no shared filesystem): what a job would
+    write, checkpoints and reconstructions, is kept and sent back with its result, for the driver, the run
+    folder's one writer, to write (``RunFolder.write_outbox``). Nothing is written here."""
+
+    def __init__(self, audit: Audit) -> None:
+        super().__init__(Path("(remote)"), audit)
+        self.kept: list[tuple[str, Any, Any]] = []
+
+    def save_checkpoints(self, setting: DefenseSetting, states: dict[int, dict]) -> None:
+        self.kept.append(("checkpoints", setting, {k: {n: t.cpu() for n, t in s.items()} for k, s in states.items()}))
+
+    def save_reconstruction(self, job: AttackJob, record: dict[str, Any]) -> None:
+        self.kept.append(("reconstruction", job, record))
+
+    def take(self) -> list[tuple[str, Any, Any]]:
+        """What the jobs since the last call would have written, emptied."""
+        kept, self.kept = self.kept, []
+        return kept
 
 
 def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[str] = ()) -> Audit:

@@ -103,6 +103,12 @@ class AuditWorker:
                                                     weights_only=True)}  # one setting at a time: bounded memory
         return self._states[setting.key]
 
+    def provide_states(self, setting_key: str, fetch: Callable[[], dict[int, dict]]) -> None:
+        """Hold a setting's checkpoints fetched from elsewhere than the run folder (a Ray task: from the object
+        store); ``fetch`` is called only when this worker does not hold them already."""
+        if setting_key not in self._states:
+            self._states = {setting_key: fetch()}
+
     def epsilon(self, setting) -> float | None:
         """The setting's epsilon after utility training."""
         if setting.key not in self._epsilon:
@@ -222,6 +228,7 @@ class WorkerPool:
 
     def __init__(self, worker: AuditWorker, workers: int):
         self.worker, self.workers = worker, workers
+        self.where: str | None = None  # run_info's description of the device
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> "WorkerPool":
@@ -278,6 +285,15 @@ class WorkerPool:
         bar.close()
 
 
+def _pool(worker: AuditWorker, workers: int | None) -> "WorkerPool":
+    """The audit's executor: worker processes on this machine, or tasks on a Ray cluster (``executor: ray``)."""
+    if worker.scenario.audit.executor["name"] == "ray":
+        from leakaudit.evaluator.ray_executor import RayPool
+
+        return RayPool(worker)
+    return WorkerPool(worker, workers or worker.scenario.audit.workers)
+
+
 def _worker_lost(during: str) -> RunError:
     """A worker process that died (the system's out-of-memory killer) or failed to start, as one line."""
     return RunError(f"a worker process died or failed to start during {during}: killed by the system (out of "
@@ -307,10 +323,10 @@ def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
     return saved
 
 
-def run_info(scenario: Scenario, workers: int) -> dict[str, Any]:
+def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict[str, Any]:
     """What the report's provenance box and verdicts need from this run: versions, device, chance accuracy."""
     device = scenario.device
-    where = (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
+    where = where or (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
              else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
              else f"cpu: one process, {torch.get_num_threads()} torch thread(s)")
     labels = scenario.data.test_y.long().cpu()
@@ -359,8 +375,6 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     folder = RunFolder(out_dir, audit)
     folder.prepare(resume)
     worker = AuditWorker(scenario, folder)
-    workers = workers or audit.workers
-    folder.start_session(run_info(scenario, workers))
     notes: set[str] = set()
 
     def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
@@ -371,7 +385,9 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
-    with WorkerPool(worker, workers) as pool:
+    with _pool(worker, workers) as pool:
+        workers = pool.workers
+        folder.start_session(run_info(scenario, workers, pool.where))
         trained = folder.trained_settings()
         pool.run("train", [s for s in audit.settings if s.key not in trained], "training", progress,
                  lambda s, row: folder.utility.append(row))

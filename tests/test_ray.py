@@ -81,6 +81,7 @@ def rows(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def local_ray():
+    ray.shutdown()  # a Ray left running by an earlier test (Flower's simulation) would have other CPUs
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield
     ray.shutdown()

@@ -19,8 +19,7 @@ import torch
 from tqdm import tqdm
 
 from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.rundir import Cell, Outbox, RunError
-from leakaudit.evaluator.runner import AuditWorker, _describe, _size
+from leakaudit.evaluator.rundir import Cell, Outbox, RunError, describe_item, item_size
 from leakaudit.evaluator.scenario import Scenario, deterministic_kernels
 from leakaudit.plugins.spec import PluginError
 
@@ -29,7 +28,7 @@ try:
 except ImportError as exc:  # pragma: no cover - config.check_executor says it before any work
     raise ImportError("executor: ray needs Ray: pip install 'leakaudit[ray]'") from exc
 
-_WORKER: tuple[str, AuditWorker] | None = None  # this Ray worker process's AuditWorker, and its audit's key
+_WORKER: tuple[str, Any] | None = None  # this Ray worker process's AuditWorker, and its audit's key
 
 
 def run_job(spec: dict[str, Any], data: list, method: str, item: Any, states: list | None) -> tuple[Any, list]:
@@ -42,7 +41,7 @@ def run_job(spec: dict[str, Any], data: list, method: str, item: Any, states: li
         deterministic_kernels(audit)
         scenario = Scenario(audit)
         scenario.__dict__["data"] = ray.get(data[0])  # the driver's data, not this node's files
-        _WORKER = (spec["key"], AuditWorker(scenario, Outbox(audit)))
+        _WORKER = (spec["key"], spec["worker_type"](scenario, Outbox(audit)))
     worker = _WORKER[1]
     if states is not None:
         worker.provide_states(item.first.setting.key, lambda: ray.get(states[0]))
@@ -53,7 +52,8 @@ def run_job(spec: dict[str, Any], data: list, method: str, item: Any, states: li
 class RayPool:
     """``WorkerPool``'s interface on a Ray cluster: joined (or started) on entering, each item a task."""
 
-    def __init__(self, worker: AuditWorker) -> None:
+    def __init__(self, worker: Any) -> None:
+        """``worker``: the driver's ``runner.AuditWorker``; each Ray worker process builds one of its type."""
         self.worker = worker
         self.executor = worker.scenario.audit.executor
         self._started = False
@@ -77,7 +77,7 @@ class RayPool:
                       f"{len(ray.nodes())} node(s), {self.workers} task(s) at once")
         self._spec = {"key": hashlib.sha256(f"{audit.path}\n{audit.text}".encode()).hexdigest(),
                       "path": str(audit.path), "text": audit.text, "plugins_dirs": [str(d) for d in audit.plugins_dirs],
-                      "threads": max(1, int(ex["num_cpus"]))}
+                      "threads": max(1, int(ex["num_cpus"])), "worker_type": type(self.worker)}
         self._data = ray.put(self.worker.scenario.data)
         self._remote = ray.remote(run_job).options(num_cpus=ex["num_cpus"], num_gpus=ex["num_gpus"],
                                                    max_retries=ex["max_retries"], retry_exceptions=False)
@@ -95,7 +95,7 @@ class RayPool:
         items = list(items)
         if not items:
             return
-        bar = tqdm(total=sum(_size(i) for i in items), desc=desc, unit="job", disable=not progress,
+        bar = tqdm(total=sum(item_size(i) for i in items), desc=desc, unit="job", disable=not progress,
                    file=sys.stderr, dynamic_ncols=True)
         pending = {self._submit(method, item): item for item in items}
         try:
@@ -105,7 +105,7 @@ class RayPool:
                 result, kept = self._result(ref, desc, item)
                 self.worker.folder.write_outbox(kept)
                 on_result(item, result)
-                bar.update(_size(item))
+                bar.update(item_size(item))
         except BaseException:  # a failed task or Ctrl-C: stop the others, keep the rows already written
             for ref in pending:
                 ray.cancel(ref, force=True)
@@ -131,8 +131,8 @@ class RayPool:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, (ConfigError, PluginError, RunError)):
                 raise cause from None
-            raise RunError(f"{desc} ({_describe(item)}) failed on a Ray worker: {type(cause).__name__}: {cause}; "
+            raise RunError(f"{desc} ({describe_item(item)}) failed on a Ray worker: {type(cause).__name__}: {cause}; "
                            "the rows already written are kept: fix it and rerun with --resume") from cause
         except ray.exceptions.RayError as exc:
-            raise RunError(f"{desc} ({_describe(item)}): a Ray worker or node died and the task's retries ran out "
+            raise RunError(f"{desc} ({describe_item(item)}): a Ray worker or node died and the task's retries ran out "
                            f"({type(exc).__name__}); the rows already written are kept: rerun with --resume") from None

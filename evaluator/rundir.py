@@ -102,6 +102,19 @@ def cells_of(jobs: list, workers: int) -> list[Cell]:
     return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
 
 
+def describe_item(item: Any) -> str:
+    """Which work an item is, for a message: a setting, and for a cell its attack and step."""
+    first = item.first if isinstance(item, Cell) else item
+    if hasattr(first, "attack"):
+        return f"{first.setting.key}, {first.attack.key}, step {first.checkpoint}"
+    return getattr(first, "key", str(first))
+
+
+def item_size(item: Any) -> int:
+    """Jobs an item stands for (a cell: its jobs), for the progress bar."""
+    return len(item.jobs) if isinstance(item, Cell) else 1
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
 

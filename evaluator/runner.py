@@ -36,6 +36,8 @@ from leakaudit.evaluator.rundir import (
     RunFolder,
     TuneJob,
     cells_of,
+    describe_item,
+    item_size,
     row_key,
     trial_key,
 )
@@ -257,12 +259,12 @@ class WorkerPool:
         items = list(items)
         if not items:
             return
-        bar = tqdm(total=sum(_size(i) for i in items), desc=desc, unit="job", disable=not progress,
+        bar = tqdm(total=sum(item_size(i) for i in items), desc=desc, unit="job", disable=not progress,
                    file=sys.stderr, dynamic_ncols=True)
         if self.workers <= 1:
             for item in items:
                 on_result(item, getattr(self.worker, method)(item))
-                bar.update(_size(item))
+                bar.update(item_size(item))
         else:
             pool = self._processes()
             futures: dict = {}
@@ -273,9 +275,9 @@ class WorkerPool:
                     try:
                         result = fut.result()
                     except BrokenProcessPool:
-                        raise _worker_lost(f"{desc} ({_describe(futures[fut])})") from None
+                        raise _worker_lost(f"{desc} ({describe_item(futures[fut])})") from None
                     on_result(futures[fut], result)
-                    bar.update(_size(futures[fut]))
+                    bar.update(item_size(futures[fut]))
             except BrokenProcessPool:  # broken before any result came back (a worker failed to start)
                 raise _worker_lost(desc) from None
             except BaseException:  # a failed job or Ctrl-C: stop queued jobs, keep the rows already written
@@ -299,19 +301,6 @@ def _worker_lost(during: str) -> RunError:
     return RunError(f"a worker process died or failed to start during {during}: killed by the system (out of "
                     "memory?) or stopped by an error printed above; the rows already written are kept: rerun with "
                     "--resume, with a smaller max_problems: or fewer --workers")
-
-
-def _describe(item: Any) -> str:
-    """Which work an item is, for a message: a setting, and for a cell its attack and step."""
-    first = item.first if isinstance(item, Cell) else item
-    if hasattr(first, "attack"):
-        return f"{first.setting.key}, {first.attack.key}, step {first.checkpoint}"
-    return getattr(first, "key", str(first))
-
-
-def _size(item: Any) -> int:
-    """Jobs an item stands for (a cell: its jobs), for the progress bar."""
-    return len(item.jobs) if isinstance(item, Cell) else 1
 
 
 def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -166,9 +167,10 @@ def test_flower_client_refuses_before_any_round(tmp_path):
     assert not (tmp_path / "a").exists()  # refused before any work
 
 
-def test_flower_simulation_audits_every_client_round(tmp_path):
+def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):
     import flower_training
 
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # Flower's Ray backend rewrites it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         summaries = flower_training.main(out=str(tmp_path / "sim"), rounds=2, every=1)

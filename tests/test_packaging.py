@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,10 @@ SOURCES = ("pyproject.toml", "README.md", "leakaudit", "plugins", "defenses", "a
 
 
 def _run(cmd, **kwargs):
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    """``cmd`` without an inherited PYTHONPATH (Flower's simulation sets one to this process's sys.path): the
+    fresh environment must see only what it holds and what its .pth file borrows."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

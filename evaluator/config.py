@@ -415,13 +415,17 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
     problems: list[str] = []
     dirs = [Path(d).resolve() for d in plugins_dirs]
     registry = registry or load_registry(dirs)
-    batch = described.get("images", described["batch_size"])  # federated rounds: the last audited round's
+    rounds = described.get("rounds") or {}  # federated rounds: the protocol and images of the last audited one
+    last = rounds[max(rounds, key=int)] if rounds else {}
+    batch = last.get("images", described["batch_size"])
     data = {k: p.default for k, p in DATA.items() if not p.required} | {
         "dataset": described["data"], "image_size": described["image_size"], "targets": batch, "batch_size": batch,
         "target_split": "train", "target_order": "first"}
     model = {k: p.default for k, p in MODEL.items() if not p.required} | {
         "name": described["model"], "checkpoints": sorted(described["steps"]), "mode": described["mode"]}
-    protocol = _check_protocol(described.get("protocol", "fedsgd"), data, problems)
+    name = described.get("protocol", "fedsgd")
+    protocol = _check_protocol({"name": name, **{k: v for k, v in last.items() if k in getattr(
+        PROTOCOLS.get(name), "params", {})}}, data, problems)
     settings = _expand_defenses([described["defense"]], registry, problems, protocol)
     attacks = _check_attacks(described["attacks"], registry, problems, None)
     metrics = _check_metrics(described["metrics"], registry, problems, described["image_size"])

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from leakaudit.evaluator.config import ConfigError
-from leakaudit.evaluator.monitor import LeakMonitor
+from leakaudit.evaluator.monitor import MAX_ROUND_IMAGES, LeakMonitor
 
 try:
     from flwr.client import NumPyClient
@@ -30,7 +30,8 @@ class LeakAuditClient(NumPyClient):
     with a warning).
     """
 
-    def __init__(self, client: NumPyClient, monitor: LeakMonitor, model: nn.Module, max_images: int = 64) -> None:
+    def __init__(self, client: NumPyClient, monitor: LeakMonitor, model: nn.Module,
+                 max_images: int = MAX_ROUND_IMAGES) -> None:
         if monitor.watched is None:
             raise ConfigError(["LeakAuditClient: the monitor watches no loader; build the client with "
                                "monitor.watch(trainloader) in place of trainloader"])

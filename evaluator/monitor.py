@@ -13,6 +13,7 @@ the batches the watched loader gave (``evaluator/flower.py`` wraps a Flower clie
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import warnings
@@ -48,7 +49,8 @@ from leakaudit.evaluator.scenario import generator, round_generators
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, FedAvg, LossFn, opacus_hooks_off, parameter_names, trainable
 
-RECORDED = ("steps", "fits", "rounds", "skipped", "protocol", "images")  # monitor.json's record of the run so far
+RECORDED = ("steps", "fits", "rounds", "skipped")  # monitor.json's record of the run so far
+MAX_ROUND_IMAGES = 64  # a federated round over more images is not attacked
 MEAN_IMAGE_SAMPLE = 256  # dataset items averaged into the mean-image guess the verdict compares with
 CAPTURED = "cache/monitor"  # the mean image, kept for reports rebuilt without the dataset
 
@@ -142,7 +144,9 @@ class LeakMonitor:
         self._attack_seconds = 0.0  # this session's, for run.json
         self._round: LocalRound | None = None
         self.watched: Any = None  # the loader given to ``watch``
-        self.max_images = 64
+        self.max_images = MAX_ROUND_IMAGES
+        self._inner: torch.optim.Optimizer | None = None  # the hooked optimizer (attach); None for rounds
+        self._folder: RunFolder | None = None  # once attached or bound
         self._pending: _Pending | None = None
         self._handles: list[Any] = []
         self._model: nn.Module | None = None
@@ -174,7 +178,7 @@ class LeakMonitor:
         self.watched = loader
         return MonitoredLoader(loader, self)
 
-    def bind_rounds(self, model: nn.Module, loader: Any, max_images: int = 64) -> None:
+    def bind_rounds(self, model: nn.Module, loader: Any, max_images: int = MAX_ROUND_IMAGES) -> None:
         """``attach`` for federated clients, whose optimizer is made anew in each round: check the audit and
         open the run folder; ``local_round`` then audits each round's update. Raises ConfigError before any
         work. ``max_images``: rounds that train on more images are not attacked (said in a warning)."""
@@ -238,8 +242,7 @@ class LeakMonitor:
         if step % self.every or step in self._described["steps"] or self._batch is None:
             return
         plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
-        self._pending = _Pending(step, [p.detach().clone() for p in trainable(plain)],
-                                 {n: b.detach().clone() for n, b in plain.named_buffers()}, self._batch)
+        self._pending = _Pending(step, *_state(plain), self._batch)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
@@ -268,8 +271,7 @@ class LeakMonitor:
             if len(inputs) == 0:  # a Poisson-sampled batch can be empty: nothing to attack
                 return
             self.last_update = update
-            after = [p.detach().clone() for p in params]
-            now = {n: b.detach().clone() for n, b in plain.named_buffers()}
+            after, now = _state(plain)
             started = time.perf_counter()
             try:
                 _load(plain, before, buffers)
@@ -316,7 +318,7 @@ class LeakMonitor:
         ``theta_before - theta_after``, is attacked as FedAvg's over the watched loader's batches in the order
         drawn. ``theta_after`` is ``LocalRound.sent`` when the block sets it (what leaves the client), else
         the model's weights. A round that FedAvg cannot describe is not attacked, and a warning says why."""
-        if self._inner is not None or not hasattr(self, "_folder") or self._handles:
+        if self._folder is None or self._inner is not None:
             raise RunError("LeakMonitor.local_round: call bind_rounds(model, loader) first")
         self._described["fits"] += 1
         number = self._described["fits"] if server_round is None else int(server_round)
@@ -341,8 +343,7 @@ class LeakMonitor:
         if local is None or not any(id(p) in local.params for g in groups for p in g["params"]):
             return
         if local.before is None:
-            local.before = [p.detach().clone() for p in trainable(self._model)]
-            local.buffers = {n: b.detach().clone() for n, b in self._model.named_buffers()}
+            local.before, local.buffers = _state(self._model)
         local.steps.append(_RoundStep(self._batch, self._passes, tuple(float(g["lr"]) for g in groups),
                                       _optimizer_text(optimizer)))
 
@@ -352,11 +353,9 @@ class LeakMonitor:
             self._described["skipped"][str(local.number)] = found
             warnings.warn(f"LeakMonitor: round {local.number} not attacked: {found}", stacklevel=3)
             return
-        protocol, batch, update, optimizer = found
-        fields = {k: getattr(protocol, k) for k in ("local_epochs", "local_batch_size", "local_lr")}
-        self._described["rounds"][str(local.number)] = {**fields, "images": len(batch[1]), "optimizer": optimizer}
-        self._described["protocol"] = {"name": protocol.name, **fields}
-        self._described["images"] = len(batch[1])
+        protocol, batch, update, optimizer = found  # the report's protocol and targets: the last round's
+        self._described["rounds"][str(local.number)] = {**dataclasses.asdict(protocol), "images": len(batch[1]),
+                                                        "optimizer": optimizer}
         self._attack_at(local.number, local.before, local.buffers, update, batch, protocol)
 
     def _round_update(self, local: LocalRound) -> tuple[FedAvg, tuple[Tensor, Tensor], list[Tensor], str] | str:
@@ -371,15 +370,16 @@ class LeakMonitor:
         lrs = {lr for s in steps for lr in s.lrs}
         if len(lrs) > 1:
             return f"the learning rate varied within the round ({', '.join(map(str, sorted(lrs)))}); FedAvg has one"
-        passes = [[s.batch for s in steps if s.pass_index == i] for i in dict.fromkeys(s.pass_index for s in steps)]
-        sizes = [[len(_inputs_labels(b)[1]) for b in p] for p in passes]
+        passes = [[_inputs_labels(s.batch) for s in steps if s.pass_index == i]
+                  for i in dict.fromkeys(s.pass_index for s in steps)]
+        sizes = [[len(y) for _, y in p] for p in passes]
         if any(p != sizes[0] for p in sizes):
             return f"the passes over the loader trained on different batches ({sizes}); FedAvg repeats one pass"
         size = sizes[0][0]
         if any(n != size for n in sizes[0][:-1]) or sizes[0][-1] > size:
             return f"batch sizes {sizes[0]}: FedAvg's minibatches are all the same size but the last"
-        inputs = torch.cat([torch.as_tensor(_inputs_labels(b)[0]) for b in passes[0]])
-        labels = torch.cat([torch.as_tensor(_inputs_labels(b)[1]).reshape(-1) for b in passes[0]])
+        inputs = torch.cat([torch.as_tensor(x) for x, _ in passes[0]])
+        labels = torch.cat([torch.as_tensor(y).reshape(-1) for _, y in passes[0]])
         if len(labels) > self.max_images:
             return f"it trained on {len(labels)} images, more than max_images={self.max_images}"
         after = _sent_weights(self._model, local.sent)
@@ -504,8 +504,7 @@ class LeakMonitor:
                   shape: tuple | None) -> dict[str, Any]:
         """``monitor.json``: what ``monitor_audit`` rebuilds this monitor's audit from. Federated rounds add the
         rounds taken part in (``fits``) and each audited round's local training (``rounds``, ``protocol``)."""
-        rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": {"name": protocol.name}} \
-            if protocol.name == "fedavg" else {}
+        rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if protocol.name == "fedavg" else {}
         return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
                 "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
@@ -617,6 +616,11 @@ def _learning_rates(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> l
     """Each parameter's learning rate, from its param group."""
     lr = {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
     return [lr[id(p)] for p in params]
+
+
+def _state(model: nn.Module) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """Copies of the model's trainable parameters and buffers, for ``_load`` to put back."""
+    return [p.detach().clone() for p in trainable(model)], {n: b.detach().clone() for n, b in model.named_buffers()}
 
 
 @torch.no_grad()

@@ -12,14 +12,12 @@ seed and the cell (``scenario.round_generators``), never on the node or the orde
 from __future__ import annotations
 
 import hashlib
-import sys
 from typing import Any, Callable, Iterable
 
 import torch
-from tqdm import tqdm
 
 from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.rundir import Cell, Outbox, RunError, describe_item, item_size
+from leakaudit.evaluator.rundir import Cell, Outbox, RunError, describe_item, item_size, progress_bar
 from leakaudit.evaluator.scenario import Scenario, deterministic_kernels
 from leakaudit.plugins.spec import PluginError
 
@@ -95,8 +93,7 @@ class RayPool:
         items = list(items)
         if not items:
             return
-        bar = tqdm(total=sum(item_size(i) for i in items), desc=desc, unit="job", disable=not progress,
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = progress_bar(items, desc, progress)
         pending = {self._submit(method, item): item for item in items}
         try:
             while pending:

@@ -10,12 +10,14 @@ import csv
 import datetime
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 import yaml
+from tqdm import tqdm
 
 from leakaudit.evaluator.config import (
     AttackSpec,
@@ -113,6 +115,16 @@ def describe_item(item: Any) -> str:
 def item_size(item: Any) -> int:
     """Jobs an item stands for (a cell: its jobs), for the progress bar."""
     return len(item.jobs) if isinstance(item, Cell) else 1
+
+
+def progress_bar(items: list, desc: str, progress: bool) -> tqdm:
+    """The bar over ``items``' jobs on stderr, whichever executor runs them."""
+    return tqdm(total=sum(item_size(i) for i in items), desc=desc, unit="job", disable=not progress,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _on_cpu(states: dict[int, dict]) -> dict[int, dict]:
+    return {k: {n: t.cpu() for n, t in s.items()} for k, s in states.items()}
 
 
 def _now() -> str:
@@ -271,7 +283,7 @@ class RunFolder:
         path = self.checkpoint_file(setting)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({k: {n: t.cpu() for n, t in s.items()} for k, s in states.items()}, tmp)
+        torch.save(_on_cpu(states), tmp)
         tmp.replace(path)
 
     def save_reconstruction(self, job: AttackJob, record: dict[str, Any]) -> None:
@@ -356,7 +368,7 @@ class Outbox(RunFolder):
         self.kept: list[tuple[str, Any, Any]] = []
 
     def save_checkpoints(self, setting: DefenseSetting, states: dict[int, dict]) -> None:
-        self.kept.append(("checkpoints", setting, {k: {n: t.cpu() for n, t in s.items()} for k, s in states.items()}))
+        self.kept.append(("checkpoints", setting, _on_cpu(states)))
 
     def save_reconstruction(self, job: AttackJob, record: dict[str, Any]) -> None:
         self.kept.append(("reconstruction", job, record))

@@ -38,6 +38,7 @@ from leakaudit.evaluator.rundir import (
     cells_of,
     describe_item,
     item_size,
+    progress_bar,
     row_key,
     trial_key,
 )
@@ -259,8 +260,7 @@ class WorkerPool:
         items = list(items)
         if not items:
             return
-        bar = tqdm(total=sum(item_size(i) for i in items), desc=desc, unit="job", disable=not progress,
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = progress_bar(items, desc, progress)
         if self.workers <= 1:
             for item in items:
                 on_result(item, getattr(self.worker, method)(item))

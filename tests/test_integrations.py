@@ -165,6 +165,9 @@ def test_flower_client_refuses_before_any_round(tmp_path):
                                                     "rounds is not audited yet"):
         LeakAuditClient(flower_training.DigitsClient(private, monitor.watch(loader)), monitor, private)
     assert not (tmp_path / "a").exists()  # refused before any work
+    with pytest.raises(leakaudit.RunError, match=r"LeakMonitor.local_round: call bind_rounds\(model, loader\) first"):
+        with monitor.local_round(1):
+            pass
 
 
 def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -52,6 +53,7 @@ def main() -> None:
         ray_file.write_text(yaml.safe_dump({**audit, "executor": "ray"}))
         local_s, local_rows = timed_run(local_file, Path(tmp, "local"))
         started = time.perf_counter()
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         ray.init(num_cpus=opts.cpus, include_dashboard=False, logging_level="warning")
         start_s = time.perf_counter() - started
         ray_s, ray_rows = timed_run(ray_file, Path(tmp, "ray"))

@@ -186,6 +186,8 @@ class LeakMonitor:
         self._inner, self._dp, self.max_images = None, None, max_images
         problems = ([f"model: an Opacus {type(model).__name__}; DP-SGD inside federated rounds is not audited "
                      "yet: audit it with LeakMonitor.attach in a plain loop"] if hasattr(model, "_module") else [])
+        if not isinstance(max_images, int) or max_images < 1:
+            problems.append(f"max_images: {max_images!r}; expected a whole number >= 1")
         batch_size = int(getattr(loader, "batch_size", None) or 1)
         self._setup(model, getattr(loader, "dataset", None), loader, self.defense,
                     FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update")

@@ -12,6 +12,7 @@ seed and the cell (``scenario.round_generators``), never on the node or the orde
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -60,6 +61,7 @@ class RayPool:
     def __enter__(self) -> "RayPool":
         ex, audit = self.executor, self.worker.scenario.audit
         if not ray.is_initialized():
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network but the cluster's own
             ray.init(address=ex["address"], include_dashboard=False, logging_level="warning")
             self._started = True
         resources = ray.cluster_resources()

@@ -18,6 +18,7 @@ def _own_cache(tmp_path_factory):
     import os
 
     os.environ["LEAKAUDIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the Ray and Flower tests: no network beyond loopback
 
 
 @pytest.fixture(autouse=True)

@@ -160,6 +160,9 @@ def test_flower_client_refuses_before_any_round(tmp_path):
     with pytest.raises(leakaudit.ConfigError, match="the monitor watches no loader; build the client with "
                                                     r"monitor.watch\(trainloader\)"):
         LeakAuditClient(flower_training.DigitsClient(build_model(), loader), monitor, build_model())
+    with pytest.raises(leakaudit.ConfigError, match=r"LeakMonitor: max_images: 0; expected a whole number >= 1"):
+        LeakAuditClient(flower_training.DigitsClient(build_model(), monitor.watch(loader)), monitor, build_model(),
+                        max_images=0)
     private = GradSampleModule(build_model())
     with pytest.raises(leakaudit.ConfigError, match="model: an Opacus GradSampleModule; DP-SGD inside federated "
                                                     "rounds is not audited yet"):

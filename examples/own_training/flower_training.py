@@ -10,6 +10,7 @@ writes a run folder per client under ``runs/flower_training``, with its report a
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def server_app(rounds: int) -> ServerApp:
 
 
 def main(out: str = "runs/flower_training", rounds: int = 3, every: int = 1) -> list[dict]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Flower's simulation starts Ray: keep it offline
     run_simulation(server_app=server_app(rounds), client_app=client_app(out, every), num_supernodes=2,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
     summaries = []

@@ -1,6 +1,15 @@
-"""Helpers for a team's own test suite: the ``--fail-on-leak`` gate as a pytest assertion.
+"""Helpers for test suites: plugin authors' checks of their defenses and attacks, and a team's
+``--fail-on-leak`` gate as a pytest assertion.
 
 ::
+
+    from leakaudit.testing import check_attack, check_defense
+
+    def test_my_defense_declares_what_it_sends():
+        check_defense(MyDefense(scale=0.1))      # share() against log_likelihood(), on a tiny model
+
+    def test_my_attack_beats_noise():
+        check_attack(MyAttack(iterations=200))   # an undefended image, every protocol it does not refuse
 
     from leakaudit import load_audit, run_audit
     from leakaudit.testing import assert_protects
@@ -15,9 +24,11 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from leakaudit.evaluator.checks import AttackCheck, DefenseCheck, check_attack, check_defense, tiny_case
 from leakaudit.evaluator.verdict import LEAKS, gate_failures
 
-__all__ = ["assert_protects", "load_summary"]
+__all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",
+           "load_summary"]
 
 
 def load_summary(run: str | Path | dict[str, Any]) -> dict[str, Any]:

@@ -84,6 +84,10 @@ class Attack:
         for key, value in self.settings.items():
             setattr(self, key, value)
 
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+        return f"{type(self).__name__}({args})"
+
     def __call__(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         """Run ``reconstruct`` and time it."""
         start = time.perf_counter()

@@ -1,0 +1,432 @@
+"""Checks for plugin authors: a defense's declared likelihood against what it sends, an attack on a tiny case.
+
+``check_defense`` draws many shares of one batch and asks whether ``log_likelihood`` explains them: the
+true candidate must have the highest expected log-likelihood (the score has mean zero there), and the
+likelihood's curvature must equal the variance of its score across shares, the information-matrix
+equality that holds when a density is correctly specified (White 1982). A declared Gaussian of the
+wrong scale, or the wrong noise family, breaks the second; a likelihood centred off what ``share()``
+sends breaks the first. ``check_attack`` runs an attack on one undefended image and every protocol it
+does not refuse. Both raise AssertionError with one line per problem, so they read well under pytest.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.datasets import load_digits
+from leakaudit.evaluator.metrics import best_assignment, psnr
+from leakaudit.evaluator.models import mlp
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, OwnStep, Protocol, parameter_names, trainable
+
+#: Two-sided level of the intervals the checks judge by: a correct plugin fails about once in a thousand seeds.
+CONFIDENCE = 0.999
+Z = 3.29  # the standard normal quantile of CONFIDENCE, two-sided
+#: How far the score variance may stray from the curvature before it is a problem (the equivalence margin).
+SCALE_TOLERANCE = 1.05
+#: A direction along which the expected log-likelihood curves less than this share of the most it curves along
+#: any is flat: the likelihood does not tell candidates apart along it, and the tests leave it out.
+FLAT = 1e-6
+#: Shares drawn beside those tested, to aim one direction at their mean offset without selecting it from the data tested.
+HELD_OUT = 32
+#: How much better than random noise (in PSNR, dB) an attack must rebuild the undefended image.
+BEATS_NOISE_DB = 1.0
+
+
+@dataclass
+class DefenseCheck:
+    """What ``check_defense`` measured.
+
+    ``kind`` is ``exact`` (every share is most likely under the true candidate: a deterministic defense,
+    or one whose likelihood is a zero-noise limit), ``noisy`` (tested statistically) or ``no likelihood``.
+    ``scale_ratio`` is the shares' score variance over the likelihood's curvature: 1 when the declared
+    noise matches the noise sent, about (sent / declared)^2 for a Gaussian of the wrong scale.
+    """
+
+    defense: str
+    kind: str
+    shares: int
+    directions: int
+    flat_directions: int = 0
+    centre_z: float | None = None
+    scale_ratio: float | None = None
+    scale_interval: tuple[float, float] | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        text = f"{self.defense}: {self.kind}, {self.shares} shares x {self.directions} directions"
+        text += f" ({self.flat_directions} flat)" if self.flat_directions else ""
+        if self.scale_ratio is not None:
+            lo, hi = self.scale_interval
+            text += (f"; largest |z| of the score at the true candidate {self.centre_z:.2f}; score variance / "
+                     f"curvature {self.scale_ratio:.3f} ({CONFIDENCE:.1%} interval {lo:.3f}-{hi:.3f})")
+        return text
+
+
+@dataclass
+class AttackCheck:
+    """What ``check_attack`` measured: PSNR (dB) per protocol run, random noise's, and each refusal's reason."""
+
+    attack: str
+    noise_psnr: float
+    psnr: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        scores = ", ".join(f"{k} {v:.1f}" for k, v in self.psnr.items())
+        refused = "".join(f"; refuses {k}: {v}" for k, v in self.refused.items())
+        return f"{self.attack}: PSNR {scores} dB; random noise {self.noise_psnr:.1f} dB{refused}"
+
+
+def tiny_case(images: int = 2, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """A one-hidden-layer MLP (64 -> 32 -> 10) and ``images`` of scikit-learn's 8x8 digits in [0, 1], seeded."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = mlp(1, 10, 8, width=32, depth=1)
+    data = load_digits(8)
+    return model, data.test_x[:images].clone(), data.test_y[:images].clone()
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _threat(model: nn.Module, inputs: Tensor, labels: Tensor, defense: Defense, protocol: Protocol,
+            known_labels: bool) -> ThreatModel:
+    """The honest-but-curious server of the tiny case: inputs are pixels (mean 0, std 1)."""
+    zeros = torch.zeros(inputs.shape[1], 1, 1, device=inputs.device)
+    with torch.no_grad():
+        num_classes = model(inputs[:1]).shape[1]
+    return ThreatModel(model=model, loss_fn=F.cross_entropy, input_shape=tuple(inputs.shape[1:]), mean=zeros,
+                       std=zeros + 1, num_classes=num_classes, batch_size=len(inputs), defense=defense,
+                       labels=labels if known_labels else None, device=inputs.device, protocol=protocol)
+
+
+def _contract_problems(sent: SharedUpdate, model: nn.Module, inputs: Tensor) -> list[str]:
+    """What is wrong with one share against the SharedUpdate contract (a tensor per trainable parameter)."""
+    if not isinstance(sent, SharedUpdate):
+        return [f"share() returned a {type(sent).__name__}, not a SharedUpdate"]
+    params, names = trainable(model), parameter_names(model)
+    if len(sent.tensors) != len(params):
+        return [f"share() sent {len(sent.tensors)} tensors for the model's {len(params)} trainable parameters"]
+    problems = [f"share() sent {n} with shape {tuple(t.shape)}, the parameter's is {tuple(p.shape)}"
+                for n, t, p in zip(names, sent.tensors, params) if t.shape != p.shape]
+    if list(sent.names) != names:
+        problems.append("share() named its tensors differently from the model's trainable parameters")
+    if sent.batch_size != len(inputs):
+        problems.append(f"share() reported batch_size {sent.batch_size} for a batch of {len(inputs)}")
+    if not all(torch.isfinite(t).all() for t in sent.tensors):
+        problems.append("share() sent values that are not finite")
+    return problems
+
+
+def _same(a: SharedUpdate, b: SharedUpdate) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors))
+
+
+def _draw_shares(defense: Defense, model: nn.Module, inputs: Tensor, labels: Tensor, protocol: Protocol,
+                 count: int, seed: int) -> tuple[list[SharedUpdate], list[str]]:
+    """``count + HELD_OUT`` shares of the batch, each from its own seeded generator, and the contract's problems."""
+    def share(i: int) -> SharedUpdate:
+        return defense.share(ClientStep(model, F.cross_entropy, inputs, labels,
+                                        _generator(inputs.device, seed * 1_000_003 + i), protocol))
+
+    first = share(0)
+    problems = _contract_problems(first, model, inputs)
+    if problems:
+        return [first], problems
+    if not _same(first, share(0)):
+        problems.append("share() is not reproducible: two generators seeded alike gave different updates; draw "
+                        "every random number from step.generator")
+    shares = [first] + [share(i) for i in range(1, count + HELD_OUT)]
+    if defense.deterministic and not all(_same(first, s) for s in shares[1:]):
+        problems.append("declares deterministic = True, but share() sent different updates under different "
+                        "generators (a chain relies on deterministic members)")
+    return shares, problems
+
+
+def _in_float64(update: SharedUpdate) -> SharedUpdate:
+    """The share in double precision, so that the small differences of log-likelihoods the check takes stay exact."""
+    return replace(update, tensors=[t.double() for t in update.tensors])
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(vector: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    out, start = [], 0
+    for t in like:
+        out.append(vector[start:start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def _directions(truth: Tensor, mean_share: Tensor, count: int, generator: torch.Generator) -> list[tuple[str, Tensor]]:
+    """Unit directions to move the candidate along: the update itself (a scale bug), held-out shares' mean
+    offset from it (a bias the likelihood leaves out), and random ones."""
+    named = [("the update's own direction", truth), ("the shares' mean offset", mean_share - truth)]
+    named = [(what, d / d.norm()) for what, d in named if d.norm() > 1e-12 * (1 + truth.norm())]
+    while len(named) < count:
+        d = torch.randn(truth.shape, generator=generator, device=truth.device, dtype=truth.dtype)
+        named.append((f"random direction {len(named) + 1}", d / d.norm()))
+    return named[:count]
+
+
+def _likelihood_problems(defense: Defense, shares: list[SharedUpdate], truth: list[Tensor]) -> list[str]:
+    """Whether ``log_likelihood`` gives a finite scalar that the attacker can differentiate in the candidate."""
+    candidate = [t.clone().requires_grad_(True) for t in truth]
+    value = defense.log_likelihood(shares[0], candidate)
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        return [f"log_likelihood returned {type(value).__name__}, not a scalar tensor"]
+    if not torch.isfinite(value):
+        return ["log_likelihood is not finite at the true candidate"]
+    if not value.requires_grad:
+        return ["log_likelihood is not differentiable in the candidate (the Bayes attacker follows its gradient)"]
+    grads = torch.autograd.grad(value, candidate, allow_unused=True)
+    if all(g is None for g in grads) or not all(torch.isfinite(g).all() for g in grads if g is not None):
+        return ["log_likelihood has no finite gradient in the candidate (the Bayes attacker follows it)"]
+    return []
+
+
+def _log_likelihoods(defense: Defense, shares: list[SharedUpdate], like: list[Tensor], points: Tensor) -> Tensor:
+    """``log p(share_i | candidate_m)`` for every share ``i`` and flat candidate ``points[m]``: (shares, points)."""
+    with torch.no_grad():
+        return torch.stack([torch.stack([defense.log_likelihood(s, _unflat(p, like)).double().reshape(())
+                                         for p in points]) for s in shares])
+
+
+@dataclass
+class Moves:
+    """Log-likelihoods of every share at the true candidate (``base``: (shares, 1)) and at the candidate moved
+    ``steps[j]`` forward (``up``) and back (``down``) along direction ``j``, as differences from ``base``."""
+
+    steps: Tensor
+    base: Tensor
+    up: Tensor
+    down: Tensor
+
+    @classmethod
+    def measure(cls, defense: Defense, shares: list[SharedUpdate], truth: Tensor, like: list[Tensor],
+                directions: Tensor, steps: Tensor) -> "Moves":
+        moves = steps[:, None] * directions
+        values = _log_likelihoods(defense, shares, like, torch.cat([truth[None], truth + moves, truth - moves]))
+        base, k = values[:, :1], len(steps)
+        return cls(steps, base, values[:, 1:k + 1] - base, values[:, k + 1:] - base)
+
+    @property
+    def scores(self) -> Tensor:
+        """Each share's derivative of the log-likelihood along each direction, by central differences."""
+        return (self.up - self.down) / (2 * self.steps)
+
+    @property
+    def curvature(self) -> Tensor:
+        """Each share's minus second derivative along each direction, by central differences."""
+        return -(self.up + self.down) / self.steps ** 2
+
+
+def _scale_ratio(scores: Tensor, curvature: Tensor, generator: torch.Generator,
+                 resamples: int = 1000) -> tuple[float, float, float]:
+    """Score variance over curvature, summed over directions, with a percentile interval over resampled shares."""
+    def ratio(rows: Tensor) -> Tensor:
+        return scores[rows].var(dim=-2).sum(-1) / curvature[rows].mean(dim=-2).sum(-1)
+
+    n = len(scores)
+    rows = torch.randint(n, (resamples, n), generator=generator, device=scores.device)
+    boot = ratio(rows).sort().values
+    tail = (1 - CONFIDENCE) / 2
+    lo, hi = boot[int(tail * (resamples - 1))], boot[math.ceil((1 - tail) * (resamples - 1))]
+    return float(ratio(torch.arange(n, device=scores.device))), float(lo), float(hi)
+
+
+def _statistical_problems(at: Moves, names: list[str], check: DefenseCheck, generator: torch.Generator) -> list[str]:
+    """The centre and scale tests of a noisy defense, from the log-likelihoods of moved candidates."""
+    scores, curvature, n = at.scores, at.curvature, len(at.base)
+    problems = []
+    z = scores.mean(0) / (scores.std(0) / math.sqrt(n)).clamp_min(1e-300)
+    check.centre_z = float(z.abs().max())
+    z_crit = Z + math.sqrt(2 * math.log(len(names)))  # about Bonferroni over the directions
+    off = int((z.abs() > z_crit).sum())
+    if off:
+        j = int(z.abs().argmax())
+        gain = (at.up if z[j] > 0 else at.down)[:, j]
+        others = f"; so do {off - 1} more of the {len(names)} directions" if off > 1 else ""
+        problems.append(f"a candidate moved {float(at.steps[j]):.3g} along {names[j]} has a higher expected "
+                        f"log-likelihood than the true one (by {float(gain.mean()):.3g} +- "
+                        f"{float(gain.std() / math.sqrt(n)):.2g} over {n} shares; z = {float(z[j]):.1f}{others}): "
+                        "log_likelihood is not centred on what share() sends")
+    ratio, lo, hi = _scale_ratio(scores, curvature, generator)
+    check.scale_ratio, check.scale_interval = ratio, (lo, hi)
+    if lo > SCALE_TOLERANCE or hi < 1 / SCALE_TOLERANCE:
+        sharper = ratio > 1
+        problems.append(f"log_likelihood is {'sharper' if sharper else 'flatter'} than what share() sends: the "
+                        f"shares' score variance is {ratio:.3g}x the likelihood's curvature ({CONFIDENCE:.1%} "
+                        f"interval {lo:.3g}-{hi:.3g}; 1 when they agree), as if the noise sent were "
+                        f"{math.sqrt(ratio):.3g}x the declared scale ({'an overconfident' if sharper else 'a timid'}"
+                        " Bayes attacker)")
+    return problems
+
+
+def _exact_problems(at: Moves) -> tuple[bool, list[str]]:
+    """Whether every share is most likely under the true candidate; if so, whether moving it ever matters."""
+    moved = torch.cat([at.up, at.down], dim=1)
+    slack = 1e-9 * (1 + at.base.abs())
+    if (moved > slack).any():
+        return False, []
+    if not (moved < -slack).any():
+        return True, ["log_likelihood does not change when the candidate moves: it ignores the candidate"]
+    return True, []
+
+
+def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple[Tensor, Tensor] | None = None, *,
+                  protocol: Protocol = FEDSGD, shares: int = 256, directions: int = 32, seed: int = 0) -> DefenseCheck:
+    """Check that ``defense.log_likelihood`` describes what ``defense.share`` sends; AssertionError if not.
+
+    ``model`` and ``batch`` (inputs, labels) default to ``tiny_case()``; the model is wrapped by the
+    defense (a copy) as in an audit. The shares are ``shares`` draws of one batch's update; the candidate
+    is moved along ``directions`` directions. A defense without a likelihood is checked for its share
+    contract only (the Bayes attacker does not apply to it). Returns what was measured.
+    """
+    __tracebackhide__ = True  # pytest shows the failing line of the author's test, not the check's insides
+    if isinstance(defense, type):
+        raise TypeError(f"check_defense takes a configured defense, e.g. {defense.__name__}(...), not the class")
+    if shares < 16 or directions < 2:
+        raise ValueError(f"check_defense: shares {shares} (at least 16) and directions {directions} (at least 2)")
+    why = defense.unsupported(protocol)
+    if why:
+        raise AssertionError(f"{defense!r} refuses protocol {protocol.name}: {why}; pass protocol=")
+    tiny_model, tiny_x, tiny_y = tiny_case(seed=seed)
+    inputs, labels = batch if batch is not None else (tiny_x, tiny_y)
+    model = defense.wrap_model(copy.deepcopy(model if model is not None else tiny_model)).to(inputs.device)
+    drawn, problems = _draw_shares(defense, model, inputs, labels, protocol, shares, seed)
+    drawn, held_out = drawn[:shares], drawn[shares:]
+    check = DefenseCheck(repr(defense), "no likelihood", len(drawn), 0, problems=problems)
+    if problems or not defense.has_likelihood():
+        return _conclude(check)
+    threat = _threat(model, inputs, labels, defense, protocol, known_labels=True)
+    like = [t.detach().double() for t in defense.candidate_update(threat, inputs, labels)]
+    drawn = [_in_float64(s) for s in drawn]
+    check.problems += _likelihood_problems(defense, drawn, like)
+    if check.problems:
+        return _conclude(check)
+    truth = _flat(like)
+    gen = _generator(truth.device, seed)
+    offset = torch.stack([_flat(s.tensors) for s in held_out]).double().mean(0) if held_out else truth
+    named = _directions(truth, offset, directions, gen)
+    names, unit = [what for what, _ in named], torch.stack([d for _, d in named])
+    check.directions = len(names)
+    spread = (torch.stack([_flat(s.tensors) for s in drawn]) @ unit.T).std(0)
+    first = Moves.measure(defense, drawn, truth, like, unit,
+                          torch.where(spread > 1e-9 * (1 + truth.norm()), spread / 2, 1e-3 * (1 + truth.norm())))
+    exact, found = _exact_problems(first)
+    check.kind = "exact" if exact else "noisy"
+    if exact:
+        check.problems += found
+        return _conclude(check)
+    # the first moves measured the likelihood's curvature along each direction; the tests step a quarter of the
+    # width it implies, along the directions where it is not flat (clip's likelihood ignores the update's norm)
+    curvature = first.curvature.mean(0)
+    kept = torch.nonzero(curvature > FLAT * curvature.max().clamp_min(0)).flatten()
+    check.flat_directions = len(names) - len(kept)
+    if not len(kept):
+        check.problems.append("the expected log-likelihood is not peaked at the true candidate: moving the "
+                              "candidate does not lower it on average")
+        return _conclude(check)
+    names, steps = [names[j] for j in kept.tolist()], 0.25 / curvature[kept].sqrt()
+    check.problems += _statistical_problems(Moves.measure(defense, drawn, truth, like, unit[kept], steps), names,
+                                            check, gen)
+    return _conclude(check)
+
+
+def _conclude(check: DefenseCheck) -> DefenseCheck:
+    __tracebackhide__ = True
+    if check.problems:
+        raise AssertionError("\n".join(f"{check.defense}: {p}" for p in check.problems))
+    return check
+
+
+def _sgd_step(model: nn.Module, inputs: Tensor, labels: Tensor) -> None:
+    """A user's own training step, for ``protocol: step``: one plain SGD step at lr 0.1."""
+    model.zero_grad()
+    F.cross_entropy(model(inputs), labels).backward()
+    with torch.no_grad():
+        for p in trainable(model):
+            p -= 0.1 * p.grad
+
+
+#: The protocols ``check_attack`` tries: FedSGD, two local steps of FedAvg, and a user's own step.
+CHECKED_PROTOCOLS: tuple[Protocol, ...] = (FEDSGD, FedAvg(local_epochs=2, local_lr=0.1), OwnStep(_sgd_step, 0.1))
+
+
+def _reconstruction_problems(rec: Reconstruction, pixels: Tensor, where: str) -> list[str]:
+    if not isinstance(rec, Reconstruction):
+        return [f"{where}: returned a {type(rec).__name__}, not a Reconstruction"]
+    if rec.images.shape != pixels.shape:
+        return [f"{where}: images of shape {tuple(rec.images.shape)} for targets of shape {tuple(pixels.shape)}"]
+    problems = []
+    if not torch.isfinite(rec.images).all() or rec.images.min() < 0 or rec.images.max() > 1:
+        problems.append(f"{where}: images are not finite pixels in [0, 1]")
+    if len(rec.labels) != len(pixels):
+        problems.append(f"{where}: {len(rec.labels)} labels for {len(pixels)} images")
+    return problems
+
+
+def check_attack(attack: Attack, model: nn.Module | None = None, batch: tuple[Tensor, Tensor] | None = None, *,
+                 known_labels: bool = False, seed: int = 0) -> AttackCheck:
+    """Check that ``attack`` rebuilds an undefended image better than random noise; AssertionError if not.
+
+    ``model`` and ``batch`` (pixels in [0, 1], labels) default to ``tiny_case(images=1)``. The attack runs
+    under every protocol of ``CHECKED_PROTOCOLS`` it does not refuse, and must return a valid, reproducible
+    reconstruction under each; under the first it accepts it must beat random noise by ``BEATS_NOISE_DB``.
+    """
+    __tracebackhide__ = True
+    if isinstance(attack, type):
+        raise TypeError(f"check_attack takes a configured attack, e.g. {attack.__name__}(iterations=...), not the class")
+    tiny_model, tiny_x, tiny_y = tiny_case(images=1, seed=seed)
+    pixels, labels = batch if batch is not None else (tiny_x, tiny_y)
+    model = (model if model is not None else tiny_model).to(pixels.device)
+    noise = torch.rand(pixels.shape, generator=_generator(pixels.device, seed), device=pixels.device)
+    check = AttackCheck(repr(attack), float(psnr(noise, pixels).mean()))
+    defense = NoDefense()
+    for protocol in CHECKED_PROTOCOLS:
+        why = attack.unsupported(model, len(pixels), protocol)
+        if why:
+            check.refused[protocol.name] = why
+            continue
+        observed = defense.share(ClientStep(model, F.cross_entropy, pixels, labels, _generator(pixels.device, seed),
+                                            protocol))
+        threat = _threat(model, pixels, labels, defense, protocol, known_labels)
+        where = f"protocol {protocol.name}"
+        try:
+            runs = [type(attack).reconstruct_all([Problem(observed, threat, _generator(pixels.device, seed),
+                                                          attack)])[0] for _ in range(2)]
+        except Exception as exc:  # an attack must refuse in unsupported() what it cannot do, not fail mid-audit
+            check.problems.append(f"{where}: raised {type(exc).__name__}: {exc} (refuse what the attack cannot do "
+                                  "in its unsupported())")
+            continue
+        found = _reconstruction_problems(runs[0], pixels, where)
+        if not found and not torch.allclose(runs[0].images, runs[1].images, atol=1e-5):
+            found.append(f"{where}: not reproducible: two runs from generators seeded alike differ; draw every "
+                         "random number from the generator reconstruct() gets")
+        check.problems += found
+        if not found:
+            order = best_assignment(runs[0].images, pixels)
+            check.psnr[protocol.name] = float(psnr(runs[0].images[order], pixels).mean())
+    if not check.psnr and not check.problems:
+        check.problems.append("refuses every protocol tried: " + "; ".join(f"{k}: {v}" for k, v in check.refused.items()))
+    first = next(iter(check.psnr.items()), None)
+    if first is not None and first[1] < check.noise_psnr + BEATS_NOISE_DB:
+        check.problems.append(f"protocol {first[0]}: PSNR {first[1]:.1f} dB on an undefended image, not "
+                              f"{BEATS_NOISE_DB:g} dB above random noise's {check.noise_psnr:.1f} dB")
+    if check.problems:
+        raise AssertionError("\n".join(f"{check.attack}: {p}" for p in check.problems))
+    return check

@@ -22,7 +22,8 @@ class Clip(DeterministicDefense):
 
     name = "clip"
     paper = "Abadi et al. 2016"
-    params = {"max_norm": Param(type=float, min=0.0, exclusive_min=True, help="largest L2 norm sent")}
+    params = {"max_norm": Param(type=float, min=0.0, exclusive_min=True, help="largest L2 norm sent",
+                                 example=1.0)}
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return clip_total_norm(update, self.max_norm)

@@ -1,4 +1,4 @@
-"""The ``leakaudit`` command: run, report, validate, analyse, plugins."""
+"""The ``leakaudit`` command: run, report, validate, analyse, plugins, init, new-plugin, schema."""
 from __future__ import annotations
 
 import argparse
@@ -45,9 +45,27 @@ def _parser() -> argparse.ArgumentParser:
                                           "(Chen & Campbell 2022), before any attack")
     ana.add_argument("config")
     ana.add_argument("--json", action="store_true", help="machine-readable output")
-    plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin")
+    plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin; "
+                                          "with KIND NAME, one plugin's parameters, paper and origin")
+    plug.add_argument("kind", nargs="?", metavar="KIND", help="defense, attack, metric, model or dataset")
+    plug.add_argument("name", nargs="?", metavar="NAME", help="a registered name of that kind")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
-    for sp in (run, rep, val, ana, plug):
+    init = sub.add_parser("init", help="write a commented starter audit file that validates")
+    init.add_argument("file", nargs="?", type=Path, help="where to write it (default: print it)")
+    init.add_argument("--defense", action="append", default=[], metavar="NAME",
+                      help="a defense to audit (repeatable; default: gaussian); none, the reference, is always in")
+    init.add_argument("--attack", action="append", default=[], metavar="NAME",
+                      help="an attack to run (repeatable; default: inverting_gradients, bayes on the defenses that "
+                           "declare a likelihood, and the attacks built on those that declare none)")
+    init.add_argument("--name", help="the audit's name (default: the file's stem, else my-audit)")
+    init.add_argument("--force", action="store_true", help="overwrite FILE")
+    new = sub.add_parser("new-plugin", help="write an installable plugin package: one defense with its likelihood, "
+                                            "an entry point, and tests that use leakaudit.testing.check_defense")
+    new.add_argument("name", help="the defense's name in audit files (lower case, digits, underscores)")
+    new.add_argument("--dir", type=Path, default=Path("."), help="folder to create the package in (default: .)")
+    schema = sub.add_parser("schema", help="print a JSON Schema of the audit file (registered names as enums), "
+                                           "for editors' completion")
+    for sp in (run, rep, val, ana, plug, init, schema):
         sp.add_argument("--plugins-dir", action="append", default=[], metavar="DIR",
                         help="folder of drop-in *.py plugins (repeatable)")
     return p
@@ -60,10 +78,20 @@ def _fail(lines: list[str]) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from leakaudit.plugins.manager import load_registry
+    from leakaudit.plugins.manager import KINDS, load_registry
+    from leakaudit.plugins.spec import did_you_mean
 
     registry = load_registry(args.plugins_dir)
-    entries = list(registry)
+    if args.kind is not None and args.kind not in KINDS:
+        return _fail([f"plugins: KIND {args.kind!r} is not a kind{did_you_mean(args.kind, KINDS)}; choices: "
+                      f"{', '.join(KINDS)}"])
+    if args.name is not None:
+        if args.name not in registry.entries[args.kind]:
+            names = registry.names(args.kind)
+            return _fail([f"plugins: {args.kind} {args.name!r} is not registered{did_you_mean(args.name, names)}; "
+                          f"{args.kind}s: {', '.join(names)}"])
+        return _describe_plugin(registry.entries[args.kind][args.name], args.json)
+    entries = [e for e in registry if args.kind is None or e.kind == args.kind]
     if args.json:
         print(json.dumps([{"kind": e.kind, "name": e.name, "origin": e.origin, "paper": e.paper,
                            "summary": e.summary} for e in entries], indent=2))
@@ -75,6 +103,66 @@ def cmd_plugins(args) -> int:
     for e in entries:
         print(f"{e.kind:<{kind_w}}  {e.name:<{name_w}}  {e.origin:<{origin_w}}  {e.paper:<{paper_w}}  {e.summary}")
     print("Papers by author and year: docs/references.md", file=sys.stderr)
+    return 0
+
+
+def _describe_plugin(entry, as_json: bool) -> int:
+    """One plugin: summary, paper, origin, what it is (for defenses and attacks), its parameters and docstring."""
+    from leakaudit.plugins.manager import facts, param_rows
+
+    params = param_rows(getattr(entry.obj, "params", {}) or {})
+    if as_json:
+        print(json.dumps({"kind": entry.kind, "name": entry.name, "origin": entry.origin, "paper": entry.paper,
+                          "summary": entry.summary, "description": entry.description, "facts": facts(entry),
+                          "params": params}, indent=2, default=repr))
+        return 0
+    print(f"{entry.kind} {entry.name}: {entry.summary}")
+    rows = [("paper", f"{entry.paper} (references: docs/references.md)" if entry.paper else "none declared"),
+            ("origin", entry.origin), *facts(entry).items()]
+    width = max(len(k) for k, _ in rows) + 1
+    for key, value in rows:
+        print(f"  {key + ':':<{width}} {value}")
+    if params:
+        print("  parameters:")
+        name_w = max(len(p["name"]) for p in params)
+        for p in params:
+            print(f"    {p['name']:<{name_w}}  {p['describe']}{'  ' + p['help'] if p['help'] else ''}")
+    else:
+        print("  parameters: none")
+    rest = entry.description.split("\n\n", 1)[1:] if entry.description else []
+    if rest:
+        print("\n" + "\n".join(f"  {line}".rstrip() for line in rest[0].splitlines()))
+    return 0
+
+
+def cmd_init(args) -> int:
+    from leakaudit.evaluator.starter import starter_audit, write_starter
+    from leakaudit.plugins.manager import load_registry
+
+    if args.file is not None and args.file.exists() and not args.force:
+        return _fail([f"init: {args.file} exists; pass --force to overwrite it"])
+    name = args.name or (args.file.stem if args.file is not None else "my-audit")
+    text = starter_audit(load_registry(args.plugins_dir), args.defense, args.attack, name)
+    write_starter(args.file, text, args.plugins_dir)
+    if args.file is not None:
+        print(f"wrote {args.file}: check it with `leakaudit validate {args.file}`, run it with "
+              f"`leakaudit run {args.file} --out runs/{name}`", file=sys.stderr)
+    return 0
+
+
+def cmd_new_plugin(args) -> int:
+    from leakaudit.evaluator.scaffold import write_plugin
+
+    folder = write_plugin(args.name, args.dir)
+    print(f"wrote {folder}: pip install -e {folder} && pytest {folder}", file=sys.stderr)
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from leakaudit.evaluator.schema import audit_schema
+    from leakaudit.plugins.manager import load_registry
+
+    print(json.dumps(audit_schema(load_registry(args.plugins_dir)), indent=2))
     return 0
 
 
@@ -189,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         commands = {"run": cmd_run, "report": cmd_report, "validate": cmd_validate, "analyse": cmd_analyse,
-                    "plugins": cmd_plugins}
+                    "plugins": cmd_plugins, "init": cmd_init, "new-plugin": cmd_new_plugin, "schema": cmd_schema}
         return commands[args.command](args)
     except ConfigError as exc:
         return _fail(exc.lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,8 +128,14 @@ class Entry:
 
     @property
     def summary(self) -> str:
+        """The docstring's first paragraph on one line (or the spec's own ``summary``)."""
         doc = getattr(self.obj, "summary", None) or (getattr(self.obj, "__doc__", None) or "")
-        return doc.strip().splitlines()[0] if doc.strip() else ""
+        return " ".join(doc.strip().split("\n\n")[0].split())
+
+    @property
+    def description(self) -> str:
+        """The whole docstring, dedented (``leakaudit plugins KIND NAME`` shows it)."""
+        return inspect.cleandoc(getattr(self.obj, "__doc__", None) or getattr(self.obj, "summary", "") or "")
 
 
 @dataclass
@@ -175,3 +182,38 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
 def load_registry(plugin_dirs: Iterable[str | Path] = (), entry_points: bool = True) -> Registry:
     """Discover every plugin and return the filled registry."""
     return build_registry(get_plugin_manager(plugin_dirs, entry_points))
+
+
+def param_rows(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each declared parameter as a row: name, its one-line description, help, and the fields it is checked by."""
+    rows = []
+    for key, p in params.items():
+        rows.append({"name": key, "describe": p.describe(), "help": p.help, "type": p.type_name,
+                     "required": p.required, "default": None if p.required else p.default, "example": p.example,
+                     "min": p.min, "max": p.max, "exclusive_min": p.exclusive_min, "choices": p.choices,
+                     "nullable": p.nullable, "items": p.items})
+    return rows
+
+
+def facts(entry: Entry) -> dict[str, str]:
+    """What a defense or attack is, in the terms an audit uses (empty for other kinds)."""
+    obj = entry.obj
+    if entry.kind == "defense":
+        from leakaudit.plugins.defense import Defense
+
+        out = {"randomness": "deterministic" if obj.deterministic else "random (draws from the round's generator)",
+               "likelihood": ("declared: the Bayes adversary (bayes) applies; check it with "
+                              "leakaudit.testing.check_defense") if obj.log_likelihood is not Defense.log_likelihood else
+                             "none declared: the Bayes adversary does not apply"}
+        if obj.wrap_model is not Defense.wrap_model:
+            out["model"] = "may change the architecture (wrap_model)"
+        if obj.shares_itself():
+            out["update"] = "computed by the defense from the model and inputs (cannot be a chain member)"
+        return out
+    if entry.kind == "attack":
+        return {"role": "adaptive: built on what the defense does" if obj.uses_defense else
+                "naive: knows the model, not the defense"}
+    if entry.kind == "metric":
+        return {"leakage": "higher is more" if obj.higher_is_better else "lower is more", "scores": obj.on}
+    return {}
+

@@ -27,6 +27,7 @@ class Param:
     exclusive_min: bool = False
     nullable: bool = False  # YAML's null is accepted (always so where the default is None: "not set")
     items: int | None = None  # also accepted: a list of exactly this many values, each checked as one value
+    example: Any = None  # a typical value of a required parameter: what `leakaudit init` writes for it
 
     @property
     def required(self) -> bool:
@@ -73,6 +74,8 @@ class Param:
         parts = [self.type_name + ("" if self.items is None else f" (or a list of {self.items})")]
         if not self.required:
             parts.append(f"default {self.default!r}")
+        elif self.example is not None:
+            parts.append(f"required, e.g. {self.example!r}")
         if self.min is not None or self.max is not None:
             lo = "" if self.min is None else f"{'>' if self.exclusive_min else '>='}{self.min}"
             hi = "" if self.max is None else f"<={self.max}"

@@ -1,0 +1,146 @@
+"""``leakaudit init``: a commented starter audit for the defenses a user names, checked before it is written."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import yaml
+
+from leakaudit.evaluator.config import DATA, MODEL, TOP, ConfigError, load_audit
+from leakaudit.plugins.manager import Registry
+from leakaudit.plugins.protocol import FEDSGD
+from leakaudit.plugins.spec import Param, did_you_mean
+
+#: What a starter audit attacks when the user names no defense: the undefended reference and Gaussian noise.
+DEFAULT_DEFENSES = ("gaussian",)
+#: The classic attack every starter audit runs, beside the adaptive ones, at a budget a CPU finishes.
+NAIVE_ATTACK = ("inverting_gradients", {"iterations": 1000, "lr": 0.1, "priors": {"tv": 0.01}})
+#: The starter's images and model: the quickstart's (greyscale digits, 10 classes, one image per update).
+DATASET, IMAGE_SIZE, MODEL_NAME = "digits", 32, "lenet_zhu"
+COMMENT_AT = 28  # column of the comments after short lines
+
+
+def _value(value: Any) -> str:
+    """One YAML flow value (``0.1``, ``per_round``, ``[0]``, ``{tv: 0.01}``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1_000).strip().removesuffix("\n...").strip()
+
+
+def _line(text: str, comment: str = "") -> str:
+    """``text`` with ``comment`` after it, aligned at COMMENT_AT (two spaces after a longer text)."""
+    return f"{text:<{max(COMMENT_AT, len(text) + 2)}}# {comment}" if comment else text
+
+
+def _param_comment(p: Param) -> str:
+    return f"{p.help} ({p.describe()})" if p.help else p.describe()
+
+
+def _params_block(spec: dict[str, Param], given: dict[str, Any], indent: str, others: bool = True) -> list[str]:
+    """``params:`` with the given values, then (``others``) every other parameter commented out at its default."""
+    lines = [f"{indent}params:" if given else f"{indent}# params:"]
+    for key, p in spec.items():
+        if key in given:
+            lines.append(_line(f"{indent}  {key}: {_value(given[key])}", _param_comment(p)))
+        elif others:
+            lines.append(_line(f"{indent}  # {key}: {_value(p.default)}", _param_comment(p)))
+    return lines if len(lines) > 1 else []
+
+
+def _required_values(kind: str, name: str, spec: dict[str, Param]) -> dict[str, Any]:
+    """The example of each required parameter; a ConfigError naming a required one without an example."""
+    missing = [k for k, p in spec.items() if p.required and p.example is None]
+    if missing:
+        raise ConfigError([f"init: {kind} {name}: required parameter {missing[0]} declares no example "
+                           f"(Param(example=...)); write the entry by hand"])
+    return {k: p.example for k, p in spec.items() if p.required}
+
+
+def _checked_names(registry: Registry, kind: str, names: Sequence[str], option: str) -> list[str]:
+    known = registry.names(kind)
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ConfigError([f"init: {option} {bad[0]!r} is not a registered {kind}{did_you_mean(bad[0], known)}; "
+                           f"choices: {', '.join(known)}"])
+    return list(dict.fromkeys(names))
+
+
+def _default_attacks(registry: Registry, defenses: list[str]) -> list[tuple[str, list[str] | None]]:
+    """The classic attack on every setting, the Bayes adversary on the defenses with a likelihood, and for each
+    defense without one the attacks built on it (each with the defenses it runs on, None: all)."""
+    built = {n: registry.get("defense", n)(**_required_values("defense", n, registry.get("defense", n).params))
+             for n in defenses}
+    attacks: list[tuple[str, list[str] | None]] = [(NAIVE_ATTACK[0], None)]
+    with_likelihood = [n for n, d in built.items() if d.has_likelihood() and not d.baseline]
+    if with_likelihood:
+        attacks.append(("bayes", with_likelihood))
+    for n, d in built.items():
+        if d.has_likelihood():
+            continue
+        with torch.random.fork_rng(devices=[]):
+            model = d.wrap_model(registry.get("model", MODEL_NAME).build(channels=1, num_classes=10,
+                                                                         image_size=IMAGE_SIZE))
+        for a in registry.names("attack"):
+            attack = registry.get("attack", a)()
+            if (a != "bayes" and attack.uses_defense and attack.unsupported_defense(d) is None
+                    and attack.unsupported(model, 1, FEDSGD) is None):
+                attacks.append((a, [n]))
+    return attacks
+
+
+def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Sequence[str] = (),
+                  name: str = "my-audit") -> str:
+    """The text of a commented audit: the undefended reference, ``defenses`` (default: gaussian) at their
+    parameters' examples, and ``attacks`` (default: the classic attack, the Bayes adversary where a defense
+    declares a likelihood, and the attacks built on each defense that declares none)."""
+    chosen = _checked_names(registry, "defense", ["none", *(defenses or DEFAULT_DEFENSES)], "--defense")
+    named = _checked_names(registry, "attack", attacks, "--attack")
+    plan = [(a, None) for a in named] if named else _default_attacks(registry, chosen)
+    lines = [
+        "# A leakaudit audit: which defenses, attacked how, on which images and model.",
+        "#   leakaudit validate FILE            checks it (before any work)",
+        "#   leakaudit run FILE --out DIR       runs it and writes DIR/report.html",
+        "# Every key and its choices: `leakaudit schema`; a plugin's parameters: `leakaudit plugins KIND NAME`.",
+        f"name: {_value(name)}",
+        _line("seed: 0", TOP["seed"].help),
+        _line("device: auto", "auto | cpu | cuda"),
+        "data:",
+        _line(f"  dataset: {DATASET}", f"scikit-learn's 8x8 digits, offline; others: "
+                                       f"{', '.join(registry.names('dataset'))}"),
+        _line(f"  image_size: {IMAGE_SIZE}", DATA["image_size"].describe()),
+        _line("  targets: 4", DATA["targets"].help),
+        _line("  batch_size: 1", DATA["batch_size"].help),
+        "model:",
+        _line(f"  name: {MODEL_NAME}", f"{MODEL['name'].help}; or factory: 'package.module:build'"),
+        _line("  checkpoints: [0]", "training steps at which the update is attacked (0: untrained)"),
+        "# One setting per entry; `sweep: {param: [v1, v2, ...]}` makes one per value: a privacy-utility curve.",
+        "defenses:",
+    ]
+    for d in chosen:
+        cls = registry.get("defense", d)
+        lines.append(_line(f"  - name: {d}", registry.entries["defense"][d].summary))
+        lines += _params_block(cls.params, _required_values("defense", d, cls.params), "    ")
+    lines += ["# The classic attack judges like most papers; adaptive attacks (bayes: the Bayes-optimal adversary",
+              "# built from each defense's likelihood) judge against the strongest attacker that knows the defense.",
+              "attacks:"]
+    for a, scope in plan:
+        cls = registry.get("attack", a)
+        lines.append(_line(f"  - name: {a}", f"{registry.entries['attack'][a].summary} Its parameters: "
+                                             f"leakaudit plugins attack {a}"))
+        lines += _params_block(cls.params, NAIVE_ATTACK[1] if a == NAIVE_ATTACK[0] else {}, "    ", others=False)
+        if scope:
+            lines.append(_line(f"    defenses: {_value(scope)}", "the settings it runs on"))
+    lines += [_line("utility: {train_steps: 200}", "SGD steps that measure each defense's test accuracy"),
+              _line("metrics: [psnr, ssim, label_accuracy]", f"choices: {', '.join(registry.names('metric'))}")]
+    return "\n".join(lines) + "\n"
+
+
+def write_starter(path: Path | None, text: str, plugins_dirs: Sequence[str | Path] = ()) -> None:
+    """Validate the starter as ``leakaudit validate`` does, then write it (or print it when ``path`` is None)."""
+    from leakaudit.evaluator.scenario import Scenario, check_scenario
+
+    where = path if path is not None else Path("starter.yaml")
+    check_scenario(Scenario(load_audit(where, list(plugins_dirs), text=text)), user_code=False)
+    if path is None:
+        print(text, end="")
+    else:
+        path.write_text(text)

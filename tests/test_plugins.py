@@ -88,11 +88,23 @@ def test_template_found_by_dropin_folder_and_runs_from_yaml(tmp_path):
     _run_template_audit(tmp_path, dict(os.environ), ["--plugins-dir", str(folder)])
 
 
-def test_template_installed_is_found_by_entry_point(tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def template_env(tmp_path_factory):
+    """The environment of a process that sees the template installed (into a folder of its own)."""
+    site = tmp_path_factory.mktemp("template") / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(site), str(TEMPLATE)], check=True, capture_output=True)
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+def test_template_passes_its_own_tests(template_env, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TEMPLATE / "tests")],
+                          env=template_env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_template_installed_is_found_by_entry_point(tmp_path, template_env):
+    env = template_env
     proc = subprocess.run([*LEAKAUDIT, "plugins"], capture_output=True, text=True, check=True, env=env)
     line = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["defense", "logistic"])
     assert "entrypoint:logistic (leakaudit-logistic)" in line

@@ -131,7 +131,12 @@ leakaudit init audit.yaml --defense {name} && leakaudit run audit.yaml --out run
 ```
 
 Replace the noise in `src/leakaudit_{name}/__init__.py` with your defense and keep its `log_likelihood`
-the density of what `perturb` sends; the tests say what disagrees when it is not.
+the density of what `perturb` sends; the tests say what disagrees when it is not. How it plugs in:
+`pyproject.toml` declares the entry point (group `leakaudit`), the module implements the
+`register_defenses` hook, and `params` declares the YAML parameters, checked before any work.
+
+Without installing, copy the module into a folder and pass `--plugins-dir FOLDER` (or `plugins_dir:`
+in the audit file).
 '''
 
 

@@ -149,3 +149,17 @@ def test_new_plugin_installs_is_listed_and_passes_its_own_tests(capsys, tmp_path
     shown = subprocess.run([python, "-m", "leakaudit", "plugins", "defense", "soft_noise"], capture_output=True,
                            text=True, check=True, env=env).stdout
     assert "  paper:      Doe et al. 2026 (references: docs/references.md)" in shown.splitlines()
+
+
+def test_the_example_plugin_is_what_new_plugin_writes(tmp_path):
+    from leakaudit.evaluator.scaffold import write_plugin
+
+    from conftest import ROOT
+
+    written = write_plugin("logistic", tmp_path)
+    example = ROOT / "examples" / "plugin-template"
+    files = sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
+    built = {"__pycache__", "build", "leakaudit_logistic.egg-info"}  # what installing it leaves in the tree
+    assert files == sorted(p.relative_to(example) for p in example.rglob("*")
+                           if p.is_file() and not built.intersection(p.relative_to(example).parts))
+    assert all((written / f).read_text() == (example / f).read_text() for f in files)

@@ -100,7 +100,7 @@ def template_env(tmp_path_factory):
 def test_template_passes_its_own_tests(template_env, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TEMPLATE / "tests")],
                           env=template_env, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-2000:]
+    assert proc.returncode == 0 and "5 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_template_installed_is_found_by_entry_point(tmp_path, template_env):

@@ -335,12 +335,15 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     # the first moves measured the likelihood's curvature along each direction; the tests step a quarter of the
     # width it implies, along the directions where it is not flat (clip's likelihood ignores the update's norm)
     curvature = first.curvature.mean(0)
-    kept = torch.nonzero(curvature > FLAT * curvature.max().clamp_min(0)).flatten()
-    check.flat_directions = len(names) - len(kept)
-    if not len(kept):
-        check.problems.append("the expected log-likelihood is not peaked at the true candidate: moving the "
+    flat = curvature.abs() <= FLAT * curvature.abs().max()
+    check.flat_directions = int(flat.sum())
+    upward = torch.nonzero(~flat & (curvature < 0)).flatten().tolist()
+    if upward or bool(flat.all()):
+        where = f"along {names[upward[0]]} and {len(upward) - 1} more" if upward else "along every direction"
+        check.problems.append(f"the expected log-likelihood is not peaked at the true candidate {where}: moving the "
                               "candidate does not lower it on average")
         return _conclude(check)
+    kept = torch.nonzero(~flat).flatten()
     names, steps = [names[j] for j in kept.tolist()], 0.25 / curvature[kept].sqrt()
     check.problems += _statistical_problems(Moves.measure(defense, drawn, truth, like, unit[kept], steps), names,
                                             check, gen)

@@ -229,3 +229,13 @@ def test_an_attack_drawing_from_the_global_generator_fails():
 
     with pytest.raises(AssertionError, match="protocol fedsgd: not reproducible"):
         check_attack(Unseeded())
+
+
+def test_a_likelihood_with_its_minimum_at_the_truth_fails():
+    class Upside(SendsThreeTimesTheNoise):
+        def log_likelihood(self, observed, candidate):
+            return -super().log_likelihood(observed, candidate)
+
+    with pytest.raises(AssertionError, match="not peaked at the true candidate along the update's own direction "
+                                             "and 31 more"):
+        check_defense(Upside(sigma=0.1))

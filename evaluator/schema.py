@@ -1,25 +1,24 @@
-"""``leakaudit schema``: the audit file as a JSON Schema (draft-07), for editors' completion and checking.
+"""A JSON Schema (draft-07) of the audit file, built from the specs the loader checks, for editors.
 
-Built from the same ``Param`` specs that ``config.py`` validates with, so the two cannot drift; the
-registered names (plugins included) are enums, and each plugin's own parameters are keyed on its name.
-The schema is never stricter than ``load_audit``; what it cannot express (a sweep's values replacing a
-required parameter, cross-references such as ``leakage_metric`` being one of ``metrics``) is left to
-``leakaudit validate``.
+YAML language servers read it to complete keys and registered names and to flag wrong types and ranges while
+the file is typed. ``load_audit`` stays the judge: every file it accepts validates here, and it also checks
+what a schema cannot say (a factory imports, a chain's members, a label used twice).
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from typing import Any, Callable, Mapping
 
 from leakaudit.evaluator.config import (
     ATTACK,
     DATA,
+    DEFAULT_METRICS,
     DEFENSE,
     EXECUTOR,
     MAX_STEPS,
     MEMBER,
     MODEL,
-    ROLES,
     SETTING_MODEL,
     THREAT,
     TOP,
@@ -28,119 +27,232 @@ from leakaudit.evaluator.config import (
 )
 from leakaudit.evaluator.tuning import SCAN, TUNE
 from leakaudit.plugins.manager import Registry
-from leakaudit.plugins.protocol import PROTOCOLS
+from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS
 from leakaudit.plugins.spec import Param
 
-JSON_TYPES = {float: "number", int: "integer", str: "string", bool: "boolean", dict: "object", list: "array"}
 Schema = dict[str, Any]
 
+DRAFT_07 = "http://json-schema.org/draft-07/schema#"
+JSON_TYPES = {float: "number", int: "integer", str: "string", bool: "boolean", dict: "object", list: "array"}
+OBJECT: Schema = {"type": "object"}
 
-def _json_value(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
+
+def _or_null(schema: Schema) -> Schema:
+    """``schema`` that also takes YAML's null; flat where it can be, so that a problem is reported at its own key
+    (a schema that combines others is put beside null instead: those would judge null too)."""
+    if any(k in schema for k in ("allOf", "oneOf", "not", "if", "const")):
+        return {"anyOf": [schema, {"type": "null"}]}
+    out = dict(schema)
+    if "anyOf" in out:
+        out["anyOf"] = [*out["anyOf"], {"type": "null"}]
+    if "enum" in out:
+        out["enum"] = [*out["enum"], None]
+    if "type" in out:
+        out["type"] = [*(out["type"] if isinstance(out["type"], list) else [out["type"]]), "null"]
+    return out
 
 
 def param_schema(p: Param) -> Schema:
-    """One declared parameter: its JSON type(s), range, choices, default and help."""
-    types = [JSON_TYPES[t] for t in (p.type if isinstance(p.type, tuple) else (p.type,)) if t in JSON_TYPES]
-    one: Schema = {"type": types[0] if len(types) == 1 else types} if types else {}
+    """One declared parameter: its type, range, choices, default and help (a type YAML cannot hold: unchecked)."""
+    types = p.type if isinstance(p.type, tuple) else (p.type,)
+    value: Schema = {}
+    if all(t in JSON_TYPES for t in types):
+        names = [JSON_TYPES[t] for t in types]
+        value["type"] = names[0] if len(names) == 1 else names
     if p.min is not None:
-        one["exclusiveMinimum" if p.exclusive_min else "minimum"] = p.min
+        value["exclusiveMinimum" if p.exclusive_min else "minimum"] = p.min
     if p.max is not None:
-        one["maximum"] = p.max
-    if p.choices:
-        one["enum"] = list(p.choices)
+        value["maximum"] = p.max
+    if p.choices is not None:
+        value["enum"] = list(p.choices)
+    out = value
     if p.items is not None:
-        one = {"anyOf": [one, {"type": "array", "items": one, "minItems": p.items, "maxItems": p.items}]}
-    if p.nullable or (not p.required and p.default is None):
-        one = {"anyOf": [one, {"type": "null"}]}
+        out = {"anyOf": [value, {"type": "array", "minItems": p.items, "maxItems": p.items, "items": value}]}
+    if p.nullable or p.default is None:
+        out = _or_null(out)
     if p.help:
-        one["description"] = p.help
-    if not p.required and _json_value(p.default):
-        one["default"] = p.default
-    elif p.example is not None:
-        one["examples"] = [p.example]
-    return one
+        out["description"] = p.help
+    if not p.required:
+        try:
+            out["default"] = json.loads(json.dumps(p.default, allow_nan=False))
+        except (TypeError, ValueError):  # a default YAML cannot write: editors go without it
+            pass
+    return out
 
 
-def section_schema(spec: dict[str, Param], **override: Schema) -> Schema:
-    """A mapping of ``spec``'s keys (no others), its required keys required; ``override`` replaces some keys."""
-    properties = {k: override.get(k, param_schema(p)) for k, p in spec.items()}
+def _section(spec: Mapping[str, Param], **override: Schema) -> Schema:
+    """A mapping of ``spec``'s keys, unknown ones rejected; ``override`` gives the keys that hold structure
+    (null still allowed where the parameter allows it, description and default kept)."""
+    properties = {}
+    for key, p in spec.items():
+        plain = param_schema(p)
+        if key not in override:
+            properties[key] = plain
+            continue
+        own = _or_null(override[key]) if p.nullable or p.default is None else override[key]
+        properties[key] = {**{k: plain[k] for k in ("description", "default") if k in plain}, **own}
+    out: Schema = {"type": "object", "properties": properties, "additionalProperties": False}
     required = [k for k, p in spec.items() if p.required]
-    return {"type": "object", "properties": properties, "additionalProperties": False,
-            **({"required": required} if required else {})}
+    if required:
+        out["required"] = required
+    return out
 
 
-def _plugin_params(registry: Registry, kind: str, sweep: bool) -> list[Schema]:
-    """Per registered plugin: when ``name`` is it, ``params`` (and ``sweep``) take only its parameters."""
+def _values_of(p: Param) -> Schema:
+    """A sweep's or tuning space's values for one parameter: a non-empty list of valid values."""
+    return {"type": "array", "minItems": 1, "items": param_schema(p)}
+
+
+def _with_params(spec: Mapping[str, Param]) -> Schema:
+    """What a model, dataset or attack name asks of its entry: ``params`` checked against its own spec."""
+    params = _section(spec)
+    return {"properties": {"params": params}, **({"required": ["params"]} if "required" in params else {})}
+
+
+def _swept(spec: Mapping[str, Param]) -> Schema:
+    """What a defense name asks of its entry: each parameter in ``params`` or ``sweep`` (not both), required
+    ones in either."""
+    params = _section(spec)
+    params.pop("required", None)
+    sweep = {"type": "object", "properties": {k: _values_of(p) for k, p in spec.items()}, "additionalProperties": False}
     rules = []
+    for key, p in spec.items():
+        fixed = {"required": ["params"], "properties": {"params": {"required": [key]}}}
+        varied = {"required": ["sweep"], "properties": {"sweep": {"required": [key]}}}
+        rules.append({"not": {"allOf": [fixed, varied]}})
+        if p.required:
+            rules.append({"anyOf": [fixed, varied]})
+    return {"properties": {"params": params, "sweep": sweep}, **({"allOf": rules} if rules else {})}
+
+
+def _tuned(spec: Mapping[str, Param]) -> Schema:
+    """What an attack name asks of its entry: its ``params``, and ``tune`` searching only its own parameters
+    (``priors.tv``: a key inside one)."""
+    own = ({"type": "string", "pattern": f"^(?:{'|'.join(map(re.escape, spec))})(?:\\..*)?$"} if spec
+           else {"not": {}})
+    tune = {"properties": {"space": {"propertyNames": own, "properties": {k: _values_of(p) for k, p in spec.items()}},
+                           "scan": {"properties": {"param": own}}}}
+    out = _with_params(spec)
+    out["properties"]["tune"] = tune
+    return out
+
+
+def _cases(registry: Registry, kind: str, key: str, then: Callable[[Mapping[str, Param]], Schema]) -> list[Schema]:
+    """Per registered name under ``key``: ``if key is the name then`` its parameters' schema and summary."""
+    out = []
     for name in registry.names(kind):
-        spec = getattr(registry.get(kind, name), "params", {}) or {}
-        then: Schema = {"params": {"type": "object", "additionalProperties": False,
-                                   "properties": {k: param_schema(p) for k, p in spec.items()}}}
-        if sweep:
-            then["sweep"] = {"type": "object", "additionalProperties": False,
-                             "properties": {k: {"type": "array", "minItems": 1, "items": param_schema(p)}
-                                            for k, p in spec.items()}}
-        rules.append({"if": {"properties": {"name": {"const": name}}, "required": ["name"]},
-                      "then": {"properties": then}})
-    return rules
+        entry = registry.entries[kind][name]
+        branch = then(entry.obj.params)
+        if entry.summary:
+            branch["properties"][key] = {"description": entry.summary}
+        out.append({"if": {"required": [key], "properties": {key: {"const": name}}}, "then": branch})
+    return out
 
 
-def _named(registry: Registry, kind: str, spec: dict[str, Param], sweep: bool = False, **override: Schema) -> Schema:
-    """An entry that names a registered plugin of ``kind``, with that plugin's parameters."""
-    name = {"enum": registry.names(kind), "description": f"a registered {kind} (leakaudit plugins {kind})"}
-    if not spec["name"].required:
-        name = {"anyOf": [name, {"type": "null"}], "description": name["description"]}
-    return {**section_schema(spec, name=name, **override), "allOf": _plugin_params(registry, kind, sweep)}
+def _exactly_one(a: str, b: str) -> Schema:
+    """One of the two keys set to something other than null, not both."""
+    return {"oneOf": [{"required": [k], "properties": {k: {"not": {"type": "null"}}}} for k in (a, b)]}
+
+
+def _model_schema(spec: Mapping[str, Param], registry: Registry) -> Schema:
+    """A model section: a zoo model (or a 'package.module:factory' as its name) or a factory, with its params."""
+    name = {"anyOf": [{"enum": registry.names("model")}, {"type": "string", "pattern": ":"}]}
+    extra = {"checkpoints": {"type": "array", "uniqueItems": True,
+                             "items": {"type": "integer", "minimum": 0, "maximum": MAX_STEPS}}}
+    out = _section(spec, name=name, params=OBJECT, **{k: v for k, v in extra.items() if k in spec})
+    out["allOf"] = [_exactly_one("name", "factory"), *_cases(registry, "model", "name", _with_params)]
+    return out
+
+
+def _defense_schema(registry: Registry) -> Schema:
+    """A defense entry: a registered defense with params and sweep, or a chain of them, and its own model."""
+    names = registry.names("defense")
+    member = _section(MEMBER, name={"enum": names}, params=OBJECT, sweep=OBJECT)
+    member["allOf"] = _cases(registry, "defense", "name", _swept)
+    entry = _section(DEFENSE, name={"anyOf": [{"enum": names}, {"const": ""}]}, params=OBJECT, sweep=OBJECT,
+                     chain={"type": "array", "items": member}, model=_model_schema(SETTING_MODEL, registry))
+    chained = {"required": ["chain"], "properties": {"chain": {"type": "array"}}}
+    entry["allOf"] = [*_cases(registry, "defense", "name", _swept), {
+        "if": chained,
+        "then": {"properties": {"name": {"enum": ["", None]}, "params": {"maxProperties": 0},
+                                "sweep": {"maxProperties": 0}}},
+        "else": {"required": ["name"], "properties": {"name": {"enum": names}}}}]
+    return entry
+
+
+def _attack_schema(registry: Registry) -> Schema:
+    """An attack entry: a registered attack with its params, tuning, and the settings and steps it runs on."""
+    image_metrics = [n for n in registry.names("metric") if registry.get("metric", n).on == "images"]
+    tune = _section(TUNE, space={"type": "object", "additionalProperties": {"type": "array", "minItems": 1}},
+                    metric={"enum": image_metrics}, scan=_section(SCAN))
+    scope = {"anyOf": [{"enum": registry.names("defense")}, {"type": "string", "description": "a setting label"}]}
+    entry = _section(ATTACK, name={"enum": registry.names("attack")}, params=OBJECT, tune=tune,
+                     defenses={"type": "array", "minItems": 1, "items": scope},
+                     checkpoints={"type": "array", "minItems": 1,
+                                  "items": {"type": "integer", "minimum": 0, "maximum": MAX_STEPS}})
+    entry["allOf"] = _cases(registry, "attack", "name", _tuned)
+    return entry
 
 
 def _protocol_schema() -> Schema:
-    """``protocol:`` a name, or a mapping of a name and that protocol's own settings."""
-    keys = {k: param_schema(p) for cls in PROTOCOLS.values() for k, p in cls.params.items()}
-    rules = [{"if": {"properties": {"name": {"const": n}}}, "then": {"propertyNames": {"enum": ["name", *cls.params]}}}
-             for n, cls in PROTOCOLS.items()]
-    mapping = {"type": "object", "additionalProperties": False, "allOf": rules,
-               "properties": {"name": {"enum": list(PROTOCOLS), "default": "fedsgd"}, **keys}}
-    return {"anyOf": [{"enum": list(PROTOCOLS)}, mapping], "description": TOP["protocol"].help, "default": "fedsgd"}
+    """``protocol:``: a protocol's name (one that needs no settings) or a mapping of its name and settings."""
+    rules = []
+    for name, cls in PROTOCOLS.items():
+        own = _section(cls.params)
+        own["properties"] = {"name": {"const": name}, **own["properties"]}
+        named = {"properties": {"name": {"const": name}}, **({} if name == FEDSGD.name else {"required": ["name"]})}
+        rules.append({"if": named, "then": own})
+    mapping = {"type": "object", "properties": {"name": {"enum": list(PROTOCOLS), "default": FEDSGD.name}},
+               "allOf": rules}
+    plain = [n for n, c in PROTOCOLS.items() if not any(p.required for p in c.params.values())]
+    return {"anyOf": [{"enum": plain}, mapping]}
+
+
+def _metric_rules(registry: Registry) -> list[Schema]:
+    """What depends on the metrics measured (DEFAULT_METRICS when ``metrics:`` is left out): the leakage metric
+    is one of them, and each one's smallest image side bounds data.image_size."""
+    def measures(name: str) -> Schema:
+        listed = {"required": ["metrics"], "properties": {"metrics": {"contains": {"const": name}}}}
+        return {"anyOf": [listed, {"not": {"required": ["metrics"]}}]} if name in DEFAULT_METRICS else listed
+
+    size = DATA["image_size"]
+    rules = []
+    for name in registry.names("metric"):
+        rules.append({"if": {"required": ["leakage_metric"], "properties": {"leakage_metric": {"const": name}}},
+                      "then": measures(name)})
+        least = registry.get("metric", name).min_size
+        if least > size.min:
+            data = {"properties": {"image_size": {"minimum": least}},
+                    **({"required": ["image_size"]} if size.default < least else {})}
+            rules.append({"if": measures(name), "then": {"properties": {"data": data}}})
+    return rules
 
 
 def audit_schema(registry: Registry) -> Schema:
-    """The JSON Schema of an audit file, with ``registry``'s names and parameters."""
-    steps = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_STEPS}, "minItems": 1}
-    metric = {"enum": registry.names("metric")}
-    model = _named(registry, "model", MODEL, checkpoints={**steps, "description": "training steps at which the "
-                                                                                   "update is attacked"})
-    members = {"type": "array", "minItems": 1, "items": _named(registry, "defense", MEMBER, sweep=True),
-               "description": DEFENSE["chain"].help}
-    defense = _named(registry, "defense", DEFENSE, sweep=True, chain=members,
-                     model=_named(registry, "model", SETTING_MODEL))
-    tune = section_schema(TUNE, scan=section_schema(SCAN))
-    attack = _named(registry, "attack", ATTACK, tune=tune, role={"enum": list(ROLES)},
-                    defenses={"type": "array", "minItems": 1, "items": {"type": "string"},
-                              "description": ATTACK["defenses"].help},
-                    checkpoints={**steps, "description": ATTACK["checkpoints"].help})
-    data = {**section_schema(DATA, dataset={"anyOf": [{"enum": registry.names("dataset")}, {"type": "null"}],
-                                             "description": DATA["dataset"].help}),
-            "allOf": [{"if": {"properties": {"dataset": {"const": n}}, "required": ["dataset"]},
-                       "then": {"properties": {"params": rule["then"]["properties"]["params"]}}}
-                      for n, rule in zip(registry.names("dataset"), _plugin_params(registry, "dataset", False))]}
-    top = section_schema(
-        TOP, data=data, model=model,
-        defenses={"type": "array", "minItems": 1, "items": defense},
-        attacks={"type": "array", "minItems": 1, "items": attack},
-        utility=section_schema(UTILITY), threat=section_schema(THREAT), verdict=section_schema(VERDICT),
-        metrics={"type": "array", "minItems": 1, "items": metric, "default": TOP["metrics"].default},
-        leakage_metric={"anyOf": [metric, {"type": "null"}], "description": TOP["leakage_metric"].help},
+    """The audit file's JSON Schema (draft-07) with ``registry``'s names and each plugin's parameters."""
+    data = _section(DATA, dataset={"enum": registry.names("dataset")}, params=OBJECT)
+    data["allOf"] = [_exactly_one("dataset", "factory"), *_cases(registry, "dataset", "dataset", _with_params)]
+    top = _section(
+        TOP,
+        executor={"anyOf": [{"enum": list(EXECUTOR["name"].choices)}, _section(EXECUTOR)]},
+        max_problems={"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]},
+        data={"description": "the images attacked and trained on: a registered dataset or your own factory",
+              **data},
+        model={"description": "the model attacked: a zoo model or your own factory, and the training steps "
+                              "(checkpoints) it is attacked at", **_model_schema(MODEL, registry)},
+        defenses={"description": "the defense settings audited", "type": "array", "minItems": 1,
+                  "items": _defense_schema(registry)},
+        attacks={"description": "the attacks, each run on every setting (or on those its defenses: names)",
+                 "type": "array", "minItems": 1, "items": _attack_schema(registry)},
+        utility=_section(UTILITY),
+        metrics={"type": "array", "minItems": 1, "items": {"enum": registry.names("metric")}},
+        leakage_metric={"enum": registry.names("metric")},
+        threat=_section(THREAT),
         protocol=_protocol_schema(),
-        executor={"anyOf": [{"enum": list(EXECUTOR["name"].choices)}, section_schema(EXECUTOR)],
-                  "description": TOP["executor"].help, "default": "local"},
-        max_problems={"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}],
-                      "description": TOP["max_problems"].help, "default": "auto"},
+        verdict=_section(VERDICT),
     )
-    return {"$schema": "http://json-schema.org/draft-07/schema#", "title": "leakaudit audit file",
-            "description": "An audit: which defenses, attacked how, on which images and model "
-                           "(leakaudit validate FILE checks what this schema cannot).", **top}
+    top["allOf"] = _metric_rules(registry)
+    return {"$schema": DRAFT_07, "title": "leakaudit audit file",
+            "description": "An audit of federated-learning privacy defenses against gradient-inversion attacks "
+                           "(leakaudit run FILE); leakaudit checks the file in full before any work.",
+            **top}

@@ -155,17 +155,24 @@ def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batc
     return raw.clamp(0, 1), mean_t, std_t
 
 
+def live_threat(model: nn.Module, loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor,
+                defense, known_labels: bool, protocol) -> ThreatModel:
+    """The server's knowledge of a live model and a batch of ``pixels`` in [0, 1] normalised by ``mean``, ``std``
+    (its classes counted by one forward pass)."""
+    with torch.no_grad():
+        num_classes = model(((pixels - mean) / std)[:1]).shape[1]
+    return ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(pixels.shape[1:]), mean=mean, std=std,
+                       num_classes=num_classes, batch_size=len(pixels), defense=defense,
+                       labels=labels if known_labels else None, device=pixels.device, protocol=protocol)
+
+
 def attack_shared(prepared: Prepared, setting: DefenseSetting, defense_obj, observed: SharedUpdate, model: nn.Module,
                   loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor, known_labels: bool,
                   protocol, attack_gen: Callable[[], torch.Generator]
                   ) -> list[tuple[AttackSpec, Reconstruction, Scores]]:
     """Run every attack of ``setting`` on one shared update and score it against ``pixels``: the attacks see
     ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``."""
-    with torch.no_grad():
-        num_classes = model(((pixels - mean) / std)[:1]).shape[1]
-    threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(pixels.shape[1:]), mean=mean, std=std,
-                         num_classes=num_classes, batch_size=len(pixels), defense=defense_obj,
-                         labels=labels if known_labels else None, device=pixels.device, protocol=protocol)
+    threat = live_threat(model, loss_fn, pixels, labels, mean, std, defense_obj, known_labels, protocol)
     out = []
     for spec in (s for s in prepared.specs if s.applies_to(setting)):
         attack = spec.build(prepared.registry)

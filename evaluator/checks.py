@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.api import live_threat
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.metrics import best_assignment, psnr
 from leakaudit.evaluator.models import mlp
@@ -96,6 +97,15 @@ def tiny_case(images: int = 2, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor
     return model, data.test_x[:images].clone(), data.test_y[:images].clone()
 
 
+def _case(model: nn.Module | None, batch: tuple[Tensor, Tensor] | None, images: int,
+          seed: int) -> tuple[nn.Module, tuple[Tensor, Tensor]]:
+    """The caller's model and batch, ``tiny_case``'s where one is not given (built only then)."""
+    if model is None or batch is None:
+        tiny_model, x, y = tiny_case(images, seed)
+        model, batch = model if model is not None else tiny_model, batch if batch is not None else (x, y)
+    return model, batch
+
+
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -104,11 +114,7 @@ def _threat(model: nn.Module, inputs: Tensor, labels: Tensor, defense: Defense, 
             known_labels: bool) -> ThreatModel:
     """The honest-but-curious server of the tiny case: inputs are pixels (mean 0, std 1)."""
     zeros = torch.zeros(inputs.shape[1], 1, 1, device=inputs.device)
-    with torch.no_grad():
-        num_classes = model(inputs[:1]).shape[1]
-    return ThreatModel(model=model, loss_fn=F.cross_entropy, input_shape=tuple(inputs.shape[1:]), mean=zeros,
-                       std=zeros + 1, num_classes=num_classes, batch_size=len(inputs), defense=defense,
-                       labels=labels if known_labels else None, device=inputs.device, protocol=protocol)
+    return live_threat(model, F.cross_entropy, inputs, labels, zeros, zeros + 1, defense, known_labels, protocol)
 
 
 def _contract_problems(sent: SharedUpdate, model: nn.Module, inputs: Tensor) -> list[str]:
@@ -304,9 +310,8 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     why = defense.unsupported(protocol)
     if why:
         raise AssertionError(f"{defense!r} refuses protocol {protocol.name}: {why}; pass protocol=")
-    tiny_model, tiny_x, tiny_y = tiny_case(seed=seed)
-    inputs, labels = batch if batch is not None else (tiny_x, tiny_y)
-    model = defense.wrap_model(copy.deepcopy(model if model is not None else tiny_model)).to(inputs.device)
+    model, (inputs, labels) = _case(model, batch, images=2, seed=seed)
+    model = defense.wrap_model(copy.deepcopy(model)).to(inputs.device)
     drawn, problems = _draw_shares(defense, model, inputs, labels, protocol, shares, seed)
     drawn, held_out = drawn[:shares], drawn[shares:]
     check = DefenseCheck(repr(defense), "no likelihood", len(drawn), 0, problems=problems)
@@ -320,11 +325,11 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
         return _conclude(check)
     truth = _flat(like)
     gen = _generator(truth.device, seed)
-    offset = torch.stack([_flat(s.tensors) for s in held_out]).double().mean(0) if held_out else truth
+    offset = torch.stack([s.flat() for s in held_out]).double().mean(0) if held_out else truth
     named = _directions(truth, offset, directions, gen)
     names, unit = [what for what, _ in named], torch.stack([d for _, d in named])
     check.directions = len(names)
-    spread = (torch.stack([_flat(s.tensors) for s in drawn]) @ unit.T).std(0)
+    spread = (torch.stack([s.flat() for s in drawn]) @ unit.T).std(0)
     first = Moves.measure(defense, drawn, truth, like, unit,
                           torch.where(spread > 1e-9 * (1 + truth.norm()), spread / 2, 1e-3 * (1 + truth.norm())))
     exact, found = _exact_problems(first)
@@ -394,9 +399,8 @@ def check_attack(attack: Attack, model: nn.Module | None = None, batch: tuple[Te
     __tracebackhide__ = True
     if isinstance(attack, type):
         raise TypeError(f"check_attack takes a configured attack, e.g. {attack.__name__}(iterations=...), not the class")
-    tiny_model, tiny_x, tiny_y = tiny_case(images=1, seed=seed)
-    pixels, labels = batch if batch is not None else (tiny_x, tiny_y)
-    model = (model if model is not None else tiny_model).to(pixels.device)
+    model, (pixels, labels) = _case(model, batch, images=1, seed=seed)
+    model = model.to(pixels.device)
     noise = torch.rand(pixels.shape, generator=_generator(pixels.device, seed), device=pixels.device)
     check = AttackCheck(repr(attack), float(psnr(noise, pixels).mean()))
     defense = NoDefense()

@@ -150,9 +150,14 @@ class Defense:
         """Epsilon at ``delta`` after ``steps`` where the defense has a formal guarantee, else None."""
         return None
 
+    @classmethod
+    def declares_likelihood(cls) -> bool:
+        """Whether the class overrides ``log_likelihood`` (precode and bayesian draw noise inside the model: no)."""
+        return cls.log_likelihood is not Defense.log_likelihood
+
     def has_likelihood(self) -> bool:
-        """Whether ``log_likelihood`` is declared (precode and bayesian draw noise inside the model: none)."""
-        return type(self).log_likelihood is not Defense.log_likelihood
+        """Whether this configured defense has a likelihood (a chain: its last member's)."""
+        return self.declares_likelihood()
 
 
 class DeterministicDefense(Defense):

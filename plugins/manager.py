@@ -203,7 +203,7 @@ def facts(entry: Entry) -> dict[str, str]:
 
         out = {"randomness": "deterministic" if obj.deterministic else "random (draws from the round's generator)",
                "likelihood": ("declared: the Bayes adversary (bayes) applies; check it with "
-                              "leakaudit.testing.check_defense") if obj.log_likelihood is not Defense.log_likelihood else
+                              "leakaudit.testing.check_defense") if obj.declares_likelihood() else
                              "none declared: the Bayes adversary does not apply"}
         if obj.wrap_model is not Defense.wrap_model:
             out["model"] = "may change the architecture (wrap_model)"

@@ -93,11 +93,16 @@ def test_init_writes_the_file_and_refuses_to_overwrite_it(capsys, tmp_path):
     assert code == 2 and err.strip() == f"leakaudit: error: init: {path} exists; pass --force to overwrite it"
 
 
-def test_init_typo_is_one_line(capsys):
-    code, out, err = _run(capsys, "init", "--defense", "gausian")
-    assert code == 2 and out == ""
-    assert err.startswith("leakaudit: error: init: --defense 'gausian' is not a registered defense (did you mean "
-                          "'gaussian'?); choices: ats, bayesian,")
+@pytest.mark.parametrize("option, name, start", [
+    ("--defense", "gausian", "init: --defense 'gausian' is not a registered defense (did you mean 'gaussian'?); "
+                             "choices: ats, bayesian,"),
+    ("--attack", "bayse", "init: --attack 'bayse' is not a registered attack (did you mean 'bayes'?); "
+                          "choices: analytic, bayes,"),
+])
+def test_init_typo_is_one_line(capsys, option, name, start):
+    code, out, err = _run(capsys, "init", option, name)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"leakaudit: error: {start}")
 
 
 def test_schema_command_prints_the_registered_names(capsys):

@@ -89,6 +89,7 @@ class BayesianExact(InvertingGradients):
     name = "bayesian_exact"
     paper = "Chen et al. 2024"
     uses_defense = True
+    needs_defense = True
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if why := _needs_bayesian_fedsgd(model, protocol, "bayesian_exact", " or bayesian_kl"):
@@ -148,6 +149,7 @@ class BayesianNoiseKL(InvertingGradients):
     params = {**InvertingGradients.params,
               "alpha_kl": Param(1e-2, float, min=0.0, help="weight of the noise's KL regulariser")}
     uses_defense = True
+    needs_defense = True
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         return _needs_bayesian_fedsgd(model, protocol, "bayesian_kl")

@@ -40,6 +40,7 @@ class PrecodeSample(InvertingGradients):
     name = "precode_sample"
     paper = "Balunovic et al. 2022"
     uses_defense = True
+    needs_defense = True
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if bottleneck_of(model) is None:

@@ -74,3 +74,9 @@ class Chain(Defense):
 
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         return self.members[-1].privacy_spent(steps, sample_rate, delta)
+
+    def privacy_profile(self, radius: float | None = None):
+        """The last member's guarantee, given the norm bound the deterministic members before it leave."""
+        for m in self.members[:-1]:
+            radius = m.output_radius(radius)
+        return self.members[-1].privacy_profile(radius)

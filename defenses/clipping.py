@@ -28,6 +28,9 @@ class Clip(DeterministicDefense):
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return clip_total_norm(update, self.max_norm)
 
+    def output_radius(self, radius: float | None) -> float | None:
+        return self.max_norm if radius is None else min(radius, self.max_norm)
+
 
 @hookimpl
 def register_defenses():

@@ -9,6 +9,7 @@ DP-SGD with its exact p(g|x). Epsilon comes from Opacus's accountants.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.defense import Defense, SharedUpdate, squared_distance
+from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate, squared_distance
 from leakaudit.plugins.protocol import (
     ClientStep,
     FedSGD,
@@ -132,6 +133,16 @@ class DPSGD(Defense):
         accountant = create_accountant(self.accountant)
         accountant.history = [(self.noise_multiplier, sample_rate, steps)]
         return float(accountant.get_epsilon(delta=delta))
+
+
+    def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
+        """One DP-SGD step with the target in its batch beside the same step without it: each example's clipped
+        gradient moves the noisy sum by at most ``max_grad_norm``, against noise of ``noise_multiplier`` times
+        that, so ``1 / noise_multiplier``-GDP (Dong et al. 2022). The sampling and composition that Opacus's
+        accountant credits over training do not apply to the attacked update, which holds the target."""
+        mu = math.inf if self.noise_multiplier == 0 else 1 / self.noise_multiplier
+        return PrivacyProfile(mu=mu, mechanism=f"Gaussian mechanism of one DP-SGD step: noise multiplier "
+                                               f"{self.noise_multiplier:g}, each example clipped to {self.max_grad_norm:g}")
 
 
 def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Tensor, noise_multiplier: float,

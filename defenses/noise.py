@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
+from leakaudit.plugins.defense import Defense, DeterministicDefense, PrivacyProfile, SharedUpdate
 
 
 def gaussian_log_density(residual: Tensor, scale: float) -> Tensor:
@@ -39,6 +39,9 @@ class NoDefense(DeterministicDefense):
     name = "none"
     baseline = True
 
+    def output_radius(self, radius: float | None) -> float | None:
+        return radius
+
 
 class AdditiveNoise(Defense):
     """Adds i.i.d. noise of the family ``noise``, scaled by the parameter named ``scale_param``."""
@@ -64,6 +67,14 @@ class GaussianNoise(AdditiveNoise):
     noise, scale_param = "gaussian", "sigma"
     params = {"sigma": Param(type=float, min=0.0, exclusive_min=True, help="noise standard deviation",
                              example=0.1)}
+
+    def privacy_profile(self, radius: float | None = None) -> PrivacyProfile | None:
+        """The Gaussian mechanism: an update of norm at most ``radius`` beside the noise alone is
+        ``radius / sigma``-GDP (Dong et al. 2022); without a bound on the norm (no ``clip`` first), none."""
+        if radius is None:
+            return None
+        return PrivacyProfile(mu=radius / self.sigma, mechanism=f"Gaussian mechanism: update norm at most "
+                                                                 f"{radius:g} (clip), noise sigma {self.sigma:g}")
 
 
 class LaplaceNoise(AdditiveNoise):

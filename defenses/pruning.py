@@ -90,6 +90,9 @@ class TopK(DeterministicDefense):
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return [g * m for g, m in zip(update, top_k_masks(update, self.fraction))]
 
+    def output_radius(self, radius: float | None) -> float | None:
+        return radius  # keeping some coordinates never lengthens the update
+
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
         """Zero-noise limit: kept coordinates must match, dropped ones must stay below the smallest kept one."""
         total: Tensor | float = 0.0

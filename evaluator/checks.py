@@ -25,7 +25,7 @@ from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.metrics import best_assignment, psnr
 from leakaudit.evaluator.models import mlp
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, OwnStep, Protocol, parameter_names, trainable
 
 #: Two-sided level of the intervals the checks judge by: a correct plugin fails about once in a thousand seeds.
@@ -60,6 +60,9 @@ class DefenseCheck:
     centre_z: float | None = None
     scale_ratio: float | None = None
     scale_interval: tuple[float, float] | None = None
+    #: Where the defense declares a privacy profile: the test that tells two batches apart (false positive rate,
+    #: true positive rate, each at its interval's end) and the most power the profile allows at that rate.
+    privacy_test: tuple[float, float, float] | None = None
     problems: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -69,6 +72,9 @@ class DefenseCheck:
             lo, hi = self.scale_interval
             text += (f"; largest |z| of the score at the true candidate {self.centre_z:.2f}; score variance / "
                      f"curvature {self.scale_ratio:.3f} ({CONFIDENCE:.1%} interval {lo:.3f}-{hi:.3f})")
+        if self.privacy_test is not None:
+            fpr, tpr, allowed = self.privacy_test
+            text += f"; two batches told apart at true positive rate {tpr:.3f} (at most {allowed:.3f} allowed)"
         return text
 
 
@@ -282,6 +288,65 @@ def _statistical_problems(at: Moves, names: list[str], check: DefenseCheck, gene
     return problems
 
 
+def _neighbour(inputs: Tensor, labels: Tensor, classes: int) -> tuple[Tensor, Tensor]:
+    """The batch with its first image replaced (by its negative, with the next label): one example apart."""
+    other, other_labels = inputs.clone(), labels.clone()
+    other[0] = inputs[0].max() + inputs[0].min() - inputs[0]
+    other_labels[0] = (labels[0] + 1) % classes
+    return other, other_labels
+
+
+def _clopper_pearson(hits: int, n: int, upper: bool) -> float:
+    """One end of the exact binomial interval at ``CONFIDENCE`` (one-sided) for ``hits`` of ``n``."""
+    from scipy.stats import beta
+
+    tail = 1 - CONFIDENCE
+    if upper:
+        return 1.0 if hits == n else float(beta.ppf(1 - tail, hits + 1, n - hits))
+    return 0.0 if hits == 0 else float(beta.ppf(tail, hits, n - hits + 1))
+
+
+def _allowed_power(profile: PrivacyProfile, fpr: float) -> float:
+    """The most power a test at false positive rate ``fpr`` can have between two batches one example apart under
+    ``profile`` (each batch's update is within its guarantee of one reference: group privacy of two, Dong et al.
+    2022): ``Phi(Phi^-1(fpr) + 2 mu)``, ``e^(2 epsilon) fpr + (1 + e^epsilon) delta``."""
+    pairs = tuple((2 * e, min(1.0, (1 + math.exp(min(e, 700))) * d)) for e, d in profile.pairs)
+    doubled = PrivacyProfile(mu=None if profile.mu is None else 2 * profile.mu, pairs=pairs)
+    return doubled.reconstruction_bound(fpr)
+
+
+def _privacy_problems(defense: Defense, model: nn.Module, inputs: Tensor, labels: Tensor, protocol: Protocol,
+                      drawn: list[SharedUpdate], seed: int, check: DefenseCheck) -> list[str]:
+    """Whether the shares of two batches one example apart are harder to tell apart than the defense's declared
+    privacy profile says (a DP audit in the manner of Jagielski et al. 2020): a threshold test on the
+    projection onto the first half's mean difference, its error rates on the second half with exact intervals."""
+    profile = defense.privacy_profile()
+    if profile is None:
+        return []
+    classes = int(model(inputs[:1]).shape[1])
+    other = _neighbour(inputs, labels, classes)
+    theirs, _ = _draw_shares(defense, model, *other, protocol, len(drawn) - HELD_OUT, seed + 7919)
+    a = torch.stack([s.flat() for s in drawn]).double()
+    b = torch.stack([s.flat() for s in theirs[:len(drawn)]]).double()
+    half = len(a) // 2
+    direction = b[:half].mean(0) - a[:half].mean(0)
+    if direction.norm() == 0:
+        return []
+    ta, tb = a[half:] @ direction, b[half:] @ direction
+    threshold = float((a[:half] @ direction).mean() + (b[:half] @ direction).mean()) / 2
+    n = len(ta)
+    fpr = _clopper_pearson(int((ta > threshold).sum()), n, upper=True)
+    tpr = _clopper_pearson(int((tb > threshold).sum()), len(tb), upper=False)
+    allowed = _allowed_power(profile, fpr)
+    check.privacy_test = (fpr, tpr, allowed)
+    if tpr <= allowed:
+        return []
+    return [f"declares more privacy than it delivers: {profile.mechanism or repr(profile)} allows a test between two "
+            f"batches one example apart a true positive rate of at most {allowed:.3f} at false positive rate "
+            f"{fpr:.3f}, but a threshold on the shares' projection reaches {tpr:.3f} ({CONFIDENCE:.1%} ends of exact "
+            "intervals); privacy_profile overstates the guarantee"]
+
+
 def _exact_problems(at: Moves) -> tuple[bool, list[str]]:
     """Whether every share is most likely under the true candidate; if so, whether moving it ever matters."""
     moved = torch.cat([at.up, at.down], dim=1)
@@ -315,7 +380,9 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     drawn, problems = _draw_shares(defense, model, inputs, labels, protocol, shares, seed)
     drawn, held_out = drawn[:shares], drawn[shares:]
     check = DefenseCheck(repr(defense), "no likelihood", len(drawn), 0, problems=problems)
-    if problems or not defense.has_likelihood():
+    if not problems:
+        check.problems += _privacy_problems(defense, model, inputs, labels, protocol, drawn, seed, check)
+    if check.problems or not defense.has_likelihood():
         return _conclude(check)
     threat = _threat(model, inputs, labels, defense, protocol, known_labels=True)
     like = [t.detach().double() for t in defense.candidate_update(threat, inputs, labels)]

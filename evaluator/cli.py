@@ -38,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
                                                       "'report.html.j2' and replace its blocks)")
         sp.add_argument("--fail-on-leak", action="store_true",
                         help="exit with status 3, one line per setting, when a setting of a defense entry marked "
-                             "must_protect: true leaks")
+                             "must_protect: true leaks, is inconclusive or cannot be judged, or when any attack "
+                             "beats the bound a defense's privacy guarantee sets")
+        sp.add_argument("--allow-inconclusive", action="store_true",
+                        help="with --fail-on-leak: pass a must_protect setting whose verdict is inconclusive (the "
+                             "attacks did not break even the undefended update)")
     val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line)")
     val.add_argument("config")
     ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
@@ -212,6 +216,8 @@ def _check_report_options(args, audit) -> list[str]:
         except jinja2.TemplateError as exc:
             line = f" line {exc.lineno}:" if getattr(exc, "lineno", None) else ""
             problems.append(f"--template: {args.template}:{line} {exc.message or exc}")
+    if args.allow_inconclusive and not args.fail_on_leak:
+        problems.append("--allow-inconclusive: only applies with --fail-on-leak")
     if args.fail_on_leak and not any(s.must_protect for s in audit.settings):
         problems.append(f"--fail-on-leak: no defense entry in {audit.path} is marked must_protect: true; mark the "
                         "entries the gate is for")
@@ -232,7 +238,7 @@ def cmd_run(args) -> int:
         return _fail(problems)
     summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers,
                         template=args.template)
-    return _conclude(summary, Path(args.out), args.fail_on_leak)
+    return _conclude(summary, Path(args.out), args)
 
 
 def cmd_report(args) -> int:
@@ -244,27 +250,40 @@ def cmd_report(args) -> int:
     if problems:
         return _fail(problems)
     summary = rebuild_report(RunFolder(args.folder, audit), args.template)
-    return _conclude(summary, Path(args.folder), args.fail_on_leak)
+    return _conclude(summary, Path(args.folder), args)
 
 
-def _conclude(summary: dict, out: Path, gate: bool) -> int:
-    """The terminal summary, a verdict per setting; with the gate, status 3 and a line per leaking setting."""
+def _conclude(summary: dict, out: Path, args) -> int:
+    """The terminal summary, a verdict per setting (the undefended reference apart); with the gate, status 3 and
+    a line per setting that fails it."""
     print(f"wrote {out / 'report.html'}, {out / 'results.jsonl'}, {out / 'results.csv'}, {out / 'summary.json'}")
-    leak = summary["leakage_metric"]
+    judged = [w for w in summary["worst_case"] if not w.get("added")]
+    added = [w for w in summary["worst_case"] if w.get("added")]
     width = min(40, max(len(w["setting"]) for w in summary["worst_case"])) if summary["worst_case"] else 10
-    for w in summary["worst_case"]:
-        acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
-        score = (f"{leak} {w[leak]:.3g} [{w[f'{leak}_ci'][0]:.3g}, {w[f'{leak}_ci'][1]:.3g}] "
-                 f"({w['attack']}, step {w['checkpoint']})") if w[leak] is not None else f"no finite {leak}"
-        print(f"  {w['setting']:<{width}}  {(w['verdict'] or 'not judged').upper():<22} accuracy {acc:>5}  {score}")
-    if not gate:
+    for w in judged:
+        print(_verdict_line(w, summary["leakage_metric"], width))
+    if added:
+        print("  reference (the undefended update, added to calibrate the verdicts; not gated):")
+        for w in added:
+            print(_verdict_line(w, summary["leakage_metric"], width))
+    for line in summary.get("bound_violations", []):
+        print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)
+    if not args.fail_on_leak:
         return 0
     from leakaudit.evaluator.verdict import gate_failures
 
-    failures = gate_failures(summary)
-    for line in failures:
-        print(f"leakaudit: leak: {line}", file=sys.stderr)
+    failures = gate_failures(summary, args.allow_inconclusive)
+    for kind, line in failures:
+        print(f"leakaudit: {kind}: {line}", file=sys.stderr)
     return EXIT_LEAK if failures else 0
+
+
+def _verdict_line(w: dict, leak: str, width: int) -> str:
+    """One setting's verdict in the terminal: its accuracy, and its strongest attack's score and interval."""
+    acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
+    score = (f"{leak} {w[leak]:.3g} [{w[f'{leak}_ci'][0]:.3g}, {w[f'{leak}_ci'][1]:.3g}] "
+             f"({w['attack']}, step {w['checkpoint']})") if w[leak] is not None else f"no finite {leak}"
+    return f"  {w['setting']:<{width}}  {(w['verdict'] or 'not judged').upper():<22} accuracy {acc:>5}  {score}"
 
 
 def main(argv: list[str] | None = None) -> int:

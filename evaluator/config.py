@@ -1,6 +1,7 @@
 """Audit files: YAML loaded and validated in full before any work, one line per problem."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -157,6 +158,10 @@ class DefenseSetting:
     label: str | None = None
     model: dict[str, Any] | None = None  # the entry's own model section; None: the audit's
     must_protect: bool = field(default=False, compare=False)  # gated by run --fail-on-leak
+    #: On an undefended reference: the labels of the attacks that calibrate on it (None on every other setting).
+    calibrates: frozenset[str] | None = field(default=None, compare=False)
+    #: Added by leakaudit as its model's reference, where the audit file names no undefended setting for it.
+    added: bool = field(default=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -216,7 +221,14 @@ class AttackSpec:
         return registry.get("attack", self.name)(**(self.params if params is None else params))
 
     def applies_to(self, setting: DefenseSetting) -> bool:
-        """Whether the attack runs on this setting (``defenses:`` names one of its members, or its label)."""
+        """Whether the attack runs on this setting: on an undefended reference, when it calibrates there;
+        elsewhere, when ``defenses:`` is absent or names one of the setting's members, or its label."""
+        if setting.calibrates is not None:
+            return self.label in setting.calibrates
+        return self.filters_in(setting)
+
+    def filters_in(self, setting: DefenseSetting) -> bool:
+        """Whether ``defenses:`` lets the attack run on this setting (absent, or naming a member or its label)."""
         return (self.defenses is None or setting.label in self.defenses
                 or any(n in self.defenses for n, _ in setting.members))
 
@@ -250,6 +262,7 @@ class Audit:
     verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
     deterministic: bool = True
     executor: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in EXECUTOR.items()})
+    live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
 
     @property
     def checkpoints(self) -> list[int]:
@@ -261,6 +274,11 @@ class Audit:
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    def reference_of(self, setting: DefenseSetting) -> DefenseSetting | None:
+        """The undefended reference that calibrates ``setting``'s verdicts: its model's (``with_references``)."""
+        own = _call_model(setting.model)
+        return next((s for s in self.settings if s.calibrates is not None and _call_model(s.model) == own), None)
 
 
 def _section(value: Any, spec: dict[str, Param], path: str, problems: list[str]) -> dict[str, Any]:
@@ -394,6 +412,7 @@ def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: 
     settings = _expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
     attacks = _check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
     _check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
+    settings = with_references(settings, attacks, registry)
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = _check_device(top.get("device", "auto"), problems)
@@ -428,6 +447,7 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
         PROTOCOLS.get(name), "params", {})}}, data, problems)
     settings = _expand_defenses([described["defense"]], registry, problems, protocol)
     attacks = _check_attacks(described["attacks"], registry, problems, None)
+    settings = with_references(settings, attacks, registry)
     metrics = _check_metrics(described["metrics"], registry, problems, described["image_size"])
     leakage = _check_leakage_metric(None, metrics, registry, problems)
     if problems:
@@ -436,7 +456,8 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
     verdict = {k: p.default for k, p in VERDICT.items()}
     return Audit(path, yaml.safe_dump(described, sort_keys=True), described["name"], described["seed"],
                  described["device"], 1, dirs, data, model, settings, attacks, utility, metrics,
-                 {"known_labels": described["known_labels"]}, protocol, registry, leakage, None, verdict, True)
+                 {"known_labels": described["known_labels"]}, protocol, registry, leakage, None, verdict, True,
+                 live=described)
 
 
 def available_cores() -> int:
@@ -584,6 +605,43 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
                 problems.append(f"{where}: setting {setting.key} appears twice")
             settings.append(setting)
     return settings
+
+
+def with_references(settings: list[DefenseSetting], attacks: list[AttackSpec],
+                    registry: Registry) -> list[DefenseSetting]:
+    """``settings`` with an undefended reference for each model they run on, which calibrates the verdicts:
+    the audit's own undefended setting of that model, else one added at the end (marked ``added``).
+
+    A reference is attacked by every attack that runs on a setting of its model and supports the undefended
+    update (attacks that read what a defense adds to the model, ``needs_defense``, do not), with the same
+    budget and tuning:
+    where none of them breaks it, a defended setting's "protects" at that step cannot be told from a weak attack.
+    """
+    baseline = next((e.obj for e in registry.entries["defense"].values() if e.obj.baseline), None)
+    if baseline is None or not settings:
+        return settings
+    reference, out = baseline(), []
+    models = list({_call_model(s.model): s.model for s in settings}.items())
+    for name, own in models:
+        mine = [s for s in settings if _call_model(s.model) == name]
+        given = next((s for s in mine if s.is_baseline(registry)), None)
+        labels = frozenset(a.label for a in attacks if (given is not None and a.filters_in(given)) or (
+            any(a.filters_in(s) for s in mine) and _calibrates(a.build(registry), reference)))
+        if given is None:
+            out.append(DefenseSetting(((baseline.name, {}),), None, own, False, labels, True))
+        else:
+            settings = [dataclasses.replace(s, calibrates=labels) if s is given else s for s in settings]
+    return settings + out
+
+
+def _calibrates(attack: Any, reference: Any) -> bool:
+    """Whether a (filtered) attack can also run on the undefended update."""
+    return not attack.needs_defense and attack.unsupported_defense(reference) is None
+
+
+def _call_model(model: dict[str, Any] | None) -> str:
+    """A setting's own model as text ("" for the audit's): settings of one model share a reference."""
+    return "" if model is None else _call(model["name"], model.get("params", {}))
 
 
 def _member_options(item: dict, registry: Registry, where: str, problems: list[str]) -> list[tuple[str, dict]]:

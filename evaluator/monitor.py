@@ -36,6 +36,7 @@ from leakaudit.evaluator.api import (
     prepare,
 )
 from leakaudit.evaluator.config import ConfigError, monitor_audit
+from leakaudit.evaluator.memory import OptimizerMemory, recover, remember, unsupported
 from leakaudit.evaluator.metrics import guess_scores
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
@@ -47,22 +48,33 @@ from leakaudit.evaluator.rundir import (
 )
 from leakaudit.evaluator.scenario import generator, round_generators
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import FEDSGD, FedAvg, LossFn, opacus_hooks_off, parameter_names, trainable
+from leakaudit.plugins.protocol import (
+    FEDSGD,
+    ClientStep,
+    FedAvg,
+    LossFn,
+    opacus_hooks_off,
+    parameter_names,
+    trainable,
+)
 
-RECORDED = ("steps", "fits", "rounds", "skipped")  # monitor.json's record of the run so far
+RECORDED = ("steps", "fits", "rounds", "skipped", "undone")  # monitor.json's record of the run so far
 MAX_ROUND_IMAGES = 64  # a federated round over more images is not attacked
 MEAN_IMAGE_SAMPLE = 256  # dataset items averaged into the mean-image guess the verdict compares with
 CAPTURED = "cache/monitor"  # the mean image, kept for reports rebuilt without the dataset
+ATTACKER_DEFAULTS = {"memory": True}  # the server keeps every update the client sent
 
 
 @dataclass
 class _Pending:
-    """One audited step in flight: the weights and buffers before it, and the batch it came from."""
+    """One audited step in flight: the weights and buffers before it, the batch it came from, and the optimizer's
+    state before it (None when the attacker keeps no memory, or cannot undo this optimizer)."""
 
     step: int
     before: list[Tensor]
     buffers: dict[str, Tensor]
     batch: Any
+    memory: OptimizerMemory | None = None
 
 
 @dataclass
@@ -118,6 +130,12 @@ class LeakMonitor:
     ``mean`` and ``std`` are your inputs' normalisation; left out, they are read from the loader's torchvision
     ``Normalize``, and a loader without one is refused rather than guessed. Results go to ``out`` as they
     are made; a monitor attached again to the same folder with the same settings skips steps already there.
+
+    ``attacker``: ``{memory: true}`` (the default) is a server that kept every update the client sent: it undoes
+    the optimizer's mixing of earlier steps (SGD's momentum, Adam's moments; ``evaluator/memory.py``) and attacks
+    the step's own gradient. ``{memory: false}`` attacks the update alone. Every audited step is also attacked on
+    the undefended update, which calibrates its verdict (a "protects" where even that does not leak is
+    inconclusive).
     """
 
     def __init__(self, defense: str | dict[str, Any] = "none",
@@ -125,9 +143,12 @@ class LeakMonitor:
                  out: str | Path = "runs/monitor", mean: Stats | None = None, std: Stats | None = None,
                  loss_fn: LossFn = F.cross_entropy, known_labels: bool = False,
                  metrics: Sequence[str] = DEFAULT_METRICS, seed: int = 0, delta: float = 1e-5,
-                 name: str = "monitor", plugins_dirs: Sequence[str] = ()) -> None:
+                 name: str = "monitor", plugins_dirs: Sequence[str] = (),
+                 attacker: dict[str, Any] | None = None) -> None:
         problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
         problems += [] if 0 < delta < 1 else [f"delta: {delta!r}; expected a number in (0, 1)"]
+        self.attacker = {**ATTACKER_DEFAULTS, **(attacker if isinstance(attacker, dict) else {})}
+        problems += _attacker_problems(attacker)
         if problems:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.defense = {"name": defense} if isinstance(defense, str) else defense
@@ -165,12 +186,20 @@ class LeakMonitor:
         self.detach()
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
         self._dp = self._dp_settings(optimizer, loader)
+        self._undo = self.attacker["memory"] and unsupported(self._inner) is None
         problems = self._unoptimised(model)
         defense = self._defense_entry(problems)
         self._setup(model, dataset, loader, defense, FEDSGD, self._batch_size(optimizer, loader), problems,
                     f"every {self.every}-th step")
         self._handles = [self._inner.register_step_pre_hook(self._before_step),
                          self._inner.register_step_post_hook(self._after_step)]
+        why = unsupported(self._inner)
+        self._described["undone"] = None if not self.attacker["memory"] else (
+            f"the server undoes {type(self._inner).__name__}'s update from the updates before it" if why is None
+            else f"{why}: the server attacks the raw update")
+        if self.attacker["memory"] and why is not None:
+            warnings.warn(f"LeakMonitor: attacker memory: {why}; the raw update is attacked", stacklevel=3)
+        self._folder.write_json(MONITOR, self._described)
 
     def watch(self, loader: Any) -> MonitoredLoader:
         """``loader``, telling this monitor each batch and each pass: build a federated client with it, for
@@ -183,7 +212,7 @@ class LeakMonitor:
         open the run folder; ``local_round`` then audits each round's update. Raises ConfigError before any
         work. ``max_images``: rounds that train on more images are not attacked (said in a warning)."""
         self.detach()
-        self._inner, self._dp, self.max_images = None, None, max_images
+        self._inner, self._dp, self.max_images, self._undo = None, None, max_images, False
         problems = ([f"model: an Opacus {type(model).__name__}; DP-SGD inside federated rounds is not audited "
                      "yet: audit it with LeakMonitor.attach in a plain loop"] if hasattr(model, "_module") else [])
         if not isinstance(max_images, int) or max_images < 1:
@@ -244,7 +273,8 @@ class LeakMonitor:
         if step % self.every or step in self._described["steps"] or self._batch is None:
             return
         plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
-        self._pending = _Pending(step, *_state(plain), self._batch)
+        memory = remember(self._inner, trainable(plain)) if self._undo else None
+        self._pending = _Pending(step, *_state(plain), self._batch, memory)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
@@ -255,10 +285,14 @@ class LeakMonitor:
     # --- one audited step --------------------------------------------------------------------------------
 
     def _audit(self, pending: _Pending) -> None:
-        """Attack one step's update, ``(theta_before - theta_after) / lr`` with each parameter's own lr."""
+        """Attack one step's update: the step's own gradient where the server undoes the optimizer (memory), else
+        ``(theta_before - theta_after) / lr`` with each parameter's own lr."""
         params = trainable(getattr(self._model, "_module", self._model))
-        lrs = _learning_rates(self._inner, params)
-        update = [(b - a.detach()) / lr for b, a, lr in zip(pending.before, params, lrs)]
+        if pending.memory is not None:
+            update = recover(pending.memory, pending.before, [p.detach() for p in params])
+        else:
+            lrs = _learning_rates(self._inner, params)
+            update = [(b - a.detach()) / lr for b, a, lr in zip(pending.before, params, lrs)]
         self._attack_at(pending.step, pending.before, pending.buffers, update, pending.batch, FEDSGD)
 
     def _attack_at(self, step: int, before: list[Tensor], buffers: dict[str, Tensor], update: list[Tensor],
@@ -287,22 +321,27 @@ class LeakMonitor:
                 protocol: Any) -> None:
         pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
-        epsilon = self._epsilon()
-        for setting, defense in self._prepared.defenses:
+        for setting in self._folder.audit.settings:  # the monitored setting, and the reference that calibrates it
+            defense = setting.build(self._prepared.registry)
             share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
-            if self._dp is not None:  # Opacus divided the noisy sum by the expected batch size: to the mean
+            if self._dp is not None and setting.calibrates is not None:  # the reference: the clean gradient
+                observed = defense.share(ClientStep(plain, self.loss_fn, inputs, labels, share_gen, FEDSGD))
+            elif self._dp is not None:  # Opacus divided the noisy sum by the expected batch size: to the mean
                 observed = SharedUpdate([u * (self._dp["expected_batch_size"] / n) for u in update], names, n,
                                         {"protocol": "fedsgd"})
             else:
                 sent, public = defense.apply(update, share_gen)
                 observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
+            epsilon = None if setting.calibrates is not None else self._epsilon()
+            profile = defense.privacy_profile()
+            bound = None if profile is None or n < 2 else profile.reconstruction_bound(1 / n)
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
                                                                       step, 0)[1])
             for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
                 row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
-                                               list(range(n)), epsilon)
+                                               list(range(n)), epsilon, bound)
                 self._folder.results.append(row)
                 self._folder.results_csv.append(row)
         self._described["steps"].append(step)
@@ -511,7 +550,7 @@ class LeakMonitor:
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
                 "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
-                "known_labels": self.known_labels, "delta": self.delta, "every": self.every,
+                "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
                 "device": next(plain.parameters()).device.type, "dp": self._dp, "steps": []}
 
     def _open_folder(self) -> RunFolder:
@@ -539,6 +578,19 @@ class LeakMonitor:
                               "device_type": device, "deterministic": True, "audit_file": str(saved),
                               "chance_accuracy": None})
         return folder
+
+
+def _attacker_problems(attacker: Any) -> list[str]:
+    """What is wrong with a LeakMonitor's ``attacker`` mapping, one line each."""
+    if attacker is None:
+        return []
+    if not isinstance(attacker, dict):
+        return [f"attacker: {attacker!r}; expected a mapping such as {{'memory': False}}"]
+    problems = [f"attacker.{k}: unknown key; choices: {', '.join(ATTACKER_DEFAULTS)}" for k in attacker
+                if k not in ATTACKER_DEFAULTS]
+    if not isinstance(attacker.get("memory", True), bool):
+        problems.append(f"attacker.memory: {attacker['memory']!r} is not of type bool; choices: true, false")
+    return problems
 
 
 def _settings(described: dict[str, Any]) -> dict[str, Any]:

@@ -27,13 +27,18 @@ from leakaudit.evaluator.rundir import IDENTIFIABLE, REPORT, SUMMARY, AttackJob,
 from leakaudit.evaluator.tuning import grid_positions, position, scan_best, value_at, winners  # noqa: E402
 from leakaudit.evaluator.verdict import (  # noqa: E402
     LEAKS,
+    STILL_IMPROVING,
+    beats_bound,
+    calibrate,
     cell_statistics,
+    finite,
     identifiable_share,
     judge,
     leak_threshold,
     min_accuracy,
     overall,
     strongest,
+    training_bound,
 )
 
 SECOND_METRICS = ("lpips", "ssim", "psnr")  # the privacy-utility plot's second panel: the first measured besides
@@ -64,39 +69,32 @@ def _worst_image(rows: list[dict], metric) -> dict[str, Any] | None:
 def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
               baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
               identifiable: tuple[str, dict[tuple, float | None]] | None = None) -> dict[str, Any]:
-    """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting."""
+    """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting, each step's
+    verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
     # matching reconstructions to originals within a batch favours their own: no 1-in-N test at batches > 1
     options = {**audit.verdict, "batch_size": audit.data["batch_size"],
-               **({"identifiable": None} if audit.data["batch_size"] > 1 else {})}
+               **({"identifiable": None} if audit.data["batch_size"] > 1 else {}),
+               **({"no_utility": "a monitored training measures no test accuracy"} if audit.live else {})}
     acc = {u["setting"]: u for u in utility}
-    roles = {a.key: a.role for a in audit.attacks}
     leakage = audit.registry.get("metric", audit.leakage_metric)
+    profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
-    cells = []
-    for key, rs in groups.items():
-        setting, attack, ckpt = key
-        cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
-                "role": roles.get(attack, "naive"), "checkpoint": ckpt, "targets": len(rs),
-                "accuracy": acc.get(setting, {}).get("accuracy"), "epsilon": acc.get(setting, {}).get("epsilon")}
-        for m in audit.metrics:
-            values = [v for r in rs for v in _per_image(r, m)]
-            cell.update(cell_statistics(values, m, key, audit.seed, options["confidence"], options["bootstrap"]))
-            bad = sum(1 for v in values if v is not None and not math.isfinite(v))
-            if bad:
-                notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
-                             "(the model or the reconstruction diverged); the cell leaves them out")
-        cell["worst_image"] = _worst_image(rs, leakage)
-        cell["identifiable"], cell["identifiable_by"] = identified.get(key), identified_by
-        cell["identifiable_n"] = len(rs) * audit.data["batch_size"]
-        cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
-        cells.append(cell)
+    cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key), identified_by,
+                   profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
     chance = run_info.get("chance_accuracy")
     needed = min_accuracy(options, chance)
+    alone: dict[str, list[dict]] = {}
+    for s in audit.settings:
+        mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
+        accuracy = acc.get(s.key, {}).get("accuracy")
+        alone[s.key] = [{"setting": s.key, "defense": s.name, "checkpoint": ckpt, **judge(
+            [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
+            for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
     verdicts, worst_case = [], []
     for s in audit.settings:
         mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
@@ -104,23 +102,14 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             if any(c["setting"] == s.key for c in cells):  # attacked, but no finite score: say so, never drop it
                 worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
             continue
-        accuracy = acc.get(s.key, {}).get("accuracy")
-        per_step = [{"setting": s.key, "defense": s.name, "checkpoint": ckpt, **judge(
-            [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
-            for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
+        reference = audit.reference_of(s)
+        by_step = {v["checkpoint"]: v for v in alone.get(reference.key, [])} if reference is not None else {}
+        per_step = [calibrate(v, by_step.get(v["checkpoint"])) for v in alone[s.key]]
         verdicts.extend(per_step)
-        top, _ = strongest(mine, leakage)
-        final = overall(per_step)
-        worst_case.append({
-            "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
-            "must_protect": s.must_protect, "accuracy": top["accuracy"], "epsilon": top["epsilon"],
-            "identifiable": top["identifiable"],
-            "attack": top["attack"], "checkpoint": top["checkpoint"],
-            **{m: top.get(f"{m}_mean") for m in (leakage.name, *SECOND_METRICS) if f"{m}_mean" in top},
-            **{f"{m}_ci": top.get(f"{m}_ci") for m in (leakage.name, *SECOND_METRICS) if f"{m}_ci" in top},
-            "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
-            "verdict_checkpoint": final["checkpoint"],
-            "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}})
+        worst_case.append(_worst_case(s, audit, mine, rows, leakage, overall(per_step), profiles[s.key],
+                                      acc.get(s.key, {})))
+    violations = [f"{c['setting']}, {c['attack']}, step {c['checkpoint']}: {c['bound_violated']}"
+                  for c in cells if c.get("bound_violated")]
     return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better,
             "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
@@ -129,14 +118,82 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
                         for u in utility},
-            "cells": cells, "worst_case": worst_case, "verdicts": verdicts,
+            "cells": cells, "worst_case": worst_case, "verdicts": verdicts, "bound_violations": violations,
             "naive_vs_adaptive": naive_vs_adaptive(cells, leakage), "warnings": notes}
+
+
+def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
+          identifiable: float | None, identified_by: str | None, profile) -> dict[str, Any]:
+    """One (setting, attack, checkpoint)'s statistics over its rows: per metric mean, std, interval and count;
+    its most leaking image; its identifiable share and the bound a privacy guarantee sets on it; convergence."""
+    setting, attack, ckpt = key
+    roles = {a.key: a.role for a in audit.attacks}
+    cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
+            "role": roles.get(attack, "naive"), "checkpoint": ckpt, "targets": len(rs),
+            "accuracy": acc.get(setting, {}).get("accuracy"), "epsilon": acc.get(setting, {}).get("epsilon")}
+    for m in audit.metrics:
+        values = [v for r in rs for v in _per_image(r, m)]
+        cell.update(cell_statistics(values, m, key, audit.seed, options["confidence"], options["bootstrap"]))
+        bad = sum(1 for v in values if v is not None and not math.isfinite(v))
+        if bad:
+            notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
+                         "(the model or the reconstruction diverged); the cell leaves them out")
+    cell["worst_image"] = _worst_image(rs, leakage)
+    n = len(rs) * audit.data["batch_size"]
+    cell["identifiable"], cell["identifiable_by"], cell["identifiable_n"] = identifiable, identified_by, n
+    cell["rero_bound"] = None if profile is None or n < 2 else profile.reconstruction_bound(1 / n)
+    cell["bound_violated"] = None if audit.data["batch_size"] > 1 else beats_bound(
+        identifiable, n, cell["rero_bound"], options["confidence"])
+    gains = finite(r.get("late_gain") for r in rs)
+    cell["late_gain"] = float(np.mean(gains)) if gains else None
+    cell["converged"] = None if not gains else cell["late_gain"] <= STILL_IMPROVING
+    cell["iterations"] = _iterations(audit, attack, rs)
+    cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
+    return cell
+
+
+def _iterations(audit: Audit, attack: str, rows: list[dict]) -> int | None:
+    """The iterations an attack ran with in these rows (its tuned, else configured, else default), if it has any."""
+    spec = next((a for a in audit.attacks if a.key == attack), None)
+    params = rows[0].get("attack_params") or (spec.params if spec is not None else {})
+    if "iterations" in params:
+        return params["iterations"]
+    declared = audit.registry.get("attack", spec.name).params.get("iterations") if spec is not None else None
+    return None if declared is None else declared.default
+
+
+def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, final: dict, profile,
+                utility: dict) -> dict[str, Any]:
+    """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps, and
+    where it has a privacy guarantee the bound beside the measured identification."""
+    top, _ = strongest(mine, leakage)
+    identifying = max(mine, key=lambda c: -1 if c.get("identifiable") is None else c["identifiable"])
+    epsilon, delta = utility.get("epsilon"), utility.get("delta")
+    return {
+        "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
+        "reference": s.calibrates is not None, "added": s.added,
+        "must_protect": s.must_protect, "accuracy": top["accuracy"], "epsilon": top["epsilon"],
+        "identifiable": top["identifiable"],
+        "attack": top["attack"], "checkpoint": top["checkpoint"],
+        **{m: top.get(f"{m}_mean") for m in (leakage.name, *SECOND_METRICS) if f"{m}_mean" in top},
+        **{f"{m}_ci": top.get(f"{m}_ci") for m in (leakage.name, *SECOND_METRICS) if f"{m}_ci" in top},
+        "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
+        "verdict_checkpoint": final["checkpoint"], "converged": final.get("converged"),
+        "settling_iterations": final.get("settling_iterations"),
+        "privacy": None if profile is None else {
+            "mu": profile.mu, "mechanism": profile.mechanism, "bound": identifying["rero_bound"],
+            "identified": identifying.get("identifiable"), "identified_by": identifying["attack"],
+            "identified_n": identifying["identifiable_n"],
+            "violated": any(bool(c.get("bound_violated")) for c in mine),
+            "training_bound": training_bound(epsilon, delta, identifying["identifiable_n"])},
+        "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}}
 
 
 def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> dict[str, Any]:
     """The worst-case entry of a setting whose every reconstruction scored no finite ``metric``."""
     return {"defense": setting.name, "setting": setting.key, "params": setting.params,
-            "baseline": setting.is_baseline(audit.registry), "must_protect": setting.must_protect,
+            "baseline": setting.is_baseline(audit.registry), "reference": setting.calibrates is not None,
+            "added": setting.added, "must_protect": setting.must_protect, "privacy": None,
             "accuracy": utility.get("accuracy"), "epsilon": utility.get("epsilon"), "identifiable": None,
             "attack": None, "checkpoint": None, metric: None, f"{metric}_ci": None, "n": 0, "verdict": None,
             "reason": f"not judged: no attack scored a finite {metric} (every reconstruction diverged, or the metric "
@@ -297,7 +354,7 @@ def _threshold_line(ax, summary: dict, metric: str) -> None:
 def _chance_line(ax, summary: dict) -> None:
     """Chance accuracy, and the accuracy a usable model needs, with the unusable side shaded."""
     if summary.get("chance_accuracy") is not None:
-        ax.axvline(summary["chance_accuracy"], color="grey", linestyle=":", linewidth=1, label="chance accuracy")
+        ax.axvline(summary["chance_accuracy"], color="black", linestyle="-.", linewidth=1, label="chance accuracy")
     if summary.get("min_accuracy") is not None:
         ax.axvline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
         left, _ = ax.get_xlim()
@@ -365,9 +422,9 @@ def plot_privacy_utility(summary: dict, path: Path) -> bool:
             if not ws:
                 continue
             xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
-            if all(w["baseline"] for w in ws):
-                ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=13, color="black", zorder=3,
-                            label="no defense")
+            if all(w["baseline"] for w in ws):  # hollow and beneath: a defense's point at the same place shows
+                ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=15, markerfacecolor="none",
+                            color="black", zorder=1, label="no defense")
                 continue
             ax.errorbar(xs, ys, yerr=_yerr(ws, metric), marker="o", capsize=3, label=_line_label(defense, ws))
             for w in ws:
@@ -435,7 +492,7 @@ def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
     _mark_leaks(left, points, "epsilon", metric)
     _threshold_line(left, summary, metric)
     if summary.get("chance_accuracy") is not None:
-        right.axhline(summary["chance_accuracy"], color="grey", linestyle=":", linewidth=1, label="chance accuracy")
+        right.axhline(summary["chance_accuracy"], color="black", linestyle="-.", linewidth=1, label="chance accuracy")
     if summary.get("min_accuracy") is not None:
         right.axhline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
     for ax in (left, right):
@@ -448,6 +505,51 @@ def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
     _style(right, xlabel, "test accuracy")
     _save(fig, path)
     return True
+
+
+def plot_identification_bound(summary: dict, path: Path) -> bool:
+    """For settings with a privacy guarantee: the most identifying attack's share of identified targets (with its
+    exact 95% interval) beside the bound the guarantee sets on any attack, against epsilon (or mu)."""
+    points = [w for w in summary["worst_case"] if w.get("privacy") and w["privacy"]["bound"] is not None
+              and w["privacy"]["identified"] is not None]
+    if not points:
+        return False
+    by_epsilon = all(w.get("epsilon") is not None and math.isfinite(w["epsilon"]) for w in points)
+    x = (lambda w: w["epsilon"]) if by_epsilon else (lambda w: w["privacy"]["mu"])
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for defense in dict.fromkeys(w["defense"] for w in points):
+        ws = sorted((w for w in points if w["defense"] == defense), key=x)
+        line = ax.plot([x(w) for w in ws], [w["privacy"]["bound"] for w in ws], linestyle="--",
+                       label=f"{defense}: bound on any attack")[0]
+        shares = np.array([w["privacy"]["identified"] for w in ws])
+        n = np.array([w["privacy"]["identified_n"] for w in ws])
+        low, high = _exact_interval(np.round(shares * n).astype(int), n)
+        ax.errorbar([x(w) for w in ws], shares, yerr=[shares - low, high - shares], marker="o", capsize=3,
+                    linestyle="none", color=line.get_color(), label=f"{defense}: identified by the attacks")
+        bad = [w for w in ws if w["privacy"]["violated"]]
+        if bad:
+            ax.scatter([x(w) for w in bad], [w["privacy"]["identified"] for w in bad], s=160, facecolors="none",
+                       edgecolors="red", linewidths=2, zorder=4, label="beyond the bound")
+    chance = 1 / points[0]["privacy"]["identified_n"]
+    ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"a guess (1 in {round(1 / chance)})")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("identification against the bound the guarantee sets", fontsize=11)
+    delta = next(iter(summary["utility"].values()), {}).get("delta")
+    _style(ax, (f"epsilon at delta {delta:g} (log scale)" if delta else "epsilon (log scale)") if by_epsilon
+           else "mu of one update (log scale)", "share of targets identified")
+    _save(fig, path)
+    return True
+
+
+def _exact_interval(hits: np.ndarray, n: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Clopper-Pearson intervals of ``hits`` out of ``n``."""
+    from scipy.stats import beta
+
+    tail = (1 - confidence) / 2
+    low = np.where(hits == 0, 0.0, beta.ppf(tail, np.maximum(hits, 1), n - hits + 1))
+    high = np.where(hits == n, 1.0, beta.ppf(1 - tail, hits + 1, np.maximum(n - hits, 1)))
+    return low, high
 
 
 def _show(ax, img: torch.Tensor) -> None:
@@ -525,7 +627,7 @@ def plot_worst_images(folder: RunFolder, summary: dict, path: Path) -> bool:
         axes[1][j].set_xlabel(_label(f"{summary['leakage_metric']} {at['score']:.3g}, {at['attack']}, "
                                      f"step {at['checkpoint']}", 22), fontsize=8)
     axes[0][0].set_ylabel("original", fontsize=9)
-    axes[1][0].set_ylabel("worst\nreconstruction", fontsize=9)
+    axes[1][0].set_ylabel("most leaking\nreconstruction", fontsize=9)
     _save(fig, path)
     return True
 
@@ -585,11 +687,20 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
          + f"; one update of {audit.data['batch_size']} private image(s)"),
         ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
                      "no attack uses it") + (f"; ignored by {', '.join(naive)}" if naive else "")),
-        ("Targets", f"{audit.data['targets']} images of the {audit.data['target_split']} split"
-         + (" (its first ones)" if audit.data["target_order"] == "first" else "")
-         + (", never seen in training or tuning" if audit.data["target_split"] == "test"
-            else ", trained on but never tuned on")),
+        _targets(audit),
+        *([] if audit.live is None else [("Server's memory", audit.live.get("undone") or
+                                          "none: each update is attacked alone (attacker: {memory: false})")]),
     ]
+
+
+def _targets(audit: Audit) -> tuple[str, str]:
+    """The threat box's line on the attacked images."""
+    if audit.live is not None:
+        return "Targets", "each audited step's batch, as the training loop drew it"
+    return "Targets", (f"{audit.data['targets']} images of the {audit.data['target_split']} split"
+                       + (" (its first ones)" if audit.data["target_order"] == "first" else "")
+                       + (", never seen in training or tuning" if audit.data["target_split"] == "test"
+                          else ", trained on but never tuned on"))
 
 
 def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
@@ -637,6 +748,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p)),
                        ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),
+                       ("identification_bound", lambda p: plot_identification_bound(summary, p)),
                        ("leakage_by_step", lambda p: plot_leakage_by_step(summary, p)),
                        ("worst_images", lambda p: plot_worst_images(folder, summary, p))):
         path = out_dir / f"{name}.png"
@@ -655,6 +767,6 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         threat=threat_model(audit), provenance=provenance(audit, run_info),
         metrics=audit.metrics, leak=summary["leakage_metric"],
         second=[m for m in SECOND_METRICS if m in audit.metrics and m != summary["leakage_metric"]],
-        trained=audit.utility["train_steps"] > 0, max_images=MAX_GRID_IMAGES)
+        trained=audit.utility["train_steps"] > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None)
     folder.write_text(REPORT, page)
     return summary

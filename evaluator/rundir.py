@@ -28,6 +28,7 @@ from leakaudit.evaluator.config import (
     monitor_audit,
 )
 from leakaudit.evaluator.scenario import derive_seed
+from leakaudit.evaluator.verdict import late_gain
 
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
@@ -292,16 +293,17 @@ class RunFolder:
         torch.save(record, path)
 
     def save_result(self, job: AttackJob, pixels: torch.Tensor, labels: torch.Tensor, rec: Any, scores: Any,
-                    images: list[int], epsilon: float | None) -> dict[str, Any]:
+                    images: list[int], epsilon: float | None, bound: float | None = None) -> dict[str, Any]:
         """Keep one job's originals and aligned reconstruction for the report, and return its results row
-        (``rec``: the attack's Reconstruction; ``scores``: its metrics.Scores)."""
+        (``rec``: the attack's Reconstruction; ``scores``: its metrics.Scores; ``bound``: the most any attack can
+        identify of the targets under the defense's guarantee, None without one)."""
         self.save_reconstruction(job, {
             "original": pixels.cpu(), "reconstruction": rec.images[scores.order].detach().cpu(),
             "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
         row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
                "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-               "target": job.target, "images": images, "epsilon": epsilon, **scores.values,
-               "per_image": scores.per_image, "seconds": round(rec.seconds, 3)}
+               "target": job.target, "images": images, "epsilon": epsilon, "rero_bound": bound, **scores.values,
+               "per_image": scores.per_image, "late_gain": late_gain(rec.loss_trace), "seconds": round(rec.seconds, 3)}
         if job.params is not None:
             row["attack_params"] = job.params
         if scores.notes:

@@ -118,6 +118,12 @@ class AuditWorker:
             self._epsilon[setting.key] = privacy_spent(self.scenario, self.scenario.defense(setting))
         return self._epsilon[setting.key]
 
+    def bound(self, setting) -> float | None:
+        """The most any attack can identify of the audit's targets (a guess: 1 in their number) under the
+        setting's privacy guarantee for one update; None where it gives none."""
+        profile = self.scenario.defense(setting).privacy_profile()
+        return None if profile is None else profile.reconstruction_bound(1 / self.scenario.audit.data["targets"])
+
     def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
             list[Problem], list[Tensor]]:
         """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems,
@@ -183,7 +189,7 @@ class AuditWorker:
         """Score one reconstruction, keep it for the report, and make its results row."""
         scores = score(metrics, rec.images, pixels, rec.labels, labels)
         row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target).tolist(),
-                                      self.epsilon(job.setting))
+                                      self.epsilon(job.setting), self.bound(job.setting))
         return row, scores.notes
 
 

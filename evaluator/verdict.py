@@ -6,6 +6,12 @@ margin, or (one image per update) where an attack's reconstructions identify the
 least ``identifiable`` of them is nearest its own original among all targets, beyond chance. It **protects but is
 unusable** where it does not leak and its test accuracy stays under chance plus a margin; otherwise it
 **protects**. The thresholds and the statistic compared are the audit's ``verdict:`` section.
+
+A "protects" is only as strong as the attacks behind it, so every step is calibrated: the same attacks run on
+the undefended update of the same model (the audit's undefended setting, or one added as the reference), and
+where none of them leaks there, a "protects" at that step is **inconclusive** (the attacks did not break even the
+undefended update at this budget). Where a defense guarantees differential privacy, the share of identified
+images is held to the bound that guarantee puts on any reconstruction attack (``PrivacyProfile``).
 """
 from __future__ import annotations
 
@@ -18,8 +24,12 @@ from scipy.stats import binomtest
 from leakaudit.evaluator.scenario import derive_seed
 from leakaudit.plugins.components import Metric
 
-LEAKS, PROTECTS, UNUSABLE = "leaks", "protects", "protects but unusable"
-VERDICTS = (LEAKS, UNUSABLE, PROTECTS)  # worst first
+LEAKS, PROTECTS, UNUSABLE, INCONCLUSIVE = "leaks", "protects", "protects but unusable", "inconclusive"
+VERDICTS = (LEAKS, INCONCLUSIVE, UNUSABLE, PROTECTS)  # worst first
+#: An attack is still improving where its loss fell by more than this share of its whole drop in its last fifth.
+STILL_IMPROVING = 0.01
+#: How much larger a budget a still-improving attack is advised to rerun with.
+BUDGET_FACTOR = 2.5
 
 
 def finite(values: Iterable[float | None]) -> list[float]:
@@ -52,6 +62,22 @@ def cell_statistics(values: list[float], metric: str, key: tuple, seed: int, con
     std = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
     ci = bootstrap_interval(vals, confidence, resamples, derive_seed(seed, "bootstrap", metric, *map(str, key)))
     return {f"{metric}_mean": mean, f"{metric}_std": std, f"{metric}_ci": list(ci), f"{metric}_n": len(vals)}
+
+
+def late_gain(trace: Iterable[float]) -> float | None:
+    """The share of an attack's whole loss drop made over the last fifth of its iterations (its best loss so
+    far): near 0 once it has converged. None for a trace too short to tell (under 10 values)."""
+    values = finite(trace)
+    if len(values) < 10:
+        return None
+    best, earlier = min(values), min(values[:len(values) * 4 // 5])
+    drop = values[0] - best
+    return 0.0 if drop <= 0 else (earlier - best) / drop
+
+
+def settling_budget(iterations: int | None) -> int | None:
+    """The iterations advised to settle a verdict whose attack was still improving (rounded up to a hundred)."""
+    return None if not iterations else int(math.ceil(iterations * BUDGET_FACTOR / 100) * 100)
 
 
 def leak_side(metric: Metric, ci: list[float]) -> float:
@@ -118,7 +144,8 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
             f"(not tested at {batch} images per update: matching within a batch favours its own)"))
     out = {"attack": top["attack"], "score": top[f"{name}_mean"], "ci": top[f"{name}_ci"], "statistic": statistic,
            "compared": value, "threshold": None if threshold is None else threshold["value"],
-           "accuracy": accuracy, "min_accuracy": needed}
+           "accuracy": accuracy, "min_accuracy": needed, "converged": top.get("converged"),
+           "settling_iterations": None if top.get("converged") is not False else settling_budget(top.get("iterations"))}
     named = identified(cells, name, options)
     if threshold is None:
         if named is not None:
@@ -136,15 +163,47 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
     if accuracy is not None and needed is not None and accuracy < needed:
         base = "min_accuracy" if options.get("min_accuracy") is not None else \
             f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
-        return {**out, "verdict": UNUSABLE, "reason": f"{reason}; but test accuracy {accuracy:.3f} is under "
-                                                      f"{needed:.3f} ({base})"}
+        return {**out, "verdict": UNUSABLE, "reason": f"{reason}{_unconverged(top)}; but test accuracy "
+                                                      f"{accuracy:.3f} is under {needed:.3f} ({base})"}
+    reason += _unconverged(top)
     if accuracy is None:
-        reason += "; utility not measured (utility.train_steps is 0)"
+        reason += f"; utility not measured ({options.get('no_utility', 'utility.train_steps is 0')})"
     elif needed is None:
         reason += "; utility not judged (chance accuracy unknown for this run)"
     else:
         reason += f"; test accuracy {accuracy:.3f} is at least {needed:.3f}"
     return {**out, "verdict": PROTECTS, "reason": reason}
+
+
+def _unconverged(top: dict) -> str:
+    """The words of a verdict whose strongest attack was still improving when its budget ran out ("" if not)."""
+    if top.get("converged") is not False:
+        return ""
+    budget = settling_budget(top.get("iterations"))
+    advice = f"rerun with iterations: {budget} to settle it" if budget else "rerun with a larger budget to settle it"
+    return (f"; {top['attack']} had not converged (its loss fell {top['late_gain']:.0%} of its whole drop over "
+            f"its last fifth): {advice}")
+
+
+def calibrate(verdict: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+    """A step's verdict held against the verdict of its model's undefended reference at the same step: a
+    "protects" (or "protects but unusable") is inconclusive where the same attacks did not break even the
+    undefended update, since it cannot be told from an attack too weak to break anything."""
+    if verdict["verdict"] not in (PROTECTS, UNUSABLE) or (reference is not None and reference["verdict"] == LEAKS):
+        return verdict
+    if reference is None:
+        why = "no attack ran on the undefended update at this step, so the attacks' strength is unknown"
+    elif reference["setting"] == verdict["setting"]:
+        why = "the attacks did not break even this undefended update at this budget"
+    else:
+        why = (f"the attacks did not break even the undefended update at this budget (reference "
+               f"{reference['setting']}: {reference['attack']} reaches {_fmt(reference['score'])}"
+               + ("" if reference["threshold"] is None else f", the leak threshold is {_fmt(reference['threshold'])}")
+               + ")")
+    fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended update "
+           "leaks")
+    return {**verdict, "verdict": INCONCLUSIVE, "alone": verdict["verdict"],
+            "reason": f"{why}; {fix}. Judged alone: {verdict['verdict']}: {verdict['reason']}"}
 
 
 def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str | None:
@@ -168,6 +227,29 @@ def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str |
     return None
 
 
+def beats_bound(share: float | None, n: int, bound: float | None, confidence: float) -> str | None:
+    """Why a measured identification rate is above what a privacy guarantee allows any attack (one-sided
+    binomial test against the bound at the verdict's confidence), or None where it is not, or cannot be told."""
+    if share is None or bound is None or n < 2 or math.isnan(share) or bound >= 1:
+        return None
+    hits = round(share * n)
+    p = binomtest(hits, n, bound, alternative="greater").pvalue
+    if p >= 1 - confidence:
+        return None
+    return (f"identifies {hits} of {n} images where the defense's privacy guarantee allows any attack at most "
+            f"{bound:.1%} (binomial p = {p:.2g}): the defense sends less noise than it declares, or its accounting "
+            "is wrong")
+
+
+def training_bound(epsilon: float | None, delta: float | None, n: int) -> float | None:
+    """The bound (epsilon, delta)-DP of the whole training sets on identifying one of ``n`` targets
+    (``e^epsilon / n + delta``, Balle et al. 2022): what an attacker of every round faces, not knowing when the
+    target was sampled; None without an epsilon."""
+    if epsilon is None or delta is None or n < 2 or not math.isfinite(epsilon):
+        return None
+    return 1.0 if epsilon > 700 else min(1.0, math.exp(epsilon) / n + delta)
+
+
 def overall(verdicts: list[dict]) -> dict | None:
     """A setting's verdict over its checkpoints: the worst one (a leak at any step is a leak)."""
     judged = [v for v in verdicts if v["verdict"] is not None]
@@ -186,13 +268,19 @@ def identifiable_share(distances: np.ndarray) -> float:
     return float(np.mean(own < others.min(axis=1))) if len(distances) > 1 else float("nan")
 
 
-def gate_failures(summary: dict[str, Any]) -> list[str]:
-    """One line per setting marked ``must_protect`` that leaks, or that could not be judged (the gate fails
-    closed: a setting it cannot vouch for is not passed)."""
+def gate_failures(summary: dict[str, Any], allow_inconclusive: bool = False) -> list[tuple[str, str]]:
+    """``(kind, line)`` for each reason the gate fails: a setting marked ``must_protect`` that leaks ("leak"),
+    could not be judged ("unjudged") or is inconclusive ("inconclusive", unless allowed), and any setting whose
+    attacks beat the bound its privacy guarantee puts on them ("bound": the defense or its accounting is wrong).
+    The gate fails closed: a setting it cannot vouch for is not passed."""
     lines = []
     for w in summary["worst_case"]:
+        where = f"{w['setting']} (must_protect)"
         if w.get("must_protect") and w["verdict"] == LEAKS:
-            lines.append(f"{w['setting']} (must_protect) leaks at step {w['verdict_checkpoint']}: {w['reason']}")
+            lines.append(("leak", f"{where} leaks at step {w['verdict_checkpoint']}: {w['reason']}"))
         elif w.get("must_protect") and w["verdict"] is None:
-            lines.append(f"{w['setting']} (must_protect) could not be judged: {w['reason']}")
+            lines.append(("unjudged", f"{where} could not be judged: {w['reason']}"))
+        elif w.get("must_protect") and w["verdict"] == INCONCLUSIVE and not allow_inconclusive:
+            lines.append(("inconclusive", f"{where} is inconclusive at step {w['verdict_checkpoint']}: {w['reason']}"))
+    lines += [("bound", line) for line in summary.get("bound_violations", [])]
     return lines

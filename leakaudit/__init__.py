@@ -30,7 +30,7 @@ from leakaudit.plugins.components import (
     MetricUnavailable,
     ModelSpec,
 )
-from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
+from leakaudit.plugins.defense import Defense, DeterministicDefense, PrivacyProfile, SharedUpdate
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import ClientStep, FedAvg, FedSGD, OwnStep, Protocol
 
@@ -61,7 +61,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'leakaudit' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "hookimpl", "Param", "PluginError", "Defense", "DeterministicDefense", "SharedUpdate",
-           "Attack", "Problem", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
+__all__ = ["__version__", "hookimpl", "Param", "PluginError", "Defense", "DeterministicDefense", "PrivacyProfile",
+           "SharedUpdate", "Attack", "Problem", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
            "Metric", "MetricUnavailable", "ModelSpec", "DatasetSpec", "ImageData", "load_registry",
            "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "report_folder", "audit_batch", "BatchAudit", "LeakMonitor"]

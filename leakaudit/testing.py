@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from leakaudit.evaluator.checks import AttackCheck, DefenseCheck, check_attack, check_defense, tiny_case
-from leakaudit.evaluator.verdict import LEAKS, gate_failures
+from leakaudit.evaluator.verdict import INCONCLUSIVE, LEAKS, gate_failures
 
 __all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",
            "load_summary"]
@@ -42,8 +42,11 @@ def load_summary(run: str | Path | dict[str, Any]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def assert_protects(run: str | Path | dict[str, Any], settings: Iterable[str] | None = None) -> None:
-    """Fail, one line per setting, where a checked setting's verdict is ``leaks``.
+def assert_protects(run: str | Path | dict[str, Any], settings: Iterable[str] | None = None,
+                    allow_inconclusive: bool = False) -> None:
+    """Fail, one line per setting, where a checked setting's verdict is ``leaks`` or ``inconclusive`` (the attacks
+    did not break even the undefended update, unless ``allow_inconclusive``), and where any attack beat the bound
+    of a defense's privacy guarantee.
 
     ``settings`` names the settings to check (their keys in the report); by default, every setting of a
     defense entry marked ``must_protect: true``, as ``leakaudit run --fail-on-leak`` checks.
@@ -53,14 +56,17 @@ def assert_protects(run: str | Path | dict[str, Any], settings: Iterable[str] | 
         if not any(w.get("must_protect") for w in summary["worst_case"]):
             raise AssertionError("no defense entry of this audit is marked must_protect: true; mark one, or "
                                  "name the settings to check")
-        failures = gate_failures(summary)
+        failures = [f"{kind}: {line}" for kind, line in gate_failures(summary, allow_inconclusive)]
     else:
         wanted = list(settings)
         known = {w["setting"]: w for w in summary["worst_case"]}
         missing = [s for s in wanted if s not in known]
         if missing:
             raise AssertionError(f"not settings of this run: {', '.join(missing)}; settings: {', '.join(known)}")
-        failures = [f"{s} leaks at step {known[s]['verdict_checkpoint']}: {known[s]['reason']}"
-                    for s in wanted if known[s]["verdict"] == LEAKS]
+        failing = (LEAKS,) if allow_inconclusive else (LEAKS, INCONCLUSIVE)
+        failures = [f"{s} {'leaks' if known[s]['verdict'] == LEAKS else 'is inconclusive'} at step "
+                    f"{known[s]['verdict_checkpoint']}: {known[s]['reason']}"
+                    for s in wanted if known[s]["verdict"] in failing]
+        failures += [f"bound: {line}" for line in summary.get("bound_violations", [])]
     if failures:
         raise AssertionError("\n".join(failures))

@@ -98,6 +98,9 @@ class Attack:
 
     #: The attack is built on what a defense does (its likelihood, its layers, its noise).
     uses_defense: ClassVar[bool] = False
+    #: The attack reads what its defense adds to the model (a bottleneck's draw, Bayesian layers' noise), so it
+    #: cannot run on the undefended update and takes no part in calibrating the verdicts there.
+    needs_defense: ClassVar[bool] = False
 
     @property
     def knows_defense(self) -> bool:

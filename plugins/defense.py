@@ -1,7 +1,9 @@
 """The ``Defense`` contract: how a defended update is shared and how likely it is under a candidate."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
@@ -30,6 +32,38 @@ class SharedUpdate:
 
     def flat(self) -> Tensor:
         return torch.cat([t.reshape(-1) for t in self.tensors])
+
+
+@dataclass(frozen=True)
+class PrivacyProfile:
+    """A defense's differential-privacy guarantee for one shared update that contains the target image, against
+    an attacker who knows everything else: the update is ``mu``-Gaussian DP (Dong et al. 2022), and/or
+    (epsilon, delta)-DP for each of ``pairs``, relative to a release that does not depend on the target (the
+    update without it, or the noise alone). ``mechanism`` says how it follows, for the report."""
+
+    mu: float | None = None
+    pairs: tuple[tuple[float, float], ...] = ()
+    mechanism: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mu is None and not self.pairs:
+            raise ValueError("PrivacyProfile: give mu or (epsilon, delta) pairs")
+        if self.mu is not None and not self.mu >= 0:
+            raise ValueError(f"PrivacyProfile: mu is {self.mu!r}; expected a number >= 0")
+        if any(not (e >= 0 and 0 <= d <= 1) for e, d in self.pairs):
+            raise ValueError(f"PrivacyProfile: pairs {self.pairs!r}; expected (epsilon >= 0, delta in [0, 1])")
+
+    def reconstruction_bound(self, kappa: float) -> float:
+        """The most any reconstruction attack can succeed where a guess made without the update succeeds with
+        probability ``kappa`` (reconstruction robustness, Balle et al. 2022): ``Phi(Phi^-1(kappa) + mu)`` for
+        mu-GDP (Kaissis et al. 2023; Hayes et al. 2023), ``e^epsilon kappa + delta`` for (epsilon, delta)-DP."""
+        if not 0 < kappa < 1:
+            return 1.0 if kappa >= 1 else 0.0
+        bounds = [min(1.0, math.exp(e) * kappa + d) if e < 700 else 1.0 for e, d in self.pairs]
+        if self.mu is not None:
+            normal = NormalDist()
+            bounds.append(1.0 if math.isinf(self.mu) else normal.cdf(normal.inv_cdf(kappa) + self.mu))
+        return min(bounds)
 
 
 class Defense:
@@ -150,6 +184,13 @@ class Defense:
         """Epsilon at ``delta`` after ``steps`` where the defense has a formal guarantee, else None."""
         return None
 
+    def privacy_profile(self, radius: float | None = None) -> PrivacyProfile | None:
+        """The guarantee of one shared update that contains the target, where the defense gives one (None: it
+        gives none). ``radius`` bounds the L2 norm of the update the defense receives (a ``clip`` before it in a
+        chain); None where nothing bounds it. The report holds every attack's identification rate to the bound
+        it implies, and ``check_defense`` checks it against what ``share`` sends."""
+        return None
+
     @classmethod
     def declares_likelihood(cls) -> bool:
         """Whether the class overrides ``log_likelihood`` (precode and bayesian draw noise inside the model: no)."""
@@ -178,6 +219,11 @@ class DeterministicDefense(Defense):
 
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
         return -0.5 * squared_distance(observed.tensors, self.transform(candidate))
+
+    def output_radius(self, radius: float | None) -> float | None:
+        """A bound on the L2 norm of what ``transform`` returns, given ``radius`` on what it receives (None: no
+        bound is known). A noise member after it in a chain turns the bound into a privacy guarantee."""
+        return None
 
 
 

@@ -391,7 +391,8 @@ def test_a_setting_with_its_own_model_is_built_with_it(write_audit):
     path = write_audit(small_audit(defenses=[{"name": "none"}, {"name": "precode", "params": {"size": 8},
                                                                 "model": {"name": "mlp", "params": {"width": 32}}}]))
     audit = load_audit(path)
-    assert [s.key for s in audit.settings] == ["none", "precode(size=8)@mlp(width=32)"]
+    assert [s.key for s in audit.settings] == ["none", "precode(size=8)@mlp(width=32)", "none@mlp(width=32)"]
+    assert audit.settings[-1].added and audit.reference_of(audit.settings[1]) is audit.settings[-1]
     scenario = Scenario(audit)
     plain = scenario.fresh_model(scenario.defense(audit.settings[0]), audit.settings[0])
     own = scenario.fresh_model(scenario.defense(audit.settings[1]), audit.settings[1])
@@ -434,11 +435,11 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
         utility={"train_steps": 3, "batch_size": 2})))
     summary = run_audit(audit, tmp_path / "a", progress=False)
     rows = [json.loads(line) for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()]
-    assert sorted({(r["defense"], r["attack"]) for r in rows}) == [
-        ("bayesian", "bayesian_exact"), ("bayesian", "ig"), ("precode", "ig"), ("precode", "precode_sample"),
-        ("soteria", "ig"), ("soteria", "ig_drop")]
+    assert sorted({(r["defense"], r["attack"]) for r in rows}) == [  # the added reference: what can run undefended
+        ("bayesian", "bayesian_exact"), ("bayesian", "ig"), ("none", "ig"), ("none", "ig_drop"), ("precode", "ig"),
+        ("precode", "precode_sample"), ("soteria", "ig"), ("soteria", "ig_drop")]
     assert {(n["defense"], n["naive_attack"], n["adaptive_attack"]) for n in summary["naive_vs_adaptive"]} == {
-        ("soteria", "ig", "ig_drop"), ("precode", "ig", "precode_sample"), ("bayesian", "ig", "bayesian_exact")}
+        ("none", "ig", "ig_drop"), ("soteria", "ig", "ig_drop"), ("precode", "ig", "precode_sample"), ("bayesian", "ig", "bayesian_exact")}
     assert "Naive against adaptive attacks" in (tmp_path / "a" / "report.html").read_text()
     changes = summary["utility"]
     assert any("variational bottleneck" in c for u in changes.values() for c in u["model_changes"])

@@ -161,7 +161,8 @@ def test_chains_and_protocols_expand(write_audit):
                              {"name": "gaussian", "sweep": {"sigma": [0.1, 0.2]}}]}],
         protocol={"name": "fedavg", "local_epochs": 5, "local_lr": 0.01})))
     assert [s.key for s in audit.settings] == ["clip(max_norm=1.0)>gaussian(sigma=0.1)",
-                                              "clip(max_norm=1.0)>gaussian(sigma=0.2)"]
+                                              "clip(max_norm=1.0)>gaussian(sigma=0.2)", "none"]
+    assert audit.settings[-1].added and not audit.settings[0].added  # the reference that calibrates them
     assert audit.settings[0].name == "clip>gaussian"
     assert audit.settings[0].params == {"clip.max_norm": 1.0, "gaussian.sigma": 0.1}
     assert audit.protocol.name == "fedavg" and audit.protocol.local_steps(1) == 5

@@ -73,8 +73,8 @@ def _run_template_audit(tmp_path, env, extra_args=()):
     subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(out), "--no-progress", *extra_args],
                    env=env, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {r["setting"] for r in rows} == {"logistic(scale=0.01)", "logistic(scale=10.0)"}
-    return rows
+    assert {r["setting"] for r in rows} == {"logistic(scale=0.01)", "logistic(scale=10.0)", "none"}  # and the reference
+    return [r for r in rows if r["setting"] != "none"]
 
 
 def test_template_found_by_dropin_folder_and_runs_from_yaml(tmp_path):
@@ -127,4 +127,5 @@ def test_dropin_named_in_the_file_and_on_the_command_line_reaches_worker_process
     subprocess.run([*LEAKAUDIT, "run", str(path), "--out", str(out), "--plugins-dir", str(folder), "--no-progress"],
                    check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["setting"] != "none"]  # the added reference
     assert sorted(r["target"] for r in rows) == [0, 1] and all(r["setting"] == "logistic(scale=0.01)" for r in rows)

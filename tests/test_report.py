@@ -182,7 +182,7 @@ def test_verdicts_in_the_terminal_summary_json_and_report(finished):
     assert summary["run"]["versions"]["torch"] and summary["run"]["sessions"][0]["seconds"] > 0
     page = (out / "report.html").read_text()
     for text in ("protects but unusable", "Threat model: what the attacker knows", "Provenance", "no guarantee",
-                 "<h3>Step 0</h3>", "The most leaking image of each setting"):
+                 "<h3>Step 0</h3>", "The most leaking reconstruction of each setting"):
         assert text in page, text
 
 

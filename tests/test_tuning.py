@@ -119,15 +119,17 @@ def test_a_scanning_audit_runs_its_grid_around_the_scan_best_and_resumes(write_a
         defenses=[{"name": "gaussian", "params": {"sigma": 0.01}}], utility={"train_steps": 0})))
     out = tmp_path / "out"
     summary = run_audit(audit, out, progress=False)
-    trials = [json.loads(line) for line in (out / "tuning.jsonl").read_text().splitlines()]
-    assert [t["stage"] for t in trials] == ["scan"] * 4 + ["grid"] * 3 and len(summary["tuning"]) == 1
+    trials = [t for line in (out / "tuning.jsonl").read_text().splitlines()
+              if (t := json.loads(line))["setting"] != "none"]  # the added reference is tuned alike
+    assert [t["stage"] for t in trials] == ["scan"] * 4 + ["grid"] * 3 and len(summary["tuning"]) == 2
     best = max(trials[:4], key=lambda t: t["score"])["params"]["priors"]["tv"]
     grid = {t["params"]["priors"]["tv"] for t in trials[4:]}
     assert grid <= {float(f"{best / 2:.3g}"), float(f"{best * 2:.3g}")}
     assert all(t["params"]["lr"] in (0.03, 0.1) for t in trials[4:])
     (out / "tuning.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trials[:5]))  # stopped in the grid
     run_audit(audit, out, resume=True, progress=False)
-    again = [json.loads(line) for line in (out / "tuning.jsonl").read_text().splitlines()]
+    again = [t for line in (out / "tuning.jsonl").read_text().splitlines()
+             if (t := json.loads(line))["setting"] != "none"]
     assert [t["trial"] for t in again] == list(range(7))
     assert [t["params"] for t in again[5:]] == [t["params"] for t in trials[5:]]
     assert [t["score"] for t in again[5:]] == pytest.approx([t["score"] for t in trials[5:]], abs=1e-3)
@@ -171,9 +173,10 @@ def test_tuned_audit_reports_the_search_and_attacks_with_the_winner(write_audit,
                                                utility={"train_steps": 0})))
     out = tmp_path / "out"
     summary = run_audit(audit, out, progress=False)
-    trials = [json.loads(line) for line in (out / "tuning.jsonl").read_text().splitlines()]
+    trials = [t for line in (out / "tuning.jsonl").read_text().splitlines()
+              if (t := json.loads(line))["setting"] != "none"]  # the added reference is tuned alike
     assert [t["trial"] for t in trials] == [0, 1, 2] and trials[0]["params"]["lr"] == 0.001
-    (search,) = summary["tuning"]
+    (search,) = [s for s in summary["tuning"] if s["setting"] != "none"]
     assert search["budget"] == 3 and search["trials"] == 3
     assert search["tuned"] >= search["untuned"]
     assert search["tuned"] == max(t["score"] for t in trials)

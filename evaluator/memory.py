@@ -5,10 +5,12 @@ with earlier ones, which blurs an attack on the update alone. A server that kept
 and knows its optimizer, undoes that mixing. For SGD it is exact: the momentum buffer before a step is the last
 update divided by its learning rate, so ``g_t`` follows from ``delta_t`` and ``delta_(t-1)`` (weight decay,
 dampening and Nesterov included). For Adam and AdamW the step is undone elementwise from the moments before it
-(a quadratic per coordinate); a server tracks those moments by undoing each update in turn, which is exact but for
-the first, whose magnitudes Adam's sign-like first step keeps only to floating-point precision. The monitor reads
-the state from the optimizer before the audited step, the moments that tracking arrives at, so it measures the
-upper end of this attacker. Other optimizers are attacked on the raw update, and the monitor says so.
+(a quadratic per coordinate). That is not always exact: Adam's first step sends the gradient's sign, its
+magnitudes lost to floating point (the first step is attacked as that sign), and a coordinate whose gradient is
+near the scale of its history can have two gradients that give the same step (the one nearer the last mean
+gradient is taken). A server tracks the moments by undoing each update in turn; the monitor reads them from the
+optimizer before the audited step, the moments that tracking arrives at, so it measures the upper end of this
+attacker. Other optimizers are attacked on the raw update, and the monitor says so.
 """
 from __future__ import annotations
 
@@ -93,16 +95,18 @@ def _adam(group: dict, state: dict[str, Tensor], before: Tensor, after: Tensor) 
     decoupled = group["decoupled_weight_decay"]  # AdamW's (torch keeps it in both optimizers' groups)
     start = before * (1 - lr * wd) if decoupled else before
     t = float(state["step"]) + 1 if "step" in state else 1.0
+    if t == 1:  # the first step sends g / (|g| + eps): the sign, its magnitudes lost to floating point
+        return (start - after) / lr
     c1, c2 = 1 - b1 ** t, 1 - b2 ** t
     m0 = state.get("exp_avg", torch.zeros_like(before)).to(before)
     v0 = state.get("exp_avg_sq", torch.zeros_like(before)).to(before)
     a = (start - after) / lr * c1  # = m / (sqrt(v / c2) + eps)
-    g = _solve_moments(a, m0, v0, b1, b2, c2, eps, m0 / (1 - b1 ** (t - 1)) if t > 1 else None)
+    g = _solve_moments(a, m0, v0, b1, b2, c2, eps, m0 / (1 - b1 ** (t - 1)))
     return g if decoupled else g - wd * before
 
 
 def _solve_moments(a: Tensor, m0: Tensor, v0: Tensor, b1: float, b2: float, c2: float, eps: float,
-                   expected: Tensor | None) -> Tensor:
+                   expected: Tensor) -> Tensor:
     """The ``g`` with ``b1 m0 + (1 - b1) g = a (sqrt((b2 v0 + (1 - b2) g^2) / c2) + eps)``: a root of the squared
     equation (a quadratic in ``g``) that satisfies the unsquared one. Adam's step saturates for a gradient far
     larger than its history, so two roots can both satisfy it: the one nearer ``expected`` (the last mean
@@ -122,9 +126,7 @@ def _solve_moments(a: Tensor, m0: Tensor, v0: Tensor, b1: float, b2: float, c2: 
         return (b1 * m0 + c * g - right).abs() / ((b1 * m0).abs() + (c * g).abs() + right.abs() + 1e-300)
 
     off = torch.stack([residual(g) for g in candidates])
-    pick = off[1] < off[0]
-    if expected is not None:
-        both = (off < SATISFIES).all(0)
-        nearer = (candidates[1] - expected).abs() < (candidates[0] - expected).abs()
-        pick = torch.where(both, nearer, pick)
+    both = (off < SATISFIES).all(0)
+    nearer = (candidates[1] - expected).abs() < (candidates[0] - expected).abs()
+    pick = torch.where(both, nearer, off[1] < off[0])
     return torch.where(pick, candidates[1], candidates[0])

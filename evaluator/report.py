@@ -146,7 +146,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         identifiable, n, cell["rero_bound"], options["confidence"])
     gains = finite(r.get("late_gain") for r in rs)
     cell["late_gain"] = float(np.mean(gains)) if gains else None
-    cell["converged"] = None if not gains else cell["late_gain"] <= STILL_IMPROVING
+    cell["still_improving"] = None if not gains else cell["late_gain"] > STILL_IMPROVING
     cell["iterations"] = _iterations(audit, attack, rs)
     cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
     return cell
@@ -178,7 +178,7 @@ def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, fi
         **{m: top.get(f"{m}_mean") for m in (leakage.name, *SECOND_METRICS) if f"{m}_mean" in top},
         **{f"{m}_ci": top.get(f"{m}_ci") for m in (leakage.name, *SECOND_METRICS) if f"{m}_ci" in top},
         "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
-        "verdict_checkpoint": final["checkpoint"], "converged": final.get("converged"),
+        "verdict_checkpoint": final["checkpoint"], "still_improving": final.get("still_improving"),
         "settling_iterations": final.get("settling_iterations"),
         "privacy": None if profile is None else {
             "mu": profile.mu, "mechanism": profile.mechanism, "bound": identifying["rero_bound"],

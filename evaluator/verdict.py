@@ -66,7 +66,10 @@ def cell_statistics(values: list[float], metric: str, key: tuple, seed: int, con
 
 def late_gain(trace: Iterable[float]) -> float | None:
     """The share of an attack's whole loss drop made over the last fifth of its iterations (its best loss so
-    far): near 0 once it has converged. None for a trace too short to tell (under 10 values)."""
+    far): above ``STILL_IMPROVING``, the attack was still improving when its budget ran out. A schedule that
+    decays the step size (Inverting Gradients') flattens the last fifth whatever the budget, so a small share
+    does not prove convergence: the calibration reference is the check of a budget. None for a trace too short
+    to tell (under 10 values)."""
     values = finite(trace)
     if len(values) < 10:
         return None
@@ -144,8 +147,8 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
             f"(not tested at {batch} images per update: matching within a batch favours its own)"))
     out = {"attack": top["attack"], "score": top[f"{name}_mean"], "ci": top[f"{name}_ci"], "statistic": statistic,
            "compared": value, "threshold": None if threshold is None else threshold["value"],
-           "accuracy": accuracy, "min_accuracy": needed, "converged": top.get("converged"),
-           "settling_iterations": None if top.get("converged") is not False else settling_budget(top.get("iterations"))}
+           "accuracy": accuracy, "min_accuracy": needed, "still_improving": top.get("still_improving"),
+           "settling_iterations": settling_budget(top.get("iterations")) if top.get("still_improving") else None}
     named = identified(cells, name, options)
     if threshold is None:
         if named is not None:
@@ -163,9 +166,9 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
     if accuracy is not None and needed is not None and accuracy < needed:
         base = "min_accuracy" if options.get("min_accuracy") is not None else \
             f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
-        return {**out, "verdict": UNUSABLE, "reason": f"{reason}{_unconverged(top)}; but test accuracy "
+        return {**out, "verdict": UNUSABLE, "reason": f"{reason}{_still_improving(top)}; but test accuracy "
                                                       f"{accuracy:.3f} is under {needed:.3f} ({base})"}
-    reason += _unconverged(top)
+    reason += _still_improving(top)
     if accuracy is None:
         reason += f"; utility not measured ({options.get('no_utility', 'utility.train_steps is 0')})"
     elif needed is None:
@@ -175,13 +178,13 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
     return {**out, "verdict": PROTECTS, "reason": reason}
 
 
-def _unconverged(top: dict) -> str:
+def _still_improving(top: dict) -> str:
     """The words of a verdict whose strongest attack was still improving when its budget ran out ("" if not)."""
-    if top.get("converged") is not False:
+    if not top.get("still_improving"):
         return ""
     budget = settling_budget(top.get("iterations"))
     advice = f"rerun with iterations: {budget} to settle it" if budget else "rerun with a larger budget to settle it"
-    return (f"; {top['attack']} had not converged (its loss fell {top['late_gain']:.0%} of its whole drop over "
+    return (f"; {top['attack']} was still improving when its budget ran out (its loss fell {top['late_gain']:.0%} of its whole drop over "
             f"its last fifth): {advice}")
 
 

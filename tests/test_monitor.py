@@ -1,6 +1,7 @@
 """LeakMonitor: attached once to a training loop, it attacks the update the optimizer really applied."""
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import warnings
@@ -48,8 +49,10 @@ class Transformed(Dataset):
         return self.transform(self.x[i]), self.y[i]
 
 
-def train(model, optimizer, loader, steps: int, changes: dict | None = None, audited=()) -> None:
-    """The user's loop, unchanged; records (theta_before - theta_after) / lr at the ``audited`` steps."""
+def train(model, optimizer, loader, steps: int, changes: dict | None = None, audited=(),
+          grads: dict | None = None) -> None:
+    """The user's loop, unchanged; records (theta_before - theta_after) / lr at the ``audited`` steps in
+    ``changes``, and the gradient the optimizer stepped with in ``grads``."""
     for step, (x, y) in enumerate(loader):
         if step == steps:
             return
@@ -61,22 +64,29 @@ def train(model, optimizer, loader, steps: int, changes: dict | None = None, aud
         optimizer.step()
         if changes is not None and step in audited:
             changes[step] = [(b - p.detach()) / LR for b, p in zip(before, model.parameters())]
+        if grads is not None and step in audited:
+            grads[step] = [p.grad.detach().clone() for p in model.parameters()]
 
 
 def rows(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
 
-def test_attacks_the_update_momentum_and_weight_decay_make_and_leaks(digits, tmp_path):
+@pytest.mark.parametrize("memory", [True, False])
+def test_attacks_the_step_momentum_and_weight_decay_hide_and_leaks(digits, tmp_path, memory):
+    """The server that kept every update undoes momentum and weight decay and attacks the step's own gradient;
+    with ``attacker: {memory: false}`` the update the step applied is attacked as it is."""
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-3)
-    monitor = leakaudit.LeakMonitor(attacks=ATTACK, every=3, out=tmp_path / "run", mean=digits.mean, std=digits.std)
+    monitor = leakaudit.LeakMonitor(attacks=ATTACK, every=3, out=tmp_path / "run", mean=digits.mean, std=digits.std,
+                                    attacker={"memory": memory})
     model, optimizer, loader = monitor.attach(model, optimizer, normalised_loader(digits))
     changes: dict = {}
-    train(model, optimizer, loader, 4, changes, audited=(3,))
-    # the last audited step (3) is one with momentum and weight decay: the attacked update is what the step applied
-    for attacked, changed in zip(monitor.last_update, changes[3]):
-        torch.testing.assert_close(attacked, changed, rtol=1e-5, atol=1e-6)
+    grads: dict = {}
+    train(model, optimizer, loader, 4, changes, audited=(3,), grads=grads)
+    # the last audited step (3) is one with momentum and weight decay
+    for attacked, expected in zip(monitor.last_update, (grads if memory else changes)[3]):
+        torch.testing.assert_close(attacked, expected, rtol=1e-4, atol=1e-6)
     found = {r["checkpoint"]: r for r in rows(tmp_path / "run")}
     assert sorted(found) == [0, 3]
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
@@ -133,6 +143,9 @@ def test_reads_the_loaders_torchvision_normalize_and_refuses_a_wrong_one(digits,
     ({"defense": "gausian"}, "LeakMonitor: defense.name: 'gausian' is not a registered defense (did you mean "
                              "'gaussian'?); choices:"),
     ({"delta": 2.0}, "LeakMonitor: delta: 2.0; expected a number in (0, 1)"),
+    ({"attacker": {"memry": False}}, "LeakMonitor: attacker.memry: unknown key; choices: memory"),
+    ({"attacker": {"memory": "yes"}}, "LeakMonitor: attacker.memory: 'yes' is not of type bool; choices: true, false"),
+    ({"attacker": "memory"}, "LeakMonitor: attacker: 'memory'; expected a mapping such as {'memory': False}"),
     ({"attacks": [{"name": "bayes", "checkpoints": [0]}]},
      "LeakMonitor: attacks[0].checkpoints: LeakMonitor attacks every 100-th step; leave checkpoints out"),
 ])
@@ -164,9 +177,10 @@ def test_a_defense_is_applied_to_the_update_and_attacked_with_its_likelihood(dig
     model, optimizer, loader = monitor.attach(model, torch.optim.SGD(model.parameters(), lr=LR),
                                               normalised_loader(digits))
     train(model, optimizer, loader, 1)
-    (row,) = rows(tmp_path / "run")
+    row, reference = rows(tmp_path / "run")
     assert row["setting"] == "gaussian(sigma=1.0)" and row["attack"] == "bayes"
     assert row["psnr"] < 14  # noise a thousand times the gradient's scale hides the image
+    assert reference["setting"] == "none" and reference["psnr"] > row["psnr"] + 10  # the step calibrated
 
 
 def test_a_second_attach_to_the_folder_resumes_and_report_rebuilds_it(digits, tmp_path):
@@ -201,12 +215,67 @@ def test_under_opacus_the_noised_dp_update_is_attacked_and_epsilon_reported(digi
     monitor = leakaudit.LeakMonitor(attacks=[*ATTACK, {"name": "bayes", "params": {"iterations": 100}}], every=3,
                                     out=tmp_path / "run", mean=digits.mean, std=digits.std)
     model, optimizer, loader = monitor.attach(model, optimizer, loader)
-    changes: dict = {}
-    train(model, optimizer, loader, 4, changes, audited=(3,))
-    for attacked, changed in zip(monitor.last_update, changes[3]):
-        torch.testing.assert_close(attacked, changed, rtol=1e-5, atol=1e-6)
-    found = rows(tmp_path / "run")
-    assert {r["setting"] for r in found} == {"dpsgd(max_grad_norm=1.0,noise_multiplier=0.5)"}
+    grads: dict = {}
+    train(model, optimizer, loader, 4, audited=(3,), grads=grads)
+    for attacked, noisy in zip(monitor.last_update, grads[3]):  # the noisy gradient, its momentum undone
+        torch.testing.assert_close(attacked, noisy, rtol=1e-4, atol=1e-6)
+    found = [r for r in rows(tmp_path / "run") if r["setting"] != "none"]  # "none": the clean gradient, calibrating
+    assert {r["setting"] for r in rows(tmp_path / "run")} == {"dpsgd(max_grad_norm=1.0,noise_multiplier=0.5)", "none"}
     last = [r for r in found if r["checkpoint"] == 3]
     assert last and all(r["epsilon"] == pytest.approx(engine.get_epsilon(1e-5), rel=1e-9) for r in last)
     assert [r["checkpoint"] for r in found if r["attack"] == "bayes"] == sorted({r["checkpoint"] for r in found})
+
+
+def _sigmoid_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.Sigmoid(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 16 * 16, 10))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_the_server_that_kept_every_update_undoes_the_optimizer(digits, tmp_path, optimizer):
+    """SGD with momentum 0.9 and Adam, one digit per step, steps 0, 10 and 20 audited: the attacker with memory
+    scores within 1 dB of attacking the step's own gradient at the same weights (SGD: equal, up to rounding),
+    where the update alone scores far under it."""
+    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9, weight_decay=1e-4),
+            "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}[optimizer]
+    x, y = (digits.train_x[:32] - digits.mean.view(-1, 1, 1)) / digits.std.view(-1, 1, 1), digits.train_y[:32]
+    scores, direct = {}, {}
+    for memory in (True, False):
+        model = _sigmoid_net()
+        loader = DataLoader(TensorDataset(x, y), batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0))
+        monitor = leakaudit.LeakMonitor(attacks=ATTACK, every=10, out=tmp_path / str(memory), mean=digits.mean,
+                                        std=digits.std, metrics=["psnr"], attacker={"memory": memory})
+        model, opt, loader = monitor.attach(model, make(model.parameters()), loader)
+        for step, (inputs, labels) in enumerate(loader):
+            if step == 21:
+                break
+            if memory and step in (10, 20):  # the step's own gradient, attacked at the same weights and seed
+                (result,) = leakaudit.audit_batch(copy.deepcopy(model), F.cross_entropy, inputs, labels,
+                                                  mean=digits.mean, std=digits.std, attacks=ATTACK,
+                                                  metrics=["psnr"], step=step)
+                direct[step] = result.metrics["psnr"]
+            opt.zero_grad()
+            F.cross_entropy(model(inputs), labels).backward()
+            opt.step()
+        monitor.detach()
+        scores[memory] = {r["checkpoint"]: r["psnr"] for r in rows(tmp_path / str(memory))}
+    for step in (10, 20):
+        assert abs(scores[True][step] - direct[step]) < 1.0, (step, scores, direct)
+        assert scores[False][step] < scores[True][step] - 8.0  # momentum (or Adam's moments) blur the update alone
+    summary = json.loads((tmp_path / "True" / "monitor.json").read_text())
+    assert summary["undone"].startswith("the server undoes ")
+
+
+def test_an_optimizer_the_server_cannot_undo_is_attacked_on_its_raw_update_and_says_so(digits, tmp_path):
+    model = build_model()
+    monitor = leakaudit.LeakMonitor(attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}], every=5,
+                                    out=tmp_path / "run", mean=digits.mean, std=digits.std)
+    with pytest.warns(UserWarning, match="LeakMonitor: attacker memory: RMSprop's update is not undone"):
+        model, optimizer, loader = monitor.attach(model, torch.optim.RMSprop(model.parameters(), lr=1e-3),
+                                                  normalised_loader(digits))
+    changes: dict = {}
+    train(model, optimizer, loader, 1, changes, audited=(0,))
+    for attacked, changed in zip(monitor.last_update, changes[0]):  # (before - after) / LR: rescaled to RMSprop's lr
+        torch.testing.assert_close(attacked, changed * LR / 1e-3, rtol=1e-4, atol=1e-6)
+    assert "the server attacks the raw update" in (tmp_path / "run" / "monitor.json").read_text()

@@ -1,0 +1,207 @@
+"""A verdict that never reassures falsely: the undefended reference that calibrates every "protects", the
+convergence of the attacks, and the bound a privacy guarantee puts on any attack."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import small_audit
+
+from leakaudit.evaluator.cli import main
+from leakaudit.evaluator.config import load_audit
+from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.verdict import (
+    INCONCLUSIVE,
+    LEAKS,
+    PROTECTS,
+    UNUSABLE,
+    beats_bound,
+    calibrate,
+    late_gain,
+    overall,
+    settling_budget,
+    training_bound,
+)
+from leakaudit.plugins.defense import PrivacyProfile
+
+
+def _verdict(setting: str, verdict: str, **extra) -> dict:
+    return {"setting": setting, "checkpoint": 0, "verdict": verdict, "attack": "ig", "score": 12.0,
+            "threshold": 14.0, "reason": "ig reaches psnr 12", **extra}
+
+
+@pytest.mark.parametrize("alone, reference, expected", [
+    (PROTECTS, LEAKS, PROTECTS), (UNUSABLE, LEAKS, UNUSABLE), (LEAKS, PROTECTS, LEAKS),
+    (PROTECTS, PROTECTS, INCONCLUSIVE), (UNUSABLE, PROTECTS, INCONCLUSIVE), (PROTECTS, None, INCONCLUSIVE),
+    (None, PROTECTS, None)])
+def test_a_protects_stands_only_where_the_attacks_broke_the_undefended_update(alone, reference, expected):
+    ref = None if reference is None else _verdict("none", reference)
+    out = calibrate(_verdict("gaussian", alone), ref)
+    assert out["verdict"] == expected
+    if expected == INCONCLUSIVE:
+        assert out["alone"] == alone
+        assert ("no attack ran on the undefended update" if reference is None else
+                "did not break even the undefended update") in out["reason"]
+
+
+def test_inconclusive_is_worse_than_protects_and_better_than_leaks():
+    steps = [_verdict("g", PROTECTS), _verdict("g", INCONCLUSIVE), _verdict("g", UNUSABLE)]
+    assert overall(steps)["verdict"] == INCONCLUSIVE
+    assert overall(steps + [_verdict("g", LEAKS)])["verdict"] == LEAKS
+
+
+def test_late_gain_is_the_share_of_the_drop_made_in_the_last_fifth():
+    assert late_gain([10.0] + [0.0] * 99) == 0.0  # all of it at once, at the start
+    assert late_gain([float(100 - i) for i in range(100)]) == pytest.approx(20 / 99)  # a straight line
+    assert late_gain([1.0] * 50) == 0.0 and late_gain([1.0] * 5) is None
+    assert settling_budget(400) == 1000 and settling_budget(None) is None
+
+
+def test_the_reconstruction_bound_of_gaussian_dp_and_of_epsilon_delta():
+    """Kaissis et al. 2023: Phi(Phi^-1(kappa) + mu); Balle et al. 2022: e^epsilon kappa + delta."""
+    assert PrivacyProfile(mu=1.0).reconstruction_bound(0.25) == pytest.approx(0.6276, abs=1e-4)  # Phi(0.3255)
+    assert PrivacyProfile(mu=0.0).reconstruction_bound(0.1) == pytest.approx(0.1)
+    assert PrivacyProfile(mu=math.inf).reconstruction_bound(0.1) == 1.0
+    assert PrivacyProfile(pairs=((1.0, 1e-5),)).reconstruction_bound(0.1) == pytest.approx(math.e * 0.1 + 1e-5)
+    assert PrivacyProfile(mu=0.5, pairs=((10.0, 0.0),)).reconstruction_bound(0.01) == pytest.approx(
+        PrivacyProfile(mu=0.5).reconstruction_bound(0.01))  # the tighter of the two
+    with pytest.raises(ValueError, match="give mu"):
+        PrivacyProfile()
+    assert training_bound(1.0, 1e-5, 10) == pytest.approx(math.e / 10 + 1e-5) and training_bound(None, 1e-5, 10) is None
+
+
+def test_the_guarantees_the_built_in_defenses_declare(registry):
+    from leakaudit.defenses.chain import Chain
+
+    def build(name, **params):
+        return registry.get("defense", name)(**params)
+
+    assert build("dpsgd", noise_multiplier=2.0, max_grad_norm=3.0).privacy_profile().mu == 0.5
+    clip_noise = Chain([build("clip", max_norm=2.0), build("topk", fraction=0.5), build("gaussian", sigma=4.0)])
+    assert clip_noise.privacy_profile().mu == 0.5  # the clipped norm over sigma; topk never lengthens it
+    assert build("gaussian", sigma=1.0).privacy_profile() is None  # nothing bounds the update's norm
+    assert Chain([build("topk", fraction=0.5), build("gaussian", sigma=1.0)]).privacy_profile() is None
+    assert build("none").privacy_profile() is None and build("clip", max_norm=1.0).privacy_profile() is None
+
+
+def test_an_identification_rate_above_the_bound_is_caught_and_one_within_it_is_not():
+    assert beats_bound(1.0, 16, 0.2, 0.95) is not None and "allows any attack at most 20.0%" in beats_bound(
+        1.0, 16, 0.2, 0.95)
+    assert beats_bound(0.25, 16, 0.2, 0.95) is None  # within the binomial interval
+    assert beats_bound(1.0, 16, None, 0.95) is None and beats_bound(None, 16, 0.2, 0.95) is None
+
+
+def test_a_weak_attack_leaves_every_protects_inconclusive_and_the_gate_fails_on_it(write_audit, tmp_path, capsys):
+    """The reference is added where the audit names no undefended setting, attacked like the rest, shown apart;
+    a must_protect setting whose verdict is inconclusive fails --fail-on-leak unless --allow-inconclusive."""
+    path = write_audit(small_audit(defenses=[{"name": "gaussian", "params": {"sigma": 1.0}, "must_protect": True}],
+                                   attacks=[{"name": "inverting_gradients", "params": {"iterations": 2}}],
+                                   utility={"train_steps": 0}, verdict={"identifiable": None}))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-progress", "--fail-on-leak"]) == 3
+    printed = capsys.readouterr()
+    assert "reference (the undefended update, added to calibrate the verdicts; not gated):" in printed.out
+    assert "leakaudit: inconclusive: gaussian(sigma=1.0) (must_protect) is inconclusive at step 0: the attacks " \
+           "did not break even the undefended update at this budget" in printed.err
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = {w["setting"]: (w["verdict"], w["added"]) for w in summary["worst_case"]}
+    assert verdicts == {"gaussian(sigma=1.0)": (INCONCLUSIVE, False), "none": (INCONCLUSIVE, True)}
+    assert "Reference: the undefended update, added" in (out / "report.html").read_text()
+    assert main(["report", str(out), "--fail-on-leak", "--allow-inconclusive"]) == 0
+    assert main(["report", str(out), "--allow-inconclusive"]) == 2
+    assert "--allow-inconclusive: only applies with --fail-on-leak" in capsys.readouterr().err
+
+
+def test_a_filtered_attack_calibrates_on_the_reference_where_it_can_run_undefended(write_audit):
+    audit = load_audit(write_audit(small_audit(
+        defenses=[{"name": "gaussian", "params": {"sigma": 0.1}}, {"name": "precode", "params": {"size": 8}}],
+        attacks=[{"name": "bayes", "defenses": ["gaussian"], "params": {"iterations": 5}},
+                 {"name": "precode_sample", "defenses": ["precode"], "params": {"iterations": 5}}])))
+    reference = audit.settings[-1]
+    assert reference.added and reference.calibrates == frozenset({"bayes"})  # precode_sample needs its bottleneck
+    assert [a.label for a in audit.attacks if a.applies_to(reference)] == ["bayes"]
+    assert audit.reference_of(audit.settings[0]) is reference
+
+
+def test_the_undefended_lenet_is_inconclusive_at_400_iterations_and_leaks_at_1000(write_audit, tmp_path):
+    """The case that once read "protects": Inverting Gradients on the untrained sigmoid LeNet, four digits at 32 px,
+    judged by the score alone, reaches 14.0 dB at 400 iterations against the mean image's 13.2 + 1 dB."""
+    verdicts = {}
+    for iterations in (400, 1000):
+        audit = small_audit(data={"dataset": "digits", "image_size": 32, "targets": 4, "batch_size": 1},
+                            defenses=[{"name": "none"}], utility={"train_steps": 0}, verdict={"identifiable": None},
+                            attacks=[{"name": "inverting_gradients",
+                                      "params": {"iterations": iterations, "lr": 0.1, "priors": {"tv": 0.01}}}])
+        summary = run_audit(load_audit(write_audit(audit, f"a{iterations}.yaml")), tmp_path / str(iterations),
+                            progress=False)
+        verdicts[iterations] = summary["worst_case"][0]["verdict"]
+    assert verdicts == {400: INCONCLUSIVE, 1000: LEAKS}
+
+
+def _overclaiming_defense():
+    """A Gaussian noise defense whose privacy profile claims 100 times the noise it sends."""
+    from leakaudit.defenses.noise import GaussianNoise
+
+    class Overclaiming(GaussianNoise):
+        name = "overclaiming"
+
+        def privacy_profile(self, radius=None):
+            return PrivacyProfile(mu=0.01, mechanism="claims noise sigma 100 times what it sends")
+
+    return Overclaiming
+
+
+def test_check_defense_catches_a_defense_that_claims_more_privacy_than_it_delivers():
+    from leakaudit.testing import check_defense
+
+    with pytest.raises(AssertionError, match="declares more privacy than it delivers"):
+        check_defense(_overclaiming_defense()(sigma=0.01), shares=64, directions=4)
+
+
+@pytest.mark.parametrize("name, params", [("dpsgd", {"noise_multiplier": 1.0, "max_grad_norm": 0.5}),
+                                          ("chain", {"max_norm": 0.5, "sigma": 0.5})])
+def test_check_defense_passes_the_guarantees_that_hold(registry, name, params):
+    from leakaudit.defenses.chain import Chain
+    from leakaudit.testing import check_defense
+
+    defense = (registry.get("defense", "dpsgd")(**params) if name == "dpsgd" else
+               Chain([registry.get("defense", "clip")(max_norm=params["max_norm"]),
+                      registry.get("defense", "gaussian")(sigma=params["sigma"])]))
+    check = check_defense(defense, shares=64, directions=4)
+    fpr, tpr, allowed = check.privacy_test
+    assert tpr <= allowed
+
+
+def test_an_audit_catches_a_hidden_defense_that_claims_more_privacy_than_it_delivers(write_audit, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Its attacks identify every target, where the claimed guarantee allows about a guess's 1 in 8."""
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "overclaiming.py").write_text(
+        "import leakaudit\n"
+        "from leakaudit.defenses.noise import GaussianNoise\n"
+        "from leakaudit.plugins.defense import PrivacyProfile\n\n"
+        "class Overclaiming(GaussianNoise):\n"
+        "    name = 'overclaiming'\n\n"
+        "    def privacy_profile(self, radius=None):\n"
+        "        return PrivacyProfile(mu=0.01, mechanism='claims 100 times the noise it sends')\n\n"
+        "@leakaudit.hookimpl\n"
+        "def register_defenses():\n"
+        "    return [Overclaiming]\n")
+    path = write_audit(small_audit(
+        data={"dataset": "digits", "image_size": 16, "targets": 8, "batch_size": 1}, plugins_dir="plugins",
+        defenses=[{"name": "none"}, {"name": "overclaiming", "params": {"sigma": 1e-4}, "must_protect": True}],
+        attacks=[{"name": "inverting_gradients", "params": {"iterations": 150, "lr": 0.1, "priors": {"tv": 0.01}}}],
+        utility={"train_steps": 0}))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-progress", "--fail-on-leak"]) == 3
+    err = capsys.readouterr().err
+    assert "leakaudit: bound: overclaiming(sigma=0.0001), inverting_gradients, step 0: identifies" in err
+    summary = json.loads((out / "summary.json").read_text())
+    (w,) = [w for w in summary["worst_case"] if w["setting"] == "overclaiming(sigma=0.0001)"]
+    assert w["privacy"]["violated"] and w["privacy"]["bound"] == pytest.approx(
+        PrivacyProfile(mu=0.01).reconstruction_bound(1 / 8))
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["rero_bound"] for r in rows if r["setting"] != "none"} == {w["privacy"]["bound"]}
+    assert "beyond its bound" in (out / "report.html").read_text()

@@ -185,6 +185,10 @@ def cmd_validate(args) -> int:
     if factories:
         print(f"  not called by validate: {', '.join(dict.fromkeys(factories))} (run calls them and checks what "
               "they return before any work)")
+    added = [s.key for s in audit.settings if s.added]
+    if added:
+        print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "
+              "add a {name: none} entry to see it among yours)")
     return 0
 
 
@@ -287,10 +291,10 @@ def _verdict_line(w: dict, leak: str, width: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)  # --help and --version end here, before torch is imported
     from leakaudit.evaluator.config import ConfigError
-    from leakaudit.evaluator.runner import RunError
+    from leakaudit.evaluator.rundir import RunError
 
-    args = _parser().parse_args(argv)
     previous = None
     if args.command == "run" and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _interrupt)

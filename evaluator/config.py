@@ -614,8 +614,9 @@ def with_references(settings: list[DefenseSetting], attacks: list[AttackSpec],
 
     A reference is attacked by every attack that runs on a setting of its model and supports the undefended
     update (attacks that read what a defense adds to the model, ``needs_defense``, do not), with the same
-    budget and tuning:
-    where none of them breaks it, a defended setting's "protects" at that step cannot be told from a weak attack.
+    budget and tuning: where none of them breaks it, a defended setting's "protects" at that step cannot be
+    told from a weak attack. Where no attack can run undefended, none is added (every "protects" of that model
+    is then inconclusive).
     """
     baseline = next((e.obj for e in registry.entries["defense"].values() if e.obj.baseline), None)
     if baseline is None or not settings:
@@ -627,10 +628,10 @@ def with_references(settings: list[DefenseSetting], attacks: list[AttackSpec],
         given = next((s for s in mine if s.is_baseline(registry)), None)
         labels = frozenset(a.label for a in attacks if (given is not None and a.filters_in(given)) or (
             any(a.filters_in(s) for s in mine) and _calibrates(a.build(registry), reference)))
-        if given is None:
-            out.append(DefenseSetting(((baseline.name, {}),), None, own, False, labels, True))
-        else:
+        if given is not None:
             settings = [dataclasses.replace(s, calibrates=labels) if s is given else s for s in settings]
+        elif labels:
+            out.append(DefenseSetting(((baseline.name, {}),), None, own, False, labels, True))
     return settings + out
 
 

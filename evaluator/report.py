@@ -36,6 +36,7 @@ from leakaudit.evaluator.verdict import (  # noqa: E402
     judge,
     leak_threshold,
     min_accuracy,
+    named_share,
     overall,
     strongest,
     training_bound,
@@ -83,7 +84,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
-    cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key), identified_by,
+    cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key) or (None, None), identified_by,
                    profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
     chance = run_info.get("chance_accuracy")
@@ -123,7 +124,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
 
 
 def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
-          identifiable: float | None, identified_by: str | None, profile) -> dict[str, Any]:
+          identified: tuple[float | None, float | None], identified_by: str | None, profile) -> dict[str, Any]:
     """One (setting, attack, checkpoint)'s statistics over its rows: per metric mean, std, interval and count;
     its most leaking image; its identifiable share and the bound a privacy guarantee sets on it; convergence."""
     setting, attack, ckpt = key
@@ -139,11 +140,11 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
             notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
                          "(the model or the reconstruction diverged); the cell leaves them out")
     cell["worst_image"] = _worst_image(rs, leakage)
-    n = len(rs) * audit.data["batch_size"]
-    cell["identifiable"], cell["identifiable_by"], cell["identifiable_n"] = identifiable, identified_by, n
-    cell["rero_bound"] = None if profile is None or n < 2 else profile.reconstruction_bound(1 / n)
-    cell["bound_violated"] = None if audit.data["batch_size"] > 1 else beats_bound(
-        identifiable, n, cell["rero_bound"], options["confidence"])
+    n, batch = len(rs) * audit.data["batch_size"], audit.data["batch_size"]
+    (cell["identifiable"], cell["named"]), cell["identifiable_by"], cell["identifiable_n"] = identified, \
+        identified_by, n
+    cell["rero_bound"] = None if profile is None or n <= batch else profile.reconstruction_bound(batch / n)
+    cell["bound_violated"] = beats_bound(cell["named"], n, cell["rero_bound"], options["confidence"])
     gains = finite(r.get("late_gain") for r in rs)
     cell["late_gain"] = float(np.mean(gains)) if gains else None
     cell["still_improving"] = None if not gains else cell["late_gain"] > STILL_IMPROVING
@@ -167,7 +168,7 @@ def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, fi
     """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps, and
     where it has a privacy guarantee the bound beside the measured identification."""
     top, _ = strongest(mine, leakage)
-    identifying = max(mine, key=lambda c: -1 if c.get("identifiable") is None else c["identifiable"])
+    identifying = max(mine, key=lambda c: -1 if c.get("named") is None else c["named"])
     epsilon, delta = utility.get("epsilon"), utility.get("delta")
     return {
         "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
@@ -182,10 +183,10 @@ def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, fi
         "settling_iterations": final.get("settling_iterations"),
         "privacy": None if profile is None else {
             "mu": profile.mu, "mechanism": profile.mechanism, "bound": identifying["rero_bound"],
-            "identified": identifying.get("identifiable"), "identified_by": identifying["attack"],
-            "identified_n": identifying["identifiable_n"],
+            "identified": identifying.get("named"), "identified_by": identifying["attack"],
+            "identified_n": identifying["identifiable_n"], "chance": audit.data["batch_size"] / identifying["identifiable_n"],
             "violated": any(bool(c.get("bound_violated")) for c in mine),
-            "training_bound": training_bound(epsilon, delta, identifying["identifiable_n"])},
+            "training_bound": training_bound(epsilon, delta, audit.data["batch_size"] / identifying["identifiable_n"])},
         "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}}
 
 
@@ -291,9 +292,10 @@ def _distances(metric, recs: torch.Tensor, origs: torch.Tensor, chunk: int = 512
     return -d if metric.higher_is_better else d
 
 
-def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tuple, float | None]]:
-    """Per cell, the share of reconstructions whose nearest original among the audit's targets is their own,
-    by LPIPS where the audit measures it and MSE otherwise; cached in the run folder."""
+def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tuple, tuple[float, float] | None]]:
+    """Per cell, the share of reconstructions whose nearest original among the audit's targets is their own
+    (after matching each to an original of its update), and the share of targets named from the reconstructions
+    alone (``named_share``), by LPIPS where the audit measures it and MSE otherwise; cached in the run folder."""
     audit = folder.audit
     by = "lpips" if "lpips" in audit.metrics and any(r.get("lpips") is not None for r in rows) else "mse"
     metric = audit.registry.get("metric", by)
@@ -303,11 +305,12 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
         counts[(r["setting"], r["attack"], r["checkpoint"])] += 1
     out, changed = {}, False
     for key, n in counts.items():
-        name = json.dumps([*key, n, by])
+        name = json.dumps([*key, n, by, "named"])
         if name not in cache:
             images = _cell_images(folder, key)
-            cache[name] = None if images is None or audit.data["targets"] < 2 else identifiable_share(
-                _distances(metric, *images))
+            distances = None if images is None or audit.data["targets"] < 2 else _distances(metric, *images)
+            cache[name] = None if distances is None else [identifiable_share(distances),
+                                                          named_share(distances, audit.data["batch_size"])]
             changed = True
         out[key] = cache[name]
     if changed:
@@ -530,8 +533,8 @@ def plot_identification_bound(summary: dict, path: Path) -> bool:
         if bad:
             ax.scatter([x(w) for w in bad], [w["privacy"]["identified"] for w in bad], s=160, facecolors="none",
                        edgecolors="red", linewidths=2, zorder=4, label="beyond the bound")
-    chance = 1 / points[0]["privacy"]["identified_n"]
-    ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"a guess (1 in {round(1 / chance)})")
+    chance = points[0]["privacy"]["chance"]
+    ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"a guess ({chance:.0%})")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("identification against the bound the guarantee sets", fontsize=11)

@@ -119,10 +119,12 @@ class AuditWorker:
         return self._epsilon[setting.key]
 
     def bound(self, setting) -> float | None:
-        """The most any attack can identify of the audit's targets (a guess: 1 in their number) under the
-        setting's privacy guarantee for one update; None where it gives none."""
+        """The most any attack can identify of the audit's targets (a guess names an update's images: batch size
+        in the number of targets) under the setting's privacy guarantee for one update; None where it gives none."""
         profile = self.scenario.defense(setting).privacy_profile()
-        return None if profile is None else profile.reconstruction_bound(1 / self.scenario.audit.data["targets"])
+        data = self.scenario.audit.data
+        return None if profile is None or data["targets"] <= data["batch_size"] else profile.reconstruction_bound(
+            data["batch_size"] / data["targets"])
 
     def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
             list[Problem], list[Tensor]]:

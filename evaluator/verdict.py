@@ -244,13 +244,13 @@ def beats_bound(share: float | None, n: int, bound: float | None, confidence: fl
             "is wrong")
 
 
-def training_bound(epsilon: float | None, delta: float | None, n: int) -> float | None:
-    """The bound (epsilon, delta)-DP of the whole training sets on identifying one of ``n`` targets
-    (``e^epsilon / n + delta``, Balle et al. 2022): what an attacker of every round faces, not knowing when the
-    target was sampled; None without an epsilon."""
-    if epsilon is None or delta is None or n < 2 or not math.isfinite(epsilon):
+def training_bound(epsilon: float | None, delta: float | None, kappa: float) -> float | None:
+    """The bound (epsilon, delta)-DP of the whole training sets on identifying a target where a guess succeeds
+    with probability ``kappa`` (``e^epsilon kappa + delta``, Balle et al. 2022): what an attacker of every round
+    faces, not knowing when the target was sampled; None without an epsilon."""
+    if epsilon is None or delta is None or not 0 < kappa < 1 or not math.isfinite(epsilon):
         return None
-    return 1.0 if epsilon > 700 else min(1.0, math.exp(epsilon) / n + delta)
+    return 1.0 if epsilon > 700 else min(1.0, math.exp(epsilon) * kappa + delta)
 
 
 def overall(verdicts: list[dict]) -> dict | None:
@@ -269,6 +269,26 @@ def identifiable_share(distances: np.ndarray) -> float:
     own = np.diag(distances)
     others = distances + np.diag(np.full(len(distances), np.inf))
     return float(np.mean(own < others.min(axis=1))) if len(distances) > 1 else float("nan")
+
+
+def named_share(distances: np.ndarray, batch: int) -> float:
+    """Share of the targets that an attacker names from its reconstructions alone, with no matching to the
+    truth first: each reconstruction's nearest original among all targets (rows: reconstructions, columns:
+    originals, in updates of ``batch`` consecutive images), counted once where it is an image of its own update
+    and nearer than every other update's. A guess names ``batch`` of N, so it scores ``batch / N``: the prior
+    success a privacy bound is computed from. One image per update: ``identifiable_share``."""
+    n = len(distances)
+    if n <= batch:
+        return float("nan")
+    hits = 0
+    for start in range(0, n, batch):
+        own = np.zeros(n, dtype=bool)
+        own[start:start + batch] = True
+        rows = distances[start:start + batch]
+        inside, outside = np.where(own, rows, np.inf), np.where(own, np.inf, rows)
+        named = inside.argmin(axis=1)[inside.min(axis=1) < outside.min(axis=1)]
+        hits += len(set(named.tolist()))
+    return hits / n
 
 
 def gate_failures(summary: dict[str, Any], allow_inconclusive: bool = False) -> list[tuple[str, str]]:

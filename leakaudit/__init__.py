@@ -18,50 +18,44 @@ The public API::
 Plugin authors need only the names below; the rooms under ``leakaudit.plugins``,
 ``leakaudit.defenses``, ``leakaudit.attacks`` and ``leakaudit.evaluator`` hold the rest.
 """
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from leakaudit.plugins import Param, PluginError, hookimpl
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
-from leakaudit.plugins.components import (
-    DatasetSpec,
-    ImageData,
-    Metric,
-    MetricUnavailable,
-    ModelSpec,
-)
-from leakaudit.plugins.defense import Defense, DeterministicDefense, PrivacyProfile, SharedUpdate
 from leakaudit.plugins.manager import load_registry
-from leakaudit.plugins.protocol import ClientStep, FedAvg, FedSGD, OwnStep, Protocol
 
 try:
     __version__ = _version("leakaudit")
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
+#: Where each public name lives, imported on first use (PEP 562): ``import leakaudit`` and ``leakaudit --help``
+#: stay free of torch until a name that needs it is asked for.
+_LAZY = {
+    **dict.fromkeys(("Attack", "Problem", "Reconstruction", "ThreatModel"), "leakaudit.plugins.attack"),
+    **dict.fromkeys(("DatasetSpec", "ImageData", "Metric", "MetricUnavailable", "ModelSpec"),
+                    "leakaudit.plugins.components"),
+    **dict.fromkeys(("Defense", "DeterministicDefense", "PrivacyProfile", "SharedUpdate"), "leakaudit.plugins.defense"),
+    **dict.fromkeys(("ClientStep", "FedAvg", "FedSGD", "OwnStep", "Protocol"), "leakaudit.plugins.protocol"),
+    **dict.fromkeys(("audit_batch", "BatchAudit"), "leakaudit.evaluator.api"),
+    "LeakMonitor": "leakaudit.evaluator.monitor",
+    **dict.fromkeys(("run_audit", "RunError", "report_folder"), "leakaudit.evaluator.runner"),
+    **dict.fromkeys(("load_audit", "ConfigError", "Audit"), "leakaudit.evaluator.config"),
+}
+
 
 def __getattr__(name: str):
-    """The engine's entry points, imported on first use so that plugins stay light to import."""
-    if name in ("audit_batch", "BatchAudit"):
-        from leakaudit.evaluator import api
-
-        return getattr(api, name)
-    if name == "LeakMonitor":
-        from leakaudit.evaluator import monitor
-
-        return monitor.LeakMonitor
-    if name in ("run_audit", "RunError", "report_folder"):
-        from leakaudit.evaluator import runner
-
-        return getattr(runner, name)
-    if name in ("load_audit", "ConfigError", "Audit"):
-        from leakaudit.evaluator import config
-
-        return getattr(config, name)
+    """A public name, imported from its module on first use."""
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'leakaudit' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "hookimpl", "Param", "PluginError", "Defense", "DeterministicDefense", "PrivacyProfile",
-           "SharedUpdate", "Attack", "Problem", "Reconstruction", "ThreatModel", "ClientStep", "Protocol", "FedSGD", "FedAvg", "OwnStep",
-           "Metric", "MetricUnavailable", "ModelSpec", "DatasetSpec", "ImageData", "load_registry",
-           "load_audit", "ConfigError", "Audit", "run_audit", "RunError", "report_folder", "audit_batch", "BatchAudit", "LeakMonitor"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["__version__", "hookimpl", "Param", "PluginError", "load_registry", *_LAZY]

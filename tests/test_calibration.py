@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from conftest import small_audit
 
@@ -68,7 +69,7 @@ def test_the_reconstruction_bound_of_gaussian_dp_and_of_epsilon_delta():
         PrivacyProfile(mu=0.5).reconstruction_bound(0.01))  # the tighter of the two
     with pytest.raises(ValueError, match="give mu"):
         PrivacyProfile()
-    assert training_bound(1.0, 1e-5, 10) == pytest.approx(math.e / 10 + 1e-5) and training_bound(None, 1e-5, 10) is None
+    assert training_bound(1.0, 1e-5, 0.1) == pytest.approx(math.e / 10 + 1e-5) and training_bound(None, 1e-5, 0.1) is None
 
 
 def test_the_guarantees_the_built_in_defenses_declare(registry):
@@ -83,6 +84,17 @@ def test_the_guarantees_the_built_in_defenses_declare(registry):
     assert build("gaussian", sigma=1.0).privacy_profile() is None  # nothing bounds the update's norm
     assert Chain([build("topk", fraction=0.5), build("gaussian", sigma=1.0)]).privacy_profile() is None
     assert build("none").privacy_profile() is None and build("clip", max_norm=1.0).privacy_profile() is None
+
+
+def test_the_named_share_counts_what_the_reconstructions_name_without_the_truth():
+    from leakaudit.evaluator.verdict import named_share
+
+    near = np.array([[0.0, 5, 5, 5], [5, 0, 5, 5], [5, 5, 0, 5], [5, 5, 5, 0]])
+    assert named_share(near, 1) == 1.0 and named_share(near, 2) == 1.0
+    blurred = np.array([[0.0, 5, 5, 5], [0.0, 5, 5, 5], [5, 5, 5, 0], [5, 5, 5, 0]])  # both name one image
+    assert named_share(blurred, 2) == 0.5  # distinct images named: one per update
+    wrong = np.array([[5.0, 5, 0, 5], [5, 5, 0, 5], [0, 5, 5, 5], [0, 5, 5, 5]])  # each names the other update's
+    assert named_share(wrong, 2) == 0.0 and math.isnan(named_share(near, 4))
 
 
 def test_an_identification_rate_above_the_bound_is_caught_and_one_within_it_is_not():

@@ -29,16 +29,21 @@ def main(out: str = "runs/monitored_training", steps: int = 201, every: int = 50
                           out=out, mean=data.mean, std=data.std)   # the loader normalised with these
     model, optimizer, loader = monitor.attach(model, optimizer, loader)
 
+    print(f"training {steps} steps; the monitor attacks steps 0, {every}, {2 * every}, ...", flush=True)
     for step, (x, y) in enumerate(loader):                           # the loop, unchanged
         if step == steps:
             break
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
+        if step % every == 0:                                        # progress: the step just attacked
+            print(f"  step {step}: attacked ({len(monitor.audited_steps)} so far)", flush=True)
     monitor.detach()
     summary = monitor.report()
     for cell in summary["cells"]:
         print(f"step {cell['checkpoint']}: {cell['attack']} rebuilds the image at {cell['psnr_mean']:.1f} dB PSNR")
+    for w in summary["worst_case"]:
+        print(f"verdict: {w['setting']} {w['verdict']}: {w['reason']}")
     print(f"report: {out}/report.html")
     return summary
 

@@ -142,7 +142,8 @@ class DPSGD(Defense):
         accountant credits over training do not apply to the attacked update, which holds the target."""
         mu = math.inf if self.noise_multiplier == 0 else 1 / self.noise_multiplier
         return PrivacyProfile(mu=mu, mechanism=f"Gaussian mechanism of one DP-SGD step: noise multiplier "
-                                               f"{self.noise_multiplier:g}, each example clipped to {self.max_grad_norm:g}")
+                                               f"{self.noise_multiplier:g}, each example clipped to "
+                                               f"{self.max_grad_norm:g}")
 
 
 def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Tensor, noise_multiplier: float,

@@ -168,8 +168,6 @@ def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, fi
     """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps, and
     where it has a privacy guarantee the bound beside the measured identification."""
     top, _ = strongest(mine, leakage)
-    identifying = max(mine, key=lambda c: -1 if c.get("named") is None else c["named"])
-    epsilon, delta = utility.get("epsilon"), utility.get("delta")
     return {
         "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
         "reference": s.calibrates is not None, "added": s.added,
@@ -181,13 +179,21 @@ def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, fi
         "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
         "verdict_checkpoint": final["checkpoint"], "still_improving": final.get("still_improving"),
         "settling_iterations": final.get("settling_iterations"),
-        "privacy": None if profile is None else {
-            "mu": profile.mu, "mechanism": profile.mechanism, "bound": identifying["rero_bound"],
-            "identified": identifying.get("named"), "identified_by": identifying["attack"],
-            "identified_n": identifying["identifiable_n"], "chance": audit.data["batch_size"] / identifying["identifiable_n"],
-            "violated": any(bool(c.get("bound_violated")) for c in mine),
-            "training_bound": training_bound(epsilon, delta, audit.data["batch_size"] / identifying["identifiable_n"])},
+        "privacy": _privacy(profile, mine, audit.data["batch_size"], utility),
         "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}}
+
+
+def _privacy(profile, mine: list[dict], batch: int, utility: dict) -> dict[str, Any] | None:
+    """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any of its
+    attacks named (and whether some cell beat the bound), and what the training's epsilon bounds."""
+    if profile is None:
+        return None
+    top = max(mine, key=lambda c: -1 if c.get("named") is None else c["named"])
+    chance = batch / top["identifiable_n"]
+    return {"mu": profile.mu, "mechanism": profile.mechanism, "bound": top["rero_bound"],
+            "identified": top.get("named"), "identified_by": top["attack"], "identified_n": top["identifiable_n"],
+            "chance": chance, "violated": any(bool(c.get("bound_violated")) for c in mine),
+            "training_bound": training_bound(utility.get("epsilon"), utility.get("delta"), chance)}
 
 
 def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> dict[str, Any]:

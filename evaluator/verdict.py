@@ -184,8 +184,8 @@ def _still_improving(top: dict) -> str:
         return ""
     budget = settling_budget(top.get("iterations"))
     advice = f"rerun with iterations: {budget} to settle it" if budget else "rerun with a larger budget to settle it"
-    return (f"; {top['attack']} was still improving when its budget ran out (its loss fell {top['late_gain']:.0%} of its whole drop over "
-            f"its last fifth): {advice}")
+    return (f"; {top['attack']} was still improving when its budget ran out (its loss fell {top['late_gain']:.0%} "
+            f"of its whole drop over its last fifth): {advice}")
 
 
 def calibrate(verdict: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:

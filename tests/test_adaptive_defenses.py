@@ -439,7 +439,8 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
         ("bayesian", "bayesian_exact"), ("bayesian", "ig"), ("none", "ig"), ("none", "ig_drop"), ("precode", "ig"),
         ("precode", "precode_sample"), ("soteria", "ig"), ("soteria", "ig_drop")]
     assert {(n["defense"], n["naive_attack"], n["adaptive_attack"]) for n in summary["naive_vs_adaptive"]} == {
-        ("none", "ig", "ig_drop"), ("soteria", "ig", "ig_drop"), ("precode", "ig", "precode_sample"), ("bayesian", "ig", "bayesian_exact")}
+        ("none", "ig", "ig_drop"), ("soteria", "ig", "ig_drop"), ("precode", "ig", "precode_sample"),
+        ("bayesian", "ig", "bayesian_exact")}
     assert "Naive against adaptive attacks" in (tmp_path / "a" / "report.html").read_text()
     changes = summary["utility"]
     assert any("variational bottleneck" in c for u in changes.values() for c in u["model_changes"])

@@ -5,7 +5,9 @@ true candidate must have the highest expected log-likelihood (the score has mean
 likelihood's curvature must equal the variance of its score across shares, the information-matrix
 equality that holds when a density is correctly specified (White 1982). A declared Gaussian of the
 wrong scale, or the wrong noise family, breaks the second; a likelihood centred off what ``share()``
-sends breaks the first. ``check_attack`` runs an attack on one undefended image and every protocol it
+sends breaks the first. A defense that declares a privacy guarantee (``privacy_profile``) is also audited:
+the shares of two batches one example apart must be no easier to tell apart than the guarantee allows
+(Jagielski et al. 2020). ``check_attack`` runs an attack on one undefended image and every protocol it
 does not refuse. Both raise AssertionError with one line per problem, so they read well under pytest.
 """
 from __future__ import annotations

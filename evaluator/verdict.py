@@ -271,15 +271,16 @@ def identifiable_share(distances: np.ndarray) -> float:
     return float(np.mean(own < others.min(axis=1))) if len(distances) > 1 else float("nan")
 
 
-def named_share(distances: np.ndarray, batch: int) -> float:
+def named_share(distances: np.ndarray, batch: int) -> float | None:
     """Share of the targets that an attacker names from its reconstructions alone, with no matching to the
     truth first: each reconstruction's nearest original among all targets (rows: reconstructions, columns:
     originals, in updates of ``batch`` consecutive images), counted once where it is an image of its own update
     and nearer than every other update's. A guess names ``batch`` of N, so it scores ``batch / N``: the prior
-    success a privacy bound is computed from. One image per update: ``identifiable_share``."""
+    success a privacy bound is computed from. One image per update: ``identifiable_share``. None where every
+    target is in one update (a guess names them all)."""
     n = len(distances)
     if n <= batch:
-        return float("nan")
+        return None
     hits = 0
     for start in range(0, n, batch):
         own = np.zeros(n, dtype=bool)

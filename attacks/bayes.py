@@ -33,7 +33,7 @@ from leakaudit.attacks.vectorised import (
     vectorisable,
 )
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 
 
@@ -62,7 +62,7 @@ class LikelihoodAttack(Attack):
     """Shared optimiser of the likelihood-based attacks; subclasses define ``negative_log_likelihood``."""
 
     params = {
-        "iterations": Param(2000, int, min=1, help="Adam steps"),
+        "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS, help="Adam steps"),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="initial Adam step size"),
         "lr_decay": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True,
                           help="final step size as a fraction of the first (exponential decay)"),

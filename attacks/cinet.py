@@ -24,7 +24,7 @@ from torch.nn.utils.parametrizations import spectral_norm
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 
 START = 4  # side of the first feature map
@@ -93,7 +93,8 @@ class CINet(Attack):
     name = "cinet"
     paper = "Zhang et al. 2023"
     params = {
-        "iterations": Param(2000, int, min=1, help="Adam steps on the generator (the last iterate is reported)"),
+        "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS,
+                            help="Adam steps on the generator (the last iterate is reported)"),
         "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="Adam's step size on the signed gradient"),
         "latent": Param(128, int, min=1, help="latent size per image"),
         "width": Param(None, int, min=1, help=f"generator channels (default: {FIRST_WIDTH}, doubled while the "

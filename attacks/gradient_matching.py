@@ -34,7 +34,7 @@ from leakaudit.attacks.vectorised import (
     vectorisable,
 )
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance, squared_distance
 
 
@@ -70,7 +70,7 @@ class InvertingGradients(Attack):
     name = "inverting_gradients"
     paper = "Geiping et al. 2020"
     params = {
-        "iterations": Param(4800, int, min=1, help="optimisation steps per restart"),
+        "iterations": Param(4800, int, min=1, max=MAX_ITERATIONS, help="optimisation steps per restart"),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam step size"),
         "priors": Param({"tv": 1e-2}, dict, help=PRIOR_WEIGHTS),
         "restarts": Param(1, int, min=1, help="random restarts; the best gradient match is kept"),
@@ -221,7 +221,7 @@ class DeepLeakage(Attack):
     name = "dlg"
     paper = "Zhu et al. 2019"
     params = {
-        "iterations": Param(300, int, min=1, help="L-BFGS steps per restart"),
+        "iterations": Param(300, int, min=1, max=MAX_ITERATIONS, help="L-BFGS steps per restart"),
         "lr": Param(1.0, float, min=0.0, exclusive_min=True, help="L-BFGS step size"),
         "restarts": Param(4, int, min=1, help="random restarts; the best gradient match is kept"),
         "line_search": Param(True, bool, help="strong-Wolfe line search (off: fixed steps, as the DLG code)"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -13,10 +14,18 @@ from leakaudit.plugins.spec import PluginError
 
 EXIT_BAD_INPUT = 2
 EXIT_LEAK = 3
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command whose reader went away
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line with a hint, as leakaudit's others are."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"leakaudit: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leakaudit", description=(
+    p = _Parser(prog="leakaudit", description=(
         "Audit federated-learning privacy defenses against gradient-inversion attacks that know them."))
     p.add_argument("--version", action="version", version=f"leakaudit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -178,8 +187,8 @@ def cmd_validate(args) -> int:
     check_scenario(Scenario(audit), user_code=False)
     from leakaudit.evaluator.runner import jobs_of
 
-    print(f"{args.config}: valid: {len(audit.settings)} defense settings x {len(audit.checkpoints)} checkpoints "
-          f"x {audit.num_batches} target batches x {len(audit.attacks)} attacks: {len(jobs_of(audit))} attack jobs")
+    print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({audit.num_batches} target batches each): "
+          + "; ".join(_counted(audit, a) for a in audit.attacks))
     factories = [s for s in (audit.data.get("factory"), audit.model["name"],
                              *(st.model["name"] for st in audit.settings if st.model)) if s and ":" in s]
     if factories:
@@ -190,6 +199,16 @@ def cmd_validate(args) -> int:
         print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "
               "add a {name: none} entry to see it among yours)")
     return 0
+
+
+def _counted(audit, attack) -> str:
+    """How many jobs one attack makes: the settings and steps it runs at, and what limits them."""
+    settings = sum(attack.applies_to(s) for s in audit.settings)
+    steps = sum(attack.runs_at(c) for c in audit.checkpoints)
+    limits = [f"defenses: {', '.join(attack.defenses)}"] if attack.defenses else []
+    limits += [f"checkpoints: {', '.join(map(str, attack.checkpoints))}"] if attack.checkpoints else []
+    return (f"{attack.label} on {settings} setting{'s' * (settings != 1)} x {steps} step{'s' * (steps != 1)}"
+            + (f" ({'; '.join(limits)})" if limits else ""))
 
 
 def cmd_analyse(args) -> int:
@@ -242,7 +261,7 @@ def cmd_run(args) -> int:
         return _fail(problems)
     summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers,
                         template=args.template)
-    return _conclude(summary, Path(args.out), args)
+    return _conclude(summary, Path(args.out), args, ("results.jsonl", "results.csv"))
 
 
 def cmd_report(args) -> int:
@@ -257,10 +276,12 @@ def cmd_report(args) -> int:
     return _conclude(summary, Path(args.folder), args)
 
 
-def _conclude(summary: dict, out: Path, args) -> int:
-    """The terminal summary, a verdict per setting (the undefended reference apart); with the gate, status 3 and
-    a line per setting that fails it."""
-    print(f"wrote {out / 'report.html'}, {out / 'results.jsonl'}, {out / 'results.csv'}, {out / 'summary.json'}")
+def _conclude(summary: dict, out: Path, args, tables: tuple[str, ...] = ()) -> int:
+    """What was written, then a verdict per setting (the undefended reference apart); with the gate, status 3
+    and a line per setting that fails it."""
+    figures = summary.get("figures", [])
+    print(f"wrote {out}/: report.html, summary.json, {', '.join(tables) + ', ' if tables else ''}"
+          f"{len(figures)} figure{'s' * (len(figures) != 1)} ({', '.join(figures)})")
     judged = [w for w in summary["worst_case"] if not w.get("added")]
     added = [w for w in summary["worst_case"] if w.get("added")]
     width = min(40, max(len(w["setting"]) for w in summary["worst_case"])) if summary["worst_case"] else 10
@@ -307,8 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     except (PluginError, RunError) as exc:
         return _fail([str(exc)])
     except KeyboardInterrupt:
-        print("leakaudit: interrupted; rerun with --resume to continue", file=sys.stderr)
+        print("leakaudit: interrupted; rerun with --resume to continue" if args.command == "run"
+              else "leakaudit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `leakaudit plugins | head`: the reader closed the pipe, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit flush is quiet
+        return EXIT_CLOSED_PIPE
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -24,6 +24,8 @@ from leakaudit.plugins.spec import Param, PluginError, check_params, did_you_mea
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
 #: Training steps an audit may ask for (checkpoints, utility.train_steps): past this a run is a hang, not an audit.
 MAX_STEPS = 100_000
+#: Private images an audit may attack: past this a run is a hang, not an audit.
+MAX_TARGETS = 100_000
 #: Audit files larger than this are refused unread; YAML aliases may expand to at most this many values.
 MAX_FILE_BYTES = 1 << 20
 MAX_YAML_VALUES = 100_000
@@ -68,7 +70,7 @@ DATA = {
     "dataset": Param(None, str, help="a registered dataset (leakaudit plugins)"),
     "factory": Param(None, str, help="'package.module:load' returning your own ImageData (instead of dataset)"),
     "image_size": Param(32, int, min=8, max=512),
-    "targets": Param(4, int, min=1, help="private images attacked"),
+    "targets": Param(4, int, min=1, max=MAX_TARGETS, help="private images attacked"),
     "target_split": Param("test", str, choices=("test", "train"),
                           help="the split the targets come from: test (never trained on) or train (also trained "
                                "on, as Balunovic et al. 2022 attack the first 100 training images)"),
@@ -343,6 +345,8 @@ def read_yaml(path: Path) -> tuple[str, Any]:
     """The file's text and parsed content; a ConfigError when it is missing, too large, not text or not YAML."""
     if path.is_dir():
         raise ConfigError([f"{path}: is a folder; give the audit's YAML file"])
+    if path.exists() and not path.is_file():
+        raise ConfigError([f"{path}: not a regular file (a pipe or device); give the audit's YAML file"])
     if not path.is_file():
         raise ConfigError([f"{path}: file not found"])
     size = path.stat().st_size
@@ -361,8 +365,9 @@ def parse_yaml(path: Path, text: str) -> Any:
         raw = yaml.load(text, Loader=AuditLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "?"
-        raise ConfigError([f"{path}: {where}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]) from None
+        where = f"line {mark.line + 1}" if mark else f"character {getattr(exc, 'position', '?')}"
+        why = " ".join(str(getattr(exc, "problem", None) or getattr(exc, "reason", None) or exc).split())
+        raise ConfigError([f"{path}: {where}: not valid YAML: {why}"]) from None
     except RecursionError:
         raise ConfigError([f"{path}: nested too deeply to be an audit file"]) from None
     if _expanded_size(raw, {}) > MAX_YAML_VALUES:
@@ -490,6 +495,16 @@ def _one_of(section: dict, keys: tuple[str, str], where: str, problems: list[str
     return given[0]
 
 
+def _origin(registry: Registry, kind: str, name: str) -> str:
+    """A component by its name and where it was registered from: ``attack 'x' (file:/path/plugin.py)``."""
+    return f"{kind} {name!r} ({registry.entries[kind][name].origin})"
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and message."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def _choices(registry: Registry, kind: str) -> str:
     return ", ".join(registry.names(kind))
 
@@ -523,6 +538,8 @@ def _check_data(data: dict, registry: Registry, problems: list[str]) -> None:
 
 def _check_model(model: dict, registry: Registry, problems: list[str]) -> None:
     ckpts = model.get("checkpoints", [0])
+    if not ckpts:
+        problems.append("model.checkpoints: an empty list; give the training steps to attack at, e.g. [0]")
     for i, c in enumerate(ckpts):
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             problems.append(f"model.checkpoints[{i}]: {c!r} is not a training step (an integer >= 0)")
@@ -574,6 +591,10 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
             if item.get("name") or item["params"] or item["sweep"]:
                 problems.append(f"{where}: give either name (with params, sweep) or chain, not both")
                 continue
+            if not item["chain"]:
+                problems.append(f"{where}.chain: an empty chain; list the defenses applied in order, e.g. "
+                                "[{name: clip, params: {max_norm: 1.0}}, {name: gaussian, params: {sigma: 0.1}}]")
+                continue
             options = [_member_options(_section(m, MEMBER, f"{where}.chain[{i}]", problems), registry,
                                        f"{where}.chain[{i}]", problems) for i, m in enumerate(item["chain"])]
         elif item.get("name") is None:
@@ -598,6 +619,8 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
                 why = setting.build(registry).unsupported(protocol)
             except (ValueError, TypeError) as exc:
                 why = str(exc)
+            except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
+                why = f"{_origin(registry, 'defense', setting.members[-1][0])} raised {_one_line(exc)}"
             if why:
                 problems.append(f"{where}: {setting.key}: {why}")
                 continue
@@ -696,6 +719,9 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str],
         except (ValueError, TypeError) as exc:
             problems.append(f"{where}.params: {exc}")
             continue
+        except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
+            problems.append(f"{where}.params: {_origin(registry, 'attack', name)} raised {_one_line(exc)}")
+            continue
         defenses = _defense_names(item["defenses"], f"{where}.defenses", problems)
         tune = None
         if item.get("tune") is not None:
@@ -744,8 +770,9 @@ def _check_attack_scope(attacks: list[AttackSpec], settings: list[DefenseSetting
     for i, a in enumerate(attacks):
         unknown = [n for n in a.defenses or () if n not in registry.entries["defense"] and n not in labels]
         for n in unknown:
-            problems.append(f"attacks[{i}].defenses: {n!r} is not a registered defense or a setting label; "
-                            f"choices: {', '.join([*registry.names('defense'), *labels])}")
+            choices = [*registry.names("defense"), *labels]
+            problems.append(f"attacks[{i}].defenses: {n!r} is not a registered defense or a setting label"
+                            f"{did_you_mean(n, choices)}; choices: {', '.join(choices)}")
         if not unknown and settings and not any(a.applies_to(s) for s in settings):
             problems.append(f"attacks[{i}].defenses: no setting of this audit uses "
                             f"{', '.join(a.defenses)}; defenses here: {', '.join(sorted({s.name for s in settings}))}")
@@ -799,6 +826,10 @@ def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
         return FEDSGD
     settings = {k: v for k, v in value.items() if k != "name"}
     owners = {k: n for n, c in PROTOCOLS.items() for k in c.params}
+    for key in [k for k in settings if k not in owners]:
+        problems.append(f"protocol.{key}: unknown key{did_you_mean(key, ['name', *owners])}; choices: name, "
+                        f"{', '.join(cls.params) or '(no settings for ' + name + ')'}")
+        del settings[key]
     for key in sorted(k for k in settings if k not in cls.params and k in owners):
         problems.append(f"protocol.{key}: only applies to protocol {owners[key]}")
         del settings[key]

@@ -752,7 +752,6 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     summary = summarise(audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
     summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning, summary["warnings"]),
                    architecture=architecture, run=run_info)
-    folder.write_json(SUMMARY, summary)
     by_key = {row_key(r): r for r in rows}
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p)),
@@ -767,6 +766,9 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         path = out_dir / f"reconstructions_step{ckpt}.png"
         if plot_reconstructions(folder, by_key, summary["leakage_metric"], ckpt, path):
             grids.append((ckpt, _data_uri(path)))
+    summary["figures"] = [f"{name}.png" for name, uri in figures.items() if uri] + [
+        f"reconstructions_step{ckpt}.png" for ckpt, _ in grids]
+    folder.write_json(SUMMARY, summary)  # after the figures, so that it names them
     extras = []
     if audit.registry.pm is not None:
         for extra in audit.registry.pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):

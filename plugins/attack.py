@@ -71,6 +71,10 @@ class Reconstruction:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+#: The most iterations an attack may be given: a budget past this never finishes on one machine.
+MAX_ITERATIONS = 1_000_000
+
+
 class Attack:
     """Base class: subclasses set ``name``, ``params`` and implement ``reconstruct``."""
 

@@ -13,8 +13,10 @@ def import_factory(path: str) -> Callable[..., Any]:
         raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:  # a module that ends the process at import would end leakaudit silently
+        raise ValueError(f"cannot import module {module_name!r}: it called sys.exit({exc.code!r}) at import") from None
     except Exception as exc:
-        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {_one_line(exc)}") from None
     try:
         found = getattr(module, attr)
     except AttributeError:
@@ -22,6 +24,11 @@ def import_factory(path: str) -> Callable[..., Any]:
     if not callable(found):
         raise ValueError(f"{path!r} is a {type(found).__name__}, not a function or class to call")
     return found
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(exc).split())
 
 
 def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:

@@ -77,13 +77,22 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
         name = f"entrypoint:{ep.name} ({dist})"
         try:
             plugin = ep.load()
-        except Exception as exc:  # a broken third-party plugin must be named, not hidden
+        except (Exception, SystemExit) as exc:  # a broken third-party plugin must be named, not hidden
             raise PluginError(f"plugin entry point {ep.name!r} of {dist} ({ep.value}) failed to load: "
-                              f"{type(exc).__name__}: {exc}") from None
+                              f"{_failure(exc)}") from None
         _register(pm, plugin, name)
 
 
+def _failure(exc: BaseException) -> str:
+    """What went wrong when a plugin's module ran, on one line (``sys.exit`` named as such)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}) at import"
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def _load_folder(pm: pluggy.PluginManager, folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise PluginError(f"plugins folder {folder} is a file; give the folder that holds the plugin *.py files")
     if not folder.is_dir():
         raise PluginError(f"plugins folder {folder} does not exist")
     for path in sorted(folder.glob("*.py")):
@@ -95,9 +104,9 @@ def _load_folder(pm: pluggy.PluginManager, folder: Path) -> None:
         sys.modules[modname] = module
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             del sys.modules[modname]
-            raise PluginError(f"plugin file {path} failed to load: {type(exc).__name__}: {exc}") from None
+            raise PluginError(f"plugin file {path} failed to load: {_failure(exc)}") from None
         _register(pm, module, f"file:{path}")
 
 

@@ -413,8 +413,9 @@ def test_bayes_is_refused_where_the_defense_declares_no_likelihood(write_audit, 
                                             {"name": "bayesian_exact", "params": {"iterations": 5},
                                              "defenses": ["bnn"]}]))
     assert main(["validate", str(path)]) == 0
-    assert capsys.readouterr().out.strip() == (f"{path}: valid: 2 defense settings x 1 checkpoints x 2 target "
-                                               "batches x 2 attacks: 4 attack jobs")
+    assert capsys.readouterr().out.strip() == (f"{path}: valid: 4 attack jobs (2 target batches each): bayes on 1 "
+                                               "setting x 1 step (defenses: none); bayesian_exact on 1 setting x 1 "
+                                               "step (defenses: bnn)")
 
 
 def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_path):

@@ -143,6 +143,13 @@ CASES = [
                                                          "attack (did you mean 'inverting_gradients'?)"),
     (_with("attacks.0", {"params": {}}), "attacks[0].name: required parameter is missing"),
     (_with(f"{IG}.iterations", 0), "attacks[0].params.iterations: 0 is below the minimum 1"),
+    (_with(f"{IG}.iterations", 10 ** 12), "attacks[0].params.iterations: 1000000000000 is above the maximum 1000000"),
+    (_with("data.targets", 10 ** 9), "data.targets: 1000000000 is above the maximum 100000"),
+    (_with("defenses.1", {"chain": []}), "defenses[1].chain: an empty chain; list the defenses applied in order"),
+    (_with("model.checkpoints", []), "model.checkpoints: an empty list; give the training steps to attack at"),
+    (_with("attacks.0.defenses", ["gausian"]), "attacks[0].defenses: 'gausian' is not a registered defense or a "
+                                               "setting label (did you mean 'gaussian'?)"),
+    (_with("protocol", {"nmae": "fedavg"}), "protocol.nmae: unknown key (did you mean 'name'?)"),
     (_with(f"{IG}.iterations", 1.5), "attacks[0].params.iterations: 1.5 is not of type int"),
     (_with(f"{IG}.lr", 0), "attacks[0].params.lr: 0 must be greater than 0.0"),
     (_with(f"{IG}.step", 3), "attacks[0].params.step: unknown parameter"),
@@ -268,6 +275,69 @@ def test_files_that_are_not_audit_files(tmp_path, capsys):
                            (tmp_path / "missing.yaml", "file not found")]:
         assert main(["validate", str(path)]) == 2
         assert _one_line(capsys, path) == expected
+
+
+def test_a_nul_byte_and_a_pipe_are_one_line(tmp_path, capsys):
+    import os
+
+    nul = tmp_path / "nul.yaml"
+    nul.write_bytes(b"name: a\x00\n")
+    assert main(["validate", str(nul)]) == 2
+    assert _one_line(capsys, nul).startswith("character 7: not valid YAML: special characters are not allowed")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    assert main(["validate", str(fifo)]) == 2
+    assert _one_line(capsys, fifo) == "not a regular file (a pipe or device); give the audit's YAML file"
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("import sys\nsys.exit(0)\n", "it called sys.exit(0) at import"),
+    ("raise RuntimeError('no\\nluck')\n", "RuntimeError: no luck")])
+def test_user_code_that_exits_or_fails_at_import_is_named(write_audit, tmp_path, capsys, code, expected):
+    (tmp_path / "quits.py").write_text(code)
+    path = write_audit(_with("model", {"factory": "quits:build", "checkpoints": [0]}))
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path) == f"model.factory: cannot import module 'quits': {expected}"
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "quits.py").write_text(code)
+    path = write_audit(_with("plugins_dir", "plugins"))
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path).endswith(f"quits.py failed to load: {expected}")
+
+
+def test_a_plugin_constructor_that_raises_is_named(write_audit, tmp_path, capsys):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "broken.py").write_text(
+        "import leakaudit\nfrom leakaudit.attacks.gradient_matching import InvertingGradients\n\n"
+        "class Broken(InvertingGradients):\n    name = 'broken'\n\n    def __init__(self, **settings):\n"
+        "        raise RuntimeError('cannot start')\n\n"
+        "@leakaudit.hookimpl\ndef register_attacks():\n    return [Broken]\n")
+    path = write_audit(_with("attacks", [{"name": "broken"}], _with("plugins_dir", "plugins")))
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path) == (f"attacks[0].params: attack 'broken' (file:{plugins / 'broken.py'}) raised "
+                                       "RuntimeError: cannot start")
+
+
+def test_a_plugins_dir_that_is_a_file_is_one_line(write_audit, tmp_path, capsys):
+    (tmp_path / "plugins.py").write_text("")
+    path = write_audit(_with("plugins_dir", "plugins.py"))
+    assert main(["validate", str(path)]) == 2
+    line = _one_line(capsys, path)
+    assert line.startswith("plugins_dir: plugins folder ")
+    assert line.endswith("is a file; give the folder that holds the plugin *.py files")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["frobnicate"], "leakaudit: error: argument command: invalid choice: 'frobnicate'"),
+    (["run", "a.yaml"], "leakaudit: error: the following arguments are required: --out (see leakaudit run --help)"),
+    (["run", "a.yaml", "--out", "x", "--workers", "two"], "leakaudit: error: argument --workers: invalid int value")])
+def test_argparse_errors_are_one_line_with_a_hint(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(expected) and "--help)" in err[0]
 
 
 def test_many_problems_are_capped_with_a_count(write_audit, capsys):

@@ -52,8 +52,12 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--allow-inconclusive", action="store_true",
                         help="with --fail-on-leak: pass a must_protect setting whose verdict is inconclusive (the "
                              "attacks did not break even the undefended update)")
-    val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line)")
+    val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line); it "
+                                          "runs no code of yours unless --import")
     val.add_argument("config")
+    val.add_argument("--import", dest="import_code", action="store_true",
+                     help="import the modules that factory: and protocol.function name and check the names are "
+                          "callable (without it they are only found on the import path)")
     ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
                                           "(Chen & Campbell 2022), before any attack")
     ana.add_argument("config")
@@ -183,17 +187,20 @@ def cmd_validate(args) -> int:
     from leakaudit.evaluator.config import load_audit
     from leakaudit.evaluator.scenario import Scenario, check_scenario
 
-    audit = load_audit(args.config, args.plugins_dir)
+    audit = load_audit(args.config, args.plugins_dir, import_user_code=args.import_code)
     check_scenario(Scenario(audit), user_code=False)
     from leakaudit.evaluator.runner import jobs_of
 
     print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({audit.num_batches} target batches each): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
-    factories = [s for s in (audit.data.get("factory"), audit.model["name"],
-                             *(st.model["name"] for st in audit.settings if st.model)) if s and ":" in s]
+    function = getattr(audit.protocol, "function", None)
+    factories = [s for s in (audit.data.get("factory"), audit.model["name"], function if isinstance(function, str)
+                             else None, *(st.model["name"] for st in audit.settings if st.model)) if s and ":" in s]
     if factories:
-        print(f"  not called by validate: {', '.join(dict.fromkeys(factories))} (run calls them and checks what "
-              "they return before any work)")
+        how = ("imported, not called" if args.import_code else
+               "found on the import path, not imported: `validate --import` imports them and checks the names")
+        print(f"  user code {how}: {', '.join(dict.fromkeys(factories))} (run calls them and checks what they "
+              "return before any work)")
     added = [s.key for s in audit.settings if s.added]
     if added:
         print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "

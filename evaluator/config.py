@@ -1,6 +1,7 @@
 """Audit files: YAML loaded and validated in full before any work, one line per problem."""
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib.util
 import itertools
@@ -16,7 +17,7 @@ import yaml
 
 from leakaudit.evaluator.tuning import TuneSpec, check_tune
 from leakaudit.plugins.components import ModelSpec
-from leakaudit.plugins.factories import import_factory
+from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
 from leakaudit.plugins.spec import Param, PluginError, check_params, did_you_mean
@@ -380,10 +381,19 @@ TOP_NEEDS = "name, data, model, defenses and attacks (see configs/quickstart.yam
 
 
 def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None,
-               text: str | None = None) -> Audit:
+               text: str | None = None, import_user_code: bool = True) -> Audit:
     """Read, validate and expand an audit file (``text``: its contents, where the file is elsewhere, as on a
-    Ray worker); raise ConfigError listing every problem."""
-    path = Path(path)
+    Ray worker); raise ConfigError listing every problem. ``import_user_code=False`` finds the modules that
+    ``factory:`` and ``protocol.function`` name without importing them (``leakaudit validate``)."""
+    token = IMPORT_USER_CODE.set(import_user_code)
+    try:
+        return _load_audit(Path(path), plugins_dirs, registry, text)
+    finally:
+        IMPORT_USER_CODE.reset(token)
+
+
+def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str | None) -> Audit:
+    """``load_audit``'s work."""
     text, raw = read_yaml(path) if text is None else (text, parse_yaml(path, text))
     if raw is None:
         raise ConfigError([f"{path}: the file is empty; an audit needs {TOP_NEEDS}"])
@@ -479,9 +489,13 @@ def _importable_beside(path: Path) -> None:
         sys.path.append(folder)
 
 
+#: Whether loading an audit imports the modules its factories name (``run``) or only finds them (``validate``).
+IMPORT_USER_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("leakaudit_import_user_code", default=True)
+
+
 def _check_factory(section: dict, key: str, path: str, problems: list[str]) -> None:
     try:
-        import_factory(section[key])
+        (import_factory if IMPORT_USER_CODE.get() else locate_factory)(section[key])
     except ValueError as exc:
         problems.append(f"{path}: {exc}")
 

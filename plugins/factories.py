@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 from typing import Any, Callable
 
@@ -24,6 +26,25 @@ def import_factory(path: str) -> Callable[..., Any]:
     if not callable(found):
         raise ValueError(f"{path!r} is a {type(found).__name__}, not a function or class to call")
     return found
+
+
+def locate_factory(path: str) -> str:
+    """Where the module of ``"package.module:attribute"`` is, found without importing it or its packages (no
+    user code runs: what ``leakaudit validate`` checks); ValueError with a one-line reason when it is not found."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
+    spec, parts = None, module_name.split(".")
+    for i, part in enumerate(parts):
+        try:
+            spec = (importlib.util.find_spec(part) if i == 0 else
+                    importlib.machinery.PathFinder.find_spec(part, spec.submodule_search_locations))
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or (i < len(parts) - 1 and not spec.submodule_search_locations):
+            raise ValueError(f"cannot import module {module_name!r}: {'.'.join(parts[:i + 1])!r} is not found on "
+                             "the import path (the audit file's folder is on it)")
+    return spec.origin or module_name
 
 
 def _one_line(exc: BaseException) -> str:

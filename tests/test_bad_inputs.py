@@ -296,7 +296,9 @@ def test_a_nul_byte_and_a_pipe_are_one_line(tmp_path, capsys):
 def test_user_code_that_exits_or_fails_at_import_is_named(write_audit, tmp_path, capsys, code, expected):
     (tmp_path / "quits.py").write_text(code)
     path = write_audit(_with("model", {"factory": "quits:build", "checkpoints": [0]}))
-    assert main(["validate", str(path)]) == 2
+    assert main(["validate", str(path)]) == 0  # found, not imported: validate runs no code of the user's
+    capsys.readouterr()
+    assert main(["validate", str(path), "--import"]) == 2
     assert _one_line(capsys, path) == f"model.factory: cannot import module 'quits': {expected}"
     plugins = tmp_path / "plugins"
     plugins.mkdir()
@@ -351,12 +353,29 @@ def test_validate_calls_no_factory(write_audit, tmp_path, capsys):
     (tmp_path / "side_effect.py").write_text(
         "from pathlib import Path\n\ndef build(**_):\n    Path(__file__).with_name('called').write_text('x')\n")
     path = write_audit(_with("model", {"factory": "side_effect:build", "checkpoints": [0]}))
-    assert main(["validate", str(path)]) == 0
-    assert not (tmp_path / "called").exists()
-    assert "not called by validate: side_effect:build" in capsys.readouterr().out
+    for extra in ([], ["--import"]):
+        assert main(["validate", str(path), *extra]) == 0
+        assert not (tmp_path / "called").exists()
+    out = capsys.readouterr().out
+    assert "user code found on the import path, not imported: `validate --import` imports them and checks the " \
+           "names: side_effect:build" in out and "user code imported, not called: side_effect:build" in out
     assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert _one_line(capsys, path) == "model: side_effect:build: TypeError: model factory 'side_effect:build' returned " \
                                       "NoneType, not a torch.nn.Module"
+
+
+def test_validate_runs_no_user_code_at_import_unless_asked(write_audit, tmp_path, capsys):
+    """What a CI gate runs on a pull request's audit file: a module that writes at import is found, not run."""
+    (tmp_path / "writes.py").write_text("from pathlib import Path\nPath(__file__).with_name('ran').write_text('x')\n"
+                                        "def step(model, inputs, labels):\n    pass\n")
+    path = write_audit(_with("protocol", {"name": "step", "function": "writes:step", "lr": 0.1}))
+    assert main(["validate", str(path)]) == 0 and not (tmp_path / "ran").exists()
+    assert main(["validate", str(path), "--import"]) == 0 and (tmp_path / "ran").exists()
+    path = write_audit(_with("protocol", {"name": "step", "function": "nowhere_at_all.mod:step", "lr": 0.1}))
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path) == ("protocol.function: cannot import module 'nowhere_at_all.mod': "
+                                       "'nowhere_at_all' is not found on the import path (the audit file's folder is "
+                                       "on it)")
 
 
 def test_a_torchvision_root_without_the_dataset_is_one_line(write_audit, tmp_path, capsys):

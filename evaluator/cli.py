@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -113,14 +114,23 @@ def cmd_plugins(args) -> int:
         print(json.dumps([{"kind": e.kind, "name": e.name, "origin": e.origin, "paper": e.paper,
                            "summary": e.summary} for e in entries], indent=2))
         return 0
-    kind_w = max(len(e.kind) for e in entries)
-    name_w = max(len(e.name) for e in entries)
-    origin_w = max(len(e.origin) for e in entries)
-    paper_w = max(len(e.paper) for e in entries)
-    for e in entries:
-        print(f"{e.kind:<{kind_w}}  {e.name:<{name_w}}  {e.origin:<{origin_w}}  {e.paper:<{paper_w}}  {e.summary}")
-    print("Papers by author and year: docs/references.md", file=sys.stderr)
+    for line in _columns([("KIND", "NAME", "FROM", "PAPER", "WHAT IT IS")] + [
+            (e.kind, e.name, e.origin.split(":")[0] if e.origin.startswith("builtin:") else e.origin, e.paper,
+             e.summary) for e in entries]):
+        print(line)
+    print("Papers by author and year: docs/references.md; one plugin in full: leakaudit plugins KIND NAME",
+          file=sys.stderr)
     return 0
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as aligned columns; on a terminal, the last column cut to its width (piped, lines stay whole)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    if not sys.stdout.isatty():
+        return [line.rstrip() for line in lines]
+    width = shutil.get_terminal_size().columns
+    return [line if len(line) <= width else line[:width - 1] + "…" for line in lines]
 
 
 def _describe_plugin(entry, as_json: bool) -> int:

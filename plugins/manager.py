@@ -5,6 +5,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,9 +138,11 @@ class Entry:
 
     @property
     def summary(self) -> str:
-        """The docstring's first paragraph on one line (or the spec's own ``summary``)."""
+        """The docstring's first paragraph on one line (or the spec's own ``summary``), reStructuredText's
+        literal quotes taken off and the paper, which ``paper`` gives, not repeated at its start."""
         doc = getattr(self.obj, "summary", None) or (getattr(self.obj, "__doc__", None) or "")
-        return " ".join(doc.strip().split("\n\n")[0].split())
+        text = re.sub(r"``([^`]+)``", r"\1", " ".join(doc.strip().split("\n\n")[0].split()))
+        return text.removeprefix(f"{self.paper}: ") if self.paper else text
 
     @property
     def description(self) -> str:

@@ -1,4 +1,5 @@
-"""What each command imports before it answers: --help and --version never wait for torch."""
+"""The command line as people meet it: --help and --version never wait for torch, a closed pipe ends quietly,
+the listing is aligned columns."""
 from __future__ import annotations
 
 import subprocess
@@ -24,3 +25,14 @@ def test_a_closed_pipe_ends_quietly():
     listing.stdout.close()  # as `leakaudit plugins | head -1` does
     err = listing.stderr.read().decode()
     assert listing.wait() in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_the_listing_is_aligned_columns_people_read():
+    done = subprocess.run([sys.executable, "-m", "leakaudit", "plugins"], capture_output=True, text=True, check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["KIND", "NAME", "FROM", "PAPER", "WHAT", "IT", "IS"]
+    starts = {line.index("builtin") for line in lines[1:] if "builtin" in line}
+    assert len(starts) == 1  # one column for every row
+    assert "``" not in done.stdout
+    ats = next(line for line in lines if line.split()[:2] == ["defense", "ats"])
+    assert ats.count("Gao et al. 2021") == 1  # the paper in its column, not again in the summary

@@ -23,6 +23,12 @@ def test_quickstart_end_to_end(tmp_path):
     assert worst["none"]["verdict"] == "leaks" and worst["gaussian(sigma=1.0)"]["verdict"] == "protects but unusable"
     terminal = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("  ")}
     assert " LEAKS " in terminal["none"] and " PROTECTS BUT UNUSABLE " in terminal["gaussian(sigma=1.0)"]
+    # README.md shows what this run prints (benchmarks/quickstart_readme.py writes it from a run)
+    readme = (ROOT / "README.md").read_text().splitlines()
+    start = readme.index("$ leakaudit run configs/quickstart.yaml --out runs/quickstart") + 1
+    shown = readme[start:readme.index("```", start)]
+    assert shown == [line for line in done.stdout.splitlines() if line.startswith("  ")], \
+        "README.md's quickstart block drifted from a fresh run: python benchmarks/quickstart_readme.py"
     undefended = worst["none"]["psnr"]
     assert undefended >= 18.0  # Geiping et al. 2020 Table 1: 18.00 dB for this attack on this untrained network
     assert worst["gaussian(sigma=1.0)"]["psnr"] <= undefended - 6.0

@@ -15,6 +15,8 @@ from leakaudit.plugins.spec import PluginError
 
 EXIT_BAD_INPUT = 2
 EXIT_LEAK = 3
+EXIT_ATTACK_FAILED = 4
+EXIT_INTERNAL = 1  # a leakaudit bug: one line, and --debug shows its traceback
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command whose reader went away
 
 
@@ -29,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="leakaudit", description=(
         "Audit federated-learning privacy defenses against gradient-inversion attacks that know them."))
     p.add_argument("--version", action="version", version=f"leakaudit {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error instead of its one line")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an audit file and write results and a report")
     run.add_argument("config", help="audit YAML file")
@@ -331,7 +334,7 @@ def _verdict_line(w: dict, leak: str, width: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # --help and --version end here, before torch is imported
     from leakaudit.evaluator.config import ConfigError
-    from leakaudit.evaluator.rundir import RunError
+    from leakaudit.evaluator.rundir import AttackFailed, RunError
 
     previous = None
     if args.command == "run" and threading.current_thread() is threading.main_thread():
@@ -340,20 +343,36 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"run": cmd_run, "report": cmd_report, "validate": cmd_validate, "analyse": cmd_analyse,
                     "plugins": cmd_plugins, "init": cmd_init, "new-plugin": cmd_new_plugin, "schema": cmd_schema}
         return commands[args.command](args)
-    except ConfigError as exc:
-        return _fail(exc.lines)
-    except (PluginError, RunError) as exc:
-        return _fail([str(exc)])
+    except Exception:
+        if args.debug:
+            raise
+        return _one_line_error(sys.exc_info()[1], (ConfigError, AttackFailed, PluginError, RunError))
     except KeyboardInterrupt:
         print("leakaudit: interrupted; rerun with --resume to continue" if args.command == "run"
               else "leakaudit: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `leakaudit plugins | head`: the reader closed the pipe, nothing is wrong
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit flush is quiet
-        return EXIT_CLOSED_PIPE
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _one_line_error(exc: Exception, known: tuple[type, ...]) -> int:
+    """An error as the one line it is: an audit's problems, a failed attack (status 4), a closed pipe (quiet),
+    and anything unforeseen as an internal error with the way to its traceback."""
+    config_error, attack_failed = known[:2]
+    if isinstance(exc, config_error):
+        return _fail(exc.lines)
+    if isinstance(exc, attack_failed):
+        _fail([str(exc)])
+        return EXIT_ATTACK_FAILED
+    if isinstance(exc, known):
+        return _fail([str(exc)])
+    if isinstance(exc, BrokenPipeError):  # `leakaudit plugins | head`: the reader closed the pipe, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit flush is quiet
+        return EXIT_CLOSED_PIPE
+    _fail([f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())} (rerun with --debug for the "
+           "traceback, and please report it)"])
+    return EXIT_INTERNAL
 
 
 def _interrupt(signum, frame) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import importlib.util
+import inspect
 import itertools
 import os
 import re
@@ -493,11 +494,13 @@ def _importable_beside(path: Path) -> None:
 IMPORT_USER_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("leakaudit_import_user_code", default=True)
 
 
-def _check_factory(section: dict, key: str, path: str, problems: list[str]) -> None:
+def _check_factory(section: dict, key: str, path: str, problems: list[str]) -> Any | None:
+    """The callable a factory path names (imported), or None where it is only located or has a problem."""
     try:
-        (import_factory if IMPORT_USER_CODE.get() else locate_factory)(section[key])
+        return (import_factory if IMPORT_USER_CODE.get() else locate_factory)(section[key])
     except ValueError as exc:
         problems.append(f"{path}: {exc}")
+        return None
 
 
 def _one_of(section: dict, keys: tuple[str, str], where: str, problems: list[str]) -> str | None:
@@ -853,12 +856,28 @@ def _check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
         return FEDSGD
     section = {k: p.default for k, p in cls.params.items() if not p.required} | settings
     if "function" in section:
-        _check_factory(section, "function", "protocol.function", problems)
+        _check_step_signature(_check_factory(section, "function", "protocol.function", problems), section["function"],
+                              problems)
     b = section.get("local_batch_size")
     if b is not None and b > data["batch_size"]:
         problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "
                         "(the images each client holds)")
     return cls(**section)
+
+
+def _check_step_signature(function: Any, path: str, problems: list[str]) -> None:
+    """A user's step function must take ``(model, inputs, labels)``, as the client and the attacks call it."""
+    if not callable(function):
+        return
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called and checked before the first job
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        problems.append(f"protocol.function: {path} takes {signature}; leakaudit calls it as function(model, inputs, "
+                        "labels)")
 
 
 def _check_max_problems(value: Any, problems: list[str]) -> int | None:

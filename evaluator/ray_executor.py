@@ -62,7 +62,12 @@ class RayPool:
         ex, audit = self.executor, self.worker.scenario.audit
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network but the cluster's own
-            ray.init(address=ex["address"], include_dashboard=False, logging_level="warning")
+            try:
+                ray.init(address=ex["address"], include_dashboard=False, logging_level="warning")
+            except (ConnectionError, RuntimeError, TimeoutError) as exc:
+                raise RunError(f"executor: cannot join the Ray cluster at {ex['address'] or 'RAY_ADDRESS'}: "
+                               f"{' '.join(str(exc).split())[:300]}; start it (ray start --head) or fix "
+                               "executor.address") from None
             self._started = True
         resources = ray.cluster_resources()
         slots = resources.get("CPU", 1) // ex["num_cpus"]

@@ -48,6 +48,12 @@ class RunError(Exception):
     """The run cannot start or go on (one line, says what to do)."""
 
 
+class AttackFailed(RunError):
+    """An attack (a plugin's, often) raised while it ran: named with where it came from and the job, on one line.
+    The rows already written are kept; ``leakaudit run`` exits with status 4."""
+
+
+
 @dataclass(frozen=True)
 class AttackJob:
     """One cell of the audit: a defense setting, a checkpoint, a target batch and an attack.
@@ -325,8 +331,7 @@ class RunFolder:
         return {r["setting"] for r in self.utility.read() if r["setting"] in files and files[r["setting"]].exists()}
 
     def read_json(self, name: str) -> Any | None:
-        path = self.path / name
-        return json.loads(path.read_text()) if path.exists() else None
+        return read_json(self.path / name)
 
     def write_json(self, name: str, value: Any) -> None:
         tmp = self.path / f"{name}.tmp"
@@ -381,14 +386,27 @@ class Outbox(RunFolder):
         return kept
 
 
+def read_json(path: Path) -> Any | None:
+    """A run folder's JSON file (None where it is absent); a RunError, one line, where it is damaged."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RunError(f"{path}: damaged ({' '.join(str(exc).split())}); the run folder was edited or cut off while "
+                       "written: restore the file, or start again in a new --out") from None
+
+
 def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[str] = ()) -> Audit:
     """The audit a run folder was made with: ``config`` when given (it may differ only in how results are
     judged), else the original file while it is unchanged (its factories resolve beside it), else the copy.
     A LeakMonitor's folder has no audit file: its ``monitor.json`` describes the training it audited."""
+    if not path.is_dir():
+        raise RunError(f"{path}: no such folder; give a run's --out folder")
     if (path / MONITOR).is_file():
         if config is not None:
             raise RunError(f"--config: {path} was written by a LeakMonitor, not by an audit file; leave --config out")
-        return monitor_audit(json.loads((path / MONITOR).read_text()), path / MONITOR, list(plugins_dirs))
+        return monitor_audit(read_json(path / MONITOR), path / MONITOR, list(plugins_dirs))
     saved = path / AUDIT_COPY
     if not saved.is_file():
         raise RunError(f"{path}: not a leakaudit run folder (no {AUDIT_COPY}); give a run's --out folder")
@@ -400,7 +418,7 @@ def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[st
                            "only its name, leakage_metric, verdict: section, workers and must_protect marks may "
                            "differ")
         return audit
-    info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    info = read_json(path / RUN_INFO) or {}
     original = Path(info.get("audit_file", ""))
     if info.get("audit_file") and original.is_file() and original.read_text() == text:
         return load_audit(original, list(plugins_dirs))

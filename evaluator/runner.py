@@ -27,6 +27,7 @@ from leakaudit.evaluator.metrics import guess_scores, score
 from leakaudit.evaluator.report import write_report
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
+    AttackFailed,
     BASELINES,
     RESULTS,
     RUN_INFO,
@@ -163,7 +164,7 @@ class AuditWorker:
         attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
         problems, originals = self.problems(first.setting, first.checkpoint, [
             (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
-        recs = type(attacks[0]).reconstruct_all(problems, sc.audit.max_problems)
+        recs = _reconstruct(sc.audit, first, attacks[0], problems, "tuning")
         rows = []
         for j, job in enumerate(cell.jobs):
             mine = slice(j * spec.targets, (j + 1) * spec.targets)
@@ -182,7 +183,7 @@ class AuditWorker:
         batches = [sc.target_batch(job.target) for job in cell.jobs]
         problems, originals = self.problems(first.setting, first.checkpoint,
                                             [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
-        recs = type(attack).reconstruct_all(problems, audit.max_problems)
+        recs = _reconstruct(audit, first, attack, problems, f"{len(cell.jobs)} target batch(es)")
         metrics = [audit.registry.get("metric", m) for m in audit.metrics]
         return [self._row(job, px, lb, rec, metrics)
                 for job, px, (_, lb), rec in zip(cell.jobs, originals, batches, recs)]
@@ -193,6 +194,18 @@ class AuditWorker:
         row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target).tolist(),
                                       self.epsilon(job.setting), self.bound(job.setting))
         return row, scores.notes
+
+
+def _reconstruct(audit: Audit, job, attack, problems: list[Problem], what: str) -> list[Reconstruction]:
+    """The attack's reconstructions of ``problems``; an attack that raises is an AttackFailed naming it, its
+    origin and the job, on one line."""
+    try:
+        return type(attack).reconstruct_all(problems, audit.max_problems)
+    except Exception as exc:
+        origin = audit.registry.entries["attack"][job.attack.name].origin
+        raise AttackFailed(f"attack {job.attack.key!r} ({origin}) failed on {job.setting.key}, step {job.checkpoint} "
+                           f"({what}): {type(exc).__name__}: {' '.join(str(exc).split())}; the rows already written "
+                           "are kept: fix it and rerun with --resume") from None
 
 
 # --- worker processes ------------------------------------------------------------------------

@@ -429,3 +429,44 @@ def test_validate_never_lets_a_traceback_escape(tmp_path, capsys, mapping):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert all(line.startswith("leakaudit: error: ") for line in err.strip().splitlines())
+
+
+def test_a_step_function_of_the_wrong_signature_is_one_line_before_any_work(write_audit, tmp_path, capsys):
+    (tmp_path / "mystep.py").write_text("def step(model, batch):\n    pass\n")
+    path = write_audit(_with("protocol", {"name": "step", "function": "mystep:step", "lr": 0.1}))
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert _one_line(capsys, path) == ("protocol.function: mystep:step takes (model, batch); leakaudit calls it as "
+                                       "function(model, inputs, labels)")
+
+
+def test_an_attack_failing_mid_run_is_named_and_the_rows_before_it_kept(write_audit, tmp_path, capsys):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "flaky.py").write_text(
+        "import leakaudit\nfrom leakaudit.attacks.gradient_matching import InvertingGradients\n\n"
+        "class Flaky(InvertingGradients):\n    name = 'flaky'\n\n"
+        "    @classmethod\n    def reconstruct_all(cls, problems, max_problems=None):\n"
+        "        raise RuntimeError('lost its way')\n\n"
+        "@leakaudit.hookimpl\ndef register_attacks():\n    return [Flaky]\n")
+    audit = _with("attacks", [{"name": "inverting_gradients", "params": {"iterations": 2}},
+                              {"name": "flaky", "params": {"iterations": 2}}], _with("plugins_dir", "plugins"))
+    path = write_audit({**audit, "defenses": [{"name": "none"}], "utility": {"train_steps": 0}})
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == 4
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"leakaudit: error: attack 'flaky' (file:{plugins / 'flaky.py'}) failed on none, step 0")
+    assert line.endswith("RuntimeError: lost its way; the rows already written are kept: fix it and rerun with "
+                         "--resume")
+
+
+def test_a_damaged_or_missing_run_folder_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"leakaudit: error: {tmp_path / 'nowhere'}: no such folder; give a " \
+                                              "run's --out folder"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "audit.yaml").write_text(yaml.safe_dump(small_audit()))
+    (folder / "run.json").write_text("{\"sessions\": [")
+    assert main(["report", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"leakaudit: error: {folder / 'run.json'}: damaged (") and len(err.splitlines()) == 1

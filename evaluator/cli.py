@@ -202,7 +202,7 @@ def cmd_validate(args) -> int:
 
     audit = load_audit(args.config, args.plugins_dir, import_user_code=args.import_code)
     check_scenario(Scenario(audit), user_code=False)
-    from leakaudit.evaluator.runner import jobs_of
+    from leakaudit.evaluator.rundir import jobs_of
 
     print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({audit.num_batches} target batches each): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))

@@ -100,6 +100,14 @@ class Cell:
         return self.jobs[0]
 
 
+def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
+    """Every attack job of an audit, in order (``tuned``: the winning parameters per setting, attack, step)."""
+    tuned = tuned or {}
+    return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
+            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks
+            if a.applies_to(s) and a.runs_at(c)]
+
+
 def cells_of(jobs: list, workers: int) -> list[Cell]:
     """``jobs`` grouped by (setting, attack, checkpoint), in order, as cells for ``workers`` processes: whole
     groups when there are enough of them to keep every process busy, else each group cut in ``workers`` parts."""

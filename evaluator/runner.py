@@ -39,6 +39,7 @@ from leakaudit.evaluator.rundir import (
     cells_of,
     describe_item,
     item_size,
+    jobs_of,
     progress_bar,
     row_key,
     trial_key,
@@ -58,13 +59,6 @@ from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
-
-
-def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
-    tuned = tuned or {}
-    return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
-            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks
-            if a.applies_to(s) and a.runs_at(c)]
 
 
 def tune_jobs_of(audit: Audit, tried: list[dict] = ()) -> list[TuneJob]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 PROBE = ("import sys\nfrom leakaudit.evaluator.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
          "print(','.join(m for m in ('torch', 'matplotlib', 'leakaudit.evaluator.runner') if m in sys.modules))")
@@ -36,3 +37,11 @@ def test_the_listing_is_aligned_columns_people_read():
     assert "``" not in done.stdout
     ats = next(line for line in lines if line.split()[:2] == ["defense", "ats"])
     assert ats.count("Gao et al. 2021") == 1  # the paper in its column, not again in the summary
+
+
+def test_validate_and_plugins_import_neither_the_runner_nor_matplotlib():
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    for argv in (["validate", config], ["plugins"]):
+        done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True,
+                              check=True)
+        assert done.stdout.strip().splitlines()[-1] == "torch", argv

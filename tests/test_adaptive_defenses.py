@@ -348,7 +348,8 @@ def test_an_adaptive_attack_on_a_defense_it_does_not_fit_is_refused(write_audit,
 
 @pytest.mark.parametrize("audit, expected", [
     (small_audit(attacks=[{"name": "inverting_gradients", "defenses": ["sotera"]}]),
-     "attacks[0].defenses: 'sotera' is not a registered defense or a setting label; choices: ats, bayesian, clip, dpsgd"),
+     "attacks[0].defenses: 'sotera' is not a registered defense or a setting label (did you mean 'soteria'?); "
+     "choices: ats, bayesian, clip, dpsgd"),
     (small_audit(attacks=[{"name": "inverting_gradients", "defenses": ["soteria"]}]),
      "attacks[0].defenses: no setting of this audit uses soteria; defenses here: gaussian, none"),
     (small_audit(attacks=[{"name": "inverting_gradients", "role": "strong"}]),

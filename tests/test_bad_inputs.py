@@ -290,22 +290,22 @@ def test_a_nul_byte_and_a_pipe_are_one_line(tmp_path, capsys):
     assert _one_line(capsys, fifo) == "not a regular file (a pipe or device); give the audit's YAML file"
 
 
-@pytest.mark.parametrize("code, expected", [
-    ("import sys\nsys.exit(0)\n", "it called sys.exit(0) at import"),
-    ("raise RuntimeError('no\\nluck')\n", "RuntimeError: no luck")])
-def test_user_code_that_exits_or_fails_at_import_is_named(write_audit, tmp_path, capsys, code, expected):
-    (tmp_path / "quits.py").write_text(code)
-    path = write_audit(_with("model", {"factory": "quits:build", "checkpoints": [0]}))
+@pytest.mark.parametrize("module, code, expected", [
+    ("quits", "import sys\nsys.exit(0)\n", "it called sys.exit(0) at import"),
+    ("fails", "raise RuntimeError('no\\nluck')\n", "RuntimeError: no luck")])
+def test_user_code_that_exits_or_fails_at_import_is_named(write_audit, tmp_path, capsys, module, code, expected):
+    (tmp_path / f"{module}.py").write_text(code)
+    path = write_audit(_with("model", {"factory": f"{module}:build", "checkpoints": [0]}))
     assert main(["validate", str(path)]) == 0  # found, not imported: validate runs no code of the user's
     capsys.readouterr()
     assert main(["validate", str(path), "--import"]) == 2
-    assert _one_line(capsys, path) == f"model.factory: cannot import module 'quits': {expected}"
+    assert _one_line(capsys, path) == f"model.factory: cannot import module '{module}': {expected}"
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "quits.py").write_text(code)
+    (plugins / f"{module}.py").write_text(code)
     path = write_audit(_with("plugins_dir", "plugins"))
     assert main(["validate", str(path)]) == 2
-    assert _one_line(capsys, path).endswith(f"quits.py failed to load: {expected}")
+    assert _one_line(capsys, path).endswith(f"{module}.py failed to load: {expected}")
 
 
 def test_a_plugin_constructor_that_raises_is_named(write_audit, tmp_path, capsys):

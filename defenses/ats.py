@@ -16,7 +16,6 @@ import math
 from typing import Callable, Sequence
 
 import torch
-import torchvision.transforms.functional as TF
 from torch import Tensor
 
 from leakaudit.plugins import Param, hookimpl
@@ -46,6 +45,13 @@ PAPER_POLICIES = ("7-4-15", "21-13-3", "21-13-3+7-4-15")
 SIGNED = {"translateX", "translateY", "shearY", "color", "contrast", "sharpness", "brightness"}
 
 
+def _tf():
+    """torchvision's functional transforms, imported on first use (importing torchvision takes half a second)."""
+    import torchvision.transforms.functional as tf
+
+    return tf
+
+
 def parse_policy(text: str) -> list[list[int]]:
     """``"21-13-3+7-4-15"`` as ``[[21, 13, 3], [7, 4, 15]]``; ValueError naming the bad part."""
     out = []
@@ -68,7 +74,7 @@ def _as_uint8(op: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 
 
 def _translate(img: Tensor, dx: float, dy: float) -> Tensor:
-    return TF.affine(img, angle=0.0, translate=[round(dx), round(dy)], scale=1.0, shear=[0.0, 0.0], fill=0.0)
+    return _tf().affine(img, angle=0.0, translate=[round(dx), round(dy)], scale=1.0, shear=[0.0, 0.0], fill=0.0)
 
 
 def apply_operation(img: Tensor, name: str, magnitude: float, sign: float) -> Tensor:
@@ -80,28 +86,28 @@ def apply_operation(img: Tensor, name: str, magnitude: float, sign: float) -> Te
     if name == "translateY":
         return _translate(img, 0.0, m * side)
     if name == "shearY":  # about the centre (PIL shears about the corner: a shift of at most m * side / 2)
-        return TF.affine(img, angle=0.0, translate=[0, 0], scale=1.0, shear=[0.0, math.degrees(math.atan(m))],
-                         interpolation=TF.InterpolationMode.BILINEAR, fill=0.0)
+        return _tf().affine(img, angle=0.0, translate=[0, 0], scale=1.0, shear=[0.0, math.degrees(math.atan(m))],
+                         interpolation=_tf().InterpolationMode.BILINEAR, fill=0.0)
     if name == "rotate":  # counter-clockwise, mid-grey corners
-        return TF.rotate(img, m, fill=[0.5] * img.shape[0])
+        return _tf().rotate(img, m, fill=[0.5] * img.shape[0])
     if name == "color":
-        return TF.adjust_saturation(img, 1 + m) if img.shape[0] == 3 else img
+        return _tf().adjust_saturation(img, 1 + m) if img.shape[0] == 3 else img
     if name == "contrast":
-        return TF.adjust_contrast(img, 1 + m)
+        return _tf().adjust_contrast(img, 1 + m)
     if name == "sharpness":
-        return TF.adjust_sharpness(img, 1 + m)
+        return _tf().adjust_sharpness(img, 1 + m)
     if name == "brightness":
-        return TF.adjust_brightness(img, 1 + m).clamp(0, 1)
+        return _tf().adjust_brightness(img, 1 + m).clamp(0, 1)
     if name == "posterize":
-        return _as_uint8(lambda u: TF.posterize(u, int(m)))(img)
+        return _as_uint8(lambda u: _tf().posterize(u, int(m)))(img)
     if name == "solarize":
         return img if m >= 256 else torch.where(img * 255 >= m, 1 - img, img)
     if name == "autocontrast":
-        return TF.autocontrast(img)
+        return _tf().autocontrast(img)
     if name == "equalize":
-        return _as_uint8(TF.equalize)(img)
+        return _as_uint8(_tf().equalize)(img)
     if name == "invert":
-        return TF.invert(img)
+        return _tf().invert(img)
     raise ValueError(f"unknown operation {name!r}")
 
 

@@ -4,7 +4,8 @@ The shared update is Opacus's own noisy gradient (``GradSampleModule`` for per-s
 gradients, ``DPOptimizer`` for clipping, noise and scaling), not a re-implementation.
 The likelihood is the Gaussian around the mean of the per-sample clipped gradients of
 the candidate inputs, computed differentiably with torch.func, so ``bayes`` attacks
-DP-SGD with its exact p(g|x). Epsilon comes from Opacus's accountants.
+DP-SGD with its exact p(g|x). Epsilon comes from Opacus's accountants. Opacus is imported where it is
+used: listing or validating plugins need not wait for it.
 """
 from __future__ import annotations
 
@@ -13,11 +14,6 @@ import math
 from typing import Any, Iterator, Sequence
 
 import torch
-from opacus import GradSampleModule, PrivacyEngine
-from opacus.accountants import create_accountant
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.optimizers import DPOptimizer
-from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
@@ -65,12 +61,16 @@ class DPSGD(Defense):
         if self.target_epsilon is not None:
             if self.steps is None or self.sample_rate is None:
                 raise ValueError("dpsgd: target_epsilon needs steps and sample_rate")
+            from opacus.accountants.utils import get_noise_multiplier
+
             self.noise_multiplier = get_noise_multiplier(
                 target_epsilon=self.target_epsilon, target_delta=self.delta, sample_rate=self.sample_rate,
                 steps=self.steps, accountant=self.accountant)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Make the model Opacus-compatible (BatchNorm to GroupNorm, no in-place activations)."""
+        from opacus.validators import ModuleValidator
+
         self.model_changes = [str(e) for e in ModuleValidator.validate(model, strict=False)]
         if not self.model_changes:
             return model
@@ -97,6 +97,8 @@ class DPSGD(Defense):
         """DP-SGD with Opacus's PrivacyEngine: Poisson-sampled batches, per-sample clipping, noise."""
         loader = DataLoader(TensorDataset(run.inputs, run.labels), batch_size=run.batch_size,
                             generator=run.batch_generator)
+        from opacus import PrivacyEngine
+
         engine = PrivacyEngine(accountant=self.accountant)
         model.train()
         hooks, optimiser, loader = engine.make_private(
@@ -130,6 +132,8 @@ class DPSGD(Defense):
         """Epsilon at ``delta`` after ``steps`` at ``sample_rate``, from the configured Opacus accountant."""
         if self.noise_multiplier == 0:
             return float("inf")
+        from opacus.accountants import create_accountant
+
         accountant = create_accountant(self.accountant)
         accountant.history = [(self.noise_multiplier, sample_rate, steps)]
         return float(accountant.get_epsilon(delta=delta))
@@ -149,6 +153,9 @@ class DPSGD(Defense):
 def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Tensor, noise_multiplier: float,
                           max_grad_norm: float, generator: torch.Generator) -> list[Tensor]:
     """The averaged noisy gradient Opacus's DPOptimizer makes for this batch (model left unchanged)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
     params = trainable(model)
     saved = [p.grad for p in params]
     wrapped = GradSampleModule(model, loss_reduction="mean")

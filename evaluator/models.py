@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import ModelSpec
@@ -148,11 +147,14 @@ def with_activation(model: nn.Module, activation: str) -> nn.Module:
     return model
 
 
-def _torchvision_resnet(block: type[nn.Module], layers: list[int], channels: int, num_classes: int,
+def _torchvision_resnet(block: str, layers: list[int], channels: int, num_classes: int,
                         image_size: int, stem: str, activation: str) -> nn.Module:
     """torchvision's ResNet with the ImageNet stem (7x7 stride-2 convolution, max-pool) or the CIFAR stem
-    (3x3 stride-1 convolution, no max-pool); ``auto`` picks CIFAR's up to 64 px, ImageNet's above."""
-    model = ResNet(block, layers, num_classes=num_classes)
+    (3x3 stride-1 convolution, no max-pool); ``auto`` picks CIFAR's up to 64 px, ImageNet's above. torchvision's
+    models are imported here, when one is built: importing them takes most of a second."""
+    from torchvision.models import resnet
+
+    model = resnet.ResNet(getattr(resnet, block), layers, num_classes=num_classes)
     if stem == "cifar" or (stem == "auto" and image_size <= CIFAR_STEM_MAX_SIDE):
         model.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
@@ -164,19 +166,19 @@ def _torchvision_resnet(block: type[nn.Module], layers: list[int], channels: int
 def resnet18(channels: int, num_classes: int, image_size: int, stem: str = "auto",
              activation: str = "relu") -> nn.Module:
     """ResNet-18 (He et al. 2016): the CIFAR stem up to 64 px, the ImageNet stem above (``stem:``)."""
-    return _torchvision_resnet(BasicBlock, [2, 2, 2, 2], channels, num_classes, image_size, stem, activation)
+    return _torchvision_resnet("BasicBlock", [2, 2, 2, 2], channels, num_classes, image_size, stem, activation)
 
 
 def resnet34(channels: int, num_classes: int, image_size: int, stem: str = "auto",
              activation: str = "relu") -> nn.Module:
     """ResNet-34 (He et al. 2016): the CIFAR stem up to 64 px, the ImageNet stem above (``stem:``)."""
-    return _torchvision_resnet(BasicBlock, [3, 4, 6, 3], channels, num_classes, image_size, stem, activation)
+    return _torchvision_resnet("BasicBlock", [3, 4, 6, 3], channels, num_classes, image_size, stem, activation)
 
 
 def resnet50(channels: int, num_classes: int, image_size: int, stem: str = "auto",
              activation: str = "relu") -> nn.Module:
     """ResNet-50 (He et al. 2016, bottleneck blocks): the CIFAR stem up to 64 px, the ImageNet stem above."""
-    return _torchvision_resnet(Bottleneck, [3, 4, 6, 3], channels, num_classes, image_size, stem, activation)
+    return _torchvision_resnet("Bottleneck", [3, 4, 6, 3], channels, num_classes, image_size, stem, activation)
 
 
 class CifarResNet(nn.Module):

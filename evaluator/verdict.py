@@ -19,7 +19,6 @@ import math
 from typing import Any, Iterable
 
 import numpy as np
-from scipy.stats import binomtest
 
 from leakaudit.evaluator.scenario import derive_seed
 from leakaudit.plugins.components import Metric
@@ -222,7 +221,7 @@ def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str |
         if share < options["identifiable"]:
             return None  # the cells are in decreasing share: none of the rest reaches it either
         hits = round(share * n)
-        p = binomtest(hits, n, 1 / n, alternative="greater").pvalue
+        p = _binomial_p(hits, n, 1 / n)
         if p < 1 - options["confidence"]:
             return (f"{c['attack']} identifies {hits} of {n} images (each reconstruction nearest its own original; "
                     f"a guess: 1 in {n}, binomial p = {p:.2g}), at least the {options['identifiable']:.0%} "
@@ -236,12 +235,19 @@ def beats_bound(share: float | None, n: int, bound: float | None, confidence: fl
     if share is None or bound is None or n < 2 or math.isnan(share) or bound >= 1:
         return None
     hits = round(share * n)
-    p = binomtest(hits, n, bound, alternative="greater").pvalue
+    p = _binomial_p(hits, n, bound)
     if p >= 1 - confidence:
         return None
     return (f"identifies {hits} of {n} images where the defense's privacy guarantee allows any attack at most "
             f"{bound:.1%} (binomial p = {p:.2g}): the defense sends less noise than it declares, or its accounting "
             "is wrong")
+
+
+def _binomial_p(hits: int, n: int, rate: float) -> float:
+    """One-sided binomial test: the chance of ``hits`` or more of ``n`` at ``rate`` (scipy, imported on use)."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(hits, n, rate, alternative="greater").pvalue)
 
 
 def training_bound(epsilon: float | None, delta: float | None, kappa: float) -> float | None:

@@ -7,6 +7,7 @@ defenses and attacks ask the protocol instead of comparing names.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -140,14 +141,22 @@ PROTOCOLS: dict[str, type[Protocol]] = {p.name: p for p in (FedSGD, FedAvg, OwnS
 FEDSGD = FedSGD()
 
 
+def _opacus_wrapped(model: nn.Module) -> bool:
+    """Whether Opacus wrapped the model (a ``GradSampleModule``): never where Opacus was not even imported,
+    so that models leakaudit builds need not wait for its import."""
+    if "opacus" not in sys.modules:
+        return False
+    from opacus import GradSampleModule
+
+    return isinstance(model, GradSampleModule)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module of a model Opacus wrapped (``GradSampleModule``), its hooks removed; else ``model``.
 
     For models leakaudit builds; a user's live model goes through ``opacus_hooks_off``.
     """
-    from opacus import GradSampleModule
-
-    if isinstance(model, GradSampleModule):
+    if _opacus_wrapped(model):
         model._close()
         return model._module
     return model
@@ -165,9 +174,7 @@ def quiet_hooks() -> Iterator[None]:
 def opacus_hooks_off(model: nn.Module) -> Iterator[nn.Module]:
     """The plain module of a user's live model, with Opacus's per-sample hooks taken off (put back after):
     merely disabled, its backward hooks would still stop torch.func's vmap, which vectorised attacks use."""
-    from opacus import GradSampleModule
-
-    if not isinstance(model, GradSampleModule):
+    if not _opacus_wrapped(model):
         yield model
         return
     was_enabled = model.hooks_enabled

@@ -185,6 +185,8 @@ class CifarResNet(nn.Module):
     """He et al.'s CIFAR ResNet-(6n+2): three stages of w, 2w, 4w channels (w = 16 in the original)."""
 
     def __init__(self, channels: int, num_classes: int, blocks: int = 3, width: int = 16):
+        from torchvision.models import resnet
+
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
                                   nn.ReLU())
@@ -196,7 +198,7 @@ class CifarResNet(nn.Module):
                 down = None
                 if s != 1 or cin != cout:
                     down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=s, bias=False), nn.BatchNorm2d(cout))
-                stages.append(BasicBlock(cin, cout, s, down))
+                stages.append(resnet.BasicBlock(cin, cout, s, down))
                 cin = cout
         self.stages = nn.Sequential(*stages)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))

@@ -157,7 +157,7 @@ def _exactly_one(a: str, b: str) -> Schema:
 def _model_schema(spec: Mapping[str, Param], registry: Registry) -> Schema:
     """A model section: a zoo model (or a 'package.module:factory' as its name) or a factory, with its params."""
     name = {"anyOf": [{"enum": registry.names("model")}, {"type": "string", "pattern": ":"}]}
-    extra = {"checkpoints": {"type": "array", "uniqueItems": True,
+    extra = {"checkpoints": {"type": "array", "uniqueItems": True, "minItems": 1,
                              "items": {"type": "integer", "minimum": 0, "maximum": MAX_STEPS}}}
     out = _section(spec, name=name, params=OBJECT, **{k: v for k, v in extra.items() if k in spec})
     out["allOf"] = [_exactly_one("name", "factory"), *_cases(registry, "model", "name", _with_params)]

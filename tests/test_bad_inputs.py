@@ -308,14 +308,20 @@ def test_user_code_that_exits_or_fails_at_import_is_named(write_audit, tmp_path,
     assert _one_line(capsys, path).endswith(f"{module}.py failed to load: {expected}")
 
 
-def test_a_plugin_constructor_that_raises_is_named(write_audit, tmp_path, capsys):
+def _attack_plugin(tmp_path, name: str, body: str):
+    """A drop-in folder with one attack plugin: Inverting Gradients named ``name``, with ``body`` in its class."""
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "broken.py").write_text(
+    (plugins / f"{name}.py").write_text(
         "import leakaudit\nfrom leakaudit.attacks.gradient_matching import InvertingGradients\n\n"
-        "class Broken(InvertingGradients):\n    name = 'broken'\n\n    def __init__(self, **settings):\n"
-        "        raise RuntimeError('cannot start')\n\n"
-        "@leakaudit.hookimpl\ndef register_attacks():\n    return [Broken]\n")
+        f"class Plugin(InvertingGradients):\n    name = {name!r}\n\n{body}\n"
+        "@leakaudit.hookimpl\ndef register_attacks():\n    return [Plugin]\n")
+    return plugins
+
+
+def test_a_plugin_constructor_that_raises_is_named(write_audit, tmp_path, capsys):
+    plugins = _attack_plugin(tmp_path, "broken", "    def __init__(self, **settings):\n"
+                                                 "        raise RuntimeError('cannot start')\n")
     path = write_audit(_with("attacks", [{"name": "broken"}], _with("plugins_dir", "plugins")))
     assert main(["validate", str(path)]) == 2
     assert _one_line(capsys, path) == (f"attacks[0].params: attack 'broken' (file:{plugins / 'broken.py'}) raised "
@@ -440,14 +446,8 @@ def test_a_step_function_of_the_wrong_signature_is_one_line_before_any_work(writ
 
 
 def test_an_attack_failing_mid_run_is_named_and_the_rows_before_it_kept(write_audit, tmp_path, capsys):
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (plugins / "flaky.py").write_text(
-        "import leakaudit\nfrom leakaudit.attacks.gradient_matching import InvertingGradients\n\n"
-        "class Flaky(InvertingGradients):\n    name = 'flaky'\n\n"
-        "    @classmethod\n    def reconstruct_all(cls, problems, max_problems=None):\n"
-        "        raise RuntimeError('lost its way')\n\n"
-        "@leakaudit.hookimpl\ndef register_attacks():\n    return [Flaky]\n")
+    plugins = _attack_plugin(tmp_path, "flaky", "    @classmethod\n    def reconstruct_all(cls, problems, "
+                                                "max_problems=None):\n        raise RuntimeError('lost its way')\n")
     audit = _with("attacks", [{"name": "inverting_gradients", "params": {"iterations": 2}},
                               {"name": "flaky", "params": {"iterations": 2}}], _with("plugins_dir", "plugins"))
     path = write_audit({**audit, "defenses": [{"name": "none"}], "utility": {"train_steps": 0}})

@@ -69,7 +69,7 @@ def _worst_image(rows: list[dict], metric) -> dict[str, Any] | None:
 
 def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
               baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
-              identifiable: tuple[str, dict[tuple, float | None]] | None = None) -> dict[str, Any]:
+              identifiable: tuple[str, dict[tuple, list | None]] | None = None) -> dict[str, Any]:
     """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting, each step's
     verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
@@ -298,7 +298,7 @@ def _distances(metric, recs: torch.Tensor, origs: torch.Tensor, chunk: int = 512
     return -d if metric.higher_is_better else d
 
 
-def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tuple, tuple[float, float] | None]]:
+def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tuple, list | None]]:
     """Per cell, the share of reconstructions whose nearest original among the audit's targets is their own
     (after matching each to an original of its update), and the share of targets named from the reconstructions
     alone (``named_share``), by LPIPS where the audit measures it and MSE otherwise; cached in the run folder."""

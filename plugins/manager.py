@@ -217,14 +217,20 @@ def facts(entry: Entry) -> dict[str, str]:
                "likelihood": ("declared: the Bayes adversary (bayes) applies; check it with "
                               "leakaudit.testing.check_defense") if obj.declares_likelihood() else
                              "none declared: the Bayes adversary does not apply"}
+        if obj.privacy_profile is not Defense.privacy_profile:
+            out["guarantee"] = ("declares a privacy profile where it gives one (gaussian: after a clip): the report "
+                                "holds every attack's identification to the bound it sets")
         if obj.wrap_model is not Defense.wrap_model:
             out["model"] = "may change the architecture (wrap_model)"
         if obj.shares_itself():
             out["update"] = "computed by the defense from the model and inputs (cannot be a chain member)"
         return out
     if entry.kind == "attack":
-        return {"role": "adaptive: built on what the defense does" if obj.uses_defense else
-                "naive: knows the model, not the defense"}
+        out = {"role": "adaptive: built on what the defense does" if obj.uses_defense else
+               "naive: knows the model, not the defense"}
+        if obj.needs_defense:
+            out["calibration"] = "needs its defense in the model: not run on the undefended reference"
+        return out
     if entry.kind == "metric":
         return {"leakage": "higher is more" if obj.higher_is_better else "lower is more", "scores": obj.on}
     return {}

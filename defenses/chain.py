@@ -77,6 +77,6 @@ class Chain(Defense):
 
     def privacy_profile(self, radius: float | None = None):
         """The last member's guarantee, given the norm bound the deterministic members before it leave."""
-        for m in self.members[:-1]:
-            radius = m.output_radius(radius)
+        for m in self.members[:-1]:  # a member that bounds nothing (or declares no output_radius) clears the bound
+            radius = getattr(m, "output_radius", lambda _: None)(radius)
         return self.members[-1].privacy_profile(radius)

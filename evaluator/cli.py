@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     for sp in (run, rep, val, ana, plug, init, schema):
         sp.add_argument("--plugins-dir", action="append", default=[], metavar="DIR",
                         help="folder of drop-in *.py plugins (repeatable)")
+    for command in sub.choices.values():  # --debug after the command too, as the error line suggests
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 

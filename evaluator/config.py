@@ -429,6 +429,9 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     attacks = _check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
     _check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
     settings = with_references(settings, attacks, registry)
+    problems += [f"defenses: the label {s.key!r} is the key of the undefended reference leakaudit adds to calibrate "
+                 "the verdicts; choose another label" for s in settings if s.added
+                 and any(t.key == s.key for t in settings if t is not s)]
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = _check_device(top.get("device", "auto"), problems)

@@ -220,6 +220,9 @@ class LeakMonitor:
         batch_size = int(getattr(loader, "batch_size", None) or 1)
         self._setup(model, getattr(loader, "dataset", None), loader, self.defense,
                     FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update")
+        self._described["undone"] = ("not needed: each round's update is its local training, attacked as FedAvg's "
+                                     "(the client makes its optimizer anew each round)")
+        self._folder.write_json(MONITOR, self._described)
 
     def _setup(self, model: nn.Module, dataset: Any, loader: Any, defense: Any, protocol: Any, batch_size: int,
                problems: list[str], scope: str) -> None:

@@ -104,7 +104,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                 worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
             continue
         reference = audit.reference_of(s)
-        by_step = {v["checkpoint"]: v for v in alone.get(reference.key, [])} if reference is not None else {}
+        by_step = {} if reference is None else alone[s.key] if reference is s else _reference_steps(
+            audit, s, reference, cells, leakage, threshold, needed, chance, options, acc)
+        by_step = {v["checkpoint"]: v for v in by_step}
         per_step = [calibrate(v, by_step.get(v["checkpoint"])) for v in alone[s.key]]
         verdicts.extend(per_step)
         worst_case.append(_worst_case(s, audit, mine, rows, leakage, overall(per_step), profiles[s.key],
@@ -121,6 +123,19 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                         for u in utility},
             "cells": cells, "worst_case": worst_case, "verdicts": verdicts, "bound_violations": violations,
             "naive_vs_adaptive": naive_vs_adaptive(cells, leakage), "warnings": notes}
+
+
+def _reference_steps(audit: Audit, setting, reference, cells: list[dict], leakage, threshold, needed, chance,
+                     options: dict, acc: dict) -> list[dict]:
+    """The reference's verdict at each step, judged on the attacks that ran on ``setting`` only: a weak attack's
+    "protects" is not vouched for by a stronger attack that ran elsewhere."""
+    ran = {a.key for a in audit.attacks if a.applies_to(setting)}
+    mine = [c for c in cells if c["setting"] == reference.key and c["attack"] in ran
+            and c.get(f"{leakage.name}_mean") is not None]
+    accuracy = acc.get(reference.key, {}).get("accuracy")
+    return [{"setting": reference.key, "defense": reference.name, "checkpoint": ckpt, **judge(
+        [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
+        for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
 
 
 def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
@@ -521,10 +536,11 @@ def plot_identification_bound(summary: dict, path: Path) -> bool:
     exact 95% interval) beside the bound the guarantee sets on any attack, against epsilon (or mu)."""
     points = [w for w in summary["worst_case"] if w.get("privacy") and w["privacy"]["bound"] is not None
               and w["privacy"]["identified"] is not None]
+    by_epsilon = bool(points) and all(_positive(w.get("epsilon")) for w in points)
+    x = (lambda w: w["epsilon"]) if by_epsilon else (lambda w: w["privacy"]["mu"])
+    points = [w for w in points if _positive(x(w))]  # a log axis: no infinite, missing or zero guarantee
     if not points:
         return False
-    by_epsilon = all(w.get("epsilon") is not None and math.isfinite(w["epsilon"]) for w in points)
-    x = (lambda w: w["epsilon"]) if by_epsilon else (lambda w: w["privacy"]["mu"])
     fig, ax = plt.subplots(figsize=(6.8, 4.4))
     for defense in dict.fromkeys(w["defense"] for w in points):
         ws = sorted((w for w in points if w["defense"] == defense), key=x)
@@ -549,6 +565,11 @@ def plot_identification_bound(summary: dict, path: Path) -> bool:
            else "mu of one update (log scale)", "share of targets identified")
     _save(fig, path)
     return True
+
+
+def _positive(value: float | None) -> bool:
+    """Whether a value can sit on a log axis."""
+    return value is not None and math.isfinite(value) and value > 0
 
 
 def _exact_interval(hits: np.ndarray, n: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:

@@ -217,3 +217,37 @@ def test_an_audit_catches_a_hidden_defense_that_claims_more_privacy_than_it_deli
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["rero_bound"] for r in rows if r["setting"] != "none"} == {w["privacy"]["bound"]}
     assert "beyond its bound" in (out / "report.html").read_text()
+
+
+def test_a_weak_attack_is_calibrated_by_its_own_run_on_the_reference_not_by_another(write_audit, tmp_path):
+    """Inverting Gradients at 150 iterations breaks the reference, but topk was only attacked at 2 iterations,
+    which do not: topk's "protects" is inconclusive, whatever the stronger attack did to the reference."""
+    audit = small_audit(defenses=[{"name": "gaussian", "params": {"sigma": 1e-4}}, {"name": "topk"}],
+                        attacks=[{"name": "inverting_gradients", "defenses": ["gaussian"],
+                                  "params": {"iterations": 150, "lr": 0.1, "priors": {"tv": 0.01}}},
+                                 {"name": "inverting_gradients", "label": "weak", "defenses": ["topk"],
+                                  "params": {"iterations": 2}}],
+                        utility={"train_steps": 0}, verdict={"identifiable": None})
+    summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
+    verdicts = {w["setting"]: w["verdict"] for w in summary["worst_case"]}
+    assert verdicts["none"] == LEAKS and verdicts["gaussian(sigma=0.0001)"] == LEAKS
+    assert verdicts["topk"] == INCONCLUSIVE
+
+
+def test_a_label_that_takes_the_reference_key_is_refused(write_audit):
+    from leakaudit.evaluator.config import ConfigError
+
+    path = write_audit(small_audit(defenses=[{"name": "gaussian", "params": {"sigma": 0.1}, "label": "none"}]))
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    assert info.value.lines == [f"{path}: defenses: the label 'none' is the key of the undefended reference "
+                                "leakaudit adds to calibrate the verdicts; choose another label"]
+
+
+def test_the_bound_figure_leaves_out_guarantees_a_log_axis_cannot_show(tmp_path):
+    from leakaudit.evaluator.report import plot_identification_bound
+
+    privacy = {"mu": math.inf, "bound": 1.0, "identified": 1.0, "identified_n": 4, "chance": 0.25, "violated": False}
+    summary = {"worst_case": [{"defense": "dpsgd", "epsilon": None, "privacy": privacy}], "utility": {}}
+    assert plot_identification_bound(summary, tmp_path / "f.png") is False
+    assert not (tmp_path / "f.png").exists()

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from leakaudit import __version__
-from leakaudit.plugins.spec import PluginError
+from leakaudit.plugins.spec import PluginError, one_line
 
 EXIT_BAD_INPUT = 2
 EXIT_LEAK = 3
@@ -372,7 +372,7 @@ def _one_line_error(exc: Exception, known: tuple[type, ...]) -> int:
     if isinstance(exc, BrokenPipeError):  # `leakaudit plugins | head`: the reader closed the pipe, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit flush is quiet
         return EXIT_CLOSED_PIPE
-    _fail([f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())} (rerun with --debug for the "
+    _fail([f"internal error: {one_line(exc)} (rerun with --debug for the "
            "traceback, and please report it)"])
     return EXIT_INTERNAL
 

@@ -21,7 +21,7 @@ from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
-from leakaudit.plugins.spec import Param, PluginError, check_params, did_you_mean
+from leakaudit.plugins.spec import Param, PluginError, check_params, did_you_mean, one_line
 
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
 #: Training steps an audit may ask for (checkpoints, utility.train_steps): past this a run is a hang, not an audit.
@@ -520,11 +520,6 @@ def _origin(registry: Registry, kind: str, name: str) -> str:
     return f"{kind} {name!r} ({registry.entries[kind][name].origin})"
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and message."""
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-
-
 def _choices(registry: Registry, kind: str) -> str:
     return ", ".join(registry.names(kind))
 
@@ -640,7 +635,7 @@ def _expand_defenses(value: Any, registry: Registry, problems: list[str],
             except (ValueError, TypeError) as exc:
                 why = str(exc)
             except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
-                why = f"{_origin(registry, 'defense', setting.members[-1][0])} raised {_one_line(exc)}"
+                why = f"{_origin(registry, 'defense', setting.members[-1][0])} raised {one_line(exc)}"
             if why:
                 problems.append(f"{where}: {setting.key}: {why}")
                 continue
@@ -740,7 +735,7 @@ def _check_attacks(value: Any, registry: Registry, problems: list[str],
             problems.append(f"{where}.params: {exc}")
             continue
         except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
-            problems.append(f"{where}.params: {_origin(registry, 'attack', name)} raised {_one_line(exc)}")
+            problems.append(f"{where}.params: {_origin(registry, 'attack', name)} raised {one_line(exc)}")
             continue
         defenses = _defense_names(item["defenses"], f"{where}.defenses", problems)
         tune = None

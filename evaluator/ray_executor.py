@@ -20,7 +20,7 @@ import torch
 from leakaudit.evaluator.config import ConfigError, load_audit
 from leakaudit.evaluator.rundir import Cell, Outbox, RunError, describe_item, item_size, progress_bar
 from leakaudit.evaluator.scenario import Scenario, deterministic_kernels
-from leakaudit.plugins.spec import PluginError
+from leakaudit.plugins.spec import PluginError, one_line
 
 try:
     import ray
@@ -66,7 +66,7 @@ class RayPool:
                 ray.init(address=ex["address"], include_dashboard=False, logging_level="warning")
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
                 raise RunError(f"executor: cannot join the Ray cluster at {ex['address'] or 'RAY_ADDRESS'}: "
-                               f"{' '.join(str(exc).split())[:300]}; start it (ray start --head) or fix "
+                               f"{one_line(exc)[:300]}; start it (ray start --head) or fix "
                                "executor.address") from None
             self._started = True
         resources = ray.cluster_resources()

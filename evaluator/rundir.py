@@ -29,6 +29,7 @@ from leakaudit.evaluator.config import (
 )
 from leakaudit.evaluator.scenario import derive_seed
 from leakaudit.evaluator.verdict import late_gain
+from leakaudit.plugins.spec import one_line
 
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
@@ -401,7 +402,7 @@ def read_json(path: Path) -> Any | None:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RunError(f"{path}: damaged ({' '.join(str(exc).split())}); the run folder was edited or cut off while "
+        raise RunError(f"{path}: damaged ({one_line(exc)}); the run folder was edited or cut off while "
                        "written: restore the file, or start again in a new --out") from None
 
 

@@ -57,6 +57,7 @@ from leakaudit.evaluator.tuning import candidates, scan_best, scan_candidates, w
 from leakaudit.evaluator.utility import privacy_spent, train_under_defense
 from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
+from leakaudit.plugins.spec import one_line
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError", "jobs_of", "tune_jobs_of", "AuditWorker"]
 
@@ -198,7 +199,7 @@ def _reconstruct(audit: Audit, job, attack, problems: list[Problem], what: str) 
     except Exception as exc:
         origin = audit.registry.entries["attack"][job.attack.name].origin
         raise AttackFailed(f"attack {job.attack.key!r} ({origin}) failed on {job.setting.key}, step {job.checkpoint} "
-                           f"({what}): {type(exc).__name__}: {' '.join(str(exc).split())}; the rows already written "
+                           f"({what}): {one_line(exc)}; the rows already written "
                            "are kept: fix it and rerun with --resume") from None
 
 

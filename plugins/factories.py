@@ -7,6 +7,8 @@ import importlib.util
 import inspect
 from typing import Any, Callable
 
+from leakaudit.plugins.spec import import_failure
+
 
 def import_factory(path: str) -> Callable[..., Any]:
     """Resolve ``"package.module:attribute"`` to a callable without calling it; ValueError with a one-line reason."""
@@ -15,10 +17,8 @@ def import_factory(path: str) -> Callable[..., Any]:
         raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
-    except SystemExit as exc:  # a module that ends the process at import would end leakaudit silently
-        raise ValueError(f"cannot import module {module_name!r}: it called sys.exit({exc.code!r}) at import") from None
-    except Exception as exc:
-        raise ValueError(f"cannot import module {module_name!r}: {type(exc).__name__}: {_one_line(exc)}") from None
+    except (Exception, SystemExit) as exc:
+        raise ValueError(f"cannot import module {module_name!r}: {import_failure(exc)}") from None
     try:
         found = getattr(module, attr)
     except AttributeError:
@@ -45,11 +45,6 @@ def locate_factory(path: str) -> str:
             raise ValueError(f"cannot import module {module_name!r}: {'.'.join(parts[:i + 1])!r} is not found on "
                              "the import path (the audit file's folder is on it)")
     return spec.origin or module_name
-
-
-def _one_line(exc: BaseException) -> str:
-    """An exception's message on one line."""
-    return " ".join(str(exc).split())
 
 
 def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:

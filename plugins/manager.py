@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import pluggy
 
 from leakaudit.plugins import PROJECT, PluginError, hookspecs
+from leakaudit.plugins.spec import import_failure
 
 #: Built-in plugin modules, registered exactly like outside plugins.
 BUILTIN_PLUGINS = (
@@ -80,15 +81,8 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             plugin = ep.load()
         except (Exception, SystemExit) as exc:  # a broken third-party plugin must be named, not hidden
             raise PluginError(f"plugin entry point {ep.name!r} of {dist} ({ep.value}) failed to load: "
-                              f"{_failure(exc)}") from None
+                              f"{import_failure(exc)}") from None
         _register(pm, plugin, name)
-
-
-def _failure(exc: BaseException) -> str:
-    """What went wrong when a plugin's module ran, on one line (``sys.exit`` named as such)."""
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r}) at import"
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _load_folder(pm: pluggy.PluginManager, folder: Path) -> None:
@@ -107,7 +101,7 @@ def _load_folder(pm: pluggy.PluginManager, folder: Path) -> None:
             spec.loader.exec_module(module)
         except (Exception, SystemExit) as exc:
             del sys.modules[modname]
-            raise PluginError(f"plugin file {path} failed to load: {_failure(exc)}") from None
+            raise PluginError(f"plugin file {path} failed to load: {import_failure(exc)}") from None
         _register(pm, module, f"file:{path}")
 
 

@@ -95,6 +95,17 @@ def resolve_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: s
     return out
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message, the message's lines joined."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def import_failure(exc: BaseException) -> str:
+    """Why running a module of the user's code failed, on one line (``sys.exit`` named as such: it would
+    otherwise end leakaudit silently)."""
+    return f"it called sys.exit({exc.code!r}) at import" if isinstance(exc, SystemExit) else one_line(exc)
+
+
 def did_you_mean(name: Any, choices) -> str:
     """`` (did you mean 'x'?)`` for a misspelt name close to one of ``choices``; empty otherwise."""
     if not isinstance(name, str):

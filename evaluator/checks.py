@@ -26,6 +26,7 @@ from leakaudit.evaluator.api import live_threat
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.metrics import best_assignment, psnr
 from leakaudit.evaluator.models import mlp
+from leakaudit.evaluator.verdict import exact_interval
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, OwnStep, Protocol, parameter_names, trainable
@@ -298,16 +299,6 @@ def _neighbour(inputs: Tensor, labels: Tensor, classes: int) -> tuple[Tensor, Te
     return other, other_labels
 
 
-def _clopper_pearson(hits: int, n: int, upper: bool) -> float:
-    """One end of the exact binomial interval at ``CONFIDENCE`` (one-sided) for ``hits`` of ``n``."""
-    from scipy.stats import beta
-
-    tail = 1 - CONFIDENCE
-    if upper:
-        return 1.0 if hits == n else float(beta.ppf(1 - tail, hits + 1, n - hits))
-    return 0.0 if hits == 0 else float(beta.ppf(tail, hits, n - hits + 1))
-
-
 def _allowed_power(profile: PrivacyProfile, fpr: float) -> float:
     """The most power a test at false positive rate ``fpr`` can have between two batches one example apart under
     ``profile`` (each batch's update is within its guarantee of one reference: group privacy of two, Dong et al.
@@ -337,8 +328,9 @@ def _privacy_problems(defense: Defense, model: nn.Module, inputs: Tensor, labels
     ta, tb = a[half:] @ direction, b[half:] @ direction
     threshold = float((a[:half] @ direction).mean() + (b[:half] @ direction).mean()) / 2
     n = len(ta)
-    fpr = _clopper_pearson(int((ta > threshold).sum()), n, upper=True)
-    tpr = _clopper_pearson(int((tb > threshold).sum()), len(tb), upper=False)
+    tail = 1 - CONFIDENCE  # one-sided: the false positive rate at its upper end, the true positive rate at its lower
+    fpr = float(exact_interval(int((ta > threshold).sum()), n, tail)[1])
+    tpr = float(exact_interval(int((tb > threshold).sum()), len(tb), tail)[0])
     allowed = _allowed_power(profile, fpr)
     check.privacy_test = (fpr, tpr, allowed)
     if tpr <= allowed:

@@ -31,6 +31,7 @@ from leakaudit.evaluator.verdict import (  # noqa: E402
     beats_bound,
     calibrate,
     cell_statistics,
+    exact_interval,
     finite,
     identifiable_share,
     judge,
@@ -548,7 +549,7 @@ def plot_identification_bound(summary: dict, path: Path) -> bool:
                        label=f"{defense}: bound on any attack")[0]
         shares = np.array([w["privacy"]["identified"] for w in ws])
         n = np.array([w["privacy"]["identified_n"] for w in ws])
-        low, high = _exact_interval(np.round(shares * n).astype(int), n)
+        low, high = exact_interval(np.round(shares * n).astype(int), n, 0.025)  # two-sided 95%
         ax.errorbar([x(w) for w in ws], shares, yerr=[shares - low, high - shares], marker="o", capsize=3,
                     linestyle="none", color=line.get_color(), label=f"{defense}: identified by the attacks")
         bad = [w for w in ws if w["privacy"]["violated"]]
@@ -570,16 +571,6 @@ def plot_identification_bound(summary: dict, path: Path) -> bool:
 def _positive(value: float | None) -> bool:
     """Whether a value can sit on a log axis."""
     return value is not None and math.isfinite(value) and value > 0
-
-
-def _exact_interval(hits: np.ndarray, n: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-    """Clopper-Pearson intervals of ``hits`` out of ``n``."""
-    from scipy.stats import beta
-
-    tail = (1 - confidence) / 2
-    low = np.where(hits == 0, 0.0, beta.ppf(tail, np.maximum(hits, 1), n - hits + 1))
-    high = np.where(hits == n, 1.0, beta.ppf(1 - tail, hits + 1, np.maximum(n - hits, 1)))
-    return low, high
 
 
 def _show(ax, img: torch.Tensor) -> None:

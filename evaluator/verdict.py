@@ -243,6 +243,17 @@ def beats_bound(share: float | None, n: int, bound: float | None, confidence: fl
             "is wrong")
 
 
+def exact_interval(hits, n, tail: float) -> tuple[np.ndarray, np.ndarray]:
+    """Clopper-Pearson ends of ``hits`` out of ``n`` (numbers or arrays), each with probability ``tail`` beyond it
+    (scipy, imported on use)."""
+    from scipy.stats import beta
+
+    hits, n = np.asarray(hits), np.asarray(n)
+    low = np.where(hits == 0, 0.0, beta.ppf(tail, np.maximum(hits, 1), n - hits + 1))
+    high = np.where(hits == n, 1.0, beta.ppf(1 - tail, hits + 1, np.maximum(n - hits, 1)))
+    return low, high
+
+
 def _binomial_p(hits: int, n: int, rate: float) -> float:
     """One-sided binomial test: the chance of ``hits`` or more of ``n`` at ``rate`` (scipy, imported on use)."""
     from scipy.stats import binomtest

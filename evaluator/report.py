@@ -34,6 +34,7 @@ from leakaudit.evaluator.verdict import (  # noqa: E402
     exact_interval,
     finite,
     identifiable_share,
+    identification_bound,
     judge,
     leak_threshold,
     min_accuracy,
@@ -159,7 +160,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
     n, batch = len(rs) * audit.data["batch_size"], audit.data["batch_size"]
     (cell["identifiable"], cell["named"]), cell["identifiable_by"], cell["identifiable_n"] = identified, \
         identified_by, n
-    cell["rero_bound"] = None if profile is None or n <= batch else profile.reconstruction_bound(batch / n)
+    cell["rero_bound"] = identification_bound(profile, batch, n)
     cell["bound_violated"] = beats_bound(cell["named"], n, cell["rero_bound"], options["confidence"])
     gains = finite(r.get("late_gain") for r in rs)
     cell["late_gain"] = float(np.mean(gains)) if gains else None

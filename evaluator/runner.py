@@ -55,6 +55,7 @@ from leakaudit.evaluator.scenario import (
 )
 from leakaudit.evaluator.tuning import candidates, scan_best, scan_candidates, winners
 from leakaudit.evaluator.utility import privacy_spent, train_under_defense
+from leakaudit.evaluator.verdict import identification_bound
 from leakaudit.plugins.attack import Problem, Reconstruction
 from leakaudit.plugins.protocol import ClientStep
 from leakaudit.plugins.spec import one_line
@@ -89,6 +90,7 @@ class AuditWorker:
         self.folder = folder
         self._states: dict[str, dict[int, dict]] = {}
         self._epsilon: dict[str, float | None] = {}
+        self._bound: dict[str, float | None] = {}
 
     def train(self, setting) -> dict[str, Any]:
         """Train under one defense setting; save its checkpoints; return its utility row."""
@@ -117,10 +119,11 @@ class AuditWorker:
     def bound(self, setting) -> float | None:
         """The most any attack can identify of the audit's targets (a guess names an update's images: batch size
         in the number of targets) under the setting's privacy guarantee for one update; None where it gives none."""
-        profile = self.scenario.defense(setting).privacy_profile()
-        data = self.scenario.audit.data
-        return None if profile is None or data["targets"] <= data["batch_size"] else profile.reconstruction_bound(
-            data["batch_size"] / data["targets"])
+        if setting.key not in self._bound:
+            data = self.scenario.audit.data
+            self._bound[setting.key] = identification_bound(self.scenario.defense(setting).privacy_profile(),
+                                                            data["batch_size"], data["targets"])
+        return self._bound[setting.key]
 
     def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
             list[Problem], list[Tensor]]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from leakaudit.evaluator.scenario import derive_seed
 from leakaudit.plugins.components import Metric
+from leakaudit.plugins.defense import PrivacyProfile
 
 LEAKS, PROTECTS, UNUSABLE, INCONCLUSIVE = "leaks", "protects", "protects but unusable", "inconclusive"
 VERDICTS = (LEAKS, INCONCLUSIVE, UNUSABLE, PROTECTS)  # worst first
@@ -267,7 +268,13 @@ def training_bound(epsilon: float | None, delta: float | None, kappa: float) -> 
     faces, not knowing when the target was sampled; None without an epsilon."""
     if epsilon is None or delta is None or not 0 < kappa < 1 or not math.isfinite(epsilon):
         return None
-    return 1.0 if epsilon > 700 else min(1.0, math.exp(epsilon) * kappa + delta)
+    return PrivacyProfile(pairs=((epsilon, delta),)).reconstruction_bound(kappa)
+
+
+def identification_bound(profile: PrivacyProfile | None, batch: int, n: int) -> float | None:
+    """The most any attack can name of ``n`` targets sent in updates of ``batch`` under one update's ``profile``
+    (a guess names ``kappa = batch / n``); None without a guarantee, or where every target is in one update."""
+    return None if profile is None or n <= batch else profile.reconstruction_bound(batch / n)
 
 
 def overall(verdicts: list[dict]) -> dict | None:

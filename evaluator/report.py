@@ -91,13 +91,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     threshold = leak_threshold(baselines, leakage, options["margin"])
     chance = run_info.get("chance_accuracy")
     needed = min_accuracy(options, chance)
-    alone: dict[str, list[dict]] = {}
-    for s in audit.settings:
-        mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
-        accuracy = acc.get(s.key, {}).get("accuracy")
-        alone[s.key] = [{"setting": s.key, "defense": s.name, "checkpoint": ckpt, **judge(
-            [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
-            for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
+    bars = (leakage, threshold, needed, chance, options)
+    alone = {s.key: _judged_steps(audit, s, cells, acc, bars) for s in audit.settings}
     verdicts, worst_case = [], []
     for s in audit.settings:
         mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
@@ -106,8 +101,10 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                 worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
             continue
         reference = audit.reference_of(s)
-        by_step = {} if reference is None else alone[s.key] if reference is s else _reference_steps(
-            audit, s, reference, cells, leakage, threshold, needed, chance, options, acc)
+        # the reference judged on the attacks that ran on this setting: a weak attack's "protects" is not vouched
+        # for by a stronger attack that ran elsewhere
+        by_step = {} if reference is None else alone[s.key] if reference is s else _judged_steps(
+            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if a.applies_to(s)})
         by_step = {v["checkpoint"]: v for v in by_step}
         per_step = [calibrate(v, by_step.get(v["checkpoint"])) for v in alone[s.key]]
         verdicts.extend(per_step)
@@ -127,15 +124,16 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             "naive_vs_adaptive": naive_vs_adaptive(cells, leakage), "warnings": notes}
 
 
-def _reference_steps(audit: Audit, setting, reference, cells: list[dict], leakage, threshold, needed, chance,
-                     options: dict, acc: dict) -> list[dict]:
-    """The reference's verdict at each step, judged on the attacks that ran on ``setting`` only: a weak attack's
-    "protects" is not vouched for by a stronger attack that ran elsewhere."""
-    ran = {a.key for a in audit.attacks if a.applies_to(setting)}
-    mine = [c for c in cells if c["setting"] == reference.key and c["attack"] in ran
+def _judged_steps(audit: Audit, setting, cells: list[dict], acc: dict, bars: tuple,
+                  attacks: set[str] | None = None) -> list[dict]:
+    """A setting's verdict, judged alone, at each step it has a finite score, from its cells (those of
+    ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance and the
+    verdict options."""
+    leakage, threshold, needed, chance, options = bars
+    mine = [c for c in cells if c["setting"] == setting.key and (attacks is None or c["attack"] in attacks)
             and c.get(f"{leakage.name}_mean") is not None]
-    accuracy = acc.get(reference.key, {}).get("accuracy")
-    return [{"setting": reference.key, "defense": reference.name, "checkpoint": ckpt, **judge(
+    accuracy = acc.get(setting.key, {}).get("accuracy")
+    return [{"setting": setting.key, "defense": setting.name, "checkpoint": ckpt, **judge(
         [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
         for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
 

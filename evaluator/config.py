@@ -181,7 +181,7 @@ class DefenseSetting:
     def identity(self) -> str:
         """What the setting is (members, parameters, own model), whatever its label: its random streams
         derive from this, so renaming a label leaves the numbers as they were."""
-        own = "" if self.model is None else f"@{_call(self.model['name'], self.model['params'])}"
+        own = "" if self.model is None else f"@{_call_model(self.model)}"
         return ">".join(_call(n, p) for n, p in self.members) + own
 
     @property

@@ -186,14 +186,14 @@ class LeakMonitor:
         self.detach()
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
         self._dp = self._dp_settings(optimizer, loader)
-        self._undo = self.attacker["memory"] and unsupported(self._inner) is None
+        why = unsupported(self._inner)
+        self._undo = self.attacker["memory"] and why is None
         problems = self._unoptimised(model)
         defense = self._defense_entry(problems)
         self._setup(model, dataset, loader, defense, FEDSGD, self._batch_size(optimizer, loader), problems,
                     f"every {self.every}-th step")
         self._handles = [self._inner.register_step_pre_hook(self._before_step),
                          self._inner.register_step_post_hook(self._after_step)]
-        why = unsupported(self._inner)
         self._described["undone"] = None if not self.attacker["memory"] else (
             f"the server undoes {type(self._inner).__name__}'s update from the updates before it" if why is None
             else f"{why}: the server attacks the raw update")
@@ -241,6 +241,8 @@ class LeakMonitor:
         self._stats = stats
         self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
+        # the monitored setting and the reference that calibrates it, built once: every audited step shares them
+        self._defenses = [(s, s.build(self._prepared.registry)) for s in self._folder.audit.settings]
 
     def detach(self) -> None:
         """Remove the optimizer hooks (the model and optimizer are as they were before ``attach``)."""
@@ -324,8 +326,7 @@ class LeakMonitor:
                 protocol: Any) -> None:
         pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
-        for setting in self._folder.audit.settings:  # the monitored setting, and the reference that calibrates it
-            defense = setting.build(self._prepared.registry)
+        for setting, defense in self._defenses:
             share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
             if self._dp is not None and setting.calibrates is not None:  # the reference: the clean gradient
                 observed = defense.share(ClientStep(plain, self.loss_fn, inputs, labels, share_gen, FEDSGD))

@@ -34,7 +34,8 @@ class OptimizerMemory:
     state: list[dict[str, Tensor]]
 
 
-def _settings(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[dict]:
+def param_groups(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[dict]:
+    """Each parameter's param group (its lr and the optimizer's other settings for it)."""
     group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     return [group[id(p)] for p in params]
 
@@ -60,7 +61,7 @@ def remember(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> Optimize
     """The optimizer's settings and state for ``params`` before its next step (``unsupported`` must be None)."""
     state = [{k: (v.detach().clone() if isinstance(v, Tensor) else torch.tensor(float(v)))
               for k, v in optimizer.state.get(p, {}).items()} for p in params]
-    return OptimizerMemory(type(optimizer).__name__, [dict(s, params=None) for s in _settings(optimizer, params)],
+    return OptimizerMemory(type(optimizer).__name__, [dict(s, params=None) for s in param_groups(optimizer, params)],
                            state)
 
 

@@ -36,7 +36,7 @@ from leakaudit.evaluator.api import (
     prepare,
 )
 from leakaudit.evaluator.config import ConfigError, monitor_audit
-from leakaudit.evaluator.memory import OptimizerMemory, recover, remember, unsupported
+from leakaudit.evaluator.memory import OptimizerMemory, param_groups, recover, remember, unsupported
 from leakaudit.evaluator.metrics import guess_scores
 from leakaudit.evaluator.rundir import (
     ARCHITECTURE,
@@ -296,7 +296,7 @@ class LeakMonitor:
         if pending.memory is not None:
             update = recover(pending.memory, pending.before, [p.detach() for p in params])
         else:
-            lrs = _learning_rates(self._inner, params)
+            lrs = [float(g["lr"]) for g in param_groups(self._inner, params)]
             update = [(b - a.detach()) / lr for b, a, lr in zip(pending.before, params, lrs)]
         self._attack_at(pending.step, pending.before, pending.buffers, update, pending.batch, FEDSGD)
 
@@ -666,12 +666,6 @@ def _sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] 
         return (f"the client sends {len(shapes)} arrays, matching neither the model's state_dict ({len(state)}) "
                 f"nor its trainable parameters ({len(params)}) in order and shape")
     return [torch.as_tensor(a).to(device=p.device, dtype=p.dtype) for a, p in zip(sent, params)]
-
-
-def _learning_rates(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[float]:
-    """Each parameter's learning rate, from its param group."""
-    lr = {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
-    return [lr[id(p)] for p in params]
 
 
 def _state(model: nn.Module) -> tuple[list[Tensor], dict[str, Tensor]]:

@@ -25,12 +25,13 @@ def test_help_version_and_usage_errors_import_no_torch(argv):
 
 
 def test_a_closed_pipe_ends_quietly():
-    listing = subprocess.Popen([sys.executable, "-m", "leakaudit", "plugins"], stdout=subprocess.PIPE,
+    """The schema (300 kB) outgrows a pipe's buffer, so its writes meet the closed pipe whatever the timing."""
+    listing = subprocess.Popen([sys.executable, "-m", "leakaudit", "schema"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
     listing.stdout.readline()
-    listing.stdout.close()  # as `leakaudit plugins | head -1` does
+    listing.stdout.close()  # as `leakaudit schema | head -1` does
     err = listing.stderr.read().decode()
-    assert listing.wait() in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err
+    assert listing.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err
 
 
 def test_the_listing_is_aligned_columns_people_read():

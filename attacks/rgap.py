@@ -85,6 +85,7 @@ class LayerwiseInversion(Attack):
 
     name = "rgap"
     paper = "Zhu & Blaschko 2021"
+    solves_linear_systems = True
     params = {
         "dense_limit": Param(60_000_000, int, min=1, help="largest system solved densely (entries); larger "
                                                           "ones by conjugate gradients, matrix-free"),

@@ -6,7 +6,6 @@ import dataclasses
 import importlib.util
 import inspect
 import itertools
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -41,8 +40,10 @@ TOP = {
     "device": Param("auto", str, choices=("auto", "cpu", "cuda")),
     "deterministic": Param(True, bool, help="on CUDA, deterministic kernels: the same numbers on every run, "
                                             "several times slower (false: faster, reruns differ slightly)"),
-    "workers": Param(None, int, min=1, help="worker processes (default: one per core on the CPU, one per "
-                                            "visible GPU on CUDA)"),
+    "workers": Param(None, int, min=1, help="worker processes (default: auto: one per visible GPU on CUDA; on the "
+                                            "CPU, one per core, but no more than the settings and cells to run "
+                                            "nor than their work pays process starts for: a small audit runs in "
+                                            "this process alone)"),
     "executor": Param("local", (str, dict), help="local (worker processes on this machine) or ray (tasks on a Ray "
                                                  "cluster), or a mapping: {name: ray, address: auto, ...}"),
     "max_problems": Param("auto", (str, int), help="problems (targets x restarts x tuning trials) an attack "
@@ -59,6 +60,10 @@ TOP = {
     "threat": Param({}, dict),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
     "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/verdict.py)"),
+    "architecture": Param("auto", (str, bool), choices=("auto", True, False),
+                          help="the report's architecture analysis (Chen & Campbell 2022: each convolution's "
+                               "linear system and its rank): auto (when an attack of the audit solves those "
+                               "systems), true or false; its exact ranks can take seconds per model"),
 }
 EXECUTOR = {
     "name": Param("local", str, choices=("local", "ray")),
@@ -250,7 +255,7 @@ class Audit:
     name: str
     seed: int
     device: str
-    workers: int
+    workers: int | None  # None: auto, decided from the pending work (runner.auto_workers)
     plugins_dirs: list[Path]
     data: dict[str, Any]
     model: dict[str, Any]
@@ -266,6 +271,7 @@ class Audit:
     verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
     deterministic: bool = True
     executor: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in EXECUTOR.items()})
+    architecture: str | bool = "auto"  # the report's architecture analysis: auto, True or False
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
 
     @property
@@ -435,14 +441,14 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = _check_device(top.get("device", "auto"), problems)
-    workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else available_cores())
+    workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else None)
     max_problems = _check_max_problems(top.get("max_problems", "auto"), problems)
     executor = check_executor(top.get("executor", "local"), device, problems)
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
     return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
                  attacks, utility, metrics, threat, protocol, registry, leakage, max_problems, verdict,
-                 top["deterministic"], executor)
+                 top["deterministic"], executor, architecture=top["architecture"])
 
 
 def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str | Path] = (),
@@ -477,13 +483,6 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
                  described["device"], 1, dirs, data, model, settings, attacks, utility, metrics,
                  {"known_labels": described["known_labels"]}, protocol, registry, leakage, None, verdict, True,
                  live=described)
-
-
-def available_cores() -> int:
-    """Cores this process may use: its CPU affinity where the OS reports one (Linux), else the machine's count."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _importable_beside(path: Path) -> None:

@@ -10,7 +10,6 @@ from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from leakaudit.plugins import hookimpl
@@ -57,9 +56,12 @@ def label_accuracy(rec_labels: Tensor, true_labels: Tensor) -> float:
 
 
 def best_assignment(rec: Tensor, orig: Tensor) -> Tensor:
-    """Permutation ``p`` so that ``rec[p]`` lines up with ``orig`` at the least total MSE."""
+    """Permutation ``p`` so that ``rec[p]`` lines up with ``orig`` at the least total MSE (scipy's Hungarian
+    solver, imported on the first batch of several images)."""
     if len(rec) == 1:
         return torch.zeros(1, dtype=torch.long)
+    from scipy.optimize import linear_sum_assignment
+
     cost = ((rec[None] - orig[:, None]) ** 2).flatten(2).mean(dim=2)
     # a diverged reconstruction (NaN or inf pixels) is matched last, never a crash: its scores say it diverged
     cost = torch.nan_to_num(cost, nan=1e30, posinf=1e30, neginf=1e30)

@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from leakaudit.evaluator.analysis import analyse_all
-from leakaudit.evaluator.config import Audit, load_audit
+from leakaudit.evaluator.config import Audit, DefenseSetting, load_audit
 from leakaudit.evaluator.metrics import guess_scores, score
 from leakaudit.evaluator.report import write_report
 from leakaudit.evaluator.rundir import (
@@ -306,13 +306,43 @@ class WorkerPool:
         bar.close()
 
 
-def _pool(worker: AuditWorker, workers: int | None) -> "WorkerPool":
+def _pool(worker: AuditWorker, workers: int | None, pending: list) -> "WorkerPool":
     """The audit's executor: worker processes on this machine, or tasks on a Ray cluster (``executor: ray``)."""
     if worker.scenario.audit.executor["name"] == "ray":
         from leakaudit.evaluator.ray_executor import RayPool
 
         return RayPool(worker)
-    return WorkerPool(worker, workers or worker.scenario.audit.workers)
+    audit = worker.scenario.audit
+    return WorkerPool(worker, workers or audit.workers or auto_workers(audit, pending))
+
+
+def available_cores() -> int:
+    """Cores this process may use: its CPU affinity where the OS reports one (Linux), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+#: Attack iterations (summed over a cell's targets) or training steps that pay for a worker process's start:
+#: about 3 s of imports and loading, some 700 iterations of LeNet at 32 px on one core.
+PROCESS_WORTH = 2000
+
+
+def auto_workers(audit: Audit, pending: list) -> int:
+    """``workers: auto`` on the CPU: one process per core, but no more than the pending items (settings to
+    train, cells to attack) nor than their summed work pays starts for; one process's threads serve a single
+    cell better than its targets cut across processes."""
+    work: dict[Any, int] = {}
+    for item in pending:
+        if isinstance(item, DefenseSetting):
+            work[item.key] = audit.utility["train_steps"]
+        else:
+            cls = audit.registry.get("attack", item.attack.name)
+            params = {k: p.default for k, p in cls.params.items() if not p.required} | (item.params or item.attack.params)
+            key = (item.setting.key, item.attack.key, item.checkpoint)
+            work[key] = work.get(key, 0) + int(params.get("iterations", 1)) * int(params.get("restarts", 1))
+    items = sum(w > 0 for w in work.values())
+    return max(1, min(available_cores(), items, sum(work.values()) // PROCESS_WORTH))
 
 
 def _worker_lost(during: str) -> RunError:
@@ -323,12 +353,20 @@ def _worker_lost(during: str) -> RunError:
 
 
 def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
-    """The architecture analysis of every model of the audit, computed once per run folder."""
+    """The architecture analysis of every model of the audit, computed once per run folder where the audit
+    shows it (none: an empty list)."""
     saved = folder.read_json(ARCHITECTURE)
     if saved is None:
-        saved = analyse_all(scenario)
+        saved = analyse_all(scenario) if shows_architecture(scenario.audit) else []
         folder.write_json(ARCHITECTURE, saved)
     return saved
+
+
+def shows_architecture(audit: Audit) -> bool:
+    """``architecture:``, where ``auto`` means: an attack of the audit solves the layer-wise linear systems."""
+    if audit.architecture != "auto":
+        return bool(audit.architecture)
+    return any(audit.registry.get("attack", a.name).solves_linear_systems for a in audit.attacks)
 
 
 def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict[str, Any]:
@@ -393,12 +431,12 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
-    with _pool(worker, workers) as pool:
+    trained = folder.trained_settings()
+    untrained = [s for s in audit.settings if s.key not in trained]
+    with _pool(worker, workers, untrained + _pending_attacks(audit, folder)) as pool:
         workers = pool.workers
         folder.start_session(run_info(scenario, workers, pool.where))
-        trained = folder.trained_settings()
-        pool.run("train", [s for s in audit.settings if s.key not in trained], "training", progress,
-                 lambda s, row: folder.utility.append(row))
+        pool.run("train", untrained, "training", progress, lambda s, row: folder.utility.append(row))
 
         trials = folder.tuning.read()
         for stage in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
@@ -420,6 +458,15 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     analysis = architecture(scenario, folder)
     info = folder.finish_session(time.perf_counter() - started)
     return write_report(folder, rows, folder.utility.read(), baselines, trials, analysis, info, template)
+
+
+def _pending_attacks(audit: Audit, folder: RunFolder) -> list:
+    """The tuning trials and attack jobs a (resumed) run has left, as far as known before it starts (a scan's
+    refined grid and the tuned winners come later): what ``auto_workers`` weighs."""
+    trials = folder.tuning.read()
+    tried, finished = {trial_key(r) for r in trials}, {row_key(r) for r in folder.results.read()}
+    return ([j for j in tune_jobs_of(audit, trials) if j.key not in tried]
+            + [j for j in jobs_of(audit) if j.key not in finished])
 
 
 def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str, Any]:

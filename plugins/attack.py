@@ -105,6 +105,9 @@ class Attack:
     #: The attack reads what its defense adds to the model (a bottleneck's draw, Bayesian layers' noise), so it
     #: cannot run on the undefended update and takes no part in calibrating the verdicts there.
     needs_defense: ClassVar[bool] = False
+    #: The attack solves each layer's linear system (R-GAP and its kin): an audit that runs it shows the
+    #: report's architecture analysis of those systems (``architecture: auto``).
+    solves_linear_systems: ClassVar[bool] = False
 
     @property
     def knows_defense(self) -> bool:

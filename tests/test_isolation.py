@@ -20,7 +20,8 @@ from leakaudit.evaluator.api import audit_batch
 from leakaudit.evaluator.config import ConfigError, load_audit
 from leakaudit.evaluator.datasets import load_digits
 from leakaudit.evaluator.models import lenet_zhu, mlp
-from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.rundir import jobs_of
+from leakaudit.evaluator.runner import PROCESS_WORTH, auto_workers, run_audit
 from leakaudit.evaluator.scenario import loss_fn
 from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.protocol import ClientStep
@@ -93,11 +94,19 @@ def test_an_audit_without_psnr_keeps_its_main_outputs(write_audit, tmp_path):
 
 
 def test_a_model_without_convolutions_runs_to_its_report(write_audit, tmp_path):
-    audit = small_audit(model={"name": "mlp", "params": {"width": 32, "depth": 1}, "checkpoints": [0]})
+    audit = small_audit(model={"name": "mlp", "params": {"width": 32, "depth": 1}, "checkpoints": [0]},
+                        architecture=True)
     summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
     (analysis,) = summary["architecture"]
     assert "no convolutional layer" in analysis["not_applicable"]
-    assert (tmp_path / "out" / "report.html").exists()
+    assert "not computed: " in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_the_architecture_analysis_runs_only_where_the_audit_shows_it(write_audit, tmp_path):
+    """Inverting Gradients alone: no rank computation and no section in the report (``architecture: auto``)."""
+    summary = run_audit(load_audit(write_audit(small_audit())), tmp_path / "out", progress=False)
+    assert summary["architecture"] == []
+    assert "Architecture:" not in (tmp_path / "out" / "report.html").read_text()
 
 
 def _problem(model, defense, batch: int = 1):
@@ -126,9 +135,21 @@ def test_attacks_keep_no_state_between_calls(make):
 
 def test_default_workers_need_no_cpu_affinity_call(write_audit, monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS and Windows have none
+    audit = small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": PROCESS_WORTH}}],
+                        defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 0.1}}])
+    del audit["workers"]
+    loaded = load_audit(write_audit(audit))
+    assert loaded.workers is None  # auto
+    assert auto_workers(loaded, jobs_of(loaded)) == min(2, os.cpu_count() or 1)  # two cells: two processes at most
+    assert auto_workers(loaded, jobs_of(loaded)[:1]) == 1  # one cell: its targets stay together
+
+
+def test_auto_workers_keep_a_small_audit_in_this_process(write_audit):
+    """Starting a worker costs seconds of imports: cells of a few iterations run here, whatever the cores."""
     audit = small_audit()
     del audit["workers"]
-    assert load_audit(write_audit(audit)).workers == (os.cpu_count() or 1)
+    loaded = load_audit(write_audit(audit))
+    assert auto_workers(loaded, [*loaded.settings, *jobs_of(loaded)]) == 1
 
 
 def test_vectorised_problems_match_one_at_a_time(write_audit, tmp_path):

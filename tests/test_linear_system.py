@@ -91,3 +91,15 @@ def test_analyse_refuses_a_system_too_large_to_build(write_audit, capsys):
     assert main(["analyse", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"leakaudit: error: {path}: model: lenet_zhu: layer 0's system (") and "GiB as a dense" in err
+
+
+@pytest.mark.parametrize("attack, key, shown", [
+    ("rgap", "auto", True), ("hybrid", "auto", True), ("inverting_gradients", "auto", False),
+    ("rgap", False, False), ("inverting_gradients", True, True)])
+def test_the_report_shows_the_analysis_where_an_attack_solves_the_systems_or_the_audit_asks(
+        write_audit, attack, key, shown):
+    from leakaudit.evaluator.config import load_audit
+    from leakaudit.evaluator.runner import shows_architecture
+
+    audit = small_audit(attacks=[{"name": attack}], architecture=key, defenses=[{"name": "none"}])
+    assert shows_architecture(load_audit(write_audit(audit))) is shown

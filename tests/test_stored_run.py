@@ -1,0 +1,78 @@
+"""One small audit's results.jsonl and summary.json against a stored copy: a change to the engine's structure
+must leave every number, name and verdict where it was.
+
+The stored copy is tests/data/stored_run/. Timings and the run's provenance (versions, device, dates) are left
+out of the comparison, and numbers compare to 1e-4 relative (another CPU's kernels may round differently);
+everything else must match exactly. After a change meant to alter results, rewrite the copy with
+``LEAKAUDIT_STORE_RUN=1 python -m pytest tests/test_stored_run.py`` and say why in the commit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from leakaudit.evaluator.config import load_audit
+from leakaudit.evaluator.runner import run_audit
+
+from conftest import small_audit
+
+STORED = Path(__file__).parent / "data" / "stored_run"
+FILES = ("results.jsonl", "summary.json")
+VOLATILE = {"seconds", "search_seconds", "run"}  # wall times and provenance: differ on every run
+
+
+def _volatile(key: str) -> bool:
+    return key in VOLATILE or key.startswith("seconds_")
+
+AUDIT = small_audit(
+    defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 0.1}},
+              {"name": "dpsgd", "params": {"noise_multiplier": 1.0, "max_grad_norm": 1.0}}],
+    attacks=[{"name": "inverting_gradients", "params": {"iterations": 20}},
+             {"name": "bayes", "params": {"iterations": 20, "radius": 0.05, "samples": 2},
+              "tune": {"budget": 2, "space": {"lr": [0.03, 0.3]}, "targets": 1}}],
+    metrics=["psnr", "ssim", "mse", "label_accuracy"])
+
+
+def _stable(value):
+    """``value`` without the volatile keys, at any depth."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if not _volatile(k)}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def _read(folder: Path, name: str):
+    text = (folder / name).read_text()
+    return _stable([json.loads(line) for line in text.splitlines()] if name.endswith(".jsonl") else json.loads(text))
+
+
+def _same(got, want, where: str = "") -> None:
+    """Exact equality but for floats (1e-4 relative); the first difference is named by its path."""
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-9, nan_ok=True), where
+    elif isinstance(want, dict) and isinstance(got, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for key in want:
+            _same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list) and isinstance(got, list):
+        assert len(got) == len(want), f"{where}: {len(got)} items != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+def test_a_small_audit_gives_the_stored_results(write_audit, tmp_path):
+    out = tmp_path / "out"
+    run_audit(load_audit(write_audit(AUDIT)), out, progress=False)
+    if os.environ.get("LEAKAUDIT_STORE_RUN"):
+        STORED.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            shutil.copyfile(out / name, STORED / name)
+    for name in FILES:
+        _same(_read(out, name), _read(STORED, name), name)

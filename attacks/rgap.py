@@ -22,12 +22,7 @@ from torch.func import functional_call
 
 from leakaudit.attacks.analytic import solve_input
 from leakaudit.attacks.labels import recover_labels
-from leakaudit.attacks.linear_system import (
-    ACTIVATIONS,
-    conv_system,
-    layers_of,
-    min_norm_solution,
-)
+from leakaudit.attacks.linear_system import ACTIVATIONS, conv_system, layers_of, min_norm_solution
 from leakaudit.attacks.priors import total_variation
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel

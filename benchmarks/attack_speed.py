@@ -22,10 +22,10 @@ import torch
 
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.metrics import psnr
-from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.metrics import psnr
+from leakaudit.evaluator.zoo.models import lenet_zhu
 from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 

@@ -20,8 +20,8 @@ import torch
 from leakaudit.attacks.bayesian import BayesianNoiseKL
 from leakaudit.attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage, InvertingGradients
 from leakaudit.defenses.bayesian import Bayesian
-from leakaudit.evaluator.models import convnet, resnet18
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.models import convnet, resnet18
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import ClientStep

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from leakaudit.attacks.cinet import CINet, parameter_count
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.metrics import score
-from leakaudit.evaluator.models import convnet, resnet18
+from leakaudit.evaluator.zoo.metrics import score
+from leakaudit.evaluator.zoo.models import convnet, resnet18
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import ClientStep

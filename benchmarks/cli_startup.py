@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = ("import sys, runpy; sys.argv = ['leakaudit', *{args!r}]\n"
          "try:\n    runpy.run_module('leakaudit', run_name='__main__')\n"
          "except SystemExit:\n    pass\n"
-         "heavy = [m for m in ('torch', 'matplotlib', 'leakaudit.evaluator.runner') if m in sys.modules]\n"
+         "heavy = [m for m in ('torch', 'matplotlib', 'leakaudit.evaluator.run.runner') if m in sys.modules]\n"
          "print('IMPORTED:' + ','.join(heavy), file=sys.stderr)")
 COMMANDS = {
     "import torch": None,

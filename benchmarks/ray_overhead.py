@@ -22,8 +22,8 @@ import ray
 import torch
 import yaml
 
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.run.runner import run_audit
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from conftest import small_audit  # noqa: E402  (the tests' small audit)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from leakaudit.defenses import soteria
-from leakaudit.evaluator.models import convbig
+from leakaudit.evaluator.zoo.models import convbig
 
 
 def loop_scores(model, x: torch.Tensor, features: int) -> torch.Tensor:

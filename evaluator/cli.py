@@ -168,7 +168,7 @@ def _describe_plugin(entry, as_json: bool) -> int:
 
 
 def cmd_init(args) -> int:
-    from leakaudit.evaluator.starter import starter_audit, write_starter
+    from leakaudit.evaluator.authoring.starter import starter_audit, write_starter
     from leakaudit.plugins.manager import load_registry
 
     if args.file is not None and args.file.exists() and not args.force:
@@ -183,7 +183,7 @@ def cmd_init(args) -> int:
 
 
 def cmd_new_plugin(args) -> int:
-    from leakaudit.evaluator.scaffold import write_plugin
+    from leakaudit.evaluator.authoring.scaffold import write_plugin
 
     folder = write_plugin(args.name, args.dir)
     print(f"wrote {folder}: pip install -e {folder} && pytest {folder}", file=sys.stderr)
@@ -191,7 +191,7 @@ def cmd_new_plugin(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from leakaudit.evaluator.schema import audit_schema
+    from leakaudit.evaluator.audit.schema import audit_schema
     from leakaudit.plugins.manager import load_registry
 
     print(json.dumps(audit_schema(load_registry(args.plugins_dir)), indent=2))
@@ -199,12 +199,12 @@ def cmd_schema(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.scenario import Scenario, check_scenario
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     audit = load_audit(args.config, args.plugins_dir, import_user_code=args.import_code)
     check_scenario(Scenario(audit), user_code=False)
-    from leakaudit.evaluator.rundir import jobs_of
+    from leakaudit.evaluator.audit.jobs import jobs_of
 
     print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({audit.num_batches} target batches each): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
@@ -234,9 +234,9 @@ def _counted(audit, attack) -> str:
 
 
 def cmd_analyse(args) -> int:
-    from leakaudit.evaluator.analysis import cached_analysis, describe
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.scenario import Scenario
+    from leakaudit.evaluator.run.analysis import cached_analysis, describe
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.scenario import Scenario
 
     audit = load_audit(args.config, args.plugins_dir)
     result = cached_analysis(Scenario(audit))
@@ -254,7 +254,7 @@ def _check_report_options(args, audit) -> list[str]:
     elif args.template is not None:
         import jinja2
 
-        from leakaudit.evaluator.report import page_template
+        from leakaudit.evaluator.results.report import page_template
 
         try:
             page_template(args.template)
@@ -270,8 +270,8 @@ def _check_report_options(args, audit) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    from leakaudit.evaluator.config import check_executor, load_audit
-    from leakaudit.evaluator.runner import run_audit
+    from leakaudit.evaluator.audit.config import check_executor, load_audit
+    from leakaudit.evaluator.run.runner import run_audit
 
     audit = load_audit(args.config, args.plugins_dir)
     problems = _check_report_options(args, audit)
@@ -287,8 +287,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from leakaudit.evaluator.rundir import RunFolder, saved_audit
-    from leakaudit.evaluator.runner import rebuild_report
+    from leakaudit.evaluator.results.rundir import RunFolder, saved_audit
+    from leakaudit.evaluator.run.runner import rebuild_report
 
     audit = saved_audit(Path(args.folder), args.config, args.plugins_dir)
     problems = _check_report_options(args, audit)
@@ -317,7 +317,7 @@ def _conclude(summary: dict, out: Path, args, tables: tuple[str, ...] = ()) -> i
         print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)
     if not args.fail_on_leak:
         return 0
-    from leakaudit.evaluator.verdict import gate_failures
+    from leakaudit.evaluator.results.verdict import gate_failures
 
     failures = gate_failures(summary, args.allow_inconclusive)
     for kind, line in failures:
@@ -335,8 +335,8 @@ def _verdict_line(w: dict, leak: str, width: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # --help and --version end here, before torch is imported
-    from leakaudit.evaluator.config import ConfigError
-    from leakaudit.evaluator.rundir import AttackFailed, RunError
+    from leakaudit.evaluator.audit.config import ConfigError
+    from leakaudit.evaluator.results.rundir import AttackFailed, RunError
 
     previous = None
     if args.command == "run" and threading.current_thread() is threading.main_thread():

@@ -38,10 +38,10 @@ _LAZY = {
                     "leakaudit.plugins.components"),
     **dict.fromkeys(("Defense", "DeterministicDefense", "PrivacyProfile", "SharedUpdate"), "leakaudit.plugins.defense"),
     **dict.fromkeys(("ClientStep", "FedAvg", "FedSGD", "OwnStep", "Protocol"), "leakaudit.plugins.protocol"),
-    **dict.fromkeys(("audit_batch", "BatchAudit"), "leakaudit.evaluator.api"),
-    "LeakMonitor": "leakaudit.evaluator.monitor",
-    **dict.fromkeys(("run_audit", "RunError", "report_folder"), "leakaudit.evaluator.runner"),
-    **dict.fromkeys(("load_audit", "ConfigError", "Audit"), "leakaudit.evaluator.config"),
+    **dict.fromkeys(("audit_batch", "BatchAudit"), "leakaudit.evaluator.live.api"),
+    "LeakMonitor": "leakaudit.evaluator.live.monitor",
+    **dict.fromkeys(("run_audit", "RunError", "report_folder"), "leakaudit.evaluator.run.runner"),
+    **dict.fromkeys(("load_audit", "ConfigError", "Audit"), "leakaudit.evaluator.audit.config"),
 }
 
 

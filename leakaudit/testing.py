@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from leakaudit.evaluator.checks import AttackCheck, DefenseCheck, check_attack, check_defense, tiny_case
-from leakaudit.evaluator.verdict import INCONCLUSIVE, LEAKS, gate_failures
+from leakaudit.evaluator.authoring.checks import AttackCheck, DefenseCheck, check_attack, check_defense, tiny_case
+from leakaudit.evaluator.results.verdict import INCONCLUSIVE, LEAKS, gate_failures
 
 __all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",
            "load_summary"]

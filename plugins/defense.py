@@ -9,14 +9,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.protocol import (
-    ClientStep,
-    LossFn,
-    Protocol,
-    TrainingRun,
-    parameter_names,
-    trainable,
-)
+from leakaudit.plugins.protocol import ClientStep, LossFn, Protocol, TrainingRun, parameter_names, trainable
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
 

@@ -33,9 +33,9 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.bayesian",
     "leakaudit.attacks.rgap",
     "leakaudit.attacks.cinet",
-    "leakaudit.evaluator.metrics",
-    "leakaudit.evaluator.models",
-    "leakaudit.evaluator.datasets",
+    "leakaudit.evaluator.zoo.metrics",
+    "leakaudit.evaluator.zoo.models",
+    "leakaudit.evaluator.zoo.datasets",
 )
 
 #: Registry kinds and the hook that fills each.

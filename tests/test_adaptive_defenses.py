@@ -22,7 +22,7 @@ from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.precode import Precode, bottleneck_of
 from leakaudit.defenses.soteria import Soteria, feature_scores, pruning_mask
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.models import convbig, lenet_zhu, mlp
+from leakaudit.evaluator.zoo.models import convbig, lenet_zhu, mlp
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, parameter_names
 
@@ -362,7 +362,7 @@ def test_an_adaptive_attack_on_a_defense_it_does_not_fit_is_refused(write_audit,
      "defenses[0].params.noise: 'per_batch' is not one of the choices; choices: per_pass, per_example"),
 ])
 def test_new_audit_keys_fail_with_one_line(write_audit, audit, expected):
-    from leakaudit.evaluator.config import ConfigError, load_audit
+    from leakaudit.evaluator.audit.config import ConfigError, load_audit
 
     path = write_audit(audit)
     with pytest.raises(ConfigError) as info:
@@ -386,8 +386,8 @@ def test_a_defense_that_does_not_fit_the_model_is_named_before_work(write_audit,
 
 
 def test_a_setting_with_its_own_model_is_built_with_it(write_audit):
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.scenario import Scenario
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.scenario import Scenario
 
     path = write_audit(small_audit(defenses=[{"name": "none"}, {"name": "precode", "params": {"size": 8},
                                                                 "model": {"name": "mlp", "params": {"width": 32}}}]))
@@ -422,8 +422,8 @@ def test_bayes_is_refused_where_the_defense_declares_no_likelihood(write_audit, 
 def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_path):
     import json
 
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.runner import run_audit
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.runner import run_audit
 
     ig = {"iterations": 30, "priors": {"tv": 1e-3}}
     audit = load_audit(write_audit(small_audit(
@@ -470,7 +470,7 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
      "attacks[0].params.drop_defended: 'yes' is not of type bool"),
 ])
 def test_new_parameters_fail_with_one_line(write_audit, section, entry, expected):
-    from leakaudit.evaluator.config import ConfigError, load_audit
+    from leakaudit.evaluator.audit.config import ConfigError, load_audit
 
     path = write_audit(small_audit(**{section: [entry]}))
     with pytest.raises(ConfigError) as info:

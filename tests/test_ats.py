@@ -7,11 +7,11 @@ import torch
 
 from leakaudit.defenses.ats import ATS, OPERATIONS, PAPER_POLICIES, apply_operation, parse_policy, random_crop_flip
 from leakaudit.defenses.noise import GaussianNoise
-from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.metrics import psnr
-from leakaudit.evaluator.runner import run_audit
-from leakaudit.evaluator.scenario import Scenario
-from leakaudit.evaluator.utility import training_run
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.run.runner import run_audit
+from leakaudit.evaluator.run.scenario import Scenario
+from leakaudit.evaluator.run.utility import training_run
+from leakaudit.evaluator.zoo.metrics import psnr
 from leakaudit.plugins.defense import SharedUpdate
 
 from conftest import small_audit
@@ -97,7 +97,8 @@ def test_the_attack_rebuilds_and_is_scored_against_the_augmented_image(write_aud
         metrics=["psnr"])))
     out = tmp_path / "out"
     run_audit(audit, out, progress=False)
-    from leakaudit.evaluator.rundir import AttackJob, RunFolder
+    from leakaudit.evaluator.audit.jobs import AttackJob
+    from leakaudit.evaluator.results.rundir import RunFolder
     folder, scenario = RunFolder(out, audit), Scenario(audit)
     for target in range(audit.num_batches):
         saved = folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], 0, target))

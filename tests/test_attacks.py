@@ -7,10 +7,10 @@ from leakaudit.attacks.gradient_matching import InvertingGradients, step_decay_m
 from leakaudit.attacks.labels import labels_from_signs
 from leakaudit.attacks.priors import total_variation
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.metrics import psnr
-from leakaudit.evaluator.models import lenet_zhu, mlp
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.metrics import psnr
+from leakaudit.evaluator.zoo.models import lenet_zhu, mlp
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import cosine_distance
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.authoring.starter import starter_audit
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.scenario import Scenario, check_scenario
-from leakaudit.evaluator.starter import starter_audit
+from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -158,7 +158,7 @@ def test_new_plugin_installs_is_listed_and_passes_its_own_tests(capsys, tmp_path
 
 
 def test_the_example_plugin_is_what_new_plugin_writes(tmp_path):
-    from leakaudit.evaluator.scaffold import write_plugin
+    from leakaudit.evaluator.authoring.scaffold import write_plugin
 
     from conftest import ROOT
 

@@ -397,8 +397,8 @@ def test_a_setting_label_is_cosmetic(write_audit, tmp_path):
     """Renaming a setting's label leaves its numbers as they were: its streams derive from what it is."""
     import json
 
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.runner import run_audit
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.runner import run_audit
 
     psnr = {}
     for label in ("first", "renamed"):

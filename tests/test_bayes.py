@@ -7,20 +7,14 @@ import shutil
 import pytest
 import torch
 
-from leakaudit.attacks.bayes import (
-    BayesOptimal,
-    CosineMatching,
-    L1Matching,
-    L2Matching,
-    sample_in_ball,
-)
+from leakaudit.attacks.bayes import BayesOptimal, CosineMatching, L1Matching, L2Matching, sample_in_ball
 from leakaudit.defenses.noise import GaussianNoise
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.metrics import psnr
-from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.evaluator.runner import run_audit
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.run.runner import run_audit
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.metrics import psnr
+from leakaudit.evaluator.zoo.models import lenet_zhu
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 

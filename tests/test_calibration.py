@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from conftest import small_audit
 
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.runner import run_audit
-from leakaudit.evaluator.verdict import (
+from leakaudit.evaluator.results.verdict import (
     INCONCLUSIVE,
     LEAKS,
     PROTECTS,
@@ -24,6 +23,7 @@ from leakaudit.evaluator.verdict import (
     settling_budget,
     training_bound,
 )
+from leakaudit.evaluator.run.runner import run_audit
 from leakaudit.plugins.defense import PrivacyProfile
 
 
@@ -87,7 +87,7 @@ def test_the_guarantees_the_built_in_defenses_declare(registry):
 
 
 def test_the_named_share_counts_what_the_reconstructions_name_without_the_truth():
-    from leakaudit.evaluator.verdict import named_share
+    from leakaudit.evaluator.results.verdict import named_share
 
     near = np.array([[0.0, 5, 5, 5], [5, 0, 5, 5], [5, 5, 0, 5], [5, 5, 5, 0]])
     assert named_share(near, 1) == 1.0 and named_share(near, 2) == 1.0
@@ -235,7 +235,7 @@ def test_a_weak_attack_is_calibrated_by_its_own_run_on_the_reference_not_by_anot
 
 
 def test_a_label_that_takes_the_reference_key_is_refused(write_audit):
-    from leakaudit.evaluator.config import ConfigError
+    from leakaudit.evaluator.audit.config import ConfigError
 
     path = write_audit(small_audit(defenses=[{"name": "gaussian", "params": {"sigma": 0.1}, "label": "none"}]))
     with pytest.raises(ConfigError) as info:
@@ -245,7 +245,7 @@ def test_a_label_that_takes_the_reference_key_is_refused(write_audit):
 
 
 def test_the_bound_figure_leaves_out_guarantees_a_log_axis_cannot_show(tmp_path):
-    from leakaudit.evaluator.report import plot_identification_bound
+    from leakaudit.evaluator.results.report import plot_identification_bound
 
     privacy = {"mu": math.inf, "bound": 1.0, "identified": 1.0, "identified_n": 4, "chance": 0.25, "violated": False}
     summary = {"worst_case": [{"defense": "dpsgd", "epsilon": None, "privacy": privacy}], "utility": {}}

@@ -9,8 +9,8 @@ from torch import nn
 from leakaudit.attacks.cinet import CINet, Generator, generator_parameters, parameter_count, scales, width_for
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.metrics import score
-from leakaudit.evaluator.models import resnet18
+from leakaudit.evaluator.zoo.metrics import score
+from leakaudit.evaluator.zoo.models import resnet18
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 
@@ -72,7 +72,7 @@ def test_one_step_at_the_width_chosen_for_resnet18_at_batch_64_moves_the_output_
 def test_cinet_beats_inverting_gradients_and_a_grey_guess_on_a_batch_of_16(registry):
     """Issue 7: on sigmoid LeNet's averaged gradient of 16 images, mean SSIM at least 0.1 above Inverting
     Gradients' at the same budget, and above flat grey (measured: 0.289, 0.153 and 0.085)."""
-    from leakaudit.evaluator.models import lenet_zhu
+    from leakaudit.evaluator.zoo.models import lenet_zhu
 
     torch.manual_seed(0)
     observed, threat, pixels, labels = shared_batch(registry, lenet_zhu(3, 10, 32), 16)

@@ -6,8 +6,8 @@ import subprocess
 import pytest
 import yaml
 
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.config import ConfigError, load_audit
 
 from conftest import LEAKAUDIT, ROOT, small_audit
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
-from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.models import lenet_zhu
 from leakaudit.plugins.protocol import ClientStep, fedsgd_update
 
 

@@ -12,12 +12,12 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
 from leakaudit.defenses.dpsgd import DPSGD, clipped_mean_gradient
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.evaluator.scenario import Scenario, loss_fn
-from leakaudit.evaluator.utility import privacy_spent, training_run
+from leakaudit.evaluator.run.scenario import Scenario, loss_fn
+from leakaudit.evaluator.run.utility import privacy_spent, training_run
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.models import lenet_zhu
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import ClientStep, trainable
 

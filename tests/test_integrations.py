@@ -31,7 +31,7 @@ def normalised(data) -> TensorDataset:
 def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
     import lightning.pytorch as pl
 
-    from leakaudit.evaluator.lightning import LeakAuditCallback
+    from leakaudit.evaluator.live.lightning import LeakAuditCallback
 
     from lightning_training import DigitsClassifier
 
@@ -67,7 +67,7 @@ def test_the_examples_run(tmp_path):
 
 def flower_client(tmp_path, every=1, seed=0, **monitor_args):
     """The example's Flower client on 4 digits, wrapped; with the loader's batch order it will draw."""
-    from leakaudit.evaluator.flower import LeakAuditClient
+    from leakaudit.evaluator.live.flower import LeakAuditClient
 
     import flower_training
     from digits_client import build_model
@@ -83,8 +83,8 @@ def flower_client(tmp_path, every=1, seed=0, **monitor_args):
 
 
 def test_flower_client_attacks_the_fedavg_update_it_returns(tmp_path):
-    from leakaudit.evaluator.report import threat_model
-    from leakaudit.evaluator.rundir import saved_audit
+    from leakaudit.evaluator.results.report import threat_model
+    from leakaudit.evaluator.results.rundir import saved_audit
     from leakaudit.plugins.protocol import FedAvg, fedavg_update
 
     import flower_training
@@ -150,7 +150,7 @@ def test_flower_round_that_fedavg_cannot_describe_is_skipped_with_a_warning(tmp_
 def test_flower_client_refuses_before_any_round(tmp_path):
     from opacus import GradSampleModule
 
-    from leakaudit.evaluator.flower import LeakAuditClient
+    from leakaudit.evaluator.live.flower import LeakAuditClient
 
     import flower_training
     from digits_client import build_model

@@ -16,13 +16,14 @@ from leakaudit.defenses.bayesian import Bayesian
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.precode import Precode
 from leakaudit.defenses.soteria import Soteria
-from leakaudit.evaluator.api import audit_batch
-from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.models import lenet_zhu, mlp
-from leakaudit.evaluator.rundir import jobs_of
-from leakaudit.evaluator.runner import PROCESS_WORTH, auto_workers, run_audit
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.jobs import jobs_of
+from leakaudit.evaluator.live.api import audit_batch
+from leakaudit.evaluator.run.executors import PROCESS_WORTH, auto_workers
+from leakaudit.evaluator.run.runner import run_audit
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.models import lenet_zhu, mlp
 from leakaudit.plugins.attack import Problem, ThreatModel
 from leakaudit.plugins.protocol import ClientStep
 from leakaudit.plugins.stochastic import noise_from

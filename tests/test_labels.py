@@ -6,10 +6,10 @@ import torch
 
 from leakaudit.attacks.labels import counts_to_labels, recover_labels
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.metrics import label_accuracy
-from leakaudit.evaluator.models import lenet_zhu, mlp
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.metrics import label_accuracy
+from leakaudit.evaluator.zoo.models import lenet_zhu, mlp
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, Protocol
 

@@ -1,4 +1,6 @@
-"""The package's layers: contracts at the bottom, families above, the engine on top, no import cycles.
+"""The package's layers: contracts at the bottom, families above, the engine on top, no import cycles; inside the
+engine, rooms in order (the zoo, the audit file, results, running, live training, authoring, the command line);
+no private name used outside its module.
 
 Imports are read from the source (every ``import`` statement, also those inside functions), so a
 lazy import that closes a cycle counts as one.
@@ -13,12 +15,23 @@ ROOMS = {"plugins": "leakaudit.plugins", "defenses": "leakaudit.defenses", "atta
          "evaluator": "leakaudit.evaluator", "leakaudit": "leakaudit"}
 
 
+#: The engine's rooms, bottom first: a module imports from its own room and the rooms below it only.
+ENGINE_ROOMS = ("zoo", "audit", "results", "run", "live", "authoring")
+
+
 def _modules() -> dict[str, Path]:
     out = {}
     for folder, package in ROOMS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [*path.relative_to(ROOT / folder).parent.parts, path.stem]
+            out[".".join([package, *parts[:-1]] + ([] if parts[-1] == "__init__" else [parts[-1]]))] = path
     return out
+
+
+def _engine_room(module: str) -> int:
+    """The rank of a module's engine room (the command line, at the top of evaluator/, above them all)."""
+    parts = module.split(".")
+    return ENGINE_ROOMS.index(parts[2]) if len(parts) > 3 else len(ENGINE_ROOMS)
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
@@ -74,3 +87,34 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_engine_rooms_import_only_their_own_and_those_below():
+    for name, deps in GRAPH.items():
+        if name.startswith("leakaudit.evaluator."):
+            above = [d for d in deps if d.startswith("leakaudit.evaluator.") and _engine_room(d) > _engine_room(name)]
+            assert not above, (name, above)
+
+
+def _private_uses(path: Path, module: str) -> list[str]:
+    """Private names (one leading underscore) this module takes from another leakaudit module, by import or as
+    an attribute of an imported module."""
+    found, aliases = [], {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("leakaudit") and node.module != module:
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{node.module}.{a.name}")
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name: a.name for a in node.names if a.name.startswith("leakaudit")}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_module():
+    for name, path in _modules().items():
+        assert not _private_uses(path, name), (name, _private_uses(path, name))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.models import LINEAR_SYSTEM_VARIANTS, linear_system_cnn
+from leakaudit.evaluator.zoo.models import LINEAR_SYSTEM_VARIANTS, linear_system_cnn
 
 from conftest import small_audit
 
@@ -61,7 +61,7 @@ def test_analyse_prints_the_layers_and_the_metric(write_audit, capsys):
 
 
 def test_analyse_reads_the_cache_the_first_analysis_wrote(write_audit, capsys, monkeypatch, tmp_path):
-    from leakaudit.evaluator import analysis
+    from leakaudit.evaluator.run import analysis
 
     monkeypatch.setenv("LEAKAUDIT_CACHE", str(tmp_path / "cache"))
     path = write_audit(small_audit(data={"dataset": "cifar10_samples", "image_size": 32, "targets": 1},
@@ -98,8 +98,8 @@ def test_analyse_refuses_a_system_too_large_to_build(write_audit, capsys):
     ("rgap", False, False), ("inverting_gradients", True, True)])
 def test_the_report_shows_the_analysis_where_an_attack_solves_the_systems_or_the_audit_asks(
         write_audit, attack, key, shown):
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.runner import shows_architecture
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.runner import shows_architecture
 
     audit = small_audit(attacks=[{"name": attack}], architecture=key, defenses=[{"name": "none"}])
     assert shows_architecture(load_audit(write_audit(audit))) is shown

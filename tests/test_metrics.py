@@ -8,8 +8,8 @@ import pytest
 import torch
 from skimage.metrics import structural_similarity
 
-from leakaudit.evaluator import metrics
-from leakaudit.evaluator.metrics import (
+from leakaudit.evaluator.zoo import metrics
+from leakaudit.evaluator.zoo.metrics import (
     LPIPS,
     best_assignment,
     label_accuracy,

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision import transforms
 
 import leakaudit
-from leakaudit.evaluator.rundir import RunFolder, saved_audit
-from leakaudit.evaluator.runner import rebuild_report
+from leakaudit.evaluator.results.rundir import RunFolder, saved_audit
+from leakaudit.evaluator.run.runner import rebuild_report
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "own_training"))
 from digits_client import build_model, load_data  # noqa: E402  (the example client)

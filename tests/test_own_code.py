@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from leakaudit.evaluator.api import audit_batch
+from leakaudit.evaluator.audit.config import ConfigError
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.config import ConfigError
+from leakaudit.evaluator.live.api import audit_batch
 from leakaudit.plugins.protocol import captured_update, fedsgd_update
 
 from conftest import ROOT, small_audit
@@ -149,4 +149,4 @@ def test_a_data_factory_that_returns_the_wrong_thing_is_named(write_audit, tmp_p
     assert main(["run", str(path), "--out", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()  # refused before any work
     err = capsys.readouterr().err
-    assert "data.factory: bad_data:load returned list; return evaluator.datasets.ImageData(" in err
+    assert "data.factory: bad_data:load returned list; return leakaudit.ImageData(" in err

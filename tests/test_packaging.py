@@ -81,7 +81,7 @@ def test_a_tiny_audit_runs_from_a_folder_with_its_own_evaluator_and_plugins(fres
     audit = small_audit(defenses=[{"name": "none"}, {"name": "double"}], plugins_dir="my_plugins",
                         utility={"train_steps": 0})
     (tmp_path / "audit.yaml").write_text(json.dumps(audit))
-    where = _run([str(python), "-c", "import leakaudit, leakaudit.evaluator.runner; print(leakaudit.__file__)"],
+    where = _run([str(python), "-c", "import leakaudit, leakaudit.evaluator.run.runner; print(leakaudit.__file__)"],
                  cwd=tmp_path).stdout.strip()
     assert where.startswith(str(env))
     assert _run([str(env / "bin" / "leakaudit"), "--version"], cwd=tmp_path).stdout.strip() == \

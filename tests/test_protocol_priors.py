@@ -4,15 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leakaudit.attacks.priors import (
-    check_priors,
-    l2_norm,
-    pixel_range,
-    prior_penalty,
-    total_variation_isotropic,
-)
-from leakaudit.evaluator.models import lenet_zhu
-from leakaudit.evaluator.scenario import loss_fn
+from leakaudit.attacks.priors import check_priors, l2_norm, pixel_range, prior_penalty, total_variation_isotropic
+from leakaudit.evaluator.run.scenario import loss_fn
+from leakaudit.evaluator.zoo.models import lenet_zhu
 from leakaudit.plugins.protocol import FedAvg, fedsgd_update
 
 

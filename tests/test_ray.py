@@ -13,8 +13,8 @@ from conftest import small_audit
 
 ray = pytest.importorskip("ray")
 
-from leakaudit.evaluator.config import load_audit  # noqa: E402
-from leakaudit.evaluator.runner import run_audit  # noqa: E402
+from leakaudit.evaluator.audit.config import load_audit  # noqa: E402
+from leakaudit.evaluator.run.runner import run_audit  # noqa: E402
 
 PLUGIN = textwrap.dedent('''
     import os
@@ -112,7 +112,7 @@ def test_ray_reruns_a_task_whose_worker_was_killed_and_loses_nothing(tmp_path, l
 
 
 def test_ray_task_that_runs_out_of_retries_names_its_cell_and_resume_finishes(tmp_path, local_ray, local_rows):
-    from leakaudit.evaluator.rundir import RunError
+    from leakaudit.evaluator.results.rundir import RunError
 
     with pytest.raises(RunError, match=r"attacks \(none, dies_once, step \d\): a Ray worker or node died and the "
                                        r"task's retries ran out"):
@@ -141,7 +141,7 @@ def test_a_second_node_takes_work(tmp_path):
 def test_executor_mistakes_are_one_line_errors_before_any_work(tmp_path):
     import subprocess
 
-    from leakaudit.evaluator.config import ConfigError
+    from leakaudit.evaluator.audit.config import ConfigError
 
     from conftest import LEAKAUDIT
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.verdict import (
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.results.verdict import (
     LEAKS,
     PROTECTS,
     UNUSABLE,
@@ -101,7 +101,7 @@ def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only()
 
 
 def test_summary_intervals_and_verdicts_from_rows(write_audit):
-    from leakaudit.evaluator.report import summarise
+    from leakaudit.evaluator.results.report import summarise
 
     audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {
         "sigma": 1.0}, "must_protect": True}])))
@@ -249,7 +249,7 @@ def test_gate_and_report_refuse_what_they_cannot_do_in_one_line(finished, tmp_pa
 
 
 def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, tmp_path):
-    from leakaudit.evaluator.runner import run_audit
+    from leakaudit.evaluator.run.runner import run_audit
 
     audit = load_audit(write_audit(_audit(metrics=["ssim", "mse"])))
     summary = run_audit(audit, tmp_path / "out", progress=False)

@@ -5,20 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leakaudit.attacks.linear_system import (
-    ConvSystem,
-    _cgls,
-    _dense_min_norm,
-    conv_systems,
-)
+from leakaudit.attacks.linear_system import ConvSystem, _cgls, _dense_min_norm, conv_systems
 from leakaudit.attacks.rgap import HybridInversion, LayerwiseInversion
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.models import (
-    LINEAR_SYSTEM_VARIANTS,
-    lenet_zhu,
-    linear_system_cnn,
-    mlp,
-)
+from leakaudit.evaluator.zoo.models import LINEAR_SYSTEM_VARIANTS, lenet_zhu, linear_system_cnn, mlp
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import FEDSGD, ClientStep
 

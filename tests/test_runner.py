@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from leakaudit.evaluator import runner
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.runner import RunError, run_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.audit.jobs import jobs_of
+from leakaudit.evaluator.run import worker as run_worker
+from leakaudit.evaluator.run.runner import RunError, run_audit
 
 from conftest import LEAKAUDIT, small_audit
 
@@ -104,7 +105,7 @@ def test_out_that_is_a_file_or_read_only_is_one_line(write_audit, tmp_path):
 
 
 def test_a_row_left_without_its_newline_is_ended_before_the_next(tmp_path):
-    from leakaudit.evaluator.rundir import JsonlTable
+    from leakaudit.evaluator.results.rundir import JsonlTable
 
     table = JsonlTable(tmp_path / "t.jsonl")
     table.path.write_text('{"a": 1}\n{"a": 2}')  # partial write: the last row lost its newline
@@ -123,8 +124,8 @@ def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch)
     lines = (out / "results.jsonl").read_text().splitlines()
     (out / "results.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed mid-write
     calls = []
-    real = runner.AuditWorker.attack
-    monkeypatch.setattr(runner.AuditWorker, "attack",
+    real = run_worker.AuditWorker.attack
+    monkeypatch.setattr(run_worker.AuditWorker, "attack",
                         lambda self, cell: calls.extend(j.key for j in cell.jobs) or real(self, cell))
     run_audit(audit, out, resume=True, progress=False)
     assert len(calls) == len(full) - 2
@@ -164,8 +165,8 @@ def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
 
 
 def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.report import summarise
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.results.report import summarise
 
     audit = load_audit(write_audit(small_audit()))
     row = {"defense": "none", "setting": "none", "params": {}, "attack": "inverting_gradients", "checkpoint": 0,
@@ -179,8 +180,8 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
 
 
 def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_one(write_audit):
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.report import summarise
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.results.report import summarise
 
     attacks = [{"name": "inverting_gradients", "label": "ig"}, {"name": "dlg", "label": "dlg"},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}},
@@ -198,8 +199,8 @@ def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_o
 
 
 def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.report import summarise
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.results.report import summarise
 
     attacks = [{"name": "inverting_gradients", "label": "ig"},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}}]
@@ -321,15 +322,15 @@ def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_aud
 def test_the_update_is_computed_in_the_model_mode_the_audit_names(write_audit, tmp_path, mode):
     import torch
 
-    from leakaudit.evaluator.rundir import RunFolder
-    from leakaudit.evaluator.scenario import Scenario, loss_fn
+    from leakaudit.evaluator.results.rundir import RunFolder
+    from leakaudit.evaluator.run.scenario import Scenario, loss_fn
     from leakaudit.plugins.protocol import fedsgd_update
 
     audit = load_audit(write_audit(small_audit(
         model={"name": "convnet", "params": {"width": 4}, "checkpoints": [3], "mode": mode},
         defenses=[{"name": "none"}], utility={"train_steps": 3, "batch_size": 8})))
     scenario, setting = Scenario(audit), audit.settings[0]
-    worker = runner.AuditWorker(scenario, RunFolder(tmp_path / "out", audit))
+    worker = run_worker.AuditWorker(scenario, RunFolder(tmp_path / "out", audit))
     worker.folder.prepare(False)
     worker.train(setting)
     pixels, labels = scenario.target_batch(0)
@@ -353,7 +354,7 @@ def test_an_attack_restricted_to_checkpoints_runs_only_there(write_audit, tmp_pa
                   "params": {"iterations": 10, "priors": {"tv": 0.0}}},
                  {"name": "inverting_gradients", "label": "ig_trained", "checkpoints": [5],
                   "params": {"iterations": 10, "priors": {"tv": 1e-2}}}])))
-    assert [(j.attack.key, j.checkpoint) for j in runner.jobs_of(audit)] == [
+    assert [(j.attack.key, j.checkpoint) for j in jobs_of(audit)] == [
         ("ig_untrained", 0), ("ig_untrained", 0), ("ig_trained", 5), ("ig_trained", 5)]
     run_audit(audit, tmp_path / "out", progress=False)
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]

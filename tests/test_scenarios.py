@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from leakaudit.evaluator import datasets
-from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.models import ZOO, build_model
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.zoo import datasets
+from leakaudit.evaluator.zoo.models import ZOO, build_model
 
 from conftest import small_audit
 
@@ -31,7 +31,7 @@ def test_lenet_zhu_is_the_dlg_network():
 
 def test_resnets_take_the_imagenet_stem_above_64_px_and_any_activation():
     """Geiping et al. (2020) attack ImageNet-size ResNets with the ImageNet stem; Zhang et al. (2023) a sigmoid one."""
-    from leakaudit.evaluator.models import resnet18, resnet34, resnet50
+    from leakaudit.evaluator.zoo.models import resnet18, resnet34, resnet50
 
     small, large, forced = resnet18(3, 10, 32), resnet18(3, 10, 128), resnet18(1, 10, 32, stem="imagenet")
     assert small.conv1.kernel_size == (3, 3) and small.conv1.stride == (1, 1)
@@ -108,7 +108,7 @@ def test_imagefolder_reads_a_local_folder(tmp_path):
 
 
 def test_cnn_bayes_has_flax_default_initialisation():
-    from leakaudit.evaluator.models import cnn_bayes
+    from leakaudit.evaluator.zoo.models import cnn_bayes
 
     torch.manual_seed(0)
     model = cnn_bayes(1, 10, 28)
@@ -124,7 +124,7 @@ def test_deterministic_kernels_on_cuda_only_and_only_when_asked(monkeypatch):
     CUDA asks for deterministic cuDNN and cuBLAS kernels unless it sets deterministic: false."""
     from types import SimpleNamespace
 
-    from leakaudit.evaluator.scenario import deterministic_kernels
+    from leakaudit.evaluator.run.scenario import deterministic_kernels
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
@@ -144,8 +144,8 @@ def test_deterministic_kernels_on_cuda_only_and_only_when_asked(monkeypatch):
 
 
 def test_targets_can_be_the_first_training_images_and_are_then_never_tuned_on(write_audit):
-    from leakaudit.evaluator.config import load_audit
-    from leakaudit.evaluator.scenario import Scenario
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.scenario import Scenario
 
     from conftest import small_audit
 
@@ -164,8 +164,8 @@ def test_targets_can_be_the_first_training_images_and_are_then_never_tuned_on(wr
 
 
 def test_a_search_with_no_training_image_left_to_tune_on_is_refused_before_work(write_audit):
-    from leakaudit.evaluator.config import ConfigError, load_audit
-    from leakaudit.evaluator.scenario import Scenario, check_scenario
+    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+    from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     from conftest import small_audit
 

@@ -8,8 +8,8 @@ import textwrap
 import jsonschema
 import pytest
 
-from leakaudit.evaluator.config import ConfigError, load_audit, read_yaml
-from leakaudit.evaluator.schema import audit_schema
+from leakaudit.evaluator.audit.config import ConfigError, load_audit, read_yaml
+from leakaudit.evaluator.audit.schema import audit_schema
 from leakaudit.plugins.manager import load_registry
 
 from conftest import ROOT, small_audit
@@ -150,8 +150,8 @@ def _collect_enums(node, out: list) -> None:
 def test_starter_audits_validate(validator, registry):
     from pathlib import Path
 
-    from leakaudit.evaluator.config import parse_yaml
-    from leakaudit.evaluator.starter import starter_audit
+    from leakaudit.evaluator.audit.config import parse_yaml
+    from leakaudit.evaluator.authoring.starter import starter_audit
 
     for name in registry.names("defense"):
         assert _paths(validator, parse_yaml(Path("starter.yaml"), starter_audit(registry, [name]))) == [], name

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.runner import jobs_of, run_audit
-from leakaudit.evaluator.scenario import Scenario, check_scenario
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.jobs import jobs_of
+from leakaudit.evaluator.run.runner import run_audit
+from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 from leakaudit.plugins.manager import load_registry
 
 from conftest import ROOT

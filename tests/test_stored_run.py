@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from leakaudit.evaluator.config import load_audit
-from leakaudit.evaluator.runner import run_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.run.runner import run_audit
 
 from conftest import small_audit
 

@@ -5,10 +5,18 @@ import json
 
 import pytest
 
-from leakaudit.evaluator import runner
-from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.runner import run_audit
-from leakaudit.evaluator.tuning import ScanSpec, TuneSpec, candidates, grid_positions, scan_best, value_at, with_value
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.tuning import (
+    ScanSpec,
+    TuneSpec,
+    candidates,
+    grid_positions,
+    scan_best,
+    value_at,
+    with_value,
+)
+from leakaudit.evaluator.run import worker
+from leakaudit.evaluator.run.runner import run_audit
 
 from conftest import small_audit
 
@@ -32,7 +40,7 @@ def test_where_a_winner_sits_on_its_grid():
 
 
 def test_a_winner_on_a_grid_edge_is_a_warning(write_audit):
-    from leakaudit.evaluator.report import summarise_tuning
+    from leakaudit.evaluator.results.report import summarise_tuning
 
     audit = load_audit(write_audit(small_audit(attacks=[{**TUNED, "tune": {"budget": 3, "space": {
         "lr": [0.03, 0.1, 0.3]}}}])))
@@ -92,7 +100,7 @@ def test_a_scanning_search_scans_first_then_grids_around_the_scan_best():
 
 
 def test_a_scan_best_on_its_edge_is_a_warning(write_audit):
-    from leakaudit.evaluator.report import summarise_tuning
+    from leakaudit.evaluator.results.report import summarise_tuning
 
     tune = {"budget": 8, "space": {"lr": [0.03, 0.1]},
             "scan": {"param": "priors.tv", "low": 1e-4, "high": 1e-2, "refine": 3}}
@@ -186,6 +194,6 @@ def test_tuned_audit_reports_the_search_and_attacks_with_the_winner(write_audit,
     assert "hyperparameter search" in (out / "report.html").read_text()
     # a resumed run redoes no trial
     calls = []
-    monkeypatch.setattr(runner.AuditWorker, "tune", lambda self, cell: calls.extend(cell.jobs) or [])
+    monkeypatch.setattr(worker.AuditWorker, "tune", lambda self, cell: calls.extend(cell.jobs) or [])
     run_audit(audit, out, resume=True, progress=False)
     assert calls == []

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from leakaudit import LeakMonitor
-from leakaudit.evaluator.lightning import LeakAuditCallback
+from leakaudit.evaluator.live.lightning import LeakAuditCallback
 
 from digits_client import build_model, load_data
 

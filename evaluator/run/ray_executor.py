@@ -17,9 +17,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from leakaudit.evaluator.config import ConfigError, load_audit
-from leakaudit.evaluator.rundir import Cell, Outbox, RunError, describe_item, item_size, progress_bar
-from leakaudit.evaluator.scenario import Scenario, deterministic_kernels
+from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.jobs import Cell
+from leakaudit.evaluator.results.rundir import Outbox, RunError
+from leakaudit.evaluator.run.executors import describe_item, item_size, progress_bar
+from leakaudit.evaluator.run.scenario import Scenario, deterministic_kernels
 from leakaudit.plugins.spec import PluginError, one_line
 
 try:
@@ -52,7 +54,7 @@ class RayPool:
     """``WorkerPool``'s interface on a Ray cluster: joined (or started) on entering, each item a task."""
 
     def __init__(self, worker: Any) -> None:
-        """``worker``: the driver's ``runner.AuditWorker``; each Ray worker process builds one of its type."""
+        """``worker``: the driver's ``worker.AuditWorker``; each Ray worker process builds one of its type."""
         self.worker = worker
         self.executor = worker.scenario.audit.executor
         self._started = False

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any, Callable, Mapping
 
-from leakaudit.evaluator.config import (
+from leakaudit.evaluator.audit.config import (
     ATTACK,
     DATA,
     DEFAULT_METRICS,
@@ -25,7 +25,7 @@ from leakaudit.evaluator.config import (
     UTILITY,
     VERDICT,
 )
-from leakaudit.evaluator.tuning import SCAN, TUNE
+from leakaudit.evaluator.audit.tuning import SCAN, TUNE
 from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS
 from leakaudit.plugins.spec import Param

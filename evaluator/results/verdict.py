@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from leakaudit.evaluator.scenario import derive_seed
+from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.defense import PrivacyProfile
 

@@ -1,33 +1,23 @@
 """The audited world built from an audit file: data, targets, models, defenses and seeds."""
 from __future__ import annotations
 
-import hashlib
 import os
 from functools import cached_property
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leakaudit.attacks.vectorised import free_memory
-from leakaudit.evaluator.config import AttackSpec, Audit, ConfigError, DefenseSetting
-from leakaudit.evaluator.datasets import load_factory_data
-from leakaudit.evaluator.models import build_model
+from leakaudit.evaluator.audit.config import AttackSpec, Audit, ConfigError, DefenseSetting
+from leakaudit.evaluator.audit.seeds import derive_seed, generator
+from leakaudit.evaluator.zoo.models import build_model
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed that depends only on ``parts`` (stable across processes and runs)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def generator(device: torch.device, *parts: object) -> torch.Generator:
-    """A generator on ``device`` seeded from ``parts``."""
-    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+from leakaudit.plugins.factories import call_with_accepted, import_factory
 
 
 def round_generators(device: torch.device, seed: int, setting_key: str, checkpoint: int, index: int,
@@ -271,3 +261,14 @@ def _one_line(exc: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
+    """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
+    offered = {"image_size": section["image_size"], "root": section["root"], "download": section["download"]}
+    data = call_with_accepted(import_factory(section["factory"]), offered, section["params"])
+    if not isinstance(data, ImageData):
+        raise ConfigError([f"{audit_path}: data.factory: {section['factory']} returned {type(data).__name__}; "
+                           "return leakaudit.ImageData(name, train_x, train_y, test_x, test_y, num_classes) "
+                           "with images in [0, 1] as (N, C, H, W) float tensors"])
+    return data

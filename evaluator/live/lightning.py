@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leakaudit.evaluator.monitor import LeakMonitor
+from leakaudit.evaluator.live.monitor import LeakMonitor
 
 try:
     from lightning.pytorch.callbacks import Callback

@@ -9,7 +9,7 @@ which ``leakaudit report DIR`` renders like an audit's, leakage plotted against 
 
 Federated clients make their optimizer anew in each round: ``watch(loader)``, ``bind_rounds(model, loader)``
 and ``with monitor.local_round(n): ...`` attack the round's ``theta_before - theta_after`` as FedAvg's, over
-the batches the watched loader gave (``evaluator/flower.py`` wraps a Flower client with them).
+the batches the watched loader gave (``evaluator/live/flower.py`` wraps a Flower client with them).
 """
 from __future__ import annotations
 
@@ -27,36 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from leakaudit.evaluator.api import (
-    DEFAULT_METRICS,
-    Stats,
-    _channel_stats,
-    attack_shared,
-    pixels_of,
-    prepare,
-)
-from leakaudit.evaluator.config import ConfigError, monitor_audit
-from leakaudit.evaluator.memory import OptimizerMemory, param_groups, recover, remember, unsupported
-from leakaudit.evaluator.metrics import guess_scores
-from leakaudit.evaluator.rundir import (
-    ARCHITECTURE,
-    BASELINES,
-    MONITOR,
-    AttackJob,
-    RunError,
-    RunFolder,
-)
-from leakaudit.evaluator.scenario import generator, round_generators
+from leakaudit.evaluator.audit.config import ConfigError, monitor_audit
+from leakaudit.evaluator.audit.jobs import AttackJob
+from leakaudit.evaluator.audit.seeds import generator
+from leakaudit.evaluator.live.api import DEFAULT_METRICS, Stats, attack_shared, channel_stats, pixels_of, prepare
+from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
+from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RunError, RunFolder
+from leakaudit.evaluator.run.scenario import round_generators
+from leakaudit.evaluator.zoo.metrics import guess_scores
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import (
-    FEDSGD,
-    ClientStep,
-    FedAvg,
-    LossFn,
-    opacus_hooks_off,
-    parameter_names,
-    trainable,
-)
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, LossFn, opacus_hooks_off, parameter_names, trainable
 
 RECORDED = ("steps", "fits", "rounds", "skipped", "undone")  # monitor.json's record of the run so far
 MAX_ROUND_IMAGES = 64  # a federated round over more images is not attacked
@@ -132,7 +112,7 @@ class LeakMonitor:
     are made; a monitor attached again to the same folder with the same settings skips steps already there.
 
     ``attacker``: ``{memory: true}`` (the default) is a server that kept every update the client sent: it undoes
-    the optimizer's mixing of earlier steps (SGD's momentum, Adam's moments; ``evaluator/memory.py``) and attacks
+    the optimizer's mixing of earlier steps (SGD's momentum, Adam's moments; ``evaluator/live/memory.py``) and attacks
     the step's own gradient. ``{memory: false}`` attacks the update alone. Every audited step is also attacked on
     the undefended update, which calibrates its verdict (a "protects" where even that does not leak is
     inconclusive).
@@ -436,7 +416,7 @@ class LeakMonitor:
 
     def report(self) -> dict[str, Any]:
         """Write report.html (and summary.json) from the rows so far; returns the summary."""
-        from leakaudit.evaluator.runner import report_folder
+        from leakaudit.evaluator.run.runner import report_folder
 
         if not self.audited_steps:
             raise RunError(f"LeakMonitor: no step attacked yet in {self.out}; attach the monitor and train past "
@@ -465,7 +445,7 @@ class LeakMonitor:
         picks = torch.randperm(len(self._dataset), generator=gen)[:MEAN_IMAGE_SAMPLE].tolist()
         x = torch.stack([torch.as_tensor(_inputs_labels(self._dataset[i], single=True)[0]).float().cpu()
                          for i in picks])
-        mean, std = (_channel_stats(s, x.shape[1], x.device) for s in self._stats)
+        mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
         image = (x * std + mean).clamp(0, 1).mean(dim=0)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(image, path)
@@ -573,7 +553,7 @@ class LeakMonitor:
         folder.write_json(MONITOR, described)
         if not (path / ARCHITECTURE).exists():
             folder.write_json(ARCHITECTURE, [])
-        from leakaudit.evaluator.runner import versions
+        from leakaudit.evaluator.run.runner import versions
 
         device = next(self._model.parameters()).device.type
         folder.start_session({"versions": versions(), "device": f"{device}: inside the training process (LeakMonitor)",

@@ -13,27 +13,20 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.evaluator.config import (
+from leakaudit.evaluator.audit.config import (
     AttackSpec,
     ConfigError,
     DefenseSetting,
-    _check_attacks,
-    _check_metrics,
-    _expand_defenses,
+    check_attacks,
+    check_metrics,
+    expand_defenses,
 )
-from leakaudit.evaluator.metrics import Scores, score
-from leakaudit.evaluator.scenario import round_generators
+from leakaudit.evaluator.run.scenario import round_generators
+from leakaudit.evaluator.zoo.metrics import Scores, score
 from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.manager import load_registry
-from leakaudit.plugins.protocol import (
-    FEDSGD,
-    ClientStep,
-    LossFn,
-    OwnStep,
-    StepFn,
-    opacus_hooks_off,
-)
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
 
 DEFAULT_METRICS = ("psnr", "ssim", "mse", "label_accuracy")
 PIXEL_SLACK = 0.02  # how far outside [0, 1] denormalised inputs may stray (resampling overshoot) before it is an error
@@ -54,7 +47,7 @@ class BatchAudit:
 Stats = float | Sequence[float] | Tensor
 
 
-def _channel_stats(value: Stats, channels: int, device: torch.device) -> Tensor:
+def channel_stats(value: Stats, channels: int, device: torch.device) -> Tensor:
     t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1, 1, 1)
     return t.expand(channels, 1, 1) if t.numel() == 1 else t
 
@@ -122,11 +115,11 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str], protocol
     Raises ConfigError, one line per problem (``problems`` holds those the caller found), prefixed ``caller``."""
     registry = load_registry(list(plugins_dirs))
     entry = {"name": defense} if isinstance(defense, str) else defense
-    settings = _expand_defenses([entry], registry, problems, protocol)
-    specs = _check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
+    settings = expand_defenses([entry], registry, problems, protocol)
+    specs = check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
     problems += [f"attacks[{i}].checkpoints: {caller} attacks {scope}; leave checkpoints out"
                  for i, item in enumerate(attacks) if isinstance(item, dict) and "checkpoints" in item]
-    _check_metrics(list(metrics), registry, problems, image_size)
+    check_metrics(list(metrics), registry, problems, image_size)
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
     problems += [f"defense: {s.key}: model: {caller} attacks the model you pass; leave model out"
                  for s in settings if s.model is not None]
@@ -146,7 +139,7 @@ def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batc
     """``(pixels in [0, 1], mean, std)`` of normalised ``inputs``, the statistics as (C, 1, 1) tensors on their
     device; a ConfigError when ``inputs * std + mean`` leaves the pixel range (the wrong normalisation)."""
     channels, device = inputs.shape[1], inputs.device
-    mean_t, std_t = _channel_stats(mean, channels, device), _channel_stats(std, channels, device)
+    mean_t, std_t = channel_stats(mean, channels, device), channel_stats(std, channels, device)
     raw = inputs * std_t + mean_t
     lo, hi = float(raw.min()), float(raw.max())
     if lo < -PIXEL_SLACK or hi > 1 + PIXEL_SLACK:

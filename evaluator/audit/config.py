@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import yaml
 
-from leakaudit.evaluator.tuning import TuneSpec, check_tune
+from leakaudit.evaluator.audit.tuning import TuneSpec, check_tune
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry, load_registry
@@ -59,7 +59,7 @@ TOP = {
                                             "(default: psnr when measured, else the first of metrics)"),
     "threat": Param({}, dict),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
-    "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/verdict.py)"),
+    "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/results/verdict.py)"),
     "architecture": Param("auto", (str, bool), choices=("auto", True, False),
                           help="the report's architecture analysis (Chen & Campbell 2022: each convolution's "
                                "linear system and its rank): auto (when an attack of the audit solves those "
@@ -104,7 +104,7 @@ SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}
 MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
 ROLES = ("naive", "adaptive")
 ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
-          "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/tuning.py)"),
+          "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/audit/tuning.py)"),
           "defenses": Param(None, list, help="run only on settings with a defense (or chain member) of these "
                                              "names, or with these labels"),
           "checkpoints": Param(None, list, help="run only at these of model.checkpoints (e.g. a prior weight for the "
@@ -431,14 +431,14 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     _check_data(data, registry, into("data") if data_ok else [])
     _check_model(model, registry, into("model") if model_ok else [])
     protocol = _check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
-    settings = _expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
-    attacks = _check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
+    settings = expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
+    attacks = check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
     _check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
     settings = with_references(settings, attacks, registry)
     problems += [f"defenses: the label {s.key!r} is the key of the undefended reference leakaudit adds to calibrate "
                  "the verdicts; choose another label" for s in settings if s.added
                  and any(t.key == s.key for t in settings if t is not s)]
-    metrics = _check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
+    metrics = check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = _check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = _check_device(top.get("device", "auto"), problems)
     workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else None)
@@ -470,10 +470,10 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
     name = described.get("protocol", "fedsgd")
     protocol = _check_protocol({"name": name, **{k: v for k, v in last.items() if k in getattr(
         PROTOCOLS.get(name), "params", {})}}, data, problems)
-    settings = _expand_defenses([described["defense"]], registry, problems, protocol)
-    attacks = _check_attacks(described["attacks"], registry, problems, None)
+    settings = expand_defenses([described["defense"]], registry, problems, protocol)
+    attacks = check_attacks(described["attacks"], registry, problems, None)
     settings = with_references(settings, attacks, registry)
-    metrics = _check_metrics(described["metrics"], registry, problems, described["image_size"])
+    metrics = check_metrics(described["metrics"], registry, problems, described["image_size"])
     leakage = _check_leakage_metric(None, metrics, registry, problems)
     if problems:
         raise ConfigError([f"{path}: {_strip(p)}" for p in problems])
@@ -594,7 +594,7 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
     return [(f"{what}[{i}]", item) for i, item in enumerate(value)]
 
 
-def _expand_defenses(value: Any, registry: Registry, problems: list[str],
+def expand_defenses(value: Any, registry: Registry, problems: list[str],
                      protocol: Protocol = FEDSGD) -> list[DefenseSetting]:
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
@@ -712,7 +712,7 @@ def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) 
     return out
 
 
-def _check_attacks(value: Any, registry: Registry, problems: list[str],
+def check_attacks(value: Any, registry: Registry, problems: list[str],
                    model_checkpoints: list[int] | None) -> list[AttackSpec]:
     """The attack entries; ``model_checkpoints`` is None where the model section was already reported."""
     specs: list[AttackSpec] = []
@@ -792,7 +792,7 @@ def _check_attack_scope(attacks: list[AttackSpec], settings: list[DefenseSetting
                             f"{', '.join(a.defenses)}; defenses here: {', '.join(sorted({s.name for s in settings}))}")
 
 
-def _check_metrics(value: Any, registry: Registry, problems: list[str], image_size: int | None = None) -> list[str]:
+def check_metrics(value: Any, registry: Registry, problems: list[str], image_size: int | None = None) -> list[str]:
     if not isinstance(value, list) or not value:
         problems.append(f"metrics: expected a non-empty list of names, got {value!r}")
         return []

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from leakaudit.evaluator.config import ConfigError
-from leakaudit.evaluator.monitor import MAX_ROUND_IMAGES, LeakMonitor
+from leakaudit.evaluator.audit.config import ConfigError
+from leakaudit.evaluator.live.monitor import MAX_ROUND_IMAGES, LeakMonitor
 
 try:
     from flwr.client import NumPyClient

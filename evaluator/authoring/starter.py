@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from leakaudit.evaluator.config import DATA, MODEL, TOP, ConfigError, load_audit
+from leakaudit.evaluator.audit.config import DATA, MODEL, TOP, ConfigError, load_audit
 from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD
 from leakaudit.plugins.spec import Param, did_you_mean
@@ -136,7 +136,7 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
 
 def write_starter(path: Path | None, text: str, plugins_dirs: Sequence[str | Path] = ()) -> None:
     """Validate the starter as ``leakaudit validate`` does, then write it (or print it when ``path`` is None)."""
-    from leakaudit.evaluator.scenario import Scenario, check_scenario
+    from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     where = path if path is not None else Path("starter.yaml")
     check_scenario(Scenario(load_audit(where, list(plugins_dirs), text=text)), user_code=False)

@@ -16,8 +16,8 @@ import torch
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.config import DefenseSetting
-from leakaudit.evaluator.scenario import Scenario, loss_fn
+from leakaudit.evaluator.audit.config import DefenseSetting
+from leakaudit.evaluator.run.scenario import Scenario, loss_fn
 
 #: The largest dense system the rank computation builds (float64).
 ANALYSIS_MAX_BYTES = 2 << 30

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.api import live_threat
-from leakaudit.evaluator.datasets import load_digits
-from leakaudit.evaluator.metrics import best_assignment, psnr
-from leakaudit.evaluator.models import mlp
-from leakaudit.evaluator.verdict import exact_interval
+from leakaudit.evaluator.live.api import live_threat
+from leakaudit.evaluator.results.verdict import exact_interval
+from leakaudit.evaluator.zoo.datasets import load_digits
+from leakaudit.evaluator.zoo.metrics import best_assignment, psnr
+from leakaudit.evaluator.zoo.models import mlp
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, OwnStep, Protocol, parameter_names, trainable

@@ -185,20 +185,6 @@ def _torchvision_loader(name: str) -> Callable[..., ImageData]:
     return load
 
 
-def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
-    """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
-    from leakaudit.evaluator.config import ConfigError
-    from leakaudit.plugins.factories import call_with_accepted, import_factory
-
-    offered = {"image_size": section["image_size"], "root": section["root"], "download": section["download"]}
-    data = call_with_accepted(import_factory(section["factory"]), offered, section["params"])
-    if not isinstance(data, ImageData):
-        raise ConfigError([f"{audit_path}: data.factory: {section['factory']} returned {type(data).__name__}; "
-                           "return evaluator.datasets.ImageData(name, train_x, train_y, test_x, test_y, num_classes) "
-                           "with images in [0, 1] as (N, C, H, W) float tensors"])
-    return data
-
-
 def _kept(section: dict[str, Any]) -> int:
     params = section.get("params", {})
     return params.get("max_train", LIMITS["max_train"].default) + params.get("max_test", LIMITS["max_test"].default)

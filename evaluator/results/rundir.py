@@ -1,4 +1,4 @@
-"""The run folder: its file names, the append-only JSONL and CSV tables, and the job and row types.
+"""The run folder: its file names, the append-only JSONL and CSV tables, checkpoints and reconstructions.
 
 Everything a run writes goes through here, so resume, the report and ``leakaudit analyse`` agree
 on where each result lives. Rows are appended as they are produced; a kill loses at most the row
@@ -10,25 +10,16 @@ import csv
 import datetime
 import json
 import re
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 import yaml
-from tqdm import tqdm
 
-from leakaudit.evaluator.config import (
-    AttackSpec,
-    Audit,
-    AuditLoader,
-    DefenseSetting,
-    load_audit,
-    monitor_audit,
-)
-from leakaudit.evaluator.scenario import derive_seed
-from leakaudit.evaluator.verdict import late_gain
+from leakaudit.evaluator.audit.config import Audit, AuditLoader, DefenseSetting, load_audit, monitor_audit
+from leakaudit.evaluator.audit.jobs import AttackJob
+from leakaudit.evaluator.audit.seeds import derive_seed
+from leakaudit.evaluator.results.verdict import late_gain
 from leakaudit.plugins.spec import one_line
 
 RESULTS = "results.jsonl"
@@ -52,91 +43,6 @@ class RunError(Exception):
 class AttackFailed(RunError):
     """An attack (a plugin's, often) raised while it ran: named with where it came from and the job, on one line.
     The rows already written are kept; ``leakaudit run`` exits with status 4."""
-
-
-
-@dataclass(frozen=True)
-class AttackJob:
-    """One cell of the audit: a defense setting, a checkpoint, a target batch and an attack.
-
-    ``params`` replaces the attack's audit parameters (the tuned winner) when set.
-    """
-
-    setting: DefenseSetting
-    attack: AttackSpec
-    checkpoint: int
-    target: int
-    params: dict | None = None
-
-    @property
-    def key(self) -> tuple:
-        return (self.setting.key, self.attack.key, self.checkpoint, self.target)
-
-
-@dataclass(frozen=True)
-class TuneJob:
-    """One trial of an attack's hyperparameter search on the tuning images."""
-
-    setting: DefenseSetting
-    attack: AttackSpec
-    checkpoint: int
-    trial: int
-    params: dict
-    stage: str = "grid"  # "scan": the first stage of a two-stage search (tune.scan), else "grid"
-
-    @property
-    def key(self) -> tuple:
-        return (self.setting.key, self.attack.key, self.checkpoint, self.trial)
-
-
-@dataclass(frozen=True)
-class Cell:
-    """Jobs of one (setting, attack, checkpoint) solved together as one problem set: attack jobs (one per
-    target batch) or tuning trials. A worker runs a cell; its rows are written when it finishes."""
-
-    jobs: tuple
-
-    @property
-    def first(self):
-        return self.jobs[0]
-
-
-def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[AttackJob]:
-    """Every attack job of an audit, in order (``tuned``: the winning parameters per setting, attack, step)."""
-    tuned = tuned or {}
-    return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
-            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches) for a in audit.attacks
-            if a.applies_to(s) and a.runs_at(c)]
-
-
-def cells_of(jobs: list, workers: int) -> list[Cell]:
-    """``jobs`` grouped by (setting, attack, checkpoint), in order, as cells for ``workers`` processes: whole
-    groups when there are enough of them to keep every process busy, else each group cut in ``workers`` parts."""
-    groups: dict[tuple, list] = {}
-    for job in jobs:
-        groups.setdefault((job.setting.key, job.attack.key, job.checkpoint), []).append(job)
-    largest = max(map(len, groups.values()), default=1)
-    per_cell = max(1, largest if len(groups) >= 2 * workers else -(-largest // workers))
-    return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
-
-
-def describe_item(item: Any) -> str:
-    """Which work an item is, for a message: a setting, and for a cell its attack and step."""
-    first = item.first if isinstance(item, Cell) else item
-    if hasattr(first, "attack"):
-        return f"{first.setting.key}, {first.attack.key}, step {first.checkpoint}"
-    return getattr(first, "key", str(first))
-
-
-def item_size(item: Any) -> int:
-    """Jobs an item stands for (a cell: its jobs), for the progress bar."""
-    return len(item.jobs) if isinstance(item, Cell) else 1
-
-
-def progress_bar(items: list, desc: str, progress: bool) -> tqdm:
-    """The bar over ``items``' jobs on stderr, whichever executor runs them."""
-    return tqdm(total=sum(item_size(i) for i in items), desc=desc, unit="job", disable=not progress,
-                file=sys.stderr, dynamic_ncols=True)
 
 
 def _on_cpu(states: dict[int, dict]) -> dict[int, dict]:
@@ -164,16 +70,6 @@ def same_audit(first: str, second: str) -> bool:
                                for d in out["defenses"]]
         return out
     return results_part(first) == results_part(second)
-
-
-def row_key(row: dict[str, Any]) -> tuple:
-    """The ``AttackJob.key`` of a results row."""
-    return (row["setting"], row["attack"], row["checkpoint"], row["target"])
-
-
-def trial_key(row: dict[str, Any]) -> tuple:
-    """The ``TuneJob.key`` of a tuning row."""
-    return (row["setting"], row["attack"], row["checkpoint"], row["trial"])
 
 
 def slug(text: str) -> str:

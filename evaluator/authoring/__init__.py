@@ -1,0 +1,1 @@
+"""Tools for plugin authors: the contract checks and the new-plugin scaffold."""

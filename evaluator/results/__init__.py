@@ -1,0 +1,1 @@
+"""From rows to judgement: statistics, verdicts, identifiability, figures and the report page."""

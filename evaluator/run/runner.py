@@ -1,0 +1,193 @@
+"""The runner: train under each defense, tune, then share, attack and score every job, writing rows as they
+land, and the report at the end; a rerun resumes where the folder stops.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from tqdm import tqdm
+
+from leakaudit.evaluator.audit.config import Audit
+from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, row_key, trial_key, tune_jobs_of
+from leakaudit.evaluator.audit.seeds import generator
+from leakaudit.evaluator.audit.tuning import winners
+from leakaudit.evaluator.results.report import write_report
+from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, RESULTS, RUN_INFO, RunError, RunFolder
+from leakaudit.evaluator.run.analysis import analyse_all
+from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
+from leakaudit.evaluator.run.scenario import Scenario, check_scenario, deterministic_kernels
+from leakaudit.evaluator.run.worker import AuditWorker
+from leakaudit.evaluator.zoo.metrics import guess_scores
+
+__all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
+
+
+def executor_for(worker: AuditWorker, workers: int | None, pending: list) -> "WorkerPool":
+    """The audit's executor: worker processes on this machine, or tasks on a Ray cluster (``executor: ray``)."""
+    if worker.scenario.audit.executor["name"] == "ray":
+        from leakaudit.evaluator.run.ray_executor import RayPool
+
+        return RayPool(worker)
+    audit = worker.scenario.audit
+    return WorkerPool(worker, workers or audit.workers or auto_workers(audit, pending))
+
+
+def architecture(scenario: Scenario, folder: RunFolder) -> list[dict[str, Any]]:
+    """The architecture analysis of every model of the audit, computed once per run folder where the audit
+    shows it (none: an empty list)."""
+    saved = folder.read_json(ARCHITECTURE)
+    if saved is None:
+        saved = analyse_all(scenario) if shows_architecture(scenario.audit) else []
+        folder.write_json(ARCHITECTURE, saved)
+    return saved
+
+
+def shows_architecture(audit: Audit) -> bool:
+    """``architecture:``, where ``auto`` means: an attack of the audit solves the layer-wise linear systems."""
+    if audit.architecture != "auto":
+        return bool(audit.architecture)
+    return any(audit.registry.get("attack", a.name).solves_linear_systems for a in audit.attacks)
+
+
+def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict[str, Any]:
+    """What the report's provenance box and verdicts need from this run: versions, device, chance accuracy."""
+    device = scenario.device
+    where = where or (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
+             else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
+             else f"cpu: one process, {torch.get_num_threads()} torch thread(s)")
+    labels = scenario.data.test_y.long().cpu()
+    return {"versions": versions(), "device": where, "device_type": device.type,
+            "deterministic": scenario.audit.deterministic or device.type != "cuda",
+            "audit_file": str(scenario.audit.path.resolve()),
+            "num_classes": scenario.data.num_classes,
+            "chance_accuracy": float(torch.bincount(labels).max()) / len(labels)}
+
+
+def versions() -> dict[str, str]:
+    """The versions a run's numbers depend on, for run.json and the report's provenance box."""
+    import platform
+
+    from leakaudit import __version__
+
+    return {"leakaudit": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            **{name: _version(name) for name in ("torchvision", "opacus")}}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
+              workers: int | None = None, template: Path | None = None) -> dict[str, Any]:
+    """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
+    restore = deterministic_kernels(audit)
+    try:
+        return _run(audit, out_dir, resume, progress, workers, template)
+    finally:
+        restore()
+
+
+def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, workers: int | None,
+         template: Path | None) -> dict[str, Any]:
+    """``run_audit``'s work, under the audit's kernel flags."""
+    started = time.perf_counter()
+    scenario = Scenario(audit)
+    check_scenario(scenario)
+    folder = RunFolder(out_dir, audit)
+    folder.prepare(resume)
+    worker = AuditWorker(scenario, folder)
+    notes: set[str] = set()
+
+    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
+        for row, new_notes in out:
+            folder.results.append(row)
+            folder.results_csv.append(row)
+            for n in set(new_notes) - notes:
+                notes.add(n)
+                tqdm.write(f"warning: {n}", file=sys.stderr)
+
+    trained = folder.trained_settings()
+    untrained = [s for s in audit.settings if s.key not in trained]
+    with executor_for(worker, workers, untrained + _pending_attacks(audit, folder)) as pool:
+        workers = pool.workers
+        folder.start_session(run_info(scenario, workers, pool.where))
+        pool.run("train", untrained, "training", progress, lambda s, row: folder.utility.append(row))
+
+        trials = folder.tuning.read()
+        for stage in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
+            tried = {trial_key(r) for r in trials}
+            pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], workers),
+                     "tuning" if stage == "scan" else "tuning, refined", progress,
+                     lambda cell, rows: [folder.tuning.append(row) for row in rows])
+            trials = folder.tuning.read()
+
+        finished = {row_key(r) for r in folder.results.read()}
+        pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
+        pool.run("attack", cells_of(pending, workers), "attacks", progress, on_rows)
+
+
+    rows = _in_job_order(audit, folder.results.read())
+    folder.results_csv.rewrite(rows)
+    baselines = baseline_scores(scenario)
+    folder.write_json(BASELINES, baselines)
+    analysis = architecture(scenario, folder)
+    info = folder.finish_session(time.perf_counter() - started)
+    return write_report(folder, rows, folder.utility.read(), baselines, trials, analysis, info, template)
+
+
+def _pending_attacks(audit: Audit, folder: RunFolder) -> list:
+    """The tuning trials and attack jobs a (resumed) run has left, as far as known before it starts (a scan's
+    refined grid and the tuned winners come later): what ``auto_workers`` weighs."""
+    trials = folder.tuning.read()
+    tried, finished = {trial_key(r) for r in trials}, {row_key(r) for r in folder.results.read()}
+    return ([j for j in tune_jobs_of(audit, trials) if j.key not in tried]
+            + [j for j in jobs_of(audit) if j.key not in finished])
+
+
+def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str, Any]:
+    """Write the report of a finished run again from its folder, with no training or attack; returns the summary."""
+    audit = folder.audit
+    missing = [name for name in (BASELINES, ARCHITECTURE, RUN_INFO) if not (folder.path / name).exists()]
+    if missing or not folder.results.path.exists():
+        raise RunError(f"{folder.path}: no finished run to report on (missing {', '.join(missing or [RESULTS])}); "
+                       f"finish it with: leakaudit run {audit.path} --out {folder.path} --resume")
+    rows = _in_job_order(audit, folder.results.read())
+    expected = len(jobs_of(audit))
+    if len(rows) < expected:
+        raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
+                       f"leakaudit run {audit.path} --out {folder.path} --resume")
+    return write_report(folder, rows, folder.utility.read(), folder.read_json(BASELINES), folder.tuning.read(),
+                        folder.read_json(ARCHITECTURE), folder.read_json(RUN_INFO), template)
+
+
+def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Iterable[str] = (),
+                  template: Path | None = None) -> dict[str, Any]:
+    """``leakaudit report DIR``: rewrite a run folder's report (an audit's or a LeakMonitor's) from its saved
+    rows; returns the summary."""
+    from leakaudit.evaluator.results.rundir import saved_audit
+
+    return rebuild_report(RunFolder(path, saved_audit(Path(path), config, plugins_dirs)), template)
+
+
+def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
+    """Scores of guesses that use no gradient, over all targets: uniform noise, a flat grey image, and the
+    training split's mean image (what an attacker who knows the data's distribution guesses without looking)."""
+    audit = scenario.audit
+    metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
+    average = scenario.data.train_x.float().mean(dim=0).to(scenario.device)
+    return guess_scores(metrics, (scenario.target_batch(t) for t in range(audit.num_batches)), average,
+                        generator(scenario.device, audit.seed, "baseline"))
+
+
+def _in_job_order(audit: Audit, rows: list[dict]) -> list[dict]:
+    order = {j.key: i for i, j in enumerate(jobs_of(audit))}
+    return sorted((r for r in rows if row_key(r) in order), key=lambda r: order[row_key(r)])

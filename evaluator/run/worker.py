@@ -1,0 +1,147 @@
+"""One audit's jobs as a process runs them: train under a setting, share and attack a cell, score each row.
+
+``AuditWorker`` holds everything one audit's jobs share (its scenario, the loaded checkpoints, each
+setting's epsilon); one is made per audit, in the main process or in each worker process, so
+nothing is carried over from one audit to the next.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from leakaudit.evaluator.audit.config import Audit
+from leakaudit.evaluator.audit.jobs import AttackJob, Cell
+from leakaudit.evaluator.results.rundir import AttackFailed, RunFolder
+from leakaudit.evaluator.results.verdict import identification_bound
+from leakaudit.evaluator.run.scenario import Scenario, loss_fn, round_generators
+from leakaudit.evaluator.run.utility import privacy_spent, train_under_defense
+from leakaudit.evaluator.zoo.metrics import score
+from leakaudit.plugins.attack import Problem, Reconstruction
+from leakaudit.plugins.protocol import ClientStep
+from leakaudit.plugins.spec import one_line
+
+
+class AuditWorker:
+    """One audit's jobs: training, tuning trials and attacks, with the caches they share."""
+
+    def __init__(self, scenario: Scenario, folder: RunFolder):
+        self.scenario = scenario
+        self.folder = folder
+        self._states: dict[str, dict[int, dict]] = {}
+        self._epsilon: dict[str, float | None] = {}
+        self._bound: dict[str, float | None] = {}
+
+    def train(self, setting) -> dict[str, Any]:
+        """Train under one defense setting; save its checkpoints; return its utility row."""
+        result = train_under_defense(self.scenario, setting)
+        self.folder.save_checkpoints(setting, result.pop("states"))
+        return result
+
+    def _states_of(self, setting) -> dict[int, dict]:
+        if setting.key not in self._states:
+            self._states = {setting.key: torch.load(self.folder.checkpoint_file(setting), map_location="cpu",
+                                                    weights_only=True)}  # one setting at a time: bounded memory
+        return self._states[setting.key]
+
+    def provide_states(self, setting_key: str, fetch: Callable[[], dict[int, dict]]) -> None:
+        """Hold a setting's checkpoints fetched from elsewhere than the run folder (a Ray task: from the object
+        store); ``fetch`` is called only when this worker does not hold them already."""
+        if setting_key not in self._states:
+            self._states = {setting_key: fetch()}
+
+    def epsilon(self, setting) -> float | None:
+        """The setting's epsilon after utility training."""
+        if setting.key not in self._epsilon:
+            self._epsilon[setting.key] = privacy_spent(self.scenario, self.scenario.defense(setting))
+        return self._epsilon[setting.key]
+
+    def bound(self, setting) -> float | None:
+        """The most any attack can identify of the audit's targets (a guess names an update's images: batch size
+        in the number of targets) under the setting's privacy guarantee for one update; None where it gives none."""
+        if setting.key not in self._bound:
+            data = self.scenario.audit.data
+            self._bound[setting.key] = identification_bound(self.scenario.defense(setting).privacy_profile(),
+                                                            data["batch_size"], data["targets"])
+        return self._bound[setting.key]
+
+    def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
+            list[Problem], list[Tensor]]:
+        """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems,
+        and the images each update was computed on (the pixels, or their augmentations under ATS): the
+        originals a reconstruction is scored against.
+
+        The model is built and loaded once, so the problems share it (and vectorised attacks solve them
+        together). ``purpose`` ("" for targets, "tune-" for tuning batches) and ``index`` seed the defense's
+        noise and the attack's start (``round_generators``: the same for every attack and every trial).
+        """
+        sc = self.scenario
+        defense = sc.defense(setting)
+        model = sc.fresh_model(defense, setting)
+        model.load_state_dict(self._states_of(setting)[checkpoint])
+        model.train(sc.model_section(setting)["mode"] == "train")
+        shared: dict[int, tuple] = {}
+        out, originals = [], []
+        for pixels, labels, index, attack in batches:
+            share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint, index, purpose)
+            if index not in shared:  # every trial of a search attacks the same update of a batch
+                pixels = defense.augment(pixels, share_gen)
+                step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.audit.protocol)
+                shared[index] = (defense.share(step), sc.threat(model, defense, labels), pixels)
+            update, threat, pixels = shared[index]
+            out.append(Problem(update, threat, attack_gen, attack))
+            originals.append(pixels)
+        return out, originals
+
+    def tune(self, cell: Cell) -> list[dict[str, Any]]:
+        """Every trial of one search, each on the tuning batches, solved together; a row per trial."""
+        sc, first = self.scenario, cell.first
+        spec = first.attack.tune
+        metric = sc.audit.registry.get("metric", spec.metric)
+        batches = [sc.tuning_batch(t) for t in range(spec.targets)]
+        attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
+        problems, originals = self.problems(first.setting, first.checkpoint, [
+            (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
+        recs = _reconstruct(sc.audit, first, attacks[0], problems, "tuning")
+        rows = []
+        for j, job in enumerate(cell.jobs):
+            mine = slice(j * spec.targets, (j + 1) * spec.targets)
+            values = [score([metric], r.images, px, r.labels, lb).values[metric.name]
+                      for r, px, (_, lb) in zip(recs[mine], originals[mine], batches)]
+            rows.append({"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
+                         "trial": job.trial, "stage": job.stage, "params": job.params, "metric": metric.name,
+                         "score": sum(values) / len(values), "seconds": round(sum(r.seconds for r in recs[mine]), 3)})
+        return rows
+
+    def attack(self, cell: Cell) -> list[tuple[dict[str, Any], list[str]]]:
+        """Share the defended update of each target batch of one cell, attack them together, score each."""
+        sc, first = self.scenario, cell.first
+        audit = sc.audit
+        attack = sc.attack(first.attack, first.params)
+        batches = [sc.target_batch(job.target) for job in cell.jobs]
+        problems, originals = self.problems(first.setting, first.checkpoint,
+                                            [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
+        recs = _reconstruct(audit, first, attack, problems, f"{len(cell.jobs)} target batch(es)")
+        metrics = [audit.registry.get("metric", m) for m in audit.metrics]
+        return [self._row(job, px, lb, rec, metrics)
+                for job, px, (_, lb), rec in zip(cell.jobs, originals, batches, recs)]
+
+    def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
+        """Score one reconstruction, keep it for the report, and make its results row."""
+        scores = score(metrics, rec.images, pixels, rec.labels, labels)
+        row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target).tolist(),
+                                      self.epsilon(job.setting), self.bound(job.setting))
+        return row, scores.notes
+
+
+def _reconstruct(audit: Audit, job, attack, problems: list[Problem], what: str) -> list[Reconstruction]:
+    """The attack's reconstructions of ``problems``; an attack that raises is an AttackFailed naming it, its
+    origin and the job, on one line."""
+    try:
+        return type(attack).reconstruct_all(problems, audit.max_problems)
+    except Exception as exc:
+        origin = audit.registry.entries["attack"][job.attack.name].origin
+        raise AttackFailed(f"attack {job.attack.key!r} ({origin}) failed on {job.setting.key}, step {job.checkpoint} "
+                           f"({what}): {one_line(exc)}; the rows already written "
+                           "are kept: fix it and rerun with --resume") from None

@@ -1,0 +1,1 @@
+"""The built-in metrics, models and datasets, registered through the hooks like any plugin."""

@@ -270,7 +270,8 @@ def _check_report_options(args, audit) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    from leakaudit.evaluator.audit.config import check_executor, load_audit
+    from leakaudit.evaluator.audit.checks import check_executor
+    from leakaudit.evaluator.audit.config import load_audit
     from leakaudit.evaluator.run.runner import run_audit
 
     audit = load_audit(args.config, args.plugins_dir)
@@ -335,7 +336,7 @@ def _verdict_line(w: dict, leak: str, width: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # --help and --version end here, before torch is imported
-    from leakaudit.evaluator.audit.config import ConfigError
+    from leakaudit.evaluator.audit.types import ConfigError
     from leakaudit.evaluator.results.rundir import AttackFailed, RunError
 
     previous = None

@@ -362,7 +362,8 @@ def test_an_adaptive_attack_on_a_defense_it_does_not_fit_is_refused(write_audit,
      "defenses[0].params.noise: 'per_batch' is not one of the choices; choices: per_pass, per_example"),
 ])
 def test_new_audit_keys_fail_with_one_line(write_audit, audit, expected):
-    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.audit.types import ConfigError
 
     path = write_audit(audit)
     with pytest.raises(ConfigError) as info:
@@ -470,7 +471,8 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
      "attacks[0].params.drop_defended: 'yes' is not of type bool"),
 ])
 def test_new_parameters_fail_with_one_line(write_audit, section, entry, expected):
-    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.audit.types import ConfigError
 
     path = write_audit(small_audit(**{section: [entry]}))
     with pytest.raises(ConfigError) as info:

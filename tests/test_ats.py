@@ -7,7 +7,8 @@ import torch
 
 from leakaudit.defenses.ats import ATS, OPERATIONS, PAPER_POLICIES, apply_operation, parse_policy, random_crop_flip
 from leakaudit.defenses.noise import GaussianNoise
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.run.runner import run_audit
 from leakaudit.evaluator.run.scenario import Scenario
 from leakaudit.evaluator.run.utility import training_run

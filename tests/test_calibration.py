@@ -235,7 +235,7 @@ def test_a_weak_attack_is_calibrated_by_its_own_run_on_the_reference_not_by_anot
 
 
 def test_a_label_that_takes_the_reference_key_is_refused(write_audit):
-    from leakaudit.evaluator.audit.config import ConfigError
+    from leakaudit.evaluator.audit.types import ConfigError
 
     path = write_audit(small_audit(defenses=[{"name": "gaussian", "params": {"sigma": 0.1}, "label": "none"}]))
     with pytest.raises(ConfigError) as info:

@@ -54,7 +54,7 @@ def test_validate_and_plugins_import_neither_the_runner_nor_matplotlib():
 @pytest.mark.parametrize("argv", [["--debug", "validate", "missing.yaml"], ["validate", "missing.yaml", "--debug"]])
 def test_debug_before_or_after_the_command_shows_the_traceback(argv, tmp_path, monkeypatch):
     from leakaudit.evaluator.cli import main
-    from leakaudit.evaluator.audit.config import ConfigError
+    from leakaudit.evaluator.audit.types import ConfigError
 
     monkeypatch.chdir(tmp_path)
     assert main(argv[:-1] if argv[-1] == "--debug" else argv[1:]) == 2  # without it: the one line

@@ -6,7 +6,8 @@ import subprocess
 import pytest
 import yaml
 
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.cli import main
 
 from conftest import LEAKAUDIT, ROOT, small_audit

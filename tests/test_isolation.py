@@ -16,8 +16,9 @@ from leakaudit.defenses.bayesian import Bayesian
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.precode import Precode
 from leakaudit.defenses.soteria import Soteria
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import jobs_of
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.api import audit_batch
 from leakaudit.evaluator.run.executors import PROCESS_WORTH, auto_workers
 from leakaudit.evaluator.run.runner import run_audit

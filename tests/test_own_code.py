@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from leakaudit.evaluator.audit.config import ConfigError
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.cli import main
 from leakaudit.evaluator.live.api import audit_batch
 from leakaudit.plugins.protocol import captured_update, fedsgd_update

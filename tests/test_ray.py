@@ -141,7 +141,7 @@ def test_a_second_node_takes_work(tmp_path):
 def test_executor_mistakes_are_one_line_errors_before_any_work(tmp_path):
     import subprocess
 
-    from leakaudit.evaluator.audit.config import ConfigError
+    from leakaudit.evaluator.audit.types import ConfigError
 
     from conftest import LEAKAUDIT
 

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.zoo import datasets
 from leakaudit.evaluator.zoo.models import ZOO, build_model
 
@@ -164,7 +165,8 @@ def test_targets_can_be_the_first_training_images_and_are_then_never_tuned_on(wr
 
 
 def test_a_search_with_no_training_image_left_to_tune_on_is_refused_before_work(write_audit):
-    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.audit.types import ConfigError
     from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     from conftest import small_audit

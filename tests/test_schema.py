@@ -8,8 +8,10 @@ import textwrap
 import jsonschema
 import pytest
 
-from leakaudit.evaluator.audit.config import ConfigError, load_audit, read_yaml
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.schema import audit_schema
+from leakaudit.evaluator.audit.types import ConfigError
+from leakaudit.evaluator.audit.yamlfile import read_yaml
 from leakaudit.plugins.manager import load_registry
 
 from conftest import ROOT, small_audit
@@ -150,7 +152,7 @@ def _collect_enums(node, out: list) -> None:
 def test_starter_audits_validate(validator, registry):
     from pathlib import Path
 
-    from leakaudit.evaluator.audit.config import parse_yaml
+    from leakaudit.evaluator.audit.yamlfile import parse_yaml
     from leakaudit.evaluator.authoring.starter import starter_audit
 
     for name in registry.names("defense"):

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import jobs_of
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.run.runner import run_audit
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 from leakaudit.plugins.manager import load_registry

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.tuning import (
     ScanSpec,
     TuneSpec,
@@ -15,6 +15,7 @@ from leakaudit.evaluator.audit.tuning import (
     value_at,
     with_value,
 )
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.run import worker
 from leakaudit.evaluator.run.runner import run_audit
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leakaudit.evaluator.audit.config import AttackSpec, Audit, DefenseSetting
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.tuning import candidates, scan_best, scan_candidates
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, DefenseSetting
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any, Callable, Mapping
 
-from leakaudit.evaluator.audit.config import (
+from leakaudit.evaluator.audit.specs import (
     ATTACK,
     DATA,
     DEFAULT_METRICS,

@@ -22,6 +22,7 @@ import torch
 
 from leakaudit.plugins.spec import Param, check_params
 
+
 TUNE = {
     "budget": Param(8, int, min=1, help="settings tried, the untuned one included"),
     "space": Param(type=dict, help="candidate values per parameter; dotted keys reach into mappings (priors.tv)"),

@@ -7,7 +7,9 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from leakaudit.evaluator.audit.config import DATA, MODEL, TOP, ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.audit.specs import DATA, MODEL, TOP
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD
 from leakaudit.plugins.spec import Param, did_you_mean

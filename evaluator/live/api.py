@@ -13,14 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.evaluator.audit.config import (
-    AttackSpec,
-    ConfigError,
-    DefenseSetting,
-    check_attacks,
-    check_metrics,
-    expand_defenses,
-)
+from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, expand_defenses
+from leakaudit.evaluator.audit.types import AttackSpec, ConfigError, DefenseSetting
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import Scores, score
 from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from leakaudit.evaluator.audit.config import ConfigError
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.monitor import MAX_ROUND_IMAGES, LeakMonitor
 
 try:

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from leakaudit.evaluator.audit.config import ConfigError, monitor_audit
+from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.api import DEFAULT_METRICS, Stats, attack_shared, channel_stats, pixels_of, prepare
 from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
 from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RunError, RunFolder

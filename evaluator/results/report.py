@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from leakaudit.evaluator.audit.config import Audit  # noqa: E402
+from leakaudit.evaluator.audit.types import Audit  # noqa: E402
 from leakaudit.evaluator.audit.jobs import AttackJob, row_key  # noqa: E402
 from leakaudit.evaluator.results.rundir import RunFolder, IDENTIFIABLE, REPORT, SUMMARY  # noqa: E402
 from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best, value_at, winners  # noqa: E402

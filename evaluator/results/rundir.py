@@ -16,9 +16,11 @@ from typing import Any, Iterable
 import torch
 import yaml
 
-from leakaudit.evaluator.audit.config import Audit, AuditLoader, DefenseSetting, load_audit, monitor_audit
+from leakaudit.evaluator.audit.config import load_audit, monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import derive_seed
+from leakaudit.evaluator.audit.types import Audit, DefenseSetting
+from leakaudit.evaluator.audit.yamlfile import AuditLoader
 from leakaudit.evaluator.results.verdict import late_gain
 from leakaudit.plugins.spec import one_line
 

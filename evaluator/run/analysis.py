@@ -16,7 +16,7 @@ import torch
 
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.audit.config import DefenseSetting
+from leakaudit.evaluator.audit.types import DefenseSetting
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn
 
 #: The largest dense system the rank computation builds (float64).

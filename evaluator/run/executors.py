@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from leakaudit.evaluator.audit.config import Audit, DefenseSetting, load_audit
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import Cell
+from leakaudit.evaluator.audit.types import Audit, DefenseSetting
 from leakaudit.evaluator.results.rundir import RunError, RunFolder
 from leakaudit.evaluator.run.scenario import Scenario, deterministic_kernels
 from leakaudit.evaluator.run.worker import AuditWorker

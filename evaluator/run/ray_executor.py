@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from leakaudit.evaluator.audit.config import ConfigError, load_audit
+from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import Cell
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.results.rundir import Outbox, RunError
 from leakaudit.evaluator.run.executors import describe_item, item_size, progress_bar
 from leakaudit.evaluator.run.scenario import Scenario, deterministic_kernels

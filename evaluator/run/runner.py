@@ -11,10 +11,10 @@ from typing import Any, Iterable
 import torch
 from tqdm import tqdm
 
-from leakaudit.evaluator.audit.config import Audit
 from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, row_key, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
+from leakaudit.evaluator.audit.types import Audit
 from leakaudit.evaluator.results.report import write_report
 from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, RESULTS, RUN_INFO, RunError, RunFolder
 from leakaudit.evaluator.run.analysis import analyse_all

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leakaudit.attacks.vectorised import free_memory
-from leakaudit.evaluator.audit.config import AttackSpec, Audit, ConfigError, DefenseSetting
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting
 from leakaudit.evaluator.zoo.models import build_model
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.components import ImageData

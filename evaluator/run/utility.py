@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.audit.config import DefenseSetting
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
+from leakaudit.evaluator.audit.types import DefenseSetting
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import TrainingRun, opacus_sample_rate

@@ -11,8 +11,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from leakaudit.evaluator.audit.config import Audit
 from leakaudit.evaluator.audit.jobs import AttackJob, Cell
+from leakaudit.evaluator.audit.types import Audit
 from leakaudit.evaluator.results.rundir import AttackFailed, RunFolder
 from leakaudit.evaluator.results.verdict import identification_bound
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn, round_generators

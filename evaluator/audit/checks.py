@@ -1,0 +1,441 @@
+"""The checks of each section of an audit file, each appending one line per problem to ``problems``:
+registered names (with did-you-mean), factories, sweeps and chains, attack filters, metrics, protocol, device."""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import importlib.util
+import inspect
+import itertools
+from typing import Any
+
+import torch
+
+from leakaudit.evaluator.audit.specs import ATTACK, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
+from leakaudit.evaluator.audit.tuning import check_tune
+from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, model_label
+from leakaudit.plugins.components import ModelSpec
+from leakaudit.plugins.factories import import_factory, locate_factory
+from leakaudit.plugins.manager import Registry
+from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
+from leakaudit.plugins.spec import Param, check_params, did_you_mean, one_line
+
+
+def strip_dot(path: str) -> str:
+    return path[1:] if path.startswith(".") else path
+
+
+def section(value: Any, spec: dict[str, Param], path: str, problems: list[str]) -> dict[str, Any]:
+    """Check a mapping against its spec and return it with defaults filled."""
+    if not isinstance(value, dict):
+        problems.append(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {k: p.default for k, p in spec.items() if not p.required}
+    problems.extend(check_params(spec, value, path))
+    out = {k: p.default for k, p in spec.items() if not p.required}
+    out.update({k: v for k, v in value.items() if k in spec and spec[k].problem(v) is None})
+    return out
+
+
+def checked_section(value: Any, spec: dict[str, Param], path: str, problems: list[str]) -> tuple[dict[str, Any], bool]:
+    """``section``, and whether it found nothing wrong (else the checks built on it are skipped: one line each)."""
+    found = len(problems)
+    out = section(value, spec, path, problems)
+    return out, len(problems) == found
+
+
+#: Whether loading an audit imports the modules its factories name (``run``) or only finds them (``validate``).
+IMPORT_USER_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("leakaudit_import_user_code", default=True)
+
+
+def _check_factory(section: dict, key: str, path: str, problems: list[str]) -> Any | None:
+    """The callable a factory path names (imported), or None where it is only located or has a problem."""
+    try:
+        return (import_factory if IMPORT_USER_CODE.get() else locate_factory)(section[key])
+    except ValueError as exc:
+        problems.append(f"{path}: {exc}")
+        return None
+
+
+def _one_of(section: dict, keys: tuple[str, str], where: str, problems: list[str]) -> str | None:
+    """The one of ``keys`` that is set; records a problem when neither or both are."""
+    given = [k for k in keys if section.get(k) is not None]
+    if len(given) != 1:
+        problems.append(f"{where}: give exactly one of {keys[0]} or {keys[1]}" + (" (both given)" if given else ""))
+        return None
+    return given[0]
+
+
+def _origin(registry: Registry, kind: str, name: str) -> str:
+    """A component by its name and where it was registered from: ``attack 'x' (file:/path/plugin.py)``."""
+    return f"{kind} {name!r} ({registry.entries[kind][name].origin})"
+
+
+def _choices(registry: Registry, kind: str) -> str:
+    return ", ".join(registry.names(kind))
+
+
+def _lookup(registry: Registry, kind: str, name: str, where: str, problems: list[str]) -> Any | None:
+    """The registered component, or None after recording 'not a registered <kind>; choices: ...'."""
+    if not isinstance(name, str):
+        problems.append(f"{where}: expected the name of a {kind}, got {name!r}; choices: {_choices(registry, kind)}")
+        return None
+    if name in registry.entries[kind]:
+        return registry.get(kind, name)
+    problems.append(f"{where}: {name!r} is not a registered {kind}{did_you_mean(name, registry.names(kind))}; "
+                    f"choices: {_choices(registry, kind)}")
+    return None
+
+
+def check_data(data: dict, registry: Registry, problems: list[str]) -> None:
+    if data["targets"] % data["batch_size"]:
+        problems.append(f"data.targets: {data['targets']} is not a multiple of data.batch_size {data['batch_size']}")
+    source = _one_of(data, ("dataset", "factory"), "data", problems)
+    if source == "factory":
+        _check_factory(data, "factory", "data.factory", problems)
+        return
+    spec = None if source is None else _lookup(registry, "dataset", data["dataset"], "data.dataset", problems)
+    if spec is None:
+        return
+    problems.extend(check_params(spec.params, data.get("params", {}), "data.params"))
+    if spec.check is not None:
+        problems.extend(spec.check(data))
+
+
+def check_model(model: dict, registry: Registry, problems: list[str]) -> None:
+    ckpts = model.get("checkpoints", [0])
+    if not ckpts:
+        problems.append("model.checkpoints: an empty list; give the training steps to attack at, e.g. [0]")
+    for i, c in enumerate(ckpts):
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            problems.append(f"model.checkpoints[{i}]: {c!r} is not a training step (an integer >= 0)")
+        elif c > MAX_STEPS:
+            problems.append(f"model.checkpoints[{i}]: {c} is past the {MAX_STEPS} training steps an audit may ask for")
+    if len(set(map(str, ckpts))) != len(ckpts):
+        problems.append(f"model.checkpoints: {ckpts} repeats a step")
+    elif all(isinstance(c, int) for c in ckpts):
+        model["checkpoints"] = sorted(ckpts)
+    _check_architecture(model, registry, "model", problems)
+
+
+def _check_architecture(model: dict, registry: Registry, where: str, problems: list[str]) -> None:
+    """A model section's ``name`` (zoo) or ``factory`` and its params; a factory path becomes the name."""
+    name = model.get("name")
+    source = _one_of(model, ("name", "factory"), where, problems)
+    if source is None:
+        return
+    if source == "factory" or ":" in name:
+        _check_factory(model, source, f"{where}.{source}", problems)
+        model["name"] = model[source]  # a factory path is the model's name in reports
+        return
+    if not isinstance(name, str) or name not in registry.entries["model"]:
+        problems.append(f"{where}.name: {name!r} is not a registered model or a 'package.module:factory'"
+                        f"{did_you_mean(name, registry.names('model'))}; choices: {_choices(registry, 'model')}")
+        return
+    spec: ModelSpec = registry.get("model", name)
+    problems.extend(check_params(spec.params, model.get("params", {}), f"{where}.params"))
+
+
+def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]:
+    if value is None:
+        problems.append(f"{what}: required, a list of {{name: ...}} entries")
+        return []
+    if not isinstance(value, list) or not value:
+        problems.append(f"{what}: expected a non-empty list, got {value!r}")
+        return []
+    return [(f"{what}[{i}]", item) for i, item in enumerate(value)]
+
+
+def expand_defenses(value: Any, registry: Registry, problems: list[str],
+                     protocol: Protocol = FEDSGD) -> list[DefenseSetting]:
+    settings: list[DefenseSetting] = []
+    for where, item in _items(value, "defenses", problems):
+        item, ok = checked_section(item, DEFENSE, where, problems)
+        if not ok:
+            continue
+        if item.get("chain") is not None:
+            if item.get("name") or item["params"] or item["sweep"]:
+                problems.append(f"{where}: give either name (with params, sweep) or chain, not both")
+                continue
+            if not item["chain"]:
+                problems.append(f"{where}.chain: an empty chain; list the defenses applied in order, e.g. "
+                                "[{name: clip, params: {max_norm: 1.0}}, {name: gaussian, params: {sigma: 0.1}}]")
+                continue
+            options = [_member_options(section(m, MEMBER, f"{where}.chain[{i}]", problems), registry,
+                                       f"{where}.chain[{i}]", problems) for i, m in enumerate(item["chain"])]
+        elif item.get("name") is None:
+            problems.append(f"{where}: name is required (or chain: a list of defenses)")
+            continue
+        else:
+            options = [_member_options(item, registry, where, problems)]
+        if any(not o for o in options) or not options:
+            continue
+        own_model = None
+        if item.get("model") is not None:
+            own_model = section(item["model"], SETTING_MODEL, f"{where}.model", problems)
+            found = len(problems)
+            _check_architecture(own_model, registry, f"{where}.model", problems)
+            if len(problems) > found:
+                continue
+        combos = list(itertools.product(*options))
+        for members in combos:
+            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None, own_model,
+                                     item["must_protect"])
+            try:
+                why = setting.build(registry).unsupported(protocol)
+            except (ValueError, TypeError) as exc:
+                why = str(exc)
+            except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
+                why = f"{_origin(registry, 'defense', setting.members[-1][0])} raised {one_line(exc)}"
+            if why:
+                problems.append(f"{where}: {setting.key}: {why}")
+                continue
+            if any(s.key == setting.key for s in settings):
+                problems.append(f"{where}: setting {setting.key} appears twice")
+            settings.append(setting)
+    return settings
+
+
+def with_references(settings: list[DefenseSetting], attacks: list[AttackSpec],
+                    registry: Registry) -> list[DefenseSetting]:
+    """``settings`` with an undefended reference for each model they run on, which calibrates the verdicts:
+    the audit's own undefended setting of that model, else one added at the end (marked ``added``).
+
+    A reference is attacked by every attack that runs on a setting of its model and supports the undefended
+    update (attacks that read what a defense adds to the model, ``needs_defense``, do not), with the same
+    budget and tuning: where none of them breaks it, a defended setting's "protects" at that step cannot be
+    told from a weak attack. Where no attack can run undefended, none is added (every "protects" of that model
+    is then inconclusive).
+    """
+    baseline = next((e.obj for e in registry.entries["defense"].values() if e.obj.baseline), None)
+    if baseline is None or not settings:
+        return settings
+    reference, out = baseline(), []
+    models = list({model_label(s.model): s.model for s in settings}.items())
+    for name, own in models:
+        mine = [s for s in settings if model_label(s.model) == name]
+        given = next((s for s in mine if s.is_baseline(registry)), None)
+        labels = frozenset(a.label for a in attacks if (given is not None and a.filters_in(given)) or (
+            any(a.filters_in(s) for s in mine) and _calibrates(a.build(registry), reference)))
+        if given is not None:
+            settings = [dataclasses.replace(s, calibrates=labels) if s is given else s for s in settings]
+        elif labels:
+            out.append(DefenseSetting(((baseline.name, {}),), None, own, False, labels, True))
+    return settings + out
+
+
+def _calibrates(attack: Any, reference: Any) -> bool:
+    """Whether a (filtered) attack can also run on the undefended update."""
+    return not attack.needs_defense and attack.unsupported_defense(reference) is None
+
+
+def _member_options(item: dict, registry: Registry, where: str, problems: list[str]) -> list[tuple[str, dict]]:
+    """Every (name, params) that one defense entry's sweep expands to; [] after a problem."""
+    name = item.get("name")
+    cls = None if name is None else _lookup(registry, "defense", name, f"{where}.name", problems)
+    if cls is None:
+        return []
+    spec = cls.params
+    sweep = item["sweep"]
+    found = _check_sweep(spec, item["params"], sweep, where) if sweep else check_params(spec, item["params"],
+                                                                                          f"{where}.params")
+    if found:
+        problems.extend(found)
+        return []
+    keys = sorted(sweep)
+    return [(name, {**item["params"], **dict(zip(keys, combo))}) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) -> list[str]:
+    out = check_params({k: p for k, p in spec.items() if k not in sweep}, params, f"{where}.params")
+    for key, values in sweep.items():
+        if key not in spec:
+            out.append(f"{where}.sweep.{key}: unknown parameter; choices: {', '.join(sorted(spec)) or '(none)'}")
+        elif not isinstance(values, list) or not values:
+            out.append(f"{where}.sweep.{key}: expected a non-empty list of values, got {values!r}")
+        else:
+            out.extend(f"{where}.sweep.{key}[{i}]: {why}" for i, v in enumerate(values)
+                       if (why := spec[key].problem(v)))
+    return out
+
+
+def check_attacks(value: Any, registry: Registry, problems: list[str],
+                   model_checkpoints: list[int] | None) -> list[AttackSpec]:
+    """The attack entries; ``model_checkpoints`` is None where the model section was already reported."""
+    specs: list[AttackSpec] = []
+    for where, item in _items(value, "attacks", problems):
+        item, ok = checked_section(item, ATTACK, where, problems)
+        if not ok:
+            continue
+        name = item.get("name")
+        cls = None if name is None else _lookup(registry, "attack", name, f"{where}.name", problems)
+        if cls is None:
+            continue
+        found = check_params(cls.params, item["params"], f"{where}.params")
+        if found:
+            problems.extend(found)
+            continue
+        try:
+            attack = cls(**item["params"])
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{where}.params: {exc}")
+            continue
+        except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
+            problems.append(f"{where}.params: {_origin(registry, 'attack', name)} raised {one_line(exc)}")
+            continue
+        defenses = _defense_names(item["defenses"], f"{where}.defenses", problems)
+        tune = None
+        if item.get("tune") is not None:
+            metrics = {e.name: e.obj for e in registry.entries["metric"].values()}
+            tune, found = check_tune(item["tune"], cls, item["params"], metrics, f"{where}.tune")
+            if found:
+                problems.extend(found)
+                continue
+        label = item["label"] or name
+        if any(s.label == label for s in specs):
+            problems.append(f"{where}.label: attack label {label!r} is used twice; give each a distinct label")
+            continue
+        role = item["role"] or ("adaptive" if attack.knows_defense else "naive")
+        checkpoints = _attack_checkpoints(item["checkpoints"], model_checkpoints, f"{where}.checkpoints", problems)
+        specs.append(AttackSpec(name, dict(item["params"]), label, tune, defenses, role, checkpoints))
+    return specs
+
+
+def _attack_checkpoints(value: list | None, model_checkpoints: list[int] | None, where: str,
+                        problems: list[str]) -> tuple[int, ...] | None:
+    """The training steps an attack is restricted to: a non-empty subset of the model's checkpoints."""
+    if value is None or model_checkpoints is None:
+        return None
+    wrong = [c for c in value if c not in model_checkpoints or isinstance(c, bool)] if value else [None]
+    if wrong:
+        problems.append(f"{where}: expected a non-empty list of steps from model.checkpoints, got {value!r}; "
+                        f"choices: {', '.join(map(str, model_checkpoints))}")
+        return None
+    return tuple(sorted(set(value)))
+
+
+def _defense_names(value: list | None, where: str, problems: list[str]) -> tuple[str, ...] | None:
+    """The defense names or setting labels an attack is restricted to (checked in ``check_attack_scope``)."""
+    if value is None:
+        return None
+    if not value or not all(isinstance(n, str) for n in value):
+        problems.append(f"{where}: expected a non-empty list of defense names or setting labels, got {value!r}")
+        return None
+    return tuple(value)
+
+
+def check_attack_scope(attacks: list[AttackSpec], settings: list[DefenseSetting], registry: Registry,
+                        problems: list[str]) -> None:
+    """Each name in an attack's ``defenses:`` is a defense or a setting label, and the attack runs somewhere."""
+    labels = sorted(s.label for s in settings if s.label)
+    for i, a in enumerate(attacks):
+        unknown = [n for n in a.defenses or () if n not in registry.entries["defense"] and n not in labels]
+        for n in unknown:
+            choices = [*registry.names("defense"), *labels]
+            problems.append(f"attacks[{i}].defenses: {n!r} is not a registered defense or a setting label"
+                            f"{did_you_mean(n, choices)}; choices: {', '.join(choices)}")
+        if not unknown and settings and not any(a.applies_to(s) for s in settings):
+            problems.append(f"attacks[{i}].defenses: no setting of this audit uses "
+                            f"{', '.join(a.defenses)}; defenses here: {', '.join(sorted({s.name for s in settings}))}")
+
+
+def check_metrics(value: Any, registry: Registry, problems: list[str], image_size: int | None = None) -> list[str]:
+    if not isinstance(value, list) or not value:
+        problems.append(f"metrics: expected a non-empty list of names, got {value!r}")
+        return []
+    for i, m in enumerate(value):
+        metric = _lookup(registry, "metric", m, f"metrics[{i}]", problems)
+        if metric is not None and image_size is not None and image_size < metric.min_size:
+            problems.append(f"metrics[{i}]: {m} needs images of at least {metric.min_size} px and data.image_size "
+                            f"is {image_size}; drop {m} or raise data.image_size")
+    return list(value)
+
+
+def check_leakage_metric(value: str | None, metrics: list[str], registry: Registry, problems: list[str]) -> str:
+    """The metric that ranks attacks: ``leakage_metric:``, else psnr when measured, else the first metric."""
+    if value is None:
+        return "psnr" if "psnr" in metrics or not metrics else metrics[0]
+    if value not in metrics:
+        problems.append(f"leakage_metric: {value!r} is not one of this audit's metrics; choices: {', '.join(metrics)}")
+    return value
+
+
+def check_executor(value: Any, device: str, problems: list[str]) -> dict[str, Any]:
+    """``executor:`` as a full mapping (a name alone takes the defaults); Ray must be installed to be named."""
+    value = {"name": value} if isinstance(value, str) else value if isinstance(value, dict) else {}
+    found = check_params(EXECUTOR, value, "executor")
+    problems.extend(found)
+    section = {k: p.default for k, p in EXECUTOR.items()} | ({} if found else value)
+    if section["num_gpus"] is None:
+        section["num_gpus"] = 1.0 if device == "cuda" else 0.0
+    if section["name"] == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("executor: ray needs Ray, which is not installed: pip install 'leakaudit[ray]'")
+    return section
+
+
+def check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
+    """The protocol type named by ``protocol:`` (a name or a mapping), built from its own ``params``."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        return FEDSGD
+    name = value.get("name", "fedsgd")
+    cls = PROTOCOLS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        problems.append(f"protocol.name: {name!r} is not a protocol{did_you_mean(name, PROTOCOLS)}; "
+                        f"choices: {', '.join(PROTOCOLS)}")
+        return FEDSGD
+    settings = {k: v for k, v in value.items() if k != "name"}
+    owners = {k: n for n, c in PROTOCOLS.items() for k in c.params}
+    for key in [k for k in settings if k not in owners]:
+        problems.append(f"protocol.{key}: unknown key{did_you_mean(key, ['name', *owners])}; choices: name, "
+                        f"{', '.join(cls.params) or '(no settings for ' + name + ')'}")
+        del settings[key]
+    for key in sorted(k for k in settings if k not in cls.params and k in owners):
+        problems.append(f"protocol.{key}: only applies to protocol {owners[key]}")
+        del settings[key]
+    found = check_params(cls.params, settings, "protocol")
+    if found:
+        problems.extend(p.replace("required parameter is missing", f"required for protocol {name}") for p in found)
+        return FEDSGD
+    section = {k: p.default for k, p in cls.params.items() if not p.required} | settings
+    if "function" in section:
+        _check_step_signature(_check_factory(section, "function", "protocol.function", problems), section["function"],
+                              problems)
+    b = section.get("local_batch_size")
+    if b is not None and b > data["batch_size"]:
+        problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "
+                        "(the images each client holds)")
+    return cls(**section)
+
+
+def _check_step_signature(function: Any, path: str, problems: list[str]) -> None:
+    """A user's step function must take ``(model, inputs, labels)``, as the client and the attacks call it."""
+    if not callable(function):
+        return
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called and checked before the first job
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        problems.append(f"protocol.function: {path} takes {signature}; leakaudit calls it as function(model, inputs, "
+                        "labels)")
+
+
+def check_max_problems(value: Any, problems: list[str]) -> int | None:
+    """``max_problems``: 'auto' (None) or a whole number of at least 1."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        problems.append(f"max_problems: {value!r} is neither 'auto' nor a whole number >= 1; choices: auto, 1, 2, ...")
+        return None
+    return value
+
+
+def check_device(device: str, problems: list[str]) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        problems.append("device: 'cuda' but no CUDA device is available here; choices: auto, cpu, cuda")
+    return device

@@ -1,0 +1,167 @@
+"""The validated audit as the engine reads it: its defense settings, its attacks, the ``Audit`` itself, and
+the error that lists an audit file's problems."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leakaudit.evaluator.audit.specs import EXECUTOR, MAX_LINE, MAX_PROBLEMS_SHOWN, VERDICT
+from leakaudit.evaluator.audit.tuning import TuneSpec
+from leakaudit.plugins.manager import Registry
+from leakaudit.plugins.protocol import FEDSGD, Protocol
+
+
+class ConfigError(Exception):
+    """Problems found in an audit file, one line each: '<file>: <key path>: <what is wrong>'."""
+
+    def __init__(self, lines: list[str]):
+        lines = [line if len(line) <= MAX_LINE else line[:MAX_LINE - 3] + "..." for line in lines]
+        if len(lines) > MAX_PROBLEMS_SHOWN:
+            lines = [*lines[:MAX_PROBLEMS_SHOWN], f"... and {len(lines) - MAX_PROBLEMS_SHOWN} more problems"]
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def call_label(name: str, params: dict[str, Any]) -> str:
+    args = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+    return f"{name}({args})" if args else name
+
+
+@dataclass(frozen=True)
+class DefenseSetting:
+    """One point of a defense sweep: one defense, or a chain of them applied in order."""
+
+    members: tuple[tuple[str, dict[str, Any]], ...]
+    label: str | None = None
+    model: dict[str, Any] | None = None  # the entry's own model section; None: the audit's
+    must_protect: bool = field(default=False, compare=False)  # gated by run --fail-on-leak
+    #: On an undefended reference: the labels of the attacks that calibrate on it (None on every other setting).
+    calibrates: frozenset[str] | None = field(default=None, compare=False)
+    #: Added by leakaudit as its model's reference, where the audit file names no undefended setting for it.
+    added: bool = field(default=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return ">".join(n for n, _ in self.members)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        if len(self.members) == 1:
+            return dict(self.members[0][1])
+        return {f"{n}.{k}": v for n, p in self.members for k, v in p.items()}
+
+    @property
+    def identity(self) -> str:
+        """What the setting is (members, parameters, own model), whatever its label: its random streams
+        derive from this, so renaming a label leaves the numbers as they were."""
+        own = "" if self.model is None else f"@{model_label(self.model)}"
+        return ">".join(call_label(n, p) for n, p in self.members) + own
+
+    @property
+    def key(self) -> str:
+        """The setting's name in results and reports: its label, else its identity."""
+        return self.label or self.identity
+
+    def is_baseline(self, registry: Registry) -> bool:
+        """Whether the setting is the undefended reference (every member's defense says ``baseline``)."""
+        return all(registry.get("defense", n).baseline for n, _ in self.members)
+
+    def build(self, registry: Registry):
+        """The defense object (a ``defenses.chain.Chain`` for several members)."""
+        from leakaudit.defenses.chain import Chain
+
+        parts = [registry.get("defense", n)(**p) for n, p in self.members]
+        return parts[0] if len(parts) == 1 else Chain(parts)
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    name: str
+    params: dict[str, Any]
+    label: str
+    tune: TuneSpec | None = None
+    defenses: tuple[str, ...] | None = None  # None: every setting
+    role: str = "naive"  # "adaptive": the attack uses what the defense does
+    checkpoints: tuple[int, ...] | None = None  # None: every checkpoint of the model
+
+    @property
+    def key(self) -> str:
+        return self.label
+
+    @property
+    def identity(self) -> str:
+        """The attack and its parameters, whatever its label (seeds its tuning draws)."""
+        return call_label(self.name, self.params)
+
+    def build(self, registry: Registry, params: dict | None = None):
+        """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
+        return registry.get("attack", self.name)(**(self.params if params is None else params))
+
+    def applies_to(self, setting: DefenseSetting) -> bool:
+        """Whether the attack runs on this setting: on an undefended reference, when it calibrates there;
+        elsewhere, when ``defenses:`` is absent or names one of the setting's members, or its label."""
+        if setting.calibrates is not None:
+            return self.label in setting.calibrates
+        return self.filters_in(setting)
+
+    def filters_in(self, setting: DefenseSetting) -> bool:
+        """Whether ``defenses:`` lets the attack run on this setting (absent, or naming a member or its label)."""
+        return (self.defenses is None or setting.label in self.defenses
+                or any(n in self.defenses for n, _ in setting.members))
+
+    def runs_at(self, checkpoint: int) -> bool:
+        """Whether the attack runs at this training step (``checkpoints:`` lists it, or is absent)."""
+        return self.checkpoints is None or checkpoint in self.checkpoints
+
+
+@dataclass
+class Audit:
+    """A validated audit file with defaults filled in and sweeps expanded."""
+
+    path: Path
+    text: str
+    name: str
+    seed: int
+    device: str
+    workers: int | None  # None: auto, decided from the pending work (runner.auto_workers)
+    plugins_dirs: list[Path]
+    data: dict[str, Any]
+    model: dict[str, Any]
+    settings: list[DefenseSetting]
+    attacks: list[AttackSpec]
+    utility: dict[str, Any]
+    metrics: list[str]
+    threat: dict[str, Any]
+    protocol: Protocol = FEDSGD
+    registry: Registry = field(repr=False, default=None)
+    leakage_metric: str = "psnr"
+    max_problems: int | None = None  # None: auto
+    verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
+    deterministic: bool = True
+    executor: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in EXECUTOR.items()})
+    architecture: str | bool = "auto"  # the report's architecture analysis: auto, True or False
+    live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
+
+    @property
+    def checkpoints(self) -> list[int]:
+        return self.model["checkpoints"]
+
+    @property
+    def num_batches(self) -> int:
+        return self.data["targets"] // self.data["batch_size"]
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def reference_of(self, setting: DefenseSetting) -> DefenseSetting | None:
+        """The undefended reference that calibrates ``setting``'s verdicts: its model's (``with_references``)."""
+        own = model_label(setting.model)
+        return next((s for s in self.settings if s.calibrates is not None and model_label(s.model) == own), None)
+
+
+def model_label(model: dict[str, Any] | None) -> str:
+    """A setting's own model as text ("" for the audit's): settings of one model share a reference."""
+    return "" if model is None else call_label(model["name"], model.get("params", {}))

@@ -30,6 +30,12 @@ class Metric:
     summary: str = ""
     min_size: int = 1  # smallest image side the metric can score (checked against data.image_size)
     margin: float = 0.0
+    #: Rank as the report's second view of leakage beside the leakage metric (lower first; None: never): the
+    #: worst case lists these where measured, and the privacy-utility figure draws the first as its second panel.
+    view_rank: int | None = None
+    #: Rank as the distance that names a reconstruction's nearest original (identifiability; lower first; None:
+    #: never): the measured one of lowest rank, else the registered one of highest rank (the cheapest fallback).
+    distance_rank: int | None = None
 
     def better(self, a: float, b: float) -> bool:
         """Whether score ``a`` shows more leakage than ``b``."""

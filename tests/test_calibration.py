@@ -245,7 +245,7 @@ def test_a_label_that_takes_the_reference_key_is_refused(write_audit):
 
 
 def test_the_bound_figure_leaves_out_guarantees_a_log_axis_cannot_show(tmp_path):
-    from leakaudit.evaluator.results.report import plot_identification_bound
+    from leakaudit.evaluator.results.figures import plot_identification_bound
 
     privacy = {"mu": math.inf, "bound": 1.0, "identified": 1.0, "identified_n": 4, "chance": 0.25, "violated": False}
     summary = {"worst_case": [{"defense": "dpsgd", "epsilon": None, "privacy": privacy}], "utility": {}}

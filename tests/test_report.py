@@ -101,7 +101,7 @@ def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only()
 
 
 def test_summary_intervals_and_verdicts_from_rows(write_audit):
-    from leakaudit.evaluator.results.report import summarise
+    from leakaudit.evaluator.results.summary import summarise
 
     audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {
         "sigma": 1.0}, "must_protect": True}])))
@@ -274,3 +274,20 @@ def test_null_turns_a_verdict_option_off_and_keeps_the_default_elsewhere(write_a
     audit = load_audit(write_audit(_audit(verdict={"identifiable": None, "margin": None, "min_accuracy": None})))
     assert audit.verdict["identifiable"] is None and audit.verdict["margin"] is None
     assert audit.verdict["statistic"] == "mean" and audit.verdict["utility_margin"] == 0.05
+
+
+def test_the_second_views_and_the_identifying_distance_come_from_the_metrics_metadata():
+    """No metric name in the engine: the report's second views follow ``Metric.view_rank``, the distance that
+    names nearest originals ``Metric.distance_rank`` (the measured one of lowest rank, else MSE)."""
+    from types import SimpleNamespace
+
+    from leakaudit.evaluator.results.identify import identifying_metric
+    from leakaudit.evaluator.results.summary import second_views
+    from leakaudit.plugins.manager import load_registry
+
+    registry = load_registry(entry_points=False)
+    assert second_views(registry) == ["lpips", "ssim", "psnr"]
+    audit = SimpleNamespace(registry=registry, metrics=["psnr", "lpips"])
+    assert identifying_metric(audit, [{"lpips": 0.3}]).name == "lpips"
+    assert identifying_metric(audit, [{"lpips": None}]).name == "mse"  # LPIPS unavailable: the fallback
+    assert identifying_metric(SimpleNamespace(registry=registry, metrics=["psnr"]), [{}]).name == "mse"

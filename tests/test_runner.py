@@ -166,7 +166,7 @@ def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
 
 def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
     from leakaudit.evaluator.audit.config import load_audit
-    from leakaudit.evaluator.results.report import summarise
+    from leakaudit.evaluator.results.summary import summarise
 
     audit = load_audit(write_audit(small_audit()))
     row = {"defense": "none", "setting": "none", "params": {}, "attack": "inverting_gradients", "checkpoint": 0,
@@ -181,7 +181,7 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
 
 def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_one(write_audit):
     from leakaudit.evaluator.audit.config import load_audit
-    from leakaudit.evaluator.results.report import summarise
+    from leakaudit.evaluator.results.summary import summarise
 
     attacks = [{"name": "inverting_gradients", "label": "ig"}, {"name": "dlg", "label": "dlg"},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}},
@@ -200,7 +200,7 @@ def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_o
 
 def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
     from leakaudit.evaluator.audit.config import load_audit
-    from leakaudit.evaluator.results.report import summarise
+    from leakaudit.evaluator.results.summary import summarise
 
     attacks = [{"name": "inverting_gradients", "label": "ig"},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}}]

@@ -41,7 +41,7 @@ def test_where_a_winner_sits_on_its_grid():
 
 
 def test_a_winner_on_a_grid_edge_is_a_warning(write_audit):
-    from leakaudit.evaluator.results.report import summarise_tuning
+    from leakaudit.evaluator.results.summary import summarise_tuning
 
     audit = load_audit(write_audit(small_audit(attacks=[{**TUNED, "tune": {"budget": 3, "space": {
         "lr": [0.03, 0.1, 0.3]}}}])))
@@ -101,7 +101,7 @@ def test_a_scanning_search_scans_first_then_grids_around_the_scan_best():
 
 
 def test_a_scan_best_on_its_edge_is_a_warning(write_audit):
-    from leakaudit.evaluator.results.report import summarise_tuning
+    from leakaudit.evaluator.results.summary import summarise_tuning
 
     tune = {"budget": 8, "space": {"lr": [0.03, 0.1]},
             "scan": {"param": "priors.tv", "low": 1e-4, "high": 1e-2, "refine": 3}}

@@ -101,3 +101,9 @@ def tune_jobs_of(audit: Audit, tried: list[dict] = ()) -> list[TuneJob]:
             jobs += [TuneJob(s, a, c, i, p, "scan" if i < scanned else "grid")
                      for i, p in enumerate(candidates(a.tune, a.params, defaults, seed, best))]
     return jobs
+
+
+def job_at(audit: Audit, setting: str, attack: str, checkpoint: int, target: int) -> AttackJob:
+    """The attack job of a results row's key, to find its saved reconstruction."""
+    return AttackJob(next(s for s in audit.settings if s.key == setting),
+                     next(a for a in audit.attacks if a.key == attack), checkpoint, target)

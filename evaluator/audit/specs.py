@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from leakaudit.plugins.spec import Param
 
+
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
 #: Training steps an audit may ask for (checkpoints, utility.train_steps): past this a run is a hang, not an audit.
 MAX_STEPS = 100_000

@@ -25,6 +25,11 @@ class ConfigError(Exception):
         self.lines = lines
 
 
+def params_text(params: dict) -> str:
+    """A setting's parameters as people read them: ``sigma=0.1, clip=1``."""
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
 def call_label(name: str, params: dict[str, Any]) -> str:
     args = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
     return f"{name}({args})" if args else name

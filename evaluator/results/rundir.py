@@ -24,6 +24,7 @@ from leakaudit.evaluator.audit.yamlfile import AuditLoader
 from leakaudit.evaluator.results.verdict import late_gain
 from leakaudit.plugins.spec import one_line
 
+
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
 UTILITY = "utility.jsonl"

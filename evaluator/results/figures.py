@@ -1,0 +1,336 @@
+"""The report's figures, drawn with matplotlib (Agg) from the summary and the saved reconstructions."""
+from __future__ import annotations
+
+import math
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from leakaudit.evaluator.audit.jobs import AttackJob, job_at
+from leakaudit.evaluator.audit.types import params_text
+from leakaudit.evaluator.results.rundir import RunFolder
+from leakaudit.evaluator.results.summary import per_image, second_views
+from leakaudit.evaluator.results.verdict import LEAKS, exact_interval
+from leakaudit.plugins.manager import Registry
+
+
+MAX_GRID_IMAGES = 8
+
+
+def _axis_label(metric: str, higher: bool) -> str:
+    return f"{metric.upper()} of the strongest attack ({'higher' if higher else 'lower'}: more leakage)"
+
+
+def _second_metric(points: list[dict], first: str, registry: Registry) -> str | None:
+    """The first of the second views of leakage (``Metric.view_rank``) that the worst cases carry."""
+    return next((m for m in second_views(registry) if m != first and any(w.get(m) is not None for w in points)), None)
+
+
+def _yerr(points: list[dict], metric: str) -> np.ndarray | None:
+    """Asymmetric error bars from each point's interval (None when a point has none)."""
+    cis = [w.get(f"{metric}_ci") for w in points]
+    if any(ci is None for ci in cis):
+        return None
+    return np.array([[w[metric] - ci[0] for w, ci in zip(points, cis)],
+                     [ci[1] - w[metric] for w, ci in zip(points, cis)]]).clip(min=0)
+
+
+def _threshold_line(ax, summary: dict, metric: str) -> None:
+    """The leak threshold, with the side beyond it shaded: points there leak."""
+    t = summary.get("leak_threshold")
+    if t is None or metric != summary["leakage_metric"]:
+        return
+    ax.axhline(t["value"], color="firebrick", linestyle="--", linewidth=1,
+               label=f"leak threshold ({t['guess']} guess {'+' if summary['higher_is_more_leakage'] else '-'} "
+                     f"{t['margin']:g})")
+    ax.axhline(t["guess_score"], color="grey", linestyle=":", linewidth=1, label=f"{t['guess']} guess")
+    low, high = ax.get_ylim()
+    if summary["higher_is_more_leakage"]:
+        ax.axhspan(t["value"], max(high, t["value"]), color="firebrick", alpha=0.06)
+    else:
+        ax.axhspan(min(low, t["value"]), t["value"], color="firebrick", alpha=0.06)
+
+
+def _chance_line(ax, summary: dict) -> None:
+    """Chance accuracy, and the accuracy a usable model needs, with the unusable side shaded."""
+    if summary.get("chance_accuracy") is not None:
+        ax.axvline(summary["chance_accuracy"], color="black", linestyle="-.", linewidth=1, label="chance accuracy")
+    if summary.get("min_accuracy") is not None:
+        ax.axvline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
+        left, _ = ax.get_xlim()
+        ax.axvspan(min(left, summary["min_accuracy"]), summary["min_accuracy"], color="darkorange", alpha=0.06)
+
+
+def _style(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _varying(ws: list[dict]) -> list[str]:
+    """The parameters that vary along one defense's line."""
+    return [k for k in ws[0]["params"] if len({str(x["params"].get(k)) for x in ws}) > 1]
+
+
+def _point_text(w: dict, ws: list[dict]) -> str:
+    """A point's short label: the values of the parameters that vary (named in the legend), and epsilon."""
+    varying = _varying(ws)
+    text = ", ".join(f"{w['params'][k]:g}" if isinstance(w["params"][k], float) else str(w["params"][k])
+                     for k in varying) if varying else params_text(w["params"])
+    if w.get("epsilon") is not None and math.isfinite(w["epsilon"]):
+        text += f" (ε {w['epsilon']:.2g})"
+    return text
+
+
+def _line_label(defense: str, ws: list[dict]) -> str:
+    varying = _varying(ws)
+    return f"{defense}: {', '.join(varying)}" if varying else defense
+
+
+def _mark_leaks(ax, points: list[dict], x: str, y: str) -> None:
+    """Ring the points whose verdict is leaks (by score or by identification), so a point under the
+    threshold line that leaks by identification is not read as safe."""
+    leaking = [w for w in points if w.get("verdict") == LEAKS and w.get(y) is not None]
+    if leaking:
+        ax.scatter([w[x] for w in leaking], [w[y] for w in leaking], s=150, facecolors="none",
+                   edgecolors="firebrick", linewidths=1.6, zorder=4, label="verdict: leaks")
+
+
+def plot_privacy_utility(summary: dict, path: Path, registry: Registry) -> bool:
+    """Accuracy against the strongest attack's leakage (with its interval), one line per defense, beside the
+    leak threshold and chance accuracy. False when there is no utility to plot."""
+    points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
+    if not points:
+        return False
+    first = summary["leakage_metric"]
+    second = _second_metric(points, first, registry)
+    panels = [first] + ([second] if second else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
+    by_defense: dict[str, list[dict]] = defaultdict(list)
+    for w in points:
+        by_defense[w["defense"]].append(w)
+    for ax, metric in zip(axes[0], panels):
+        for defense, ws in by_defense.items():
+            ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
+            if not ws:
+                continue
+            xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
+            if all(w["baseline"] for w in ws):  # hollow and beneath: a defense's point at the same place shows
+                ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=15, markerfacecolor="none",
+                            color="black", zorder=1, label="no defense")
+                continue
+            ax.errorbar(xs, ys, yerr=_yerr(ws, metric), marker="o", capsize=3, label=_line_label(defense, ws))
+            for w in ws:
+                ax.annotate(_point_text(w, ws), (w["accuracy"], w[metric]), fontsize=7,
+                            textcoords="offset points", xytext=(5, 2))
+        _mark_leaks(ax, points, "accuracy", metric)
+        ax.set_title(f"privacy against utility ({metric})", fontsize=11)
+        _threshold_line(ax, summary, metric)
+        _chance_line(ax, summary)
+        _style(ax, "test accuracy under the defense (utility)", _axis_label(metric, registry.get("metric", metric).higher_is_better))
+    _save(fig, path)
+    return True
+
+
+def _strongest_by(summary: dict, key: str) -> dict[str, dict[Any, dict]]:
+    """Per setting and ``key`` (checkpoint): the cell of the most leaking attack."""
+    metric, sign = summary["leakage_metric"], 1 if summary["higher_is_more_leakage"] else -1
+    best: dict[str, dict[Any, dict]] = defaultdict(dict)
+    for c in summary["cells"]:
+        v = c.get(f"{metric}_mean")
+        if v is not None:
+            old = best[c["setting"]].get(c[key])
+            if old is None or sign * v > sign * old[f"{metric}_mean"]:
+                best[c["setting"]][c[key]] = c
+    return best
+
+
+def plot_leakage_by_step(summary: dict, path: Path) -> bool:
+    """The strongest attack's leakage against training step, with intervals, one line per setting."""
+    if len(summary["checkpoints"]) < 2:
+        return False
+    metric = summary["leakage_metric"]
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
+    for setting, by_step in _strongest_by(summary, "checkpoint").items():
+        cells = [by_step[s] for s in sorted(by_step)]
+        points = [{metric: c[f"{metric}_mean"], f"{metric}_ci": c[f"{metric}_ci"]} for c in cells]
+        ax.errorbar(sorted(by_step), [p[metric] for p in points], yerr=_yerr(points, metric), marker="o",
+                    capsize=3, label=textwrap.shorten(setting, 40))
+    _threshold_line(ax, summary, metric)
+    _style(ax, "training step of the attacked model", _axis_label(metric, summary["higher_is_more_leakage"]))
+    _save(fig, path)
+    return True
+
+
+def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
+    """For defenses with a formal guarantee: leakage and accuracy against epsilon (log scale)."""
+    metric = summary["leakage_metric"]
+    points = sorted((w for w in summary["worst_case"] if w.get("epsilon") is not None
+                     and math.isfinite(w["epsilon"]) and w.get(metric) is not None), key=lambda w: w["epsilon"])
+    if not points:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12.4, 4.6))
+    for defense in dict.fromkeys(w["defense"] for w in points):
+        ws = [w for w in points if w["defense"] == defense]
+        xs = [w["epsilon"] for w in ws]
+        left.errorbar(xs, [w[metric] for w in ws], yerr=_yerr(ws, metric), marker="o", capsize=3,
+                      label=_line_label(defense, ws))
+        if all(w["accuracy"] is not None for w in ws):
+            right.plot(xs, [w["accuracy"] for w in ws], marker="o", label=defense)
+    for w in summary["worst_case"]:
+        if w["baseline"] and w.get(metric) is not None:
+            left.axhline(w[metric], color="black", linewidth=1, label="no defense")
+            if w["accuracy"] is not None:
+                right.axhline(w["accuracy"], color="black", linewidth=1, label="no defense")
+    _mark_leaks(left, points, "epsilon", metric)
+    _threshold_line(left, summary, metric)
+    if summary.get("chance_accuracy") is not None:
+        right.axhline(summary["chance_accuracy"], color="black", linestyle="-.", linewidth=1, label="chance accuracy")
+    if summary.get("min_accuracy") is not None:
+        right.axhline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
+    for ax in (left, right):
+        ax.set_xscale("log")
+    delta = next(iter(summary["utility"].values()), {}).get("delta")
+    xlabel = f"epsilon at delta {delta:g} (log scale)" if delta else "epsilon (log scale)"
+    left.set_title("leakage against the privacy guarantee", fontsize=11)
+    right.set_title("utility against the privacy guarantee", fontsize=11)
+    _style(left, xlabel, _axis_label(metric, summary["higher_is_more_leakage"]))
+    _style(right, xlabel, "test accuracy")
+    _save(fig, path)
+    return True
+
+
+def plot_identification_bound(summary: dict, path: Path) -> bool:
+    """For settings with a privacy guarantee: the most identifying attack's share of identified targets (with its
+    exact 95% interval) beside the bound the guarantee sets on any attack, against epsilon (or mu)."""
+    points = [w for w in summary["worst_case"] if w.get("privacy") and w["privacy"]["bound"] is not None
+              and w["privacy"]["identified"] is not None]
+    by_epsilon = bool(points) and all(_positive(w.get("epsilon")) for w in points)
+    x = (lambda w: w["epsilon"]) if by_epsilon else (lambda w: w["privacy"]["mu"])
+    points = [w for w in points if _positive(x(w))]  # a log axis: no infinite, missing or zero guarantee
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for defense in dict.fromkeys(w["defense"] for w in points):
+        ws = sorted((w for w in points if w["defense"] == defense), key=x)
+        line = ax.plot([x(w) for w in ws], [w["privacy"]["bound"] for w in ws], linestyle="--",
+                       label=f"{defense}: bound on any attack")[0]
+        shares = np.array([w["privacy"]["identified"] for w in ws])
+        n = np.array([w["privacy"]["identified_n"] for w in ws])
+        low, high = exact_interval(np.round(shares * n).astype(int), n, 0.025)  # two-sided 95%
+        ax.errorbar([x(w) for w in ws], shares, yerr=[shares - low, high - shares], marker="o", capsize=3,
+                    linestyle="none", color=line.get_color(), label=f"{defense}: identified by the attacks")
+        bad = [w for w in ws if w["privacy"]["violated"]]
+        if bad:
+            ax.scatter([x(w) for w in bad], [w["privacy"]["identified"] for w in bad], s=160, facecolors="none",
+                       edgecolors="red", linewidths=2, zorder=4, label="beyond the bound")
+    chance = points[0]["privacy"]["chance"]
+    ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"a guess ({chance:.0%})")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("identification against the bound the guarantee sets", fontsize=11)
+    delta = next(iter(summary["utility"].values()), {}).get("delta")
+    _style(ax, (f"epsilon at delta {delta:g} (log scale)" if delta else "epsilon (log scale)") if by_epsilon
+           else "mu of one update (log scale)", "share of targets identified")
+    _save(fig, path)
+    return True
+
+
+def _positive(value: float | None) -> bool:
+    """Whether a value can sit on a log axis."""
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _show(ax, img: torch.Tensor) -> None:
+    ax.set_xticks([]), ax.set_yticks([])
+    arr = img.permute(1, 2, 0).clamp(0, 1).numpy()
+    ax.imshow(arr[..., 0] if arr.shape[2] == 1 else arr, cmap="gray", vmin=0, vmax=1)
+
+
+def _label(text: str, width: int = 24) -> str:
+    """A figure label wrapped at spaces and commas, never inside a word."""
+    return "\n".join(textwrap.wrap(text.replace(",", ", "), width, break_long_words=False)[:4])
+
+
+def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str, checkpoint: int,
+                         path: Path) -> bool:
+    """Originals on top, then one row per (setting, attack) at ``checkpoint``, each image titled with its score."""
+    audit = folder.audit
+    lines: list[tuple[str, torch.Tensor, list[float | None]]] = []
+    originals = None
+    for s in audit.settings:
+        for a in audit.attacks:
+            recs, origs, scores = [], [], []
+            for t in range(audit.num_batches):
+                job = AttackJob(s, a, checkpoint, t)
+                saved = folder.load_reconstruction(job)
+                if saved is not None:
+                    recs.append(saved["reconstruction"])
+                    origs.append(saved["original"])
+                    each = per_image(rows[job.key], metric) if job.key in rows else []
+                    scores.extend(each if len(each) == len(saved["original"]) else [None] * len(saved["original"]))
+            if recs:
+                lines.append((f"{s.key} · {a.key}", torch.cat(recs)[:MAX_GRID_IMAGES], scores[:MAX_GRID_IMAGES]))
+                originals = torch.cat(origs)[:MAX_GRID_IMAGES] if originals is None else originals
+    if originals is None:
+        return False
+    n = len(originals)
+    fig, axes = plt.subplots(len(lines) + 1, n, figsize=(1.25 * n + 2.4, 1.45 * (len(lines) + 1)), squeeze=False)
+    for j in range(n):
+        _show(axes[0][j], originals[j])
+    axes[0][0].set_ylabel("original", rotation=0, ha="right", va="center", fontsize=9)
+    for i, (label, imgs, scores) in enumerate(lines, start=1):
+        for j in range(n):
+            ax = axes[i][j]
+            if j < len(imgs):
+                _show(ax, imgs[j])
+                if scores[j] is not None:
+                    ax.set_title(f"{scores[j]:.3g}", fontsize=8, pad=2)
+            else:
+                ax.axis("off")
+        axes[i][0].set_ylabel(_label(label), rotation=0, ha="right", va="center", fontsize=8)
+    fig.suptitle(f"step {checkpoint}: reconstructions, each titled with its {metric}", fontsize=10)
+    _save(fig, path)
+    return True
+
+
+def plot_worst_images(folder: RunFolder, summary: dict, path: Path) -> bool:
+    """Per setting, the single most leaking reconstruction beside its original."""
+    audit = folder.audit
+    shown = []
+    for w in summary["worst_case"]:
+        at = w["worst_image"]
+        if "target" not in at:
+            continue
+        saved = folder.load_reconstruction(job_at(audit, w["setting"], at["attack"], at["checkpoint"], at["target"]))
+        if saved is not None:
+            shown.append((w, saved["original"][at["index"]], saved["reconstruction"][at["index"]]))
+    if not shown:
+        return False
+    fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown) + 1.2, 4.6), squeeze=False)
+    for j, (w, orig, rec) in enumerate(shown):
+        _show(axes[0][j], orig)
+        _show(axes[1][j], rec)
+        axes[0][j].set_title(_label(w["setting"], 22), fontsize=8)
+        at = w["worst_image"]
+        axes[1][j].set_xlabel(_label(f"{summary['leakage_metric']} {at['score']:.3g}, {at['attack']}, "
+                                     f"step {at['checkpoint']}", 22), fontsize=8)
+    axes[0][0].set_ylabel("original", fontsize=9)
+    axes[1][0].set_ylabel("most leaking\nreconstruction", fontsize=9)
+    _save(fig, path)
+    return True

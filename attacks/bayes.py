@@ -187,6 +187,7 @@ class BayesOptimal(LikelihoodAttack):
     name = "bayes"
     paper = "Balunovic et al. 2022"
     uses_defense = True
+    uses_likelihood = True
 
     def unsupported_defense(self, defense) -> str | None:
         if defense.has_likelihood():

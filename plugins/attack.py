@@ -108,6 +108,9 @@ class Attack:
     #: The attack solves each layer's linear system (R-GAP and its kin): an audit that runs it shows the
     #: report's architecture analysis of those systems (``architecture: auto``).
     solves_linear_systems: ClassVar[bool] = False
+    #: The attack is built from a defense's own ``log_likelihood`` (the Bayes adversary): ``leakaudit init`` runs
+    #: it on every defense that declares one.
+    uses_likelihood: ClassVar[bool] = False
 
     @property
     def knows_defense(self) -> bool:

@@ -74,6 +74,10 @@ class Defense:
     deterministic: ClassVar[bool] = False
     #: The undefended reference: the report draws it as the point every defense is compared with.
     baseline: ClassVar[bool] = False
+    #: The defense is what Opacus's DPOptimizer does to an update (per-example clipping, Gaussian noise), with
+    #: the optimizer's ``noise_multiplier`` and ``max_grad_norm`` as parameters: a LeakMonitor on a training
+    #: under a DPOptimizer audits it as this defense.
+    mirrors_dp_optimizer: ClassVar[bool] = False
     #: The paper the defense comes from (author, year), shown by ``leakaudit plugins``.
     paper: ClassVar[str] = ""
 

@@ -118,3 +118,34 @@ def _private_uses(path: Path, module: str) -> list[str]:
 def test_no_private_name_crosses_a_module():
     for name, path in _modules().items():
         assert not _private_uses(path, name), (name, _private_uses(path, name))
+
+
+def _plugin_name_uses(path: Path, names: set[str], kinds: set[str]) -> list[str]:
+    """Where a module decides by a built-in component's name: a comparison or membership test against the name,
+    or a registry lookup of it (``registry.get("metric", "lpips")``), instead of the component's metadata."""
+    def named(node) -> list[str]:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [e.value for e in items if isinstance(e, ast.Constant) and e.value in names]
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            found += [f"line {node.lineno}: compares with {n!r}" for side in (node.left, *node.comparators)
+                      for n in named(side)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value in kinds):
+            found += [f"line {node.lineno}: looks up {n!r}" for n in named(node.args[1])]
+    return found
+
+
+def test_the_engine_reads_metadata_not_component_names():
+    """Outside the zoo, no module compares with or looks up a built-in component by name: metric direction, the
+    report's second views, the identifying distance, the baseline defense, the Bayes adversary and Opacus's
+    defense come from what each component declares (its defaults in the audit file aside)."""
+    from leakaudit.plugins.manager import KINDS, load_registry
+
+    registry = load_registry(entry_points=False)
+    names = {n for kind in KINDS for n in registry.names(kind)} | {"fedsgd", "fedavg"}  # the protocols ("step" is too common a word)
+    for name, path in _modules().items():
+        if name.startswith("leakaudit.evaluator.") and ".zoo" not in name:
+            assert not _plugin_name_uses(path, names, set(KINDS)), (name, _plugin_name_uses(path, names, set(KINDS)))

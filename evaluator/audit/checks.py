@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from leakaudit.evaluator.audit.specs import ATTACK, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
+from leakaudit.evaluator.audit.specs import ATTACK, DEFAULT_LEAKAGE_METRIC, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
 from leakaudit.evaluator.audit.tuning import check_tune
 from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, model_label
 from leakaudit.plugins.components import ModelSpec
@@ -351,9 +351,9 @@ def check_metrics(value: Any, registry: Registry, problems: list[str], image_siz
 
 
 def check_leakage_metric(value: str | None, metrics: list[str], registry: Registry, problems: list[str]) -> str:
-    """The metric that ranks attacks: ``leakage_metric:``, else psnr when measured, else the first metric."""
+    """The metric that ranks attacks: ``leakage_metric:``, else the default one when measured, else the first."""
     if value is None:
-        return "psnr" if "psnr" in metrics or not metrics else metrics[0]
+        return DEFAULT_LEAKAGE_METRIC if DEFAULT_LEAKAGE_METRIC in metrics or not metrics else metrics[0]
     if value not in metrics:
         problems.append(f"leakage_metric: {value!r} is not one of this audit's metrics; choices: {', '.join(metrics)}")
     return value

@@ -5,7 +5,9 @@ from __future__ import annotations
 from leakaudit.plugins.spec import Param
 
 
+#: The metrics an audit measures where ``metrics:`` is left out, and the one that ranks attacks among them.
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
+DEFAULT_LEAKAGE_METRIC = "psnr"
 #: Training steps an audit may ask for (checkpoints, utility.train_steps): past this a run is a hang, not an audit.
 MAX_STEPS = 100_000
 #: Private images an audit may attack: past this a run is a hang, not an audit.

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
+from leakaudit.evaluator.audit.specs import DEFAULT_LEAKAGE_METRIC
 from leakaudit.plugins.spec import Param, check_params
 
 
 TUNE = {
     "budget": Param(8, int, min=1, help="settings tried, the untuned one included"),
     "space": Param(type=dict, help="candidate values per parameter; dotted keys reach into mappings (priors.tv)"),
-    "metric": Param("psnr", str, help="image metric that picks the winner"),
+    "metric": Param(DEFAULT_LEAKAGE_METRIC, str, help="image metric that picks the winner"),
     "targets": Param(1, int, min=1, help="tuning batches drawn from the training split"),
     "scan": Param(None, dict, help="a first stage: one parameter on a log scale, then refined in the grid "
                                    "(param, low, high, per_decade, refine, factor)"),
@@ -72,7 +73,7 @@ class TuneSpec:
 
     space: dict[str, list]
     budget: int = 8
-    metric: str = "psnr"
+    metric: str = DEFAULT_LEAKAGE_METRIC
     targets: int = 1
     scan: ScanSpec | None = None
 
@@ -160,7 +161,7 @@ def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: di
                     except (ValueError, TypeError) as exc:
                         problems.append(f"{where}.space.{key}[{i}]: {exc}")
     scan = _check_scan(section.get("scan"), attack_cls, base, section, f"{where}.scan", problems)
-    metric = section.get("metric", "psnr")
+    metric = section.get("metric", DEFAULT_LEAKAGE_METRIC)
     if metric in metrics and metrics[metric].on != "images":
         problems.append(f"{where}.metric: {metric!r} does not score images; choose an image metric")
     elif metric not in metrics:

@@ -74,7 +74,7 @@ def _default_attacks(registry: Registry, defenses: list[str]) -> list[tuple[str,
     attacks: list[tuple[str, list[str] | None]] = [(NAIVE_ATTACK[0], None)]
     with_likelihood = [n for n, d in built.items() if d.has_likelihood() and not d.baseline]
     if with_likelihood:
-        attacks.append(("bayes", with_likelihood))
+        attacks += [(a, with_likelihood) for a in registry.names("attack") if registry.get("attack", a).uses_likelihood]
     for n, d in built.items():
         if d.has_likelihood():
             continue
@@ -83,7 +83,7 @@ def _default_attacks(registry: Registry, defenses: list[str]) -> list[tuple[str,
                                                                          image_size=IMAGE_SIZE))
         for a in registry.names("attack"):
             attack = registry.get("attack", a)()
-            if (a != "bayes" and attack.uses_defense and attack.unsupported_defense(d) is None
+            if (not attack.uses_likelihood and attack.uses_defense and attack.unsupported_defense(d) is None
                     and attack.unsupported(model, 1, FEDSGD) is None):
                 attacks.append((a, [n]))
     return attacks
@@ -94,7 +94,8 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
     """The text of a commented audit: the undefended reference, ``defenses`` (default: gaussian) at their
     parameters' examples, and ``attacks`` (default: the classic attack, the Bayes adversary where a defense
     declares a likelihood, and the attacks built on each defense that declares none)."""
-    chosen = _checked_names(registry, "defense", ["none", *(defenses or DEFAULT_DEFENSES)], "--defense")
+    baseline = [n for n in registry.names("defense") if registry.get("defense", n).baseline]
+    chosen = _checked_names(registry, "defense", [*baseline[:1], *(defenses or DEFAULT_DEFENSES)], "--defense")
     named = _checked_names(registry, "attack", attacks, "--attack")
     plan = [(a, None) for a in named] if named else _default_attacks(registry, chosen)
     lines = [

@@ -14,15 +14,15 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, expand_defenses
+from leakaudit.evaluator.audit.specs import DEFAULT_METRICS
 from leakaudit.evaluator.audit.types import AttackSpec, ConfigError, DefenseSetting
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import Scores, score
 from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.manager import load_registry
+from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
 
-DEFAULT_METRICS = ("psnr", "ssim", "mse", "label_accuracy")
 PIXEL_SLACK = 0.02  # how far outside [0, 1] denormalised inputs may stray (resampling overshoot) before it is an error
 
 
@@ -72,7 +72,7 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
                 attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",),
                 mean: Stats | None = None, std: Stats | None = None, normalize: Any = None,
                 step_fn: StepFn | None = None, lr: float | None = None, known_labels: bool = False,
-                metrics: Sequence[str] = DEFAULT_METRICS, seed: int = 0, step: int = 0, batch_index: int = 0,
+                metrics: Sequence[str] | None = None, seed: int = 0, step: int = 0, batch_index: int = 0,
                 plugins_dirs: Sequence[str] = ()) -> list[BatchAudit]:
     """Attack the update this batch makes on ``model`` as it is now and score what comes back.
 
@@ -102,12 +102,19 @@ class Prepared:
     scorers: list[Any]
 
 
-def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str], protocol, batch_size: int,
+def live_metrics(registry: Registry) -> list[str]:
+    """A live audit's default metrics: the audit file's defaults that score any image size, since a live model's
+    images are seen only at its first batch (a metric with a ``min_size``, as LPIPS, is measured where named)."""
+    return [m for m in DEFAULT_METRICS if registry.get("metric", m).min_size <= 1]
+
+
+def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, protocol, batch_size: int,
             image_size: int | None, plugins_dirs, problems: list[str], caller: str = "audit_batch",
             scope: str = "the step you pass") -> Prepared:
     """Check a live model's audit before any work: names, scopes and what each attack and defense supports.
     Raises ConfigError, one line per problem (``problems`` holds those the caller found), prefixed ``caller``."""
     registry = load_registry(list(plugins_dirs))
+    metrics = live_metrics(registry) if metrics is None else metrics
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = expand_defenses([entry], registry, problems, protocol)
     specs = check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)

@@ -31,12 +31,13 @@ from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.api import DEFAULT_METRICS, Stats, attack_shared, channel_stats, pixels_of, prepare
+from leakaudit.evaluator.live.api import Stats, attack_shared, channel_stats, pixels_of, prepare
 from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
 from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RunError, RunFolder
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import guess_scores
 from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, LossFn, opacus_hooks_off, parameter_names, trainable
 
 RECORDED = ("steps", "fits", "rounds", "skipped", "undone")  # monitor.json's record of the run so far
@@ -123,7 +124,7 @@ class LeakMonitor:
                  attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",), *, every: int = 100,
                  out: str | Path = "runs/monitor", mean: Stats | None = None, std: Stats | None = None,
                  loss_fn: LossFn = F.cross_entropy, known_labels: bool = False,
-                 metrics: Sequence[str] = DEFAULT_METRICS, seed: int = 0, delta: float = 1e-5,
+                 metrics: Sequence[str] | None = None, seed: int = 0, delta: float = 1e-5,
                  name: str = "monitor", plugins_dirs: Sequence[str] = (),
                  attacker: dict[str, Any] | None = None) -> None:
         problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
@@ -136,7 +137,8 @@ class LeakMonitor:
         self.attacks = [{"name": a} if isinstance(a, str) else a for a in attacks]
         self.every, self.out = every, Path(out)
         self.mean, self.std, self.loss_fn, self.known_labels = mean, std, loss_fn, known_labels
-        self.metrics, self.seed, self.delta, self.name = list(metrics), seed, delta, name
+        self.metrics = None if metrics is None else list(metrics)  # None: live_metrics, once the plugins load
+        self.seed, self.delta, self.name = seed, delta, name
         self.plugins_dirs = list(plugins_dirs)
         self.steps_taken = 0
         #: The update attacked at the last audited step, ``(theta_before - theta_after) / lr`` per parameter.
@@ -200,13 +202,13 @@ class LeakMonitor:
             problems.append(f"max_images: {max_images!r}; expected a whole number >= 1")
         batch_size = int(getattr(loader, "batch_size", None) or 1)
         self._setup(model, getattr(loader, "dataset", None), loader, self.defense,
-                    FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update")
+                    FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update", federated=True)
         self._described["undone"] = ("not needed: each round's update is its local training, attacked as FedAvg's "
                                      "(the client makes its optimizer anew each round)")
         self._folder.write_json(MONITOR, self._described)
 
     def _setup(self, model: nn.Module, dataset: Any, loader: Any, defense: Any, protocol: Any, batch_size: int,
-               problems: list[str], scope: str) -> None:
+               problems: list[str], scope: str, federated: bool = False) -> None:
         """What attaching checks and opens, whatever drives the steps: the normalisation, the input shape, the
         defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
         self._model, self._dataset = model, dataset
@@ -216,11 +218,12 @@ class LeakMonitor:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
                                      min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
                                      caller="LeakMonitor", scope=scope)
+            self.metrics = [m.name for m in self._prepared.scorers]
         if shape is not None:  # the first training input, to catch a wrong normalisation before any step
             pixels_of(torch.as_tensor(_inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
                       caller="LeakMonitor")
         self._stats = stats
-        self._described = self._describe(plain, defense, protocol, batch_size, shape)
+        self._described = self._describe(plain, defense, protocol, batch_size, shape, federated)
         self._folder = self._open_folder()
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
         self._defenses = [(s, s.build(self._prepared.registry)) for s in self._folder.audit.settings]
@@ -471,11 +474,14 @@ class LeakMonitor:
         """The defense as an audit entry: the user's, or ``dpsgd`` with Opacus's settings under a DPOptimizer."""
         if self._dp is None:
             return self.defense
+        registry = load_registry(self.plugins_dirs)
+        kinds = {n: registry.get("defense", n) for n in registry.names("defense")}
+        mirror = next(n for n, cls in kinds.items() if cls.mirrors_dp_optimizer)
         named = self.defense.get("name") if isinstance(self.defense, dict) else self.defense
-        if named not in ("none", "dpsgd"):
+        if named not in kinds or not (kinds[named].baseline or kinds[named].mirrors_dp_optimizer):
             problems.append(f"defense: {named!r}: the optimizer is Opacus's DPOptimizer, whose update is already "
-                            "DP-SGD's; leave defense out (or name dpsgd)")
-        return {"name": "dpsgd", "params": {k: self._dp[k] for k in ("noise_multiplier", "max_grad_norm")}}
+                            f"DP-SGD's; leave defense out (or name {mirror})")
+        return {"name": mirror, "params": {k: self._dp[k] for k in ("noise_multiplier", "max_grad_norm")}}
 
     def _epsilon(self) -> float | None:
         """Epsilon at ``delta`` spent so far (this step included) under Opacus, from its RDP accountant."""
@@ -525,10 +531,10 @@ class LeakMonitor:
         return int(getattr(optimizer, "expected_batch_size", None) or getattr(loader, "batch_size", None) or 1)
 
     def _describe(self, plain: nn.Module, defense: Any, protocol: Any, batch_size: int,
-                  shape: tuple | None) -> dict[str, Any]:
+                  shape: tuple | None, federated: bool) -> dict[str, Any]:
         """``monitor.json``: what ``monitor_audit`` rebuilds this monitor's audit from. Federated rounds add the
         rounds taken part in (``fits``) and each audited round's local training (``rounds``, ``protocol``)."""
-        rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if protocol.name == "fedavg" else {}
+        rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if federated else {}
         return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
                 "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,

@@ -1,0 +1,379 @@
+"""The core every LeakMonitor shares: the audit it checks, the run folder it writes, and the attack of one update
+at the weights it was computed at, beside the undefended reference that calibrates its verdict."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leakaudit.evaluator.audit.config import monitor_audit
+from leakaudit.evaluator.audit.jobs import AttackJob
+from leakaudit.evaluator.audit.seeds import generator
+from leakaudit.evaluator.audit.types import ConfigError
+from leakaudit.evaluator.live.api import Stats, attack_shared, channel_stats, pixels_of, prepare
+from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RunError, RunFolder
+from leakaudit.evaluator.run.scenario import round_generators
+from leakaudit.evaluator.zoo.metrics import guess_scores
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, opacus_hooks_off, parameter_names, trainable
+
+
+RECORDED = ("steps", "fits", "rounds", "skipped", "undone")  # monitor.json's record of the run so far
+MAX_ROUND_IMAGES = 64  # a federated round over more images is not attacked
+MEAN_IMAGE_SAMPLE = 256  # dataset items averaged into the mean-image guess the verdict compares with
+CAPTURED = "cache/monitor"  # the mean image, kept for reports rebuilt without the dataset
+ATTACKER_DEFAULTS = {"memory": True}  # the server keeps every update the client sent
+
+
+class MonitoredLoader:
+    """The user's data loader, unchanged, telling its monitor each batch it yields."""
+
+    def __init__(self, loader: Any, monitor: "MonitorCore") -> None:
+        self._loader = loader
+        self._monitor = monitor
+
+    def __iter__(self) -> Iterator[Any]:
+        self._monitor.observe_pass()
+        for batch in self._loader:
+            self._monitor.observe_batch(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class MonitorCore:
+    """What every LeakMonitor does, whatever drives its steps: check the audit and open the run folder, attack an
+    update at the weights it was computed at (and the undefended reference beside it), write rows, baselines
+    and the report. ``StepMonitor`` and ``RoundMonitor`` say which updates are attacked."""
+
+    def __init__(self, defense: str | dict[str, Any] = "none",
+                 attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",), *, every: int = 100,
+                 out: str | Path = "runs/monitor", mean: Stats | None = None, std: Stats | None = None,
+                 loss_fn: LossFn = F.cross_entropy, known_labels: bool = False,
+                 metrics: Sequence[str] | None = None, seed: int = 0, delta: float = 1e-5,
+                 name: str = "monitor", plugins_dirs: Sequence[str] = (),
+                 attacker: dict[str, Any] | None = None) -> None:
+        problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
+        problems += [] if 0 < delta < 1 else [f"delta: {delta!r}; expected a number in (0, 1)"]
+        self.attacker = {**ATTACKER_DEFAULTS, **(attacker if isinstance(attacker, dict) else {})}
+        problems += _attacker_problems(attacker)
+        if problems:
+            raise ConfigError([f"LeakMonitor: {p}" for p in problems])
+        self.defense = {"name": defense} if isinstance(defense, str) else defense
+        self.attacks = [{"name": a} if isinstance(a, str) else a for a in attacks]
+        self.every, self.out = every, Path(out)
+        self.mean, self.std, self.loss_fn, self.known_labels = mean, std, loss_fn, known_labels
+        self.metrics = None if metrics is None else list(metrics)  # None: live_metrics, once the plugins load
+        self.seed, self.delta, self.name = seed, delta, name
+        self.plugins_dirs = list(plugins_dirs)
+        self.steps_taken = 0
+        #: The update attacked at the last audited step, ``(theta_before - theta_after) / lr`` per parameter.
+        self.last_update: list[Tensor] | None = None
+        self._batch: Any = None
+        self._passes = 0
+        self._attack_seconds = 0.0  # this session's, for run.json
+        self._round: LocalRound | None = None
+        self.watched: Any = None  # the loader given to ``watch``
+        self.max_images = MAX_ROUND_IMAGES
+        self._inner: torch.optim.Optimizer | None = None  # the hooked optimizer (StepMonitor)
+        self._federated = False  # bound to federated rounds (RoundMonitor)
+        self._folder: RunFolder | None = None  # once attached or bound
+        self._pending: _Pending | None = None
+        self._handles: list[Any] = []
+        self._model: nn.Module | None = None
+        self._described: dict[str, Any] = {"steps": []}  # monitor.json, once attached
+
+
+    def _setup(self, model: nn.Module, dataset: Any, loader: Any, defense: Any, protocol: Any, batch_size: int,
+               problems: list[str], scope: str, federated: bool = False) -> None:
+        """What attaching checks and opens, whatever drives the steps: the normalisation, the input shape, the
+        defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
+        self._model, self._dataset, self._federated = model, dataset, federated
+        stats = self._normalisation(loader, dataset, problems)
+        shape = self._input_shape(dataset, problems)
+        with opacus_hooks_off(model) as plain:
+            self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
+                                     min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
+                                     caller="LeakMonitor", scope=scope)
+            self.metrics = [m.name for m in self._prepared.scorers]
+        if shape is not None:  # the first training input, to catch a wrong normalisation before any step
+            pixels_of(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
+                      caller="LeakMonitor")
+        self._stats = stats
+        self._described = self._describe(plain, defense, protocol, batch_size, shape)
+        self._folder = self._open_folder()
+        # the monitored setting and the reference that calibrates it, built once: every audited step shares them
+        self._defenses = [(s, s.build(self._prepared.registry)) for s in self._folder.audit.settings]
+
+    def detach(self) -> None:
+        """Remove the optimizer hooks (the model and optimizer are as they were before ``attach``)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def audited_steps(self) -> list[int]:
+        """The training steps attacked so far (earlier runs into the same folder included)."""
+        return sorted(self._described["steps"])
+
+    def __enter__(self) -> "MonitorCore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+        if self.audited_steps:
+            self.report()
+
+    def observe_batch(self, batch: Any) -> None:
+        """The batch the next optimizer step trains on (the loader wrapper calls this; a reference only)."""
+        self._batch = batch
+
+    def observe_pass(self) -> None:
+        """A new pass over the loader begins (the loader wrapper calls this): FedAvg's local epochs."""
+        self._passes += 1
+
+
+    def _attack_at(self, step: int, before: list[Tensor], buffers: dict[str, Tensor], update: list[Tensor],
+                   batch: Any, protocol: Any) -> None:
+        """Attack ``update`` with the model at the weights and buffers it was computed at, then put back the
+        model's own."""
+        inputs, labels = inputs_labels(batch)
+        with opacus_hooks_off(self._model) as plain:
+            params = trainable(plain)
+            device = params[0].device
+            inputs, labels = torch.as_tensor(inputs).to(device), torch.as_tensor(labels).to(device)
+            if len(inputs) == 0:  # a Poisson-sampled batch can be empty: nothing to attack
+                return
+            self.last_update = update
+            after, now = model_state(plain)
+            started = time.perf_counter()
+            try:
+                load_model_state(plain, before, buffers)
+                self._attack(plain, step, update, inputs, labels, protocol)
+            finally:
+                load_model_state(plain, after, now)
+            self._attack_seconds += time.perf_counter() - started
+            self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
+
+    def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
+                protocol: Any) -> None:
+        pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
+        names, n = parameter_names(plain), len(inputs)
+        for setting, defense in self._defenses:
+            share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
+            if self._dp is not None and setting.calibrates is not None:  # the reference: the clean gradient
+                observed = defense.share(ClientStep(plain, self.loss_fn, inputs, labels, share_gen, FEDSGD))
+            elif self._dp is not None:  # Opacus divided the noisy sum by the expected batch size: to the mean
+                observed = SharedUpdate([u * (self._dp["expected_batch_size"] / n) for u in update], names, n,
+                                        {"protocol": "fedsgd"})
+            else:
+                sent, public = defense.apply(update, share_gen)
+                observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
+            epsilon = None if setting.calibrates is not None else self._epsilon()
+            results = attack_shared(
+                self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
+                self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
+                                                                      step, 0)[1])
+            for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
+                row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
+                                               list(range(n)), epsilon)  # one update per step: no bound to test
+                self._folder.results.append(row)
+                self._folder.results_csv.append(row)
+        self._described["steps"].append(step)
+        self._folder.write_json(MONITOR, self._described)
+        self._write_baselines()
+
+
+    def report(self) -> dict[str, Any]:
+        """Write report.html (and summary.json) from the rows so far; returns the summary."""
+        from leakaudit.evaluator.run.runner import report_folder
+
+        if not self.audited_steps:
+            raise RunError(f"LeakMonitor: no step attacked yet in {self.out}; attach the monitor and train past "
+                           f"step 0 (it attacks steps 0, {self.every}, {2 * self.every}, ...)")
+        return report_folder(self.out, plugins_dirs=self.plugins_dirs)
+
+    def _write_baselines(self) -> None:
+        """Scores of guesses made without the update (noise, grey, the data's mean image) on every attacked
+        batch so far: the verdict's bar."""
+        folder, audit = self._folder, self._folder.audit
+        records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
+                   for step in self.audited_steps)
+        batches = [(r["original"], r["labels"]) for r in records if r is not None]
+        folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
+                                                  self._mean_image(),
+                                                  generator(torch.device("cpu"), self.seed, "baseline")))
+
+    def _mean_image(self) -> Tensor | None:
+        """The mean pixel image of up to 256 seeded items of the training set, computed once and kept."""
+        path = self.out / CAPTURED / "mean_image.pt"
+        if path.exists():
+            return torch.load(path, weights_only=True)
+        if self._dataset is None or not hasattr(self._dataset, "__len__"):
+            return None
+        gen = generator(torch.device("cpu"), self.seed, "mean_image")
+        picks = torch.randperm(len(self._dataset), generator=gen)[:MEAN_IMAGE_SAMPLE].tolist()
+        x = torch.stack([torch.as_tensor(inputs_labels(self._dataset[i], single=True)[0]).float().cpu()
+                         for i in picks])
+        mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
+        image = (x * std + mean).clamp(0, 1).mean(dim=0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(image, path)
+        return image
+
+
+    def _epsilon(self) -> float | None:
+        """Epsilon at ``delta`` spent so far (this step included) under Opacus, from its RDP accountant."""
+        if self._dp is None or self._dp["sample_rate"] is None:
+            return None
+        defense = self._prepared.defenses[0][1]
+        return defense.privacy_spent(self.steps_taken, self._dp["sample_rate"], self.delta)
+
+    def _normalisation(self, loader: Any, dataset: Any, problems: list[str]) -> tuple[Stats, Stats]:
+        found = find_normalize(loader if loader is not None else dataset)
+        if self.mean is not None and self.std is not None:
+            if found is not None and not (_same(self.mean, found.mean) and _same(self.std, found.std)):
+                problems.append(f"mean, std: {self.mean}, {self.std} differ from the loader's Normalize "
+                                f"(mean={list(found.mean)}, std={list(found.std)}); leave them out to use the loader's")
+            return self.mean, self.std
+        if (self.mean is None) != (self.std is None):
+            problems.append("mean, std: give both or neither")
+        elif found is not None:
+            return tuple(found.mean), tuple(found.std)
+        else:
+            problems.append("mean, std: the loader applies no torchvision Normalize to read them from, and "
+                            "leakaudit will not guess; pass mean= and std= (mean=0, std=1 for raw pixels in [0, 1])")
+        return 0.0, 1.0
+
+    def _input_shape(self, dataset: Any, problems: list[str]) -> tuple[int, ...] | None:
+        """One training input's shape (C, H, W), read from the dataset's first item; None when it has none."""
+        if dataset is None or not hasattr(dataset, "__getitem__") or not len(dataset):
+            return None
+        x = torch.as_tensor(inputs_labels(dataset[0], single=True)[0])
+        if x.dim() != 3:
+            problems.append(f"loader: its items hold inputs of shape {tuple(x.shape)}; the attacks rebuild images "
+                            "(C, H, W)")
+            return None
+        return tuple(x.shape)
+
+    def _describe(self, plain: nn.Module, defense: Any, protocol: Any, batch_size: int,
+                  shape: tuple | None) -> dict[str, Any]:
+        """``monitor.json``: what ``monitor_audit`` rebuilds this monitor's audit from. Federated rounds add the
+        rounds taken part in (``fits``) and each audited round's local training (``rounds``, ``protocol``)."""
+        rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if self._federated else {}
+        return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
+                "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
+                "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
+                "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
+                "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
+                "device": next(plain.parameters()).device.type, "dp": self._dp, "steps": []}
+
+    def _open_folder(self) -> RunFolder:
+        """The run folder: a new one, or the same monitor's earlier run continued (its audited steps skipped)."""
+        path, described = self.out, self._described
+        saved = path / MONITOR
+        if saved.is_file():
+            earlier = json.loads(saved.read_text())
+            if _settings(earlier) != _settings(described):
+                raise ConfigError([f"LeakMonitor: out: {path} holds a monitor run with other settings; choose "
+                                   "another out"])
+            described.update({k: earlier[k] for k in RECORDED if k in earlier})
+        elif path.exists() and any(path.iterdir()):
+            raise ConfigError([f"LeakMonitor: out: {path} is not empty and holds no monitor run; choose another out"])
+        path.mkdir(parents=True, exist_ok=True)
+        audit = monitor_audit(json.loads(json.dumps(described)), saved, self.plugins_dirs, self._prepared.registry)
+        folder = RunFolder(path, audit)
+        folder.write_json(MONITOR, described)
+        if not (path / ARCHITECTURE).exists():
+            folder.write_json(ARCHITECTURE, [])
+        from leakaudit.evaluator.run.runner import versions
+
+        device = next(self._model.parameters()).device.type
+        folder.start_session({"versions": versions(), "device": f"{device}: inside the training process (LeakMonitor)",
+                              "device_type": device, "deterministic": True, "audit_file": str(saved),
+                              "chance_accuracy": None})
+        return folder
+
+
+def _attacker_problems(attacker: Any) -> list[str]:
+    """What is wrong with a LeakMonitor's ``attacker`` mapping, one line each."""
+    if attacker is None:
+        return []
+    if not isinstance(attacker, dict):
+        return [f"attacker: {attacker!r}; expected a mapping such as {{'memory': False}}"]
+    problems = [f"attacker.{k}: unknown key; choices: {', '.join(ATTACKER_DEFAULTS)}" for k in attacker
+                if k not in ATTACKER_DEFAULTS]
+    if not isinstance(attacker.get("memory", True), bool):
+        problems.append(f"attacker.memory: {attacker['memory']!r} is not of type bool; choices: true, false")
+    return problems
+
+
+def _settings(described: dict[str, Any]) -> dict[str, Any]:
+    """A monitor.json's settings, without its record of the run so far: what a resumed monitor must match."""
+    return {k: v for k, v in described.items() if k not in RECORDED}
+
+
+def find_normalize(source: Any) -> Any | None:
+    """The torchvision ``Normalize`` a loader's (or dataset's) transform applies, looking through ``Subset``
+    and ``Compose``; None when there is none."""
+    dataset = getattr(source, "dataset", source)
+    seen: set[int] = set()
+    while dataset is not None and id(dataset) not in seen:
+        seen.add(id(dataset))
+        for attr in ("transform", "transforms"):
+            found = _normalize_in(getattr(dataset, attr, None))
+            if found is not None:
+                return found
+        dataset = getattr(dataset, "dataset", None)
+    return None
+
+
+def _normalize_in(transform: Any, depth: int = 0) -> Any | None:
+    if transform is None or depth > 8:
+        return None
+    if type(transform).__name__ == "Normalize" and hasattr(transform, "mean") and hasattr(transform, "std"):
+        return transform
+    children = list(getattr(transform, "transforms", None) or []) + [getattr(transform, "transform", None)]
+    for child in children:
+        found = _normalize_in(child, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _same(a: Stats, b: Stats) -> bool:
+    x, y = torch.as_tensor(a, dtype=torch.float64).flatten(), torch.as_tensor(b, dtype=torch.float64).flatten()
+    return x.shape == y.shape and bool(torch.allclose(x, y, atol=1e-6))
+
+
+def inputs_labels(batch: Any, single: bool = False) -> tuple[Any, Any]:
+    """The inputs and labels of a ``(inputs, labels, ...)`` batch or dataset item."""
+    if isinstance(batch, dict):
+        inputs = next((batch[k] for k in ("inputs", "image", "img") if k in batch), None)
+        return inputs, next((batch[k] for k in ("labels", "label") if k in batch), None)
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ConfigError([f"LeakMonitor: loader: a {'dataset item' if single else 'batch'} is a "
+                           f"{type(batch).__name__}; expected (inputs, labels)"])
+    return batch[0], batch[1]
+
+
+def model_state(model: nn.Module) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """Copies of the model's trainable parameters and buffers, for ``load_model_state`` to put back."""
+    return [p.detach().clone() for p in trainable(model)], {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+@torch.no_grad()
+def load_model_state(model: nn.Module, params: list[Tensor], buffers: dict[str, Tensor]) -> None:
+    for p, value in zip(trainable(model), params):
+        p.copy_(value)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])

@@ -1,0 +1,173 @@
+"""Monitoring a federated client round by round: the optimizers made inside each round are watched, and the
+round's update is attacked as FedAvg's."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, MonitorCore, MonitoredLoader, inputs_labels, model_state
+from leakaudit.evaluator.results.rundir import MONITOR, RunError
+from leakaudit.plugins.protocol import FedAvg, parameter_names, trainable
+
+
+@dataclass
+class _RoundStep:
+    """One optimizer step of an audited federated round: its batch, pass over the loader, lrs and optimizer."""
+
+    batch: Any
+    pass_index: int
+    lrs: tuple[float, ...]
+    optimizer: str
+
+
+@dataclass
+class LocalRound:
+    """A federated round being watched (``LeakMonitor.local_round``). Set ``sent`` to the weights the client
+    sends (a list of arrays, as the model's ``state_dict`` or its trainable parameters) when they are not the
+    model's own."""
+
+    number: int
+    params: set[int]
+    sent: Sequence[Any] | None = None
+    before: list[Tensor] | None = None
+    buffers: dict[str, Tensor] | None = None
+    steps: list[_RoundStep] = field(default_factory=list)
+
+
+def _optimizer_text(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class and the settings FedAvg's plain-SGD attacker does not model, e.g. SGD(momentum=0.9)."""
+    group = optimizer.param_groups[0]
+    odd = {k: group[k] for k in ("momentum", "weight_decay") if group.get(k)}
+    return f"{type(optimizer).__name__}({', '.join(f'{k}={v}' for k, v in odd.items())})"
+
+
+def _sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] | str:
+    """The trainable parameters' values the client sends: from ``sent`` (arrays in the order of the model's
+    ``state_dict`` or of its trainable parameters), or the model's own when None; or why they cannot be read."""
+    params = trainable(model)
+    if sent is None:
+        return [p.detach().clone() for p in params]
+    state = model.state_dict()
+    shapes = [tuple(getattr(a, "shape", ())) for a in sent]
+    if shapes == [tuple(v.shape) for v in state.values()]:
+        by_name = dict(zip(state, sent))
+        sent = [by_name[n] for n in parameter_names(model)]
+    elif shapes != [tuple(p.shape) for p in params]:
+        return (f"the client sends {len(shapes)} arrays, matching neither the model's state_dict ({len(state)}) "
+                f"nor its trainable parameters ({len(params)}) in order and shape")
+    return [torch.as_tensor(a).to(device=p.device, dtype=p.dtype) for a, p in zip(sent, params)]
+
+
+class RoundMonitor(MonitorCore):
+    """A monitor bound to a federated client (``bind_rounds``, ``local_round``): every ``every``-th round's
+    local training is attacked as FedAvg's update, over the batches the watched loader gave."""
+
+    def watch(self, loader: Any) -> MonitoredLoader:
+        """``loader``, telling this monitor each batch and each pass: build a federated client with it, for
+        ``bind_rounds`` and ``local_round`` (Flower's ``LeakAuditClient``)."""
+        self.watched = loader
+        return MonitoredLoader(loader, self)
+
+    def bind_rounds(self, model: nn.Module, loader: Any, max_images: int = MAX_ROUND_IMAGES) -> None:
+        """``attach`` for federated clients, whose optimizer is made anew in each round: check the audit and
+        open the run folder; ``local_round`` then audits each round's update. Raises ConfigError before any
+        work. ``max_images``: rounds that train on more images are not attacked (said in a warning)."""
+        self.detach()
+        self._inner, self._dp, self.max_images, self._undo = None, None, max_images, False
+        problems = ([f"model: an Opacus {type(model).__name__}; DP-SGD inside federated rounds is not audited "
+                     "yet: audit it with LeakMonitor.attach in a plain loop"] if hasattr(model, "_module") else [])
+        if not isinstance(max_images, int) or max_images < 1:
+            problems.append(f"max_images: {max_images!r}; expected a whole number >= 1")
+        batch_size = int(getattr(loader, "batch_size", None) or 1)
+        self._setup(model, getattr(loader, "dataset", None), loader, self.defense,
+                    FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update", federated=True)
+        self._described["undone"] = ("not needed: each round's update is its local training, attacked as FedAvg's "
+                                     "(the client makes its optimizer anew each round)")
+        self._folder.write_json(MONITOR, self._described)
+
+    @contextmanager
+    def local_round(self, server_round: int | None = None) -> Iterator[LocalRound]:
+        """Audit the local training inside the block as one federated round (after ``bind_rounds``).
+
+        Rounds 1, 1 + every, ... are attacked, numbered by ``server_round``, else by this client's count of
+        its rounds. The steps of any optimizer over the model's parameters are watched; the round's update,
+        ``theta_before - theta_after``, is attacked as FedAvg's over the watched loader's batches in the order
+        drawn. ``theta_after`` is ``LocalRound.sent`` when the block sets it (what leaves the client), else
+        the model's weights. A round that FedAvg cannot describe is not attacked, and a warning says why."""
+        if self._folder is None or not self._federated:
+            raise RunError("LeakMonitor.local_round: call bind_rounds(model, loader) first")
+        self._described["fits"] += 1
+        number = self._described["fits"] if server_round is None else int(server_round)
+        local = LocalRound(number, {id(p) for p in self._model.parameters()})
+        audited = (number - 1) % self.every == 0 and number not in self._described["steps"]
+        self._batch, self._round = None, local if audited else None
+        handle = register_optimizer_step_pre_hook(self._round_step) if audited else None
+        try:
+            yield local
+        finally:
+            if handle is not None:
+                handle.remove()
+            self._round = None
+        if audited:
+            self._audit_round(local)
+        self._folder.write_json(MONITOR, self._described)
+
+    def _round_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before each optimizer step in an audited round: the first keeps the weights; each keeps its batch."""
+        local = self._round
+        groups = optimizer.param_groups
+        if local is None or not any(id(p) in local.params for g in groups for p in g["params"]):
+            return
+        if local.before is None:
+            local.before, local.buffers = model_state(self._model)
+        local.steps.append(_RoundStep(self._batch, self._passes, tuple(float(g["lr"]) for g in groups),
+                                      _optimizer_text(optimizer)))
+
+    def _audit_round(self, local: LocalRound) -> None:
+        found = self._round_update(local)
+        if isinstance(found, str):
+            self._described["skipped"][str(local.number)] = found
+            warnings.warn(f"LeakMonitor: round {local.number} not attacked: {found}", stacklevel=3)
+            return
+        protocol, batch, update, optimizer = found  # the report's protocol and targets: the last round's
+        self._described["rounds"][str(local.number)] = {**dataclasses.asdict(protocol), "images": len(batch[1]),
+                                                        "optimizer": optimizer}
+        self._attack_at(local.number, local.before, local.buffers, update, batch, protocol)
+
+    def _round_update(self, local: LocalRound) -> tuple[FedAvg, tuple[Tensor, Tensor], list[Tensor], str] | str:
+        """The round as FedAvg describes it: the protocol, the images in order, and the update; or why not."""
+        steps = local.steps
+        if not steps:
+            return "no optimizer step on the model's parameters"
+        if any(s.batch is None for s in steps):
+            return "the model trained on batches the monitor did not see; build the client with monitor.watch(loader)"
+        if len({id(s.batch) for s in steps}) < len(steps):
+            return "the optimizer stepped twice on one batch; FedAvg's attacker models one step per batch"
+        lrs = {lr for s in steps for lr in s.lrs}
+        if len(lrs) > 1:
+            return f"the learning rate varied within the round ({', '.join(map(str, sorted(lrs)))}); FedAvg has one"
+        passes = [[inputs_labels(s.batch) for s in steps if s.pass_index == i]
+                  for i in dict.fromkeys(s.pass_index for s in steps)]
+        sizes = [[len(y) for _, y in p] for p in passes]
+        if any(p != sizes[0] for p in sizes):
+            return f"the passes over the loader trained on different batches ({sizes}); FedAvg repeats one pass"
+        size = sizes[0][0]
+        if any(n != size for n in sizes[0][:-1]) or sizes[0][-1] > size:
+            return f"batch sizes {sizes[0]}: FedAvg's minibatches are all the same size but the last"
+        inputs = torch.cat([torch.as_tensor(x) for x, _ in passes[0]])
+        labels = torch.cat([torch.as_tensor(y).reshape(-1) for _, y in passes[0]])
+        if len(labels) > self.max_images:
+            return f"it trained on {len(labels)} images, more than max_images={self.max_images}"
+        after = _sent_weights(self._model, local.sent)
+        if isinstance(after, str):
+            return after
+        update = [b - a for b, a in zip(local.before, after)]
+        protocol = FedAvg(local_epochs=len(passes), local_batch_size=size, local_lr=lrs.pop())
+        return protocol, (inputs, labels), update, steps[0].optimizer

@@ -1,0 +1,123 @@
+"""Monitoring a training loop step by step: the optimizer's hooks, the update each audited step applied, and
+what Opacus's DPOptimizer makes of it."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from leakaudit.evaluator.live.core import MonitorCore, MonitoredLoader, model_state
+from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
+from leakaudit.evaluator.results.rundir import MONITOR
+from leakaudit.plugins.manager import load_registry
+from leakaudit.plugins.protocol import FEDSGD, trainable
+
+
+@dataclass
+class _Pending:
+    """One audited step in flight: the weights and buffers before it, the batch it came from, and the optimizer's
+    state before it (None when the attacker keeps no memory, or cannot undo this optimizer)."""
+
+    step: int
+    before: list[Tensor]
+    buffers: dict[str, Tensor]
+    batch: Any
+    memory: OptimizerMemory | None = None
+
+
+class StepMonitor(MonitorCore):
+    """A monitor hooked to one optimizer's steps (``attach``, ``bind``): every ``every``-th step's update is
+    attacked, the step's own gradient where the server undoes the optimizer, DP-SGD's under Opacus."""
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> tuple[nn.Module, Any, Any]:
+        """Hook ``optimizer``'s steps and ``loader``'s batches; returns ``(model, optimizer, loader)`` to train
+        with as before. Raises ConfigError, one line per problem, before any training step."""
+        self.bind(model, optimizer, getattr(loader, "dataset", None), loader)
+        return model, optimizer, MonitoredLoader(loader, self)
+
+    def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, loader: Any = None) -> None:
+        """``attach`` for loops that hand the monitor each batch themselves (``observe_batch``): Lightning."""
+        self.detach()
+        self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
+        self._dp = self._dp_settings(optimizer, loader)
+        why = unsupported(self._inner)
+        self._undo = self.attacker["memory"] and why is None
+        problems = self._unoptimised(model)
+        defense = self._defense_entry(problems)
+        self._setup(model, dataset, loader, defense, FEDSGD, self._batch_size(optimizer, loader), problems,
+                    f"every {self.every}-th step")
+        self._handles = [self._inner.register_step_pre_hook(self._before_step),
+                         self._inner.register_step_post_hook(self._after_step)]
+        self._described["undone"] = None if not self.attacker["memory"] else (
+            f"the server undoes {type(self._inner).__name__}'s update from the updates before it" if why is None
+            else f"{why}: the server attacks the raw update")
+        if self.attacker["memory"] and why is not None:
+            warnings.warn(f"LeakMonitor: attacker memory: {why}; the raw update is attacked", stacklevel=3)
+        self._folder.write_json(MONITOR, self._described)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        step = self.steps_taken
+        if step % self.every or step in self._described["steps"] or self._batch is None:
+            return
+        plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
+        memory = remember(self._inner, trainable(plain)) if self._undo else None
+        self._pending = _Pending(step, *model_state(plain), self._batch, memory)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps_taken += 1
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._audit(pending)
+
+    def _audit(self, pending: _Pending) -> None:
+        """Attack one step's update: the step's own gradient where the server undoes the optimizer (memory), else
+        ``(theta_before - theta_after) / lr`` with each parameter's own lr."""
+        params = trainable(getattr(self._model, "_module", self._model))
+        if pending.memory is not None:
+            update = recover(pending.memory, pending.before, [p.detach() for p in params])
+        else:
+            lrs = [float(g["lr"]) for g in param_groups(self._inner, params)]
+            update = [(b - a.detach()) / lr for b, a, lr in zip(pending.before, params, lrs)]
+        self._attack_at(pending.step, pending.before, pending.buffers, update, pending.batch, FEDSGD)
+
+    def _dp_settings(self, optimizer: Any, loader: Any) -> dict[str, Any] | None:
+        """Opacus's noise multiplier, clipping norm, expected batch size and sampling rate, or None without it."""
+        from opacus.optimizers import DPOptimizer
+
+        if not isinstance(optimizer, DPOptimizer):
+            return None
+        dataset = getattr(loader, "dataset", None)
+        rate = getattr(loader, "sample_rate", None)
+        if rate is None and dataset is not None and hasattr(dataset, "__len__"):
+            rate = optimizer.expected_batch_size / len(dataset)
+        return {"noise_multiplier": float(optimizer.noise_multiplier), "max_grad_norm": float(optimizer.max_grad_norm),
+                "expected_batch_size": int(optimizer.expected_batch_size), "sample_rate": rate}
+
+    def _defense_entry(self, problems: list[str]) -> str | dict[str, Any]:
+        """The defense as an audit entry: the user's, or ``dpsgd`` with Opacus's settings under a DPOptimizer."""
+        if self._dp is None:
+            return self.defense
+        registry = load_registry(self.plugins_dirs)
+        kinds = {n: registry.get("defense", n) for n in registry.names("defense")}
+        mirror = next(n for n, cls in kinds.items() if cls.mirrors_dp_optimizer)
+        named = self.defense.get("name") if isinstance(self.defense, dict) else self.defense
+        if named not in kinds or not (kinds[named].baseline or kinds[named].mirrors_dp_optimizer):
+            problems.append(f"defense: {named!r}: the optimizer is Opacus's DPOptimizer, whose update is already "
+                            f"DP-SGD's; leave defense out (or name {mirror})")
+        return {"name": mirror, "params": {k: self._dp[k] for k in ("noise_multiplier", "max_grad_norm")}}
+
+    def _unoptimised(self, model: nn.Module) -> list[str]:
+        """Trainable parameters the optimizer does not step (their update cannot be read off the weights)."""
+        stepped = {id(p) for g in self._inner.param_groups for p in g["params"]}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
+        zero = [i for i, g in enumerate(self._inner.param_groups) if not g.get("lr")]
+        return ([f"optimizer: does not step {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; give it "
+                 "every trainable parameter of the model"] if missing else []) + (
+            [f"optimizer: param_groups {zero} have lr 0; the update is read as (before - after) / lr"] if zero else [])
+
+    @staticmethod
+    def _batch_size(optimizer: Any, loader: Any) -> int:
+        return int(getattr(optimizer, "expected_batch_size", None) or getattr(loader, "batch_size", None) or 1)

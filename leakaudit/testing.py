@@ -24,7 +24,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from leakaudit.evaluator.authoring.checks import AttackCheck, DefenseCheck, check_attack, check_defense, tiny_case
+from leakaudit.evaluator.authoring.attack_check import AttackCheck, check_attack
+from leakaudit.evaluator.authoring.cases import tiny_case
+from leakaudit.evaluator.authoring.defense_check import DefenseCheck, check_defense
 from leakaudit.evaluator.results.verdict import INCONCLUSIVE, LEAKS, gate_failures
 
 __all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",

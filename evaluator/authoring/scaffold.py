@@ -7,6 +7,7 @@ from pathlib import Path
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.spec import PluginError
 
+
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 PYPROJECT = '''\

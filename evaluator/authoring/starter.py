@@ -14,6 +14,7 @@ from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD
 from leakaudit.plugins.spec import Param, did_you_mean
 
+
 #: What a starter audit attacks when the user names no defense: the undefended reference and Gaussian noise.
 DEFAULT_DEFENSES = ("gaussian",)
 #: The classic attack every starter audit runs, beside the adaptive ones, at a budget a CPU finishes.

@@ -1,14 +1,13 @@
-"""Checks for plugin authors: a defense's declared likelihood against what it sends, an attack on a tiny case.
+"""``check_defense`` for plugin authors: a defense's declared likelihood against what it sends.
 
-``check_defense`` draws many shares of one batch and asks whether ``log_likelihood`` explains them: the
+It draws many shares of one batch and asks whether ``log_likelihood`` explains them: the
 true candidate must have the highest expected log-likelihood (the score has mean zero there), and the
 likelihood's curvature must equal the variance of its score across shares, the information-matrix
 equality that holds when a density is correctly specified (White 1982). A declared Gaussian of the
 wrong scale, or the wrong noise family, breaks the second; a likelihood centred off what ``share()``
 sends breaks the first. A defense that declares a privacy guarantee (``privacy_profile``) is also audited:
 the shares of two batches one example apart must be no easier to tell apart than the guarantee allows
-(Jagielski et al. 2020). ``check_attack`` runs an attack on one undefended image and every protocol it
-does not refuse. Both raise AssertionError with one line per problem, so they read well under pytest.
+(Jagielski et al. 2020). It raises AssertionError with one line per problem, so it reads well under pytest.
 """
 from __future__ import annotations
 
@@ -21,15 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.live.api import live_threat
+from leakaudit.evaluator.authoring.cases import case_or_tiny, check_threat, seeded_generator
 from leakaudit.evaluator.results.verdict import exact_interval
-from leakaudit.evaluator.zoo.datasets import load_digits
-from leakaudit.evaluator.zoo.metrics import best_assignment, psnr
-from leakaudit.evaluator.zoo.models import mlp
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate
-from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, OwnStep, Protocol, parameter_names, trainable
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, Protocol, parameter_names, trainable
+
 
 #: Two-sided level of the intervals the checks judge by: a correct plugin fails about once in a thousand seeds.
 CONFIDENCE = 0.999
@@ -41,8 +36,6 @@ SCALE_TOLERANCE = 1.05
 FLAT = 1e-6
 #: Shares drawn beside those tested, to aim one direction at their mean offset without selecting it from the data tested.
 HELD_OUT = 32
-#: How much better than random noise (in PSNR, dB) an attack must rebuild the undefended image.
-BEATS_NOISE_DB = 1.0
 
 
 @dataclass
@@ -81,51 +74,6 @@ class DefenseCheck:
         return text
 
 
-@dataclass
-class AttackCheck:
-    """What ``check_attack`` measured: PSNR (dB) per protocol run, random noise's, and each refusal's reason."""
-
-    attack: str
-    noise_psnr: float
-    psnr: dict[str, float] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        scores = ", ".join(f"{k} {v:.1f}" for k, v in self.psnr.items())
-        refused = "".join(f"; refuses {k}: {v}" for k, v in self.refused.items())
-        return f"{self.attack}: PSNR {scores} dB; random noise {self.noise_psnr:.1f} dB{refused}"
-
-
-def tiny_case(images: int = 2, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
-    """A one-hidden-layer MLP (64 -> 32 -> 10) and ``images`` of scikit-learn's 8x8 digits in [0, 1], seeded."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = mlp(1, 10, 8, width=32, depth=1)
-    data = load_digits(8)
-    return model, data.test_x[:images].clone(), data.test_y[:images].clone()
-
-
-def _case(model: nn.Module | None, batch: tuple[Tensor, Tensor] | None, images: int,
-          seed: int) -> tuple[nn.Module, tuple[Tensor, Tensor]]:
-    """The caller's model and batch, ``tiny_case``'s where one is not given (built only then)."""
-    if model is None or batch is None:
-        tiny_model, x, y = tiny_case(images, seed)
-        model, batch = model if model is not None else tiny_model, batch if batch is not None else (x, y)
-    return model, batch
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def _threat(model: nn.Module, inputs: Tensor, labels: Tensor, defense: Defense, protocol: Protocol,
-            known_labels: bool) -> ThreatModel:
-    """The honest-but-curious server of the tiny case: inputs are pixels (mean 0, std 1)."""
-    zeros = torch.zeros(inputs.shape[1], 1, 1, device=inputs.device)
-    return live_threat(model, F.cross_entropy, inputs, labels, zeros, zeros + 1, defense, known_labels, protocol)
-
-
 def _contract_problems(sent: SharedUpdate, model: nn.Module, inputs: Tensor) -> list[str]:
     """What is wrong with one share against the SharedUpdate contract (a tensor per trainable parameter)."""
     if not isinstance(sent, SharedUpdate):
@@ -153,7 +101,7 @@ def _draw_shares(defense: Defense, model: nn.Module, inputs: Tensor, labels: Ten
     """``count + HELD_OUT`` shares of the batch, each from its own seeded generator, and the contract's problems."""
     def share(i: int) -> SharedUpdate:
         return defense.share(ClientStep(model, F.cross_entropy, inputs, labels,
-                                        _generator(inputs.device, seed * 1_000_003 + i), protocol))
+                                        seeded_generator(inputs.device, seed * 1_000_003 + i), protocol))
 
     first = share(0)
     problems = _contract_problems(first, model, inputs)
@@ -369,7 +317,7 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     why = defense.unsupported(protocol)
     if why:
         raise AssertionError(f"{defense!r} refuses protocol {protocol.name}: {why}; pass protocol=")
-    model, (inputs, labels) = _case(model, batch, images=2, seed=seed)
+    model, (inputs, labels) = case_or_tiny(model, batch, images=2, seed=seed)
     model = defense.wrap_model(copy.deepcopy(model)).to(inputs.device)
     drawn, problems = _draw_shares(defense, model, inputs, labels, protocol, shares, seed)
     drawn, held_out = drawn[:shares], drawn[shares:]
@@ -378,14 +326,14 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
         check.problems += _privacy_problems(defense, model, inputs, labels, protocol, drawn, seed, check)
     if check.problems or not defense.has_likelihood():
         return _conclude(check)
-    threat = _threat(model, inputs, labels, defense, protocol, known_labels=True)
+    threat = check_threat(model, inputs, labels, defense, protocol, known_labels=True)
     like = [t.detach().double() for t in defense.candidate_update(threat, inputs, labels)]
     drawn = [_in_float64(s) for s in drawn]
     check.problems += _likelihood_problems(defense, drawn, like)
     if check.problems:
         return _conclude(check)
     truth = _flat(like)
-    gen = _generator(truth.device, seed)
+    gen = seeded_generator(truth.device, seed)
     offset = torch.stack([s.flat() for s in held_out]).double().mean(0) if held_out else truth
     named = _directions(truth, offset, directions, gen)
     names, unit = [what for what, _ in named], torch.stack([d for _, d in named])
@@ -420,81 +368,4 @@ def _conclude(check: DefenseCheck) -> DefenseCheck:
     __tracebackhide__ = True
     if check.problems:
         raise AssertionError("\n".join(f"{check.defense}: {p}" for p in check.problems))
-    return check
-
-
-def _sgd_step(model: nn.Module, inputs: Tensor, labels: Tensor) -> None:
-    """A user's own training step, for ``protocol: step``: one plain SGD step at lr 0.1."""
-    model.zero_grad()
-    F.cross_entropy(model(inputs), labels).backward()
-    with torch.no_grad():
-        for p in trainable(model):
-            p -= 0.1 * p.grad
-
-
-#: The protocols ``check_attack`` tries: FedSGD, two local steps of FedAvg, and a user's own step.
-CHECKED_PROTOCOLS: tuple[Protocol, ...] = (FEDSGD, FedAvg(local_epochs=2, local_lr=0.1), OwnStep(_sgd_step, 0.1))
-
-
-def _reconstruction_problems(rec: Reconstruction, pixels: Tensor, where: str) -> list[str]:
-    if not isinstance(rec, Reconstruction):
-        return [f"{where}: returned a {type(rec).__name__}, not a Reconstruction"]
-    if rec.images.shape != pixels.shape:
-        return [f"{where}: images of shape {tuple(rec.images.shape)} for targets of shape {tuple(pixels.shape)}"]
-    problems = []
-    if not torch.isfinite(rec.images).all() or rec.images.min() < 0 or rec.images.max() > 1:
-        problems.append(f"{where}: images are not finite pixels in [0, 1]")
-    if len(rec.labels) != len(pixels):
-        problems.append(f"{where}: {len(rec.labels)} labels for {len(pixels)} images")
-    return problems
-
-
-def check_attack(attack: Attack, model: nn.Module | None = None, batch: tuple[Tensor, Tensor] | None = None, *,
-                 known_labels: bool = False, seed: int = 0) -> AttackCheck:
-    """Check that ``attack`` rebuilds an undefended image better than random noise; AssertionError if not.
-
-    ``model`` and ``batch`` (pixels in [0, 1], labels) default to ``tiny_case(images=1)``. The attack runs
-    under every protocol of ``CHECKED_PROTOCOLS`` it does not refuse, and must return a valid, reproducible
-    reconstruction under each; under the first it accepts it must beat random noise by ``BEATS_NOISE_DB``.
-    """
-    __tracebackhide__ = True
-    if isinstance(attack, type):
-        raise TypeError(f"check_attack takes a configured attack, e.g. {attack.__name__}(iterations=...), not the class")
-    model, (pixels, labels) = _case(model, batch, images=1, seed=seed)
-    model = model.to(pixels.device)
-    noise = torch.rand(pixels.shape, generator=_generator(pixels.device, seed), device=pixels.device)
-    check = AttackCheck(repr(attack), float(psnr(noise, pixels).mean()))
-    defense = NoDefense()
-    for protocol in CHECKED_PROTOCOLS:
-        why = attack.unsupported(model, len(pixels), protocol)
-        if why:
-            check.refused[protocol.name] = why
-            continue
-        observed = defense.share(ClientStep(model, F.cross_entropy, pixels, labels, _generator(pixels.device, seed),
-                                            protocol))
-        threat = _threat(model, pixels, labels, defense, protocol, known_labels)
-        where = f"protocol {protocol.name}"
-        try:
-            runs = [type(attack).reconstruct_all([Problem(observed, threat, _generator(pixels.device, seed),
-                                                          attack)])[0] for _ in range(2)]
-        except Exception as exc:  # an attack must refuse in unsupported() what it cannot do, not fail mid-audit
-            check.problems.append(f"{where}: raised {type(exc).__name__}: {exc} (refuse what the attack cannot do "
-                                  "in its unsupported())")
-            continue
-        found = _reconstruction_problems(runs[0], pixels, where)
-        if not found and not torch.allclose(runs[0].images, runs[1].images, atol=1e-5):
-            found.append(f"{where}: not reproducible: two runs from generators seeded alike differ; draw every "
-                         "random number from the generator reconstruct() gets")
-        check.problems += found
-        if not found:
-            order = best_assignment(runs[0].images, pixels)
-            check.psnr[protocol.name] = float(psnr(runs[0].images[order], pixels).mean())
-    if not check.psnr and not check.problems:
-        check.problems.append("refuses every protocol tried: " + "; ".join(f"{k}: {v}" for k, v in check.refused.items()))
-    first = next(iter(check.psnr.items()), None)
-    if first is not None and first[1] < check.noise_psnr + BEATS_NOISE_DB:
-        check.problems.append(f"protocol {first[0]}: PSNR {first[1]:.1f} dB on an undefended image, not "
-                              f"{BEATS_NOISE_DB:g} dB above random noise's {check.noise_psnr:.1f} dB")
-    if check.problems:
-        raise AssertionError("\n".join(f"{check.attack}: {p}" for p in check.problems))
     return check

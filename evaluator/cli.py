@@ -209,8 +209,8 @@ def cmd_validate(args) -> int:
     print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({audit.num_batches} target batches each): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
     function = getattr(audit.protocol, "function", None)
-    factories = [s for s in (audit.data.get("factory"), audit.model["name"], function if isinstance(function, str)
-                             else None, *(st.model["name"] for st in audit.settings if st.model)) if s and ":" in s]
+    factories = [s for s in (audit.data.factory, audit.model.name, function if isinstance(function, str)
+                             else None, *(st.model.name for st in audit.settings if st.model)) if s and ":" in s]
     if factories:
         how = ("imported, not called" if args.import_code else
                "found on the import path, not imported: `validate --import` imports them and checks the names")
@@ -241,7 +241,7 @@ def cmd_analyse(args) -> int:
     audit = load_audit(args.config, args.plugins_dir)
     result = cached_analysis(Scenario(audit))
     if "not_applicable" in result:
-        return _fail([f"{args.config}: model: {audit.model['name']}: {result['not_applicable']}"])
+        return _fail([f"{args.config}: model: {audit.model.name}: {result['not_applicable']}"])
     print(json.dumps(result, indent=2) if args.json else describe(result))
     return 0
 
@@ -271,6 +271,7 @@ def _check_report_options(args, audit) -> list[str]:
 
 def cmd_run(args) -> int:
     from leakaudit.evaluator.audit.checks import check_executor
+    from leakaudit.evaluator.audit.types import as_dict
     from leakaudit.evaluator.audit.config import load_audit
     from leakaudit.evaluator.run.runner import run_audit
 
@@ -279,7 +280,7 @@ def cmd_run(args) -> int:
     if args.workers is not None and args.workers < 1:
         problems.append(f"--workers: {args.workers} must be at least 1")
     if args.executor is not None:
-        audit.executor = check_executor({**audit.executor, "name": args.executor}, audit.device, problems)
+        audit.executor = check_executor({**as_dict(audit.executor), "name": args.executor}, audit.device, problems)
     if problems:
         return _fail(problems)
     summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers,

@@ -180,3 +180,27 @@ def test_an_attack_that_cannot_apply_is_refused_before_work(write_audit, capsys)
 def test_missing_plugins_dir_names_the_folder(write_audit, tmp_path):
     path = write_audit(small_audit(plugins_dir="no_such_folder"))
     assert problems(path) == [f"{path}: plugins_dir: plugins folder {tmp_path / 'no_such_folder'} does not exist"]
+
+
+@pytest.mark.parametrize("section, spec", [
+    ("DataSection", "DATA"), ("ModelSection", "MODEL"), ("UtilitySection", "UTILITY"), ("ThreatSection", "THREAT"),
+    ("VerdictSection", "VERDICT"), ("ExecutorSection", "EXECUTOR")])
+def test_each_typed_section_has_the_keys_and_defaults_of_its_spec_table(section, spec):
+    """The Param tables stay the one source of validation: each typed section declares exactly their keys, with
+    their defaults (a key added to a table but not to its type, or a default changed in one place, fails)."""
+    import dataclasses
+
+    from leakaudit.evaluator.audit import specs, types
+
+    cls, table = getattr(types, section), getattr(specs, spec)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(fields) == set(table)
+    made = cls()
+    assert {k: getattr(made, k) for k in table} == {k: p.default for k, p in table.items()}
+
+
+def test_a_loaded_audit_holds_typed_sections_and_no_mapping(write_audit):
+    audit = load_audit(write_audit(small_audit()))
+    assert audit.data.image_size == 16 and audit.model.checkpoints == [0] and audit.utility.train_steps == 5
+    assert audit.verdict.statistic == "mean" and audit.executor.name == "local" and audit.threat.known_labels is False
+    assert not [name for name, value in vars(audit).items() if isinstance(value, dict)]

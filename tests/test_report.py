@@ -272,8 +272,8 @@ def test_the_ci_gate_example_passes_its_own_tests(tmp_path):
 
 def test_null_turns_a_verdict_option_off_and_keeps_the_default_elsewhere(write_audit):
     audit = load_audit(write_audit(_audit(verdict={"identifiable": None, "margin": None, "min_accuracy": None})))
-    assert audit.verdict["identifiable"] is None and audit.verdict["margin"] is None
-    assert audit.verdict["statistic"] == "mean" and audit.verdict["utility_margin"] == 0.05
+    assert audit.verdict.identifiable is None and audit.verdict.margin is None
+    assert audit.verdict.statistic == "mean" and audit.verdict.utility_margin == 0.05
 
 
 def test_the_second_views_and_the_identifying_distance_come_from_the_metrics_metadata():

@@ -13,7 +13,7 @@ import torch
 
 from leakaudit.evaluator.audit.specs import ATTACK, DEFAULT_LEAKAGE_METRIC, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
 from leakaudit.evaluator.audit.tuning import check_tune
-from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, model_label
+from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, ExecutorSection, ModelSection, model_label
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry
@@ -178,8 +178,8 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str],
                 continue
         combos = list(itertools.product(*options))
         for members in combos:
-            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None, own_model,
-                                     item["must_protect"])
+            setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None,
+                                     None if own_model is None else ModelSection(**own_model), item["must_protect"])
             try:
                 why = setting.build(registry).unsupported(protocol)
             except (ValueError, TypeError) as exc:
@@ -359,8 +359,8 @@ def check_leakage_metric(value: str | None, metrics: list[str], registry: Regist
     return value
 
 
-def check_executor(value: Any, device: str, problems: list[str]) -> dict[str, Any]:
-    """``executor:`` as a full mapping (a name alone takes the defaults); Ray must be installed to be named."""
+def check_executor(value: Any, device: str, problems: list[str]) -> ExecutorSection:
+    """``executor:`` as a full section (a name alone takes the defaults); Ray must be installed to be named."""
     value = {"name": value} if isinstance(value, str) else value if isinstance(value, dict) else {}
     found = check_params(EXECUTOR, value, "executor")
     problems.extend(found)
@@ -369,7 +369,7 @@ def check_executor(value: Any, device: str, problems: list[str]) -> dict[str, An
         section["num_gpus"] = 1.0 if device == "cuda" else 0.0
     if section["name"] == "ray" and importlib.util.find_spec("ray") is None:
         problems.append("executor: ray needs Ray, which is not installed: pip install 'leakaudit[ray]'")
-    return section
+    return ExecutorSection(**section)
 
 
 def check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:

@@ -27,7 +27,15 @@ from leakaudit.evaluator.audit.checks import (
     with_references,
 )
 from leakaudit.evaluator.audit.specs import DATA, DEFAULT_METRICS, MODEL, THREAT, TOP, TOP_NEEDS, UTILITY, VERDICT
-from leakaudit.evaluator.audit.types import Audit, ConfigError
+from leakaudit.evaluator.audit.types import (
+    Audit,
+    ConfigError,
+    DataSection,
+    ModelSection,
+    ThreatSection,
+    UtilitySection,
+    VerdictSection,
+)
 from leakaudit.evaluator.audit.yamlfile import parse_yaml, read_yaml
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import PROTOCOLS
@@ -93,9 +101,12 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     executor = check_executor(top.get("executor", "local"), device, problems)
     if problems:
         raise ConfigError([f"{path}: {strip_dot(p)}" for p in problems])
-    return Audit(path, text, top["name"], top["seed"], device, workers, dirs, data, model, settings,
-                 attacks, utility, metrics, threat, protocol, registry, leakage, max_problems, verdict,
-                 top["deterministic"], executor, architecture=top["architecture"])
+    return Audit(path=path, text=text, name=top["name"], seed=top["seed"], device=device, workers=workers,
+                 plugins_dirs=dirs, data=DataSection(**data), model=ModelSection(**model), settings=settings,
+                 attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
+                 protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
+                 verdict=VerdictSection(**verdict), deterministic=top["deterministic"], executor=executor,
+                 architecture=top["architecture"])
 
 
 def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str | Path] = (),
@@ -126,9 +137,12 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
         raise ConfigError([f"{path}: {strip_dot(p)}" for p in problems])
     utility = {k: p.default for k, p in UTILITY.items()} | {"train_steps": 0, "delta": described["delta"]}
     verdict = {k: p.default for k, p in VERDICT.items()}
-    return Audit(path, yaml.safe_dump(described, sort_keys=True), described["name"], described["seed"],
-                 described["device"], 1, dirs, data, model, settings, attacks, utility, metrics,
-                 {"known_labels": described["known_labels"]}, protocol, registry, leakage, None, verdict, True,
+    return Audit(path=path, text=yaml.safe_dump(described, sort_keys=True), name=described["name"],
+                 seed=described["seed"], device=described["device"], workers=1, plugins_dirs=dirs,
+                 data=DataSection(**data), model=ModelSection(**model), settings=settings, attacks=attacks,
+                 utility=UtilitySection(**utility), metrics=metrics,
+                 threat=ThreatSection(known_labels=described["known_labels"]), protocol=protocol, registry=registry,
+                 leakage_metric=leakage, max_problems=None, verdict=VerdictSection(**verdict), deterministic=True,
                  live=described)
 
 

@@ -2,13 +2,14 @@
 the error that lists an audit file's problems."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from leakaudit.evaluator.audit.specs import EXECUTOR, MAX_LINE, MAX_PROBLEMS_SHOWN, VERDICT
+from leakaudit.evaluator.audit.specs import DEFAULT_LEAKAGE_METRIC, MAX_LINE, MAX_PROBLEMS_SHOWN
 from leakaudit.evaluator.audit.tuning import TuneSpec
 from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD, Protocol
@@ -35,13 +36,95 @@ def call_label(name: str, params: dict[str, Any]) -> str:
     return f"{name}({args})" if args else name
 
 
+
+# --- the audit file's sections, typed: fields and defaults are the Param tables' (tests/test_config.py checks) ---
+
+def _copy(value: Any) -> Any:
+    return field(default_factory=lambda: type(value)(value))
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """``data:``: where the private images come from and how many are attacked, in updates of how many."""
+
+    dataset: str | None = None
+    factory: str | None = None
+    image_size: int = 32
+    targets: int = 4
+    target_split: str = "test"
+    target_order: str = "random"
+    batch_size: int = 1
+    root: str | None = None
+    download: bool = False
+    params: dict[str, Any] = _copy({})
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``model:`` (or a defense entry's own ``model:``, whose ``checkpoints`` are the audit's): the attacked network."""
+
+    name: str | None = None
+    factory: str | None = None
+    params: dict[str, Any] = _copy({})
+    checkpoints: list[int] = _copy([0])
+    mode: str = "train"
+
+
+@dataclass(frozen=True)
+class UtilitySection:
+    """``utility:``: the training under each defense whose test accuracy is the defense's cost."""
+
+    train_steps: int = 200
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.0
+    delta: float = 1e-5
+    train_defended: bool = True
+
+
+@dataclass(frozen=True)
+class ThreatSection:
+    """``threat:``: what the attacker is given besides the update and the model."""
+
+    known_labels: bool = False
+
+
+@dataclass(frozen=True)
+class VerdictSection:
+    """``verdict:``: the thresholds the report judges by."""
+
+    margin: float | None = None
+    statistic: str = "mean"
+    utility_margin: float = 0.05
+    min_accuracy: float | None = None
+    identifiable: float | None = 0.25
+    confidence: float = 0.95
+    bootstrap: int = 2000
+
+
+@dataclass(frozen=True)
+class ExecutorSection:
+    """``executor:``: where the jobs run, this machine's processes or a Ray cluster's tasks."""
+
+    name: str = "local"
+    address: str | None = None
+    num_cpus: float = 1.0
+    num_gpus: float | None = None
+    max_retries: int = 3
+
+
+def as_dict(section: Any) -> dict[str, Any]:
+    """A section as the mapping it was written as (for summary.json, and for plugins that read a section)."""
+    return dataclasses.asdict(section)
+
+
 @dataclass(frozen=True)
 class DefenseSetting:
     """One point of a defense sweep: one defense, or a chain of them applied in order."""
 
     members: tuple[tuple[str, dict[str, Any]], ...]
     label: str | None = None
-    model: dict[str, Any] | None = None  # the entry's own model section; None: the audit's
+    model: ModelSection | None = None  # the entry's own model section; None: the audit's
     must_protect: bool = field(default=False, compare=False)  # gated by run --fail-on-leak
     #: On an undefended reference: the labels of the attacks that calibrate on it (None on every other setting).
     calibrates: frozenset[str] | None = field(default=None, compare=False)
@@ -133,30 +216,30 @@ class Audit:
     device: str
     workers: int | None  # None: auto, decided from the pending work (runner.auto_workers)
     plugins_dirs: list[Path]
-    data: dict[str, Any]
-    model: dict[str, Any]
+    data: DataSection
+    model: ModelSection
     settings: list[DefenseSetting]
     attacks: list[AttackSpec]
-    utility: dict[str, Any]
+    utility: UtilitySection
     metrics: list[str]
-    threat: dict[str, Any]
+    threat: ThreatSection
     protocol: Protocol = FEDSGD
     registry: Registry = field(repr=False, default=None)
-    leakage_metric: str = "psnr"
+    leakage_metric: str = DEFAULT_LEAKAGE_METRIC
     max_problems: int | None = None  # None: auto
-    verdict: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in VERDICT.items()})
+    verdict: VerdictSection = field(default_factory=VerdictSection)
     deterministic: bool = True
-    executor: dict[str, Any] = field(default_factory=lambda: {k: p.default for k, p in EXECUTOR.items()})
+    executor: ExecutorSection = field(default_factory=ExecutorSection)
     architecture: str | bool = "auto"  # the report's architecture analysis: auto, True or False
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
 
     @property
     def checkpoints(self) -> list[int]:
-        return self.model["checkpoints"]
+        return self.model.checkpoints
 
     @property
     def num_batches(self) -> int:
-        return self.data["targets"] // self.data["batch_size"]
+        return self.data.targets // self.data.batch_size
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
@@ -167,6 +250,6 @@ class Audit:
         return next((s for s in self.settings if s.calibrates is not None and model_label(s.model) == own), None)
 
 
-def model_label(model: dict[str, Any] | None) -> str:
+def model_label(model: ModelSection | None) -> str:
     """A setting's own model as text ("" for the audit's): settings of one model share a reference."""
-    return "" if model is None else call_label(model["name"], model.get("params", {}))
+    return "" if model is None else call_label(model.name, model.params)

@@ -62,9 +62,9 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
         name = json.dumps([*key, n, by, "named"])
         if name not in cache:
             images = _cell_images(folder, key)
-            distances = None if images is None or audit.data["targets"] < 2 else _distances(metric, *images)
+            distances = None if images is None or audit.data.targets < 2 else _distances(metric, *images)
             cache[name] = None if distances is None else [identifiable_share(distances),
-                                                          named_share(distances, audit.data["batch_size"])]
+                                                          named_share(distances, audit.data.batch_size)]
             changed = True
         out[key] = cache[name]
     if changed:

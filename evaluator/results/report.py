@@ -74,12 +74,12 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
     naive = [a.key for a in audit.attacks if a.role != "adaptive"]
     return [
         ("Model weights", "the attacked checkpoint's weights and architecture (white box, as the server holds them)"),
-        ("Model mode", "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model["mode"] ==
+        ("Model mode", "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model.mode ==
          "train" else "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),
-        ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.get("known_labels")
+        ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.known_labels
          else "not given: each attack recovers them from the update"),
         ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "")
-         + f"; one update of {audit.data['batch_size']} private image(s)"),
+         + f"; one update of {audit.data.batch_size} private image(s)"),
         ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
                      "no attack uses it") + (f"; ignored by {', '.join(naive)}" if naive else "")),
         _targets(audit),
@@ -92,9 +92,9 @@ def _targets(audit: Audit) -> tuple[str, str]:
     """The threat box's line on the attacked images."""
     if audit.live is not None:
         return "Targets", "each audited step's batch, as the training loop drew it"
-    return "Targets", (f"{audit.data['targets']} images of the {audit.data['target_split']} split"
-                       + (" (its first ones)" if audit.data["target_order"] == "first" else "")
-                       + (", never seen in training or tuning" if audit.data["target_split"] == "test"
+    return "Targets", (f"{audit.data.targets} images of the {audit.data.target_split} split"
+                       + (" (its first ones)" if audit.data.target_order == "first" else "")
+                       + (", never seen in training or tuning" if audit.data.target_split == "test"
                           else ", trained on but never tuned on"))
 
 
@@ -164,6 +164,6 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         threat=threat_model(audit), provenance=provenance(audit, run_info),
         metrics=audit.metrics, leak=summary["leakage_metric"],
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary["leakage_metric"]],
-        trained=audit.utility["train_steps"] > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None)
+        trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None)
     folder.write_text(REPORT, page)
     return summary

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best, value_at, winners
-from leakaudit.evaluator.audit.types import Audit
+from leakaudit.evaluator.audit.types import Audit, as_dict
 from leakaudit.evaluator.results.verdict import (
     STILL_IMPROVING,
     beats_bound,
@@ -58,8 +58,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
     # matching reconstructions to originals within a batch favours their own: no 1-in-N test at batches > 1
-    options = {**audit.verdict, "batch_size": audit.data["batch_size"],
-               **({"identifiable": None} if audit.data["batch_size"] > 1 else {}),
+    options = {**as_dict(audit.verdict), "batch_size": audit.data.batch_size,
+               **({"identifiable": None} if audit.data.batch_size > 1 else {}),
                **({"no_utility": "a monitored training measures no test accuracy"} if audit.live else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
@@ -94,9 +94,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     violations = [f"{c['setting']}, {c['attack']}, step {c['checkpoint']}: {c['bound_violated']}"
                   for c in cells if c.get("bound_violated")]
     return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better,
-            "dataset": audit.data["dataset"] or audit.data["factory"], "model": audit.model["name"],
+            "dataset": audit.data.dataset or audit.data.factory, "model": audit.model.name,
             "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
-            "verdict_options": audit.verdict, "leak_threshold": threshold, "chance_accuracy": chance,
+            "verdict_options": as_dict(audit.verdict), "leak_threshold": threshold, "chance_accuracy": chance,
             "min_accuracy": needed, "identifiable_by": identified_by,
             "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
                                                              "model_changes", "checkpoint_accuracy")}
@@ -136,7 +136,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
             notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
                          "(the model or the reconstruction diverged); the cell leaves them out")
     cell["worst_image"] = _worst_image(rs, leakage)
-    n, batch = len(rs) * audit.data["batch_size"], audit.data["batch_size"]
+    n, batch = len(rs) * audit.data.batch_size, audit.data.batch_size
     (cell["identifiable"], cell["named"]), cell["identifiable_by"], cell["identifiable_n"] = identified, \
         identified_by, n
     cell["rero_bound"] = identification_bound(profile, batch, n)
@@ -176,7 +176,7 @@ def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, fi
         "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
         "verdict_checkpoint": final["checkpoint"], "still_improving": final.get("still_improving"),
         "settling_iterations": final.get("settling_iterations"),
-        "privacy": _privacy(profile, mine, audit.data["batch_size"], utility),
+        "privacy": _privacy(profile, mine, audit.data.batch_size, utility),
         "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}}
 
 

@@ -42,7 +42,7 @@ def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[s
                              f"{ANALYSIS_MAX_BYTES / 2 ** 30:.0f} GiB; analyse at a smaller image_size")
     layers = [{"layer": s.name, "input_shape": list(s.input_shape), "equations": s.matrix.shape[0],
                "unknowns": s.unknowns, "rank_deficiency": s.rank_deficiency()} for s in systems]
-    return {"model": section["name"], "layers": layers,
+    return {"model": section.name, "layers": layers,
             "metric": security_metric([layer["rank_deficiency"] for layer in layers])}
 
 
@@ -55,11 +55,11 @@ def cache_dir() -> Path:
 def _cache_file(scenario: Scenario, section: dict) -> Path | None:
     """The cache entry of a zoo model at this input shape and class count (ranks do not depend on the
     weights); None for a user's factory, whose code may change under the same name."""
-    if ":" in section["name"]:
+    if ":" in section.name:
         return None
     data = scenario.data
-    key = repr((section["name"], sorted(section["params"].items()), data.channels, data.num_classes,
-                scenario.audit.data["image_size"], torch.__version__, ANALYSIS_VERSION))
+    key = repr((section.name, sorted(section.params.items()), data.channels, data.num_classes,
+                scenario.audit.data.image_size, torch.__version__, ANALYSIS_VERSION))
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
@@ -77,7 +77,7 @@ def cached_analysis(scenario: Scenario, setting: DefenseSetting | None = None) -
     try:
         result = analyse(scenario, setting)
     except ValueError as exc:
-        result = {"model": section["name"], "not_applicable": str(exc)}
+        result = {"model": section.name, "not_applicable": str(exc)}
     if path is not None:
         _write(path, result)
     return result
@@ -88,7 +88,7 @@ def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
     out, seen = [], set()
     for setting in [None, *scenario.audit.settings]:
         section = scenario.model_section(setting)
-        key = repr((section["name"], section["params"]))
+        key = repr((section.name, section.params))
         if key not in seen:
             seen.add(key)
             out.append(cached_analysis(scenario, setting))

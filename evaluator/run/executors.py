@@ -160,7 +160,7 @@ def auto_workers(audit: Audit, pending: list) -> int:
     work: dict[Any, int] = {}
     for item in pending:
         if isinstance(item, DefenseSetting):
-            work[item.key] = audit.utility["train_steps"]
+            work[item.key] = audit.utility.train_steps
         else:
             cls = audit.registry.get("attack", item.attack.name)
             params = {k: p.default for k, p in cls.params.items() if not p.required} | (item.params or item.attack.params)

@@ -66,29 +66,29 @@ class RayPool:
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network but the cluster's own
             try:
-                ray.init(address=ex["address"], include_dashboard=False, logging_level="warning")
+                ray.init(address=ex.address, include_dashboard=False, logging_level="warning")
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
-                raise RunError(f"executor: cannot join the Ray cluster at {ex['address'] or 'RAY_ADDRESS'}: "
+                raise RunError(f"executor: cannot join the Ray cluster at {ex.address or 'RAY_ADDRESS'}: "
                                f"{one_line(exc)[:300]}; start it (ray start --head) or fix "
                                "executor.address") from None
             self._started = True
         resources = ray.cluster_resources()
-        slots = resources.get("CPU", 1) // ex["num_cpus"]
-        if ex["num_gpus"]:
-            slots = min(slots, resources.get("GPU", 0) // ex["num_gpus"])
+        slots = resources.get("CPU", 1) // ex.num_cpus
+        if ex.num_gpus:
+            slots = min(slots, resources.get("GPU", 0) // ex.num_gpus)
         if slots < 1:
             raise RunError(f"executor: the Ray cluster has {resources.get('CPU', 0):g} CPUs and "
-                           f"{resources.get('GPU', 0):g} GPUs, too few for one task of num_cpus {ex['num_cpus']:g}, "
-                           f"num_gpus {ex['num_gpus']:g}")
+                           f"{resources.get('GPU', 0):g} GPUs, too few for one task of num_cpus {ex.num_cpus:g}, "
+                           f"num_gpus {ex.num_gpus:g}")
         self.workers = int(slots)  # cells are cut for this many tasks at once, as for as many local processes
         self.where = (f"ray: {int(resources.get('CPU', 0))} CPUs, {int(resources.get('GPU', 0))} GPUs on "
                       f"{len(ray.nodes())} node(s), {self.workers} task(s) at once")
         self._spec = {"key": hashlib.sha256(f"{audit.path}\n{audit.text}".encode()).hexdigest(),
                       "path": str(audit.path), "text": audit.text, "plugins_dirs": [str(d) for d in audit.plugins_dirs],
-                      "threads": max(1, int(ex["num_cpus"])), "worker_type": type(self.worker)}
+                      "threads": max(1, int(ex.num_cpus)), "worker_type": type(self.worker)}
         self._data = ray.put(self.worker.scenario.data)
-        self._remote = ray.remote(run_job).options(num_cpus=ex["num_cpus"], num_gpus=ex["num_gpus"],
-                                                   max_retries=ex["max_retries"], retry_exceptions=False)
+        self._remote = ray.remote(run_job).options(num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
+                                                   max_retries=ex.max_retries, retry_exceptions=False)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -28,7 +28,7 @@ __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
 
 def executor_for(worker: AuditWorker, workers: int | None, pending: list) -> "WorkerPool":
     """The audit's executor: worker processes on this machine, or tasks on a Ray cluster (``executor: ray``)."""
-    if worker.scenario.audit.executor["name"] == "ray":
+    if worker.scenario.audit.executor.name == "ray":
         from leakaudit.evaluator.run.ray_executor import RayPool
 
         return RayPool(worker)

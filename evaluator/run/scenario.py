@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from leakaudit.attacks.vectorised import free_memory
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
-from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection, as_dict
 from leakaudit.evaluator.zoo.models import build_model
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.components import ImageData
@@ -67,31 +67,31 @@ class Scenario:
     @cached_property
     def data(self) -> ImageData:
         section = self.audit.data
-        if section["factory"] is not None:
+        if section.factory is not None:
             data = load_factory_data(section, self.audit.path)
         else:
-            spec = self.audit.registry.get("dataset", section["dataset"])
-            data = spec.load(image_size=section["image_size"], root=section["root"], download=section["download"],
-                             **section["params"])
-        split = section["target_split"]
+            spec = self.audit.registry.get("dataset", section.dataset)
+            data = spec.load(image_size=section.image_size, root=section.root, download=section.download,
+                             **section.params)
+        split = section.target_split
         available = len(data.test_x if split == "test" else data.train_x)
-        if available < section["targets"]:
-            raise ConfigError([f"{self.audit.path}: data.targets: {section['targets']} targets requested but "
+        if available < section.targets:
+            raise ConfigError([f"{self.audit.path}: data.targets: {section.targets} targets requested but "
                                f"the data has only {available} {split} images"])
         return data
 
     @property
     def _target_split(self) -> tuple[Tensor, Tensor]:
         """The images and labels of the split the targets come from (``data.target_split``)."""
-        if self.audit.data["target_split"] == "train":
+        if self.audit.data.target_split == "train":
             return self.data.train_x, self.data.train_y
         return self.data.test_x, self.data.test_y
 
     @cached_property
     def target_indices(self) -> Tensor:
         """Indices, in the target split, of the images attacked: its first ones, or a draw from the audit seed."""
-        count, size = self.audit.data["targets"], len(self._target_split[0])
-        if self.audit.data["target_order"] == "first":
+        count, size = self.audit.data.targets, len(self._target_split[0])
+        if self.audit.data.target_order == "first":
             return torch.arange(count)
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "targets"))
         return torch.randperm(size, generator=gen)[:count]
@@ -102,12 +102,12 @@ class Scenario:
         target."""
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
         order = torch.randperm(len(self.data.train_x), generator=gen)
-        if self.audit.data["target_split"] == "train":
+        if self.audit.data.target_split == "train":
             order = order[~torch.isin(order, self.target_indices)]
         return order
 
     def _batch_of(self, order: Tensor, index: int) -> Tensor:
-        b = self.audit.data["batch_size"]
+        b = self.audit.data.batch_size
         return order[index * b:(index + 1) * b]
 
     def target_ids(self, index: int) -> Tensor:
@@ -146,7 +146,7 @@ class Scenario:
         """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""
         return spec.build(self.audit.registry, params)
 
-    def model_section(self, setting: DefenseSetting | None = None) -> dict:
+    def model_section(self, setting: DefenseSetting | None = None) -> ModelSection:
         """The ``model:`` section a setting uses: its own, or the audit's."""
         return self.audit.model if setting is None or setting.model is None else setting.model
 
@@ -156,9 +156,9 @@ class Scenario:
         A setting with its own ``model:`` gets that model; otherwise the audit's.
         """
         m = self.model_section(setting)
-        spec = m["name"] if ":" in m["name"] else self.audit.registry.get("model", m["name"])
-        model = build_model(spec, self.data.channels, self.data.num_classes, self.audit.data["image_size"],
-                            m["params"], derive_seed(self.audit.seed, "init"))
+        spec = m.name if ":" in m.name else self.audit.registry.get("model", m.name)
+        model = build_model(spec, self.data.channels, self.data.num_classes, self.audit.data.image_size,
+                            m.params, derive_seed(self.audit.seed, "init"))
         with torch.random.fork_rng(devices=[]):  # layers a defense adds are initialised from the audit seed
             torch.manual_seed(derive_seed(self.audit.seed, "wrap"))
             return defense.wrap_model(model).to(self.device)
@@ -167,8 +167,8 @@ class Scenario:
         return ThreatModel(
             model=model, loss_fn=loss_fn, input_shape=tuple(self.data.test_x.shape[1:]),
             mean=self.mean, std=self.std, num_classes=self.data.num_classes,
-            batch_size=self.audit.data["batch_size"], defense=defense,
-            labels=labels if self.audit.threat["known_labels"] else None, device=self.device,
+            batch_size=self.audit.data.batch_size, defense=defense,
+            labels=labels if self.audit.threat.known_labels else None, device=self.device,
             protocol=self.audit.protocol)
 
 
@@ -179,7 +179,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
     these checks, and settings on a factory model skip the model's; ``run`` makes them all at its start.
     """
     audit = scenario.audit
-    if audit.data["factory"] is not None and not user_code:
+    if audit.data.factory is not None and not user_code:
         return
     _check_data_memory(audit)
     _load(scenario)
@@ -187,7 +187,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
     reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
     for setting in audit.settings:
         section = scenario.model_section(setting)
-        if ":" in section["name"] and not user_code:
+        if ":" in section.name and not user_code:
             continue
         defense = scenario.defense(setting)
         try:
@@ -197,11 +197,11 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
             continue
         except Exception as exc:  # the user's factory failed or returned something else
             where = "model" if setting.model is None else f"defenses: {setting.key}: model"
-            raise ConfigError([f"{audit.path}: {where}: {section['name']}: {_one_line(exc)}"]) from None
+            raise ConfigError([f"{audit.path}: {where}: {section.name}: {_one_line(exc)}"]) from None
         for i, spec in enumerate(audit.attacks):
             attack = scenario.attack(spec)
             why = spec.applies_to(setting) and (
-                attack.unsupported(model, audit.data["batch_size"], audit.protocol)
+                attack.unsupported(model, audit.data.batch_size, audit.protocol)
                 or attack.unsupported_defense(defense))
             if why:
                 reasons.setdefault((i, why), []).append(setting.key)
@@ -218,12 +218,12 @@ def _tuning_images_problems(scenario: Scenario) -> list[str]:
     audit, left = scenario.audit, len(scenario.tuning_indices)
     out = []
     for i, spec in enumerate(audit.attacks):
-        need = spec.tune.targets * audit.data["batch_size"] if spec.tune else 0
+        need = spec.tune.targets * audit.data.batch_size if spec.tune else 0
         if need > left:
-            taken = (f" ({audit.data['targets']} are targets: data.target_split is train)"
-                     if audit.data["target_split"] == "train" else "")
+            taken = (f" ({audit.data.targets} are targets: data.target_split is train)"
+                     if audit.data.target_split == "train" else "")
             out.append(f"{audit.path}: attacks[{i}].tune.targets: {spec.tune.targets} tuning batches of "
-                       f"{audit.data['batch_size']} need {need} training images; {left} are left to tune on{taken}; "
+                       f"{audit.data.batch_size} need {need} training images; {left} are left to tune on{taken}; "
                        "lower tune.targets or data.targets")
     return out
 
@@ -233,14 +233,14 @@ def _check_data_memory(audit: Audit) -> None:
     the images the loader keeps, as float32 at that size), before loading them. Made once, by the process that
     checks the audit: a worker that loads the audit again later is not refused for memory the run now uses."""
     section = audit.data
-    spec = None if section["factory"] else audit.registry.get("dataset", section["dataset"])
+    spec = None if section.factory else audit.registry.get("dataset", section.dataset)
     if spec is None or spec.values is None:
         return
-    need = 4 * spec.values(section) * section["image_size"] ** 2
+    need = 4 * spec.values(as_dict(section)) * section.image_size ** 2
     limit = free_memory(torch.device("cpu")) // 2
     if need > limit:
-        raise ConfigError([f"{audit.path}: data.image_size: {section['image_size']} needs about {need / 2 ** 30:.1f} "
-                           f"GiB for the images of {section['dataset']} at that size, more than half the available "
+        raise ConfigError([f"{audit.path}: data.image_size: {section.image_size} needs about {need / 2 ** 30:.1f} "
+                           f"GiB for the images of {section.dataset} at that size, more than half the available "
                            f"memory ({limit / 2 ** 30:.1f} GiB); lower image_size or the images kept"])
 
 
@@ -252,8 +252,8 @@ def _load(scenario: Scenario) -> None:
     except ConfigError:
         raise
     except Exception as exc:
-        source = f"factory {section['factory']}" if section["factory"] else f"dataset {section['dataset']}"
-        root = f" from {section['root']}" if section.get("root") else ""
+        source = f"factory {section.factory}" if section.factory else f"dataset {section.dataset}"
+        root = f" from {section.root}" if section.root else ""
         raise ConfigError([f"{scenario.audit.path}: data: {source} could not be loaded{root}: {_one_line(exc)}"]) from None
 
 
@@ -265,10 +265,10 @@ def _one_line(exc: BaseException) -> str:
 
 def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
     """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
-    offered = {"image_size": section["image_size"], "root": section["root"], "download": section["download"]}
-    data = call_with_accepted(import_factory(section["factory"]), offered, section["params"])
+    offered = {"image_size": section.image_size, "root": section.root, "download": section.download}
+    data = call_with_accepted(import_factory(section.factory), offered, section.params)
     if not isinstance(data, ImageData):
-        raise ConfigError([f"{audit_path}: data.factory: {section['factory']} returned {type(data).__name__}; "
+        raise ConfigError([f"{audit_path}: data.factory: {section.factory} returned {type(data).__name__}; "
                            "return leakaudit.ImageData(name, train_x, train_y, test_x, test_y, num_classes) "
                            "with images in [0, 1] as (N, C, H, W) float tensors"])
     return data

@@ -40,7 +40,7 @@ def training_run(scenario: Scenario, setting: DefenseSetting, steps: int, defens
 
     return TrainingRun(
         inputs=scenario.normalise(data.train_x.to(scenario.device)), labels=data.train_y.to(scenario.device),
-        loss_fn=loss_fn, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], momentum=cfg["momentum"],
+        loss_fn=loss_fn, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
         batch_generator=torch.Generator().manual_seed(derive_seed(audit.seed, "batches")),
         noise_generator=noise, protocol=audit.protocol, transform=augmented if defense.augments() else None)
 
@@ -53,10 +53,10 @@ def privacy_spent(scenario: Scenario, defense: Defense) -> float | None:
     Opacus's PrivacyEngine reports for the same training.
     """
     cfg = scenario.audit.utility
-    if cfg["train_steps"] == 0 or not cfg["train_defended"]:
+    if cfg.train_steps == 0 or not cfg.train_defended:
         return None
-    rate = opacus_sample_rate(len(scenario.data.train_x), cfg["batch_size"])
-    return defense.privacy_spent(cfg["train_steps"], rate, cfg["delta"])
+    rate = opacus_sample_rate(len(scenario.data.train_x), cfg.batch_size)
+    return defense.privacy_spent(cfg.train_steps, rate, cfg.delta)
 
 
 def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str, Any]:
@@ -69,20 +69,20 @@ def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str
     start = time.perf_counter()
     defense = scenario.defense(setting)
     model = scenario.fresh_model(defense, setting)
-    total = max(cfg["train_steps"], max(audit.checkpoints))
+    total = max(cfg.train_steps, max(audit.checkpoints))
     states: dict[int, dict] = {}
     accuracies: dict[int, float] = {}
     # utility.train_defended: false trains as the undefended baseline does (plain SGD on clean updates)
-    trainer = defense if cfg["train_defended"] else NoDefense()
+    trainer = defense if cfg.train_defended else NoDefense()
     for step, current in enumerate(trainer.train(model, training_run(scenario, setting, total, trainer))):
         if step in audit.checkpoints:
             states[step] = {k: v.detach().clone() for k, v in current.state_dict().items()}
-        if step in audit.checkpoints or step == cfg["train_steps"]:
+        if step in audit.checkpoints or step == cfg.train_steps:
             accuracies[step] = accuracy(current, scenario)
-    final = accuracies[cfg["train_steps"]] if cfg["train_steps"] > 0 else None
+    final = accuracies[cfg.train_steps] if cfg.train_steps > 0 else None
     return {"setting": setting.key, "defense": setting.name, "params": setting.params, "accuracy": final,
-            "train_steps": cfg["train_steps"], "train_defended": cfg["train_defended"],
-            "epsilon": privacy_spent(scenario, defense), "delta": cfg["delta"],
+            "train_steps": cfg.train_steps, "train_defended": cfg.train_defended,
+            "epsilon": privacy_spent(scenario, defense), "delta": cfg.delta,
             "model_changes": defense.model_changes,
             "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
             "seconds": time.perf_counter() - start, "states": states}

@@ -63,7 +63,7 @@ class AuditWorker:
         if setting.key not in self._bound:
             data = self.scenario.audit.data
             self._bound[setting.key] = identification_bound(self.scenario.defense(setting).privacy_profile(),
-                                                            data["batch_size"], data["targets"])
+                                                            data.batch_size, data.targets)
         return self._bound[setting.key]
 
     def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
@@ -80,7 +80,7 @@ class AuditWorker:
         defense = sc.defense(setting)
         model = sc.fresh_model(defense, setting)
         model.load_state_dict(self._states_of(setting)[checkpoint])
-        model.train(sc.model_section(setting)["mode"] == "train")
+        model.train(sc.model_section(setting).mode == "train")
         shared: dict[int, tuple] = {}
         out, originals = [], []
         for pixels, labels, index, attack in batches:

@@ -26,6 +26,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.defenses.ats",
     "leakaudit.defenses.precode",
     "leakaudit.defenses.bayesian",
+    "leakaudit.defenses.compression",
     "leakaudit.attacks.gradient_matching",
     "leakaudit.attacks.analytic",
     "leakaudit.attacks.bayes",

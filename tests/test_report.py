@@ -291,3 +291,18 @@ def test_the_second_views_and_the_identifying_distance_come_from_the_metrics_met
     assert identifying_metric(audit, [{"lpips": 0.3}]).name == "lpips"
     assert identifying_metric(audit, [{"lpips": None}]).name == "mse"  # LPIPS unavailable: the fallback
     assert identifying_metric(SimpleNamespace(registry=registry, metrics=["psnr"]), [{}]).name == "mse"
+
+
+def test_a_defense_whose_settings_name_different_parameters_draws_its_line(tmp_path):
+    """One entry at its defaults beside one that sets a parameter: the figure labels the first 'default'."""
+    from leakaudit.evaluator.results.figures import plot_privacy_utility
+    from leakaudit.plugins.manager import load_registry
+
+    points = [{"defense": "signsgd", "setting": key, "params": params, "accuracy": acc, "psnr": 9.0 + acc,
+               "baseline": False, "verdict": "protects", "epsilon": None}
+              for key, params, acc in [("signsgd", {}, 0.8), ("signsgd(scaled=False)", {"scaled": False}, 0.1)]]
+    summary = {"worst_case": points, "leakage_metric": "psnr", "higher_is_more_leakage": True,
+               "leak_threshold": {"value": 14.0, "guess": "mean", "guess_score": 13.0, "margin": 1.0},
+               "chance_accuracy": 0.1, "min_accuracy": 0.15}
+    assert plot_privacy_utility(summary, tmp_path / "pu.png", load_registry(entry_points=False))
+    assert (tmp_path / "pu.png").stat().st_size > 0

@@ -83,15 +83,21 @@ def _save(fig, path: Path) -> None:
 
 
 def _varying(ws: list[dict]) -> list[str]:
-    """The parameters that vary along one defense's line."""
-    return [k for k in ws[0]["params"] if len({str(x["params"].get(k)) for x in ws}) > 1]
+    """The parameters that vary along one defense's line (one setting may leave a parameter at its default)."""
+    keys = dict.fromkeys(k for x in ws for k in x["params"])
+    return [k for k in keys if len({str(x["params"].get(k)) for x in ws}) > 1]
+
+
+def _value_text(params: dict, key: str) -> str:
+    if key not in params:
+        return "default"
+    return f"{params[key]:g}" if isinstance(params[key], float) else str(params[key])
 
 
 def _point_text(w: dict, ws: list[dict]) -> str:
     """A point's short label: the values of the parameters that vary (named in the legend), and epsilon."""
     varying = _varying(ws)
-    text = ", ".join(f"{w['params'][k]:g}" if isinstance(w["params"][k], float) else str(w["params"][k])
-                     for k in varying) if varying else params_text(w["params"])
+    text = ", ".join(_value_text(w["params"], k) for k in varying) if varying else params_text(w["params"])
     if w.get("epsilon") is not None and math.isfinite(w["epsilon"]):
         text += f" (ε {w['epsilon']:.2g})"
     return text

@@ -73,26 +73,40 @@ class FedAvg(Protocol):
     """``local_epochs`` passes over the client's images in order, in minibatches of ``local_batch_size``
     (all images when None), SGD at ``local_lr``; the client sends ``theta_before - theta_after``
     (Geiping et al. 2020, Sec. 6). Attackers unroll the local steps.
+
+    ``clients`` > 1 is secure aggregation: the update's images are shared out in order among that many
+    clients, each trains from the same weights on its own, and the server sees only the mean of their
+    updates (Bonawitz et al. 2017). Attackers unroll every client's steps and average them as the server does.
     """
 
     local_epochs: int = 1
     local_batch_size: int | None = None
     local_lr: float = 1e-4
+    clients: int = 1
 
     name: ClassVar[str] = "fedavg"
     params: ClassVar[dict[str, Param]] = {
         "local_epochs": Param(1, int, min=1, help="passes over the client's images"),
         "local_batch_size": Param(None, int, min=1, help="minibatch size (default: all images)"),
         "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="local SGD step size"),
+        "clients": Param(1, int, min=1, max=4096, help="secure aggregation: the update is the mean of this many "
+                                                      "clients' updates, data.batch_size images shared among them"),
     }
     sends_gradient: ClassVar[bool] = False
 
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
                         create_graph: bool = True) -> list[Tensor]:
-        return fedavg_update(model, loss_fn, images, targets, self, create_graph)
+        each = [fedavg_update(model, loss_fn, x, y, self, create_graph) for x, y in self._shares(images, targets)]
+        return [torch.stack(parts).mean(0) for parts in zip(*each)]
 
     def functional_update(self, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor],
                           loss_fn: LossFn, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        each = [self._local(model, params, buffers, loss_fn, x, y) for x, y in self._shares(images, targets)]
+        return {n: torch.stack([e[n] for e in each]).mean(0) for n in params}
+
+    def _local(self, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], loss_fn: LossFn,
+               images: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """One client's ``theta_before - theta_after`` as a pure function of ``params``."""
         current = dict(params)
         b = self.local_batch_size or len(images)
         for _ in range(self.local_epochs):
@@ -104,12 +118,18 @@ class FedAvg(Protocol):
                 current = {n: p - self.local_lr * grads[n] for n, p in current.items()}
         return {n: params[n] - current[n] for n in params}
 
+    def _shares(self, images: Tensor, targets: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each client's images, in order: the batch cut in ``clients`` equal parts."""
+        return list(zip(images.chunk(self.clients), targets.chunk(self.clients)))
+
     def gradient_scale(self, images: int) -> float:
         return 1.0 / (self.local_lr * self.local_steps(images))
 
     def local_steps(self, images: int) -> int:
-        b = self.local_batch_size or images
-        return self.local_epochs * -(-images // b)
+        """Each client's local steps on its ``images / clients`` images."""
+        mine = images // self.clients
+        b = self.local_batch_size or mine
+        return self.local_epochs * -(-mine // b)
 
 
 @dataclass(frozen=True)

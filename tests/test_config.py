@@ -88,7 +88,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
     (small_audit(max_problems=0), "max_problems: 0 is neither 'auto' nor a whole number >= 1; choices: auto, 1, 2, ..."),
     (small_audit(protocol={"name": "step", "lr": 0.1}), "protocol.function: required for protocol step"),
     (small_audit(protocol={"name": "fedavg", "local_batch_size": 4}),
-     "protocol.local_batch_size: 4 is larger than data.batch_size 1 (the images each client holds)"),
+     "protocol.local_batch_size: 4 is larger than the 1 images each client holds (data.batch_size / protocol.clients)"),
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"priors": {"tvv": 1.0}}}]),
      "attacks[0].params: unknown prior 'tvv'; choices: tv, tv_iso, l2, range"),
     (small_audit(threat={"known_labels": "yes"}), "threat.known_labels: 'yes' is not of type bool"),

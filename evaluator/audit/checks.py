@@ -401,10 +401,14 @@ def check_protocol(value: Any, data: dict, problems: list[str]) -> Protocol:
     if "function" in section:
         _check_step_signature(_check_factory(section, "function", "protocol.function", problems), section["function"],
                               problems)
+    clients = section.get("clients", 1)
+    if isinstance(clients, int) and clients > 1 and data["batch_size"] % clients:
+        problems.append(f"protocol.clients: {clients} clients cannot share data.batch_size {data['batch_size']} "
+                        "images equally; make data.batch_size a multiple of clients")
     b = section.get("local_batch_size")
-    if b is not None and b > data["batch_size"]:
-        problems.append(f"protocol.local_batch_size: {b} is larger than data.batch_size {data['batch_size']} "
-                        "(the images each client holds)")
+    if b is not None and isinstance(clients, int) and clients >= 1 and b > data["batch_size"] // clients:
+        problems.append(f"protocol.local_batch_size: {b} is larger than the {data['batch_size'] // clients} images "
+                        "each client holds (data.batch_size / protocol.clients)")
     return cls(**section)
 
 

@@ -70,6 +70,10 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
     protocol = audit.protocol
     fields = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)} if dataclasses.is_dataclass(
         protocol) else {}  # its settings, not its ClassVars
+    clients = fields.pop("clients", 1)
+    seen = (f"; one update of {audit.data.batch_size} private image(s)" if clients == 1 else
+            f"; under secure aggregation the server sees only the mean of {clients} clients' updates, "
+            f"each of {audit.data.batch_size // clients} private image(s)")
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]
     naive = [a.key for a in audit.attacks if a.role != "adaptive"]
     return [
@@ -78,8 +82,7 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
          "train" else "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),
         ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.known_labels
          else "not given: each attack recovers them from the update"),
-        ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "")
-         + f"; one update of {audit.data.batch_size} private image(s)"),
+        ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "") + seen),
         ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
                      "no attack uses it") + (f"; ignored by {', '.join(naive)}" if naive else "")),
         _targets(audit),

@@ -1,0 +1,22 @@
+"""benchmarks/gpu_suite.py at toy sizes on the CPU: every section a lent GPU will run, so that none rots."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from conftest import ROOT
+
+
+def test_the_gpu_suite_runs_every_section_at_toy_sizes(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    assert suite.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert results["failed"] == {}
+    assert set(results["sections"]) == {"throughput_lenet", "throughput_resnet18_224", "quickstart",
+                                        *(f"paper_{name}" for name in suite.PAPER_CASES)}
+    assert [row["K"] for row in results["sections"]["throughput_lenet"]] == [1, 2]
+    assert all(row["image_iterations_per_s"] > 0 for row in results["sections"]["throughput_lenet"])
+    assert all(results["sections"][f"paper_{name}"]["measured"] for name in suite.PAPER_CASES)
+    assert "## quickstart" in (tmp_path / "gpu_suite.md").read_text()

@@ -21,6 +21,7 @@ BUILTIN_SETTINGS = {
     "prune": ({}, "exact"),  # no noise: the mask shows in the exact zeros
     "soteria": ({}, "exact"),
     "ats": ({}, "exact"),
+    "signsgd": ({}, "exact"),
     "gaussian": ({"sigma": 0.1}, "noisy"),
     "laplace": ({"scale": 0.05}, "noisy"),
     "dpsgd": ({}, "noisy"),

@@ -67,11 +67,22 @@ def test_chunk_size_on_cuda_fills_the_free_memory_whatever_the_model_size(three_
 
 
 def test_each_worker_process_takes_the_next_gpu(three_gpus, write_audit, tmp_path, monkeypatch):
+    """As a spawned worker would, in this process: its deterministic kernels are switched on, so the test puts
+    this process's flags back afterwards."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the test process keeps its threads
+    monkeypatch.setattr(executors, "_PROCESS_WORKER", None)  # put back at teardown
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # restored at teardown
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     path = write_audit(small_audit(device="cuda"))
     started = multiprocessing.get_context("spawn").Value("i", 0)
-    for _ in range(4):
-        executors._init_process(str(path), [], str(tmp_path / "out"), 1, started)
+    try:
+        for _ in range(4):
+            executors._init_process(str(path), [], str(tmp_path / "out"), 1, started)
+        assert torch.are_deterministic_algorithms_enabled()  # deterministic: true on CUDA
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert three_gpus["set_device"] == [0, 1, 2, 0]
     assert executors._PROCESS_WORKER.scenario.device == CUDA
 

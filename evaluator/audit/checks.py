@@ -21,10 +21,6 @@ from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
 from leakaudit.plugins.spec import Param, check_params, did_you_mean, one_line
 
 
-def strip_dot(path: str) -> str:
-    return path[1:] if path.startswith(".") else path
-
-
 def section(value: Any, spec: dict[str, Param], path: str, problems: list[str]) -> dict[str, Any]:
     """Check a mapping against its spec and return it with defaults filled."""
     if not isinstance(value, dict):

@@ -23,7 +23,6 @@ from leakaudit.evaluator.audit.checks import (
     checked_section,
     expand_defenses,
     section,
-    strip_dot,
     with_references,
 )
 from leakaudit.evaluator.audit.specs import DATA, DEFAULT_METRICS, MODEL, THREAT, TOP, TOP_NEEDS, UTILITY, VERDICT
@@ -40,6 +39,11 @@ from leakaudit.evaluator.audit.yamlfile import parse_yaml, read_yaml
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import PROTOCOLS
 from leakaudit.plugins.spec import PluginError
+
+
+def _strip_dot(path: str) -> str:
+    """A problem's key path without the dot a top-level key starts with."""
+    return path[1:] if path.startswith(".") else path
 
 
 def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None,
@@ -100,7 +104,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     max_problems = check_max_problems(top.get("max_problems", "auto"), problems)
     executor = check_executor(top.get("executor", "local"), device, problems)
     if problems:
-        raise ConfigError([f"{path}: {strip_dot(p)}" for p in problems])
+        raise ConfigError([f"{path}: {_strip_dot(p)}" for p in problems])
     return Audit(path=path, text=text, name=top["name"], seed=top["seed"], device=device, workers=workers,
                  plugins_dirs=dirs, data=DataSection(**data), model=ModelSection(**model), settings=settings,
                  attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
@@ -134,7 +138,7 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
     metrics = check_metrics(described["metrics"], registry, problems, described["image_size"])
     leakage = check_leakage_metric(None, metrics, registry, problems)
     if problems:
-        raise ConfigError([f"{path}: {strip_dot(p)}" for p in problems])
+        raise ConfigError([f"{path}: {_strip_dot(p)}" for p in problems])
     utility = {k: p.default for k, p in UTILITY.items()} | {"train_steps": 0, "delta": described["delta"]}
     verdict = {k: p.default for k, p in VERDICT.items()}
     return Audit(path=path, text=yaml.safe_dump(described, sort_keys=True), name=described["name"],

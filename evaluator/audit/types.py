@@ -26,9 +26,14 @@ class ConfigError(Exception):
         self.lines = lines
 
 
+def value_text(value: Any) -> str:
+    """A parameter's value as people read it (floats in their shortest form: ``0.1``, ``1e-05``)."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def params_text(params: dict) -> str:
     """A setting's parameters as people read them: ``sigma=0.1, clip=1``."""
-    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+    return ", ".join(f"{k}={value_text(v)}" for k, v in params.items())
 
 
 def call_label(name: str, params: dict[str, Any]) -> str:

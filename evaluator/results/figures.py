@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leakaudit.evaluator.audit.jobs import AttackJob, job_at
-from leakaudit.evaluator.audit.types import params_text
+from leakaudit.evaluator.audit.types import params_text, value_text
 from leakaudit.evaluator.results.rundir import RunFolder
 from leakaudit.evaluator.results.summary import per_image, second_views
 from leakaudit.evaluator.results.verdict import LEAKS, exact_interval
@@ -88,16 +88,11 @@ def _varying(ws: list[dict]) -> list[str]:
     return [k for k in keys if len({str(x["params"].get(k)) for x in ws}) > 1]
 
 
-def _value_text(params: dict, key: str) -> str:
-    if key not in params:
-        return "default"
-    return f"{params[key]:g}" if isinstance(params[key], float) else str(params[key])
-
-
 def _point_text(w: dict, ws: list[dict]) -> str:
     """A point's short label: the values of the parameters that vary (named in the legend), and epsilon."""
     varying = _varying(ws)
-    text = ", ".join(_value_text(w["params"], k) for k in varying) if varying else params_text(w["params"])
+    text = ", ".join(value_text(w["params"][k]) if k in w["params"] else "default" for k in varying) if varying \
+        else params_text(w["params"])
     if w.get("epsilon") is not None and math.isfinite(w["epsilon"]):
         text += f" (ε {w['epsilon']:.2g})"
     return text

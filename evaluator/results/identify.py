@@ -11,6 +11,7 @@ import torch
 from leakaudit.evaluator.audit.jobs import job_at
 from leakaudit.evaluator.audit.types import Audit
 from leakaudit.evaluator.results.rundir import IDENTIFIABLE, RunFolder
+from leakaudit.evaluator.results.summary import ranked_metrics
 from leakaudit.evaluator.results.verdict import identifiable_share, named_share
 from leakaudit.plugins.components import Metric
 
@@ -40,8 +41,7 @@ def _distances(metric, recs: torch.Tensor, origs: torch.Tensor, chunk: int = 512
 def identifying_metric(audit: Audit, rows: list[dict]) -> Metric:
     """The distance that names a reconstruction's nearest original (``Metric.distance_rank``): the measured one
     of lowest rank (LPIPS among the built-ins), else the registered one of highest rank (MSE, which needs nothing)."""
-    ranked = sorted((m for m in (audit.registry.get("metric", n) for n in audit.registry.names("metric"))
-                     if m.distance_rank is not None), key=lambda m: (m.distance_rank, m.name))
+    ranked = ranked_metrics(audit.registry, "distance_rank")
     measured = [m for m in ranked if m.name in audit.metrics and any(r.get(m.name) is not None for r in rows)]
     return (measured or ranked[::-1])[0]
 

@@ -24,13 +24,19 @@ from leakaudit.evaluator.results.verdict import (
     strongest,
     training_bound,
 )
+from leakaudit.plugins.components import Metric
 from leakaudit.plugins.manager import Registry
+
+
+def ranked_metrics(registry: Registry, rank: str) -> list[Metric]:
+    """The registered metrics that declare ``rank`` (``view_rank``, ``distance_rank``), lowest rank first."""
+    declared = [m for m in (registry.get("metric", n) for n in registry.names("metric")) if getattr(m, rank) is not None]
+    return sorted(declared, key=lambda m: (getattr(m, rank), m.name))
 
 
 def second_views(registry: Registry) -> list[str]:
     """The registered metrics that show leakage beside the leakage metric, by their ``view_rank``."""
-    ranked = [m for m in (registry.get("metric", n) for n in registry.names("metric")) if m.view_rank is not None]
-    return [m.name for m in sorted(ranked, key=lambda m: (m.view_rank, m.name))]
+    return [m.name for m in ranked_metrics(registry, "view_rank")]
 
 
 def per_image(row: dict, metric: str) -> list[float | None]:

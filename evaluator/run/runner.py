@@ -117,12 +117,13 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
 
     trained = folder.trained_settings()
     untrained = [s for s in audit.settings if s.key not in trained]
-    with executor_for(worker, workers, untrained + _pending_attacks(audit, folder)) as pool:
+    trials = folder.tuning.read()
+    finished = {row_key(r) for r in folder.results.read()}  # only the attack phase below adds rows
+    with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
         workers = pool.workers
         folder.start_session(run_info(scenario, workers, pool.where))
         pool.run("train", untrained, "training", progress, lambda s, row: folder.utility.append(row))
 
-        trials = folder.tuning.read()
         for stage in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
             tried = {trial_key(r) for r in trials}
             pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], workers),
@@ -130,10 +131,8 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
                      lambda cell, rows: [folder.tuning.append(row) for row in rows])
             trials = folder.tuning.read()
 
-        finished = {row_key(r) for r in folder.results.read()}
         pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
         pool.run("attack", cells_of(pending, workers), "attacks", progress, on_rows)
-
 
     rows = _in_job_order(audit, folder.results.read())
     folder.results_csv.rewrite(rows)
@@ -144,11 +143,11 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     return write_report(folder, rows, folder.utility.read(), baselines, trials, analysis, info, template)
 
 
-def _pending_attacks(audit: Audit, folder: RunFolder) -> list:
-    """The tuning trials and attack jobs a (resumed) run has left, as far as known before it starts (a scan's
-    refined grid and the tuned winners come later): what ``auto_workers`` weighs."""
-    trials = folder.tuning.read()
-    tried, finished = {trial_key(r) for r in trials}, {row_key(r) for r in folder.results.read()}
+def _pending_attacks(audit: Audit, trials: list[dict], finished: set[tuple]) -> list:
+    """The tuning trials and attack jobs a (resumed) run has left, given the trials and result rows it has, as far
+    as known before it starts (a scan's refined grid and the tuned winners come later): what ``auto_workers``
+    weighs."""
+    tried = {trial_key(r) for r in trials}
     return ([j for j in tune_jobs_of(audit, trials) if j.key not in tried]
             + [j for j in jobs_of(audit) if j.key not in finished])
 

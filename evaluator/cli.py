@@ -300,22 +300,22 @@ def cmd_report(args) -> int:
     return _conclude(summary, Path(args.folder), args)
 
 
-def _conclude(summary: dict, out: Path, args, tables: tuple[str, ...] = ()) -> int:
+def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     """What was written, then a verdict per setting (the undefended reference apart); with the gate, status 3
     and a line per setting that fails it."""
-    figures = summary.get("figures", [])
+    figures = summary.figures
     print(f"wrote {out}/: report.html, summary.json, {', '.join(tables) + ', ' if tables else ''}"
           f"{len(figures)} figure{'s' * (len(figures) != 1)} ({', '.join(figures)})")
-    judged = [w for w in summary["worst_case"] if not w.get("added")]
-    added = [w for w in summary["worst_case"] if w.get("added")]
-    width = min(40, max(len(w["setting"]) for w in summary["worst_case"])) if summary["worst_case"] else 10
+    judged = [w for w in summary.worst_case if not w.added]
+    added = [w for w in summary.worst_case if w.added]
+    width = min(40, max(len(w.setting) for w in summary.worst_case)) if summary.worst_case else 10
     for w in judged:
-        print(_verdict_line(w, summary["leakage_metric"], width))
+        print(_verdict_line(w, summary.leakage_metric, width))
     if added:
         print("  reference (the undefended update, added to calibrate the verdicts; not gated):")
         for w in added:
-            print(_verdict_line(w, summary["leakage_metric"], width))
-    for line in summary.get("bound_violations", []):
+            print(_verdict_line(w, summary.leakage_metric, width))
+    for line in summary.bound_violations:
         print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)
     if not args.fail_on_leak:
         return 0
@@ -327,12 +327,13 @@ def _conclude(summary: dict, out: Path, args, tables: tuple[str, ...] = ()) -> i
     return EXIT_LEAK if failures else 0
 
 
-def _verdict_line(w: dict, leak: str, width: int) -> str:
+def _verdict_line(w, leak: str, width: int) -> str:
     """One setting's verdict in the terminal: its accuracy, and its strongest attack's score and interval."""
-    acc = "n/a" if w["accuracy"] is None else f"{w['accuracy']:.3f}"
-    score = (f"{leak} {w[leak]:.3g} [{w[f'{leak}_ci'][0]:.3g}, {w[f'{leak}_ci'][1]:.3g}] "
-             f"({w['attack']}, step {w['checkpoint']})") if w[leak] is not None else f"no finite {leak}"
-    return f"  {w['setting']:<{width}}  {(w['verdict'] or 'not judged').upper():<22} accuracy {acc:>5}  {score}"
+    acc = "n/a" if w.accuracy is None else f"{w.accuracy:.3f}"
+    mean, ci = w.mean(leak), w.ci(leak)
+    score = (f"{leak} {mean:.3g} [{ci[0]:.3g}, {ci[1]:.3g}] ({w.attack}, step {w.checkpoint})") if mean is not None \
+        else f"no finite {leak}"
+    return f"  {w.setting:<{width}}  {(w.verdict or 'not judged').upper():<22} accuracy {acc:>5}  {score}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ The public API::
         return [MyDefense]          # a subclass of leakaudit.Defense
 
     audit = leakaudit.load_audit("audit.yaml")
-    summary = leakaudit.run_audit(audit, "runs/mine")
+    summary = leakaudit.run_audit(audit, "runs/mine")      # a typed leakaudit.Summary
 
     monitor = leakaudit.LeakMonitor(every=100, out="runs/training")
     model, optimizer, loader = monitor.attach(model, optimizer, loader)   # then train as before
@@ -42,6 +42,7 @@ _LAZY = {
     "LeakMonitor": "leakaudit.evaluator.live.monitor",
     **dict.fromkeys(("run_audit", "RunError", "report_folder"), "leakaudit.evaluator.run.runner"),
     **dict.fromkeys(("load_audit", "ConfigError", "Audit"), "leakaudit.evaluator.audit.config"),
+    **dict.fromkeys(("Summary", "CellResult", "WorstCase", "StepVerdict"), "leakaudit.evaluator.results.types"),
 }
 
 

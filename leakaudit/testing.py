@@ -27,24 +27,27 @@ from typing import Any, Iterable
 from leakaudit.evaluator.authoring.attack_check import AttackCheck, check_attack
 from leakaudit.evaluator.authoring.cases import tiny_case
 from leakaudit.evaluator.authoring.defense_check import DefenseCheck, check_defense
+from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.results.verdict import INCONCLUSIVE, LEAKS, gate_failures
 
 __all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",
            "load_summary"]
 
 
-def load_summary(run: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """A run's summary: the dict itself, a run folder, or a summary.json path."""
-    if isinstance(run, dict):
+def load_summary(run: str | Path | Summary | dict[str, Any]) -> Summary:
+    """A run's typed summary, from itself, a run folder, a summary.json path, or that file's mapping."""
+    if isinstance(run, Summary):
         return run
+    if isinstance(run, dict):
+        return Summary.from_json(run)
     path = Path(run)
     path = path / "summary.json" if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json; run the audit first (leakaudit run FILE --out DIR)")
-    return json.loads(path.read_text())
+    return Summary.from_json(json.loads(path.read_text()))
 
 
-def assert_protects(run: str | Path | dict[str, Any], settings: Iterable[str] | None = None,
+def assert_protects(run: str | Path | Summary | dict[str, Any], settings: Iterable[str] | None = None,
                     allow_inconclusive: bool = False) -> None:
     """Fail, one line per setting, where a checked setting's verdict is ``leaks`` or ``inconclusive`` (the attacks
     did not break even the undefended update, unless ``allow_inconclusive``), and where any attack beat the bound
@@ -55,20 +58,20 @@ def assert_protects(run: str | Path | dict[str, Any], settings: Iterable[str] | 
     """
     summary = load_summary(run)
     if settings is None:
-        if not any(w.get("must_protect") for w in summary["worst_case"]):
+        if not any(w.must_protect for w in summary.worst_case):
             raise AssertionError("no defense entry of this audit is marked must_protect: true; mark one, or "
                                  "name the settings to check")
         failures = [f"{kind}: {line}" for kind, line in gate_failures(summary, allow_inconclusive)]
     else:
         wanted = list(settings)
-        known = {w["setting"]: w for w in summary["worst_case"]}
+        known = {w.setting: w for w in summary.worst_case}
         missing = [s for s in wanted if s not in known]
         if missing:
             raise AssertionError(f"not settings of this run: {', '.join(missing)}; settings: {', '.join(known)}")
         failing = (LEAKS,) if allow_inconclusive else (LEAKS, INCONCLUSIVE)
-        failures = [f"{s} {'leaks' if known[s]['verdict'] == LEAKS else 'is inconclusive'} at step "
-                    f"{known[s]['verdict_checkpoint']}: {known[s]['reason']}"
-                    for s in wanted if known[s]["verdict"] in failing]
-        failures += [f"bound: {line}" for line in summary.get("bound_violations", [])]
+        failures = [f"{s} {'leaks' if known[s].verdict == LEAKS else 'is inconclusive'} at step "
+                    f"{known[s].verdict_checkpoint}: {known[s].reason}"
+                    for s in wanted if known[s].verdict in failing]
+        failures += [f"bound: {line}" for line in summary.bound_violations]
     if failures:
         raise AssertionError("\n".join(failures))

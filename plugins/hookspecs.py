@@ -65,6 +65,7 @@ def register_datasets():
 def report_extras(summary, audit, out_dir):
     """Return a list of ``(title, html)`` sections appended to ``report.html``.
 
-    ``summary`` is the dict written to ``summary.json``, ``audit`` the validated
+    ``summary`` is the run's typed ``Summary`` (``summary.to_json()`` is what ``summary.json`` holds),
+    ``audit`` the validated
     ``leakaudit.Audit`` and ``out_dir`` the run's ``pathlib.Path``.
     """

@@ -441,12 +441,12 @@ def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_p
     assert sorted({(r["defense"], r["attack"]) for r in rows}) == [  # the added reference: what can run undefended
         ("bayesian", "bayesian_exact"), ("bayesian", "ig"), ("none", "ig"), ("none", "ig_drop"), ("precode", "ig"),
         ("precode", "precode_sample"), ("soteria", "ig"), ("soteria", "ig_drop")]
-    assert {(n["defense"], n["naive_attack"], n["adaptive_attack"]) for n in summary["naive_vs_adaptive"]} == {
+    assert {(n.defense, n.naive_attack, n.adaptive_attack) for n in summary.naive_vs_adaptive} == {
         ("none", "ig", "ig_drop"), ("soteria", "ig", "ig_drop"), ("precode", "ig", "precode_sample"),
         ("bayesian", "ig", "bayesian_exact")}
     assert "Naive against adaptive attacks" in (tmp_path / "a" / "report.html").read_text()
-    changes = summary["utility"]
-    assert any("variational bottleneck" in c for u in changes.values() for c in u["model_changes"])
+    changes = summary.utility
+    assert any("variational bottleneck" in c for u in changes.values() for c in u.model_changes)
     run_audit(audit, tmp_path / "b", progress=False)
     again = [json.loads(line) for line in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
     key = lambda r: (r["setting"], r["attack"], r["target"])  # noqa: E731

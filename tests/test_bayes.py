@@ -73,7 +73,7 @@ def test_plugin_defense_gets_its_bayes_attack_for_free(tmp_path, write_audit):
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert {r["attack"] for r in rows} == {"bayes"} and len(rows) == 4  # and the added undefended reference
     assert {r["setting"] for r in rows} == {"logistic(scale=0.001)", "none"}
-    assert summary["cells"][0]["psnr_mean"] > summary["baselines"]["random"]["psnr"] + 8.0
+    assert summary.cells[0].mean("psnr") > summary.baselines["random"]["psnr"] + 8.0
 
 
 def test_vectorised_steps_carry_no_graph_of_the_models_parameters():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import small_audit
@@ -24,12 +25,14 @@ from leakaudit.evaluator.results.verdict import (
     training_bound,
 )
 from leakaudit.evaluator.run.runner import run_audit
+from leakaudit.evaluator.results.types import Privacy, StepVerdict
 from leakaudit.plugins.defense import PrivacyProfile
 
 
-def _verdict(setting: str, verdict: str, **extra) -> dict:
-    return {"setting": setting, "checkpoint": 0, "verdict": verdict, "attack": "ig", "score": 12.0,
-            "threshold": 14.0, "reason": "ig reaches psnr 12", **extra}
+def _verdict(setting: str, verdict: str) -> StepVerdict:
+    return StepVerdict(setting=setting, defense=setting, checkpoint=0, attack="ig", score=12.0, ci=[11.0, 13.0],
+                       statistic="mean", compared=12.0, threshold=14.0, accuracy=None, min_accuracy=None,
+                       still_improving=None, settling_iterations=None, verdict=verdict, reason="ig reaches psnr 12")
 
 
 @pytest.mark.parametrize("alone, reference, expected", [
@@ -39,17 +42,17 @@ def _verdict(setting: str, verdict: str, **extra) -> dict:
 def test_a_protects_stands_only_where_the_attacks_broke_the_undefended_update(alone, reference, expected):
     ref = None if reference is None else _verdict("none", reference)
     out = calibrate(_verdict("gaussian", alone), ref)
-    assert out["verdict"] == expected
+    assert out.verdict == expected
     if expected == INCONCLUSIVE:
-        assert out["alone"] == alone
+        assert out.alone == alone
         assert ("no attack ran on the undefended update" if reference is None else
-                "did not break even the undefended update") in out["reason"]
+                "did not break even the undefended update") in out.reason
 
 
 def test_inconclusive_is_worse_than_protects_and_better_than_leaks():
     steps = [_verdict("g", PROTECTS), _verdict("g", INCONCLUSIVE), _verdict("g", UNUSABLE)]
-    assert overall(steps)["verdict"] == INCONCLUSIVE
-    assert overall(steps + [_verdict("g", LEAKS)])["verdict"] == LEAKS
+    assert overall(steps).verdict == INCONCLUSIVE
+    assert overall(steps + [_verdict("g", LEAKS)]).verdict == LEAKS
 
 
 def test_late_gain_is_the_share_of_the_drop_made_in_the_last_fifth():
@@ -147,7 +150,7 @@ def test_the_undefended_lenet_is_inconclusive_at_400_iterations_and_leaks_at_100
                                       "params": {"iterations": iterations, "lr": 0.1, "priors": {"tv": 0.01}}}])
         summary = run_audit(load_audit(write_audit(audit, f"a{iterations}.yaml")), tmp_path / str(iterations),
                             progress=False)
-        verdicts[iterations] = summary["worst_case"][0]["verdict"]
+        verdicts[iterations] = summary.worst_case[0].verdict
     assert verdicts == {400: INCONCLUSIVE, 1000: LEAKS}
 
 
@@ -229,7 +232,7 @@ def test_a_weak_attack_is_calibrated_by_its_own_run_on_the_reference_not_by_anot
                                   "params": {"iterations": 2}}],
                         utility={"train_steps": 0}, verdict={"identifiable": None})
     summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
-    verdicts = {w["setting"]: w["verdict"] for w in summary["worst_case"]}
+    verdicts = {w.setting: w.verdict for w in summary.worst_case}
     assert verdicts["none"] == LEAKS and verdicts["gaussian(sigma=0.0001)"] == LEAKS
     assert verdicts["topk"] == INCONCLUSIVE
 
@@ -247,7 +250,8 @@ def test_a_label_that_takes_the_reference_key_is_refused(write_audit):
 def test_the_bound_figure_leaves_out_guarantees_a_log_axis_cannot_show(tmp_path):
     from leakaudit.evaluator.results.figures import plot_identification_bound
 
-    privacy = {"mu": math.inf, "bound": 1.0, "identified": 1.0, "identified_n": 4, "chance": 0.25, "violated": False}
-    summary = {"worst_case": [{"defense": "dpsgd", "epsilon": None, "privacy": privacy}], "utility": {}}
+    privacy = Privacy(mu=math.inf, mechanism="gaussian", bound=1.0, identified=1.0, identified_by="ig", identified_n=4,
+                      chance=0.25, violated=False, training_bound=None)
+    summary = SimpleNamespace(worst_case=[SimpleNamespace(defense="dpsgd", epsilon=None, privacy=privacy)], utility={})
     assert plot_identification_bound(summary, tmp_path / "f.png") is False
     assert not (tmp_path / "f.png").exists()

@@ -62,5 +62,5 @@ def test_the_bayes_adversary_reads_more_of_signsgd_than_inverting_gradients(writ
     audit = yaml.safe_load((ROOT / "configs" / "signsgd.yaml").read_text())
     audit |= {"defenses": [{"name": "signsgd"}], "utility": {"train_steps": 0}, "workers": 1, "device": "cpu"}
     summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
-    psnr = {c["attack"]: c["psnr_mean"] for c in summary["cells"] if c["setting"] == "signsgd"}
+    psnr = {c.attack: c.mean("psnr") for c in summary.cells if c.setting == "signsgd"}
     assert psnr["bayes"] > psnr["inverting_gradients"] + 0.5

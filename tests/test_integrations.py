@@ -55,11 +55,11 @@ def test_the_examples_run(tmp_path):
     import monitored_training
 
     plain = monitored_training.main(out=str(tmp_path / "plain"), steps=4, every=3)
-    assert plain["checkpoints"] == [0, 3] and plain["worst_case"][0]["verdict"] == "leaks"
+    assert plain.checkpoints == [0, 3] and plain.worst_case[0].verdict == "leaks"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inside = lightning_training.main(out=str(tmp_path / "lightning"), steps=4, every=3)
-    assert inside["checkpoints"] == [0, 3] and inside["worst_case"][0]["verdict"] == "leaks"
+    assert inside.checkpoints == [0, 3] and inside.worst_case[0].verdict == "leaks"
 
 
 # --- Flower -----------------------------------------------------------------------------------------------
@@ -183,4 +183,4 @@ def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):
         summaries = flower_training.main(out=str(tmp_path / "sim"), rounds=2, every=1)
     assert len(summaries) == 2  # one run folder per simulated client
     for summary in summaries:
-        assert summary["checkpoints"] == [1, 2] and summary["worst_case"][0]["verdict"] == "leaks"
+        assert summary.checkpoints == [1, 2] and summary.worst_case[0].verdict == "leaks"

@@ -88,9 +88,9 @@ def test_an_audit_without_psnr_keeps_its_main_outputs(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit(metrics=["ssim", "mse"], attacks=attacks)))
     assert audit.leakage_metric == "ssim"
     summary = run_audit(audit, tmp_path / "out", progress=False)
-    assert {w["setting"] for w in summary["worst_case"]} == {"none", "gaussian(sigma=0.1)"}
-    assert all(w["ssim"] is not None for w in summary["worst_case"])
-    assert len(summary["naive_vs_adaptive"]) == 2 and summary["naive_vs_adaptive"][0]["metric"] == "ssim"
+    assert {w.setting for w in summary.worst_case} == {"none", "gaussian(sigma=0.1)"}
+    assert all(w.mean("ssim") is not None for w in summary.worst_case)
+    assert len(summary.naive_vs_adaptive) == 2 and summary.naive_vs_adaptive[0].metric == "ssim"
     assert (tmp_path / "out" / "privacy_utility.png").exists()
     assert "No utility was measured" not in (tmp_path / "out" / "report.html").read_text()
 
@@ -99,7 +99,7 @@ def test_a_model_without_convolutions_runs_to_its_report(write_audit, tmp_path):
     audit = small_audit(model={"name": "mlp", "params": {"width": 32, "depth": 1}, "checkpoints": [0]},
                         architecture=True)
     summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
-    (analysis,) = summary["architecture"]
+    (analysis,) = summary.architecture
     assert "no convolutional layer" in analysis["not_applicable"]
     assert "not computed: " in (tmp_path / "out" / "report.html").read_text()
 
@@ -107,7 +107,7 @@ def test_a_model_without_convolutions_runs_to_its_report(write_audit, tmp_path):
 def test_the_architecture_analysis_runs_only_where_the_audit_shows_it(write_audit, tmp_path):
     """Inverting Gradients alone: no rank computation and no section in the report (``architecture: auto``)."""
     summary = run_audit(load_audit(write_audit(small_audit())), tmp_path / "out", progress=False)
-    assert summary["architecture"] == []
+    assert summary.architecture == []
     assert "Architecture:" not in (tmp_path / "out" / "report.html").read_text()
 
 

@@ -93,7 +93,7 @@ def test_attacks_the_step_momentum_and_weight_decay_hide_and_leaks(digits, tmp_p
     assert found[0]["psnr"] > baselines["random"]["psnr"] + 15  # the first step's update is a plain gradient
     assert found[0]["label_accuracy"] == 1.0
     summary = monitor.report()
-    assert summary["checkpoints"] == [0, 3] and summary["worst_case"][0]["verdict"] == "leaks"
+    assert summary.checkpoints == [0, 3] and summary.worst_case[0].verdict == "leaks"
     assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "leakage_by_step.png").is_file()
 
 
@@ -193,7 +193,7 @@ def test_a_second_attach_to_the_folder_resumes_and_report_rebuilds_it(digits, tm
         train(model, optimizer, loader, 3)
     assert [r["checkpoint"] for r in rows(tmp_path / "run")] == [0, 2]  # the second run added nothing
     summary = rebuild_report(RunFolder(tmp_path / "run", saved_audit(tmp_path / "run")))
-    assert summary["checkpoints"] == [0, 2]
+    assert summary.checkpoints == [0, 2]
     other = leakaudit.LeakMonitor(attacks=ATTACK, every=3, out=tmp_path / "run", mean=digits.mean, std=digits.std)
     with pytest.raises(leakaudit.ConfigError, match="holds a monitor run with other settings"):
         other.attach(model, torch.optim.SGD(model.parameters(), lr=LR), normalised_loader(digits))

@@ -99,7 +99,7 @@ def test_ray_gives_the_local_executors_rows_and_resumes(tmp_path, local_ray, loc
     summary = run_audit(load_audit(audit_file(tmp_path, executor={})), out, progress=False)
     assert rows(out) == local_rows and len(local_rows) == 8  # 2 settings x 2 steps x 2 targets
     assert json.loads((out / "run.json").read_text())["device"].startswith("ray: 2 CPUs, 0 GPUs on 1 node(s)")
-    assert (out / "report.html").is_file() and summary["checkpoints"] == [0, 5]
+    assert (out / "report.html").is_file() and summary.checkpoints == [0, 5]
     run_audit(load_audit(audit_file(tmp_path, executor={})), out, resume=True, progress=False)
     assert rows(out) == local_rows  # resumed: nothing run or written twice
 

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import shutil
 import subprocess
 
+from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
 
+from leakaudit.evaluator.results.types import CellResult, LeakThreshold, Scores, WorstCase, WorstImage
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.results.verdict import (
     LEAKS,
@@ -32,8 +35,10 @@ BASELINES = {"random": {"psnr": 6.0, "mse": 0.25}, "grey": {"psnr": 8.5, "mse": 
                                                                                                "mse": 0.12}}
 
 
-def _cell(attack: str, mean: float, ci: tuple[float, float], n: int = 8) -> dict:
-    return {"attack": attack, "psnr_mean": mean, "psnr_ci": list(ci), "psnr_n": n, "identifiable_n": n}
+def _cell(attack: str, mean: float, ci: tuple[float, float], n: int = 8, identifiable: float | None = None):
+    return CellResult(defense="g", setting="g", params={}, attack=attack, role="naive", checkpoint=0, targets=n,
+                      accuracy=None, epsilon=None, scores={"psnr": Scores(mean=mean, ci=list(ci), n=n)},
+                      identifiable=identifiable, identifiable_n=n)
 
 
 # --- the statistics, exactly -------------------------------------------------------------------
@@ -61,10 +66,10 @@ def test_identifiable_share_counts_reconstructions_nearest_their_own_original():
 
 
 def test_leak_threshold_is_the_better_guess_plus_the_metric_margin():
-    assert leak_threshold(BASELINES, PSNR, None) == {"value": 10.0, "guess": "mean", "guess_score": 9.0, "margin": 1.0}
-    assert leak_threshold(BASELINES, PSNR, 3.0)["value"] == 12.0
+    assert leak_threshold(BASELINES, PSNR, None) == LeakThreshold(value=10.0, guess="mean", guess_score=9.0, margin=1.0)
+    assert leak_threshold(BASELINES, PSNR, 3.0).value == 12.0
     low = leak_threshold(BASELINES, MSE, None)
-    assert low["guess"] == "mean" and low["value"] == pytest.approx(0.11)  # lower is more leakage: minus the margin
+    assert low.guess == "mean" and low.value == pytest.approx(0.11)  # lower is more leakage: minus the margin
     assert leak_threshold({"grey": {"psnr": None}}, PSNR, None) is None
 
 
@@ -72,32 +77,32 @@ def test_judge_leaks_protects_and_unusable_with_the_reason():
     t = leak_threshold(BASELINES, PSNR, None)
     strong = [_cell("ig", 14.0, (12.0, 16.0)), _cell("dlg", 13.5, (11.0, 15.0))]
     v = judge(strong, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
-    assert v["verdict"] == LEAKS and v["attack"] == "ig"
-    assert v["reason"] == ("ig reaches psnr 14 (95% CI 12 to 16, n=8); dlg is within its interval; its mean beats "
+    assert v.verdict == LEAKS and v.attack == "ig"
+    assert v.reason == ("ig reaches psnr 14 (95% CI 12 to 16, n=8); dlg is within its interval; its mean beats "
                            "the leak threshold 10 (mean guess 9 + margin 1)")
     weak = [_cell("ig", 9.5, (8.0, 11.0))]
-    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS
+    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS
     unusable = judge(weak, PSNR, t, 0.11, 0.15, 0.1, OPTIONS)
-    assert unusable["verdict"] == UNUSABLE
-    assert unusable["reason"].endswith("but test accuracy 0.110 is under 0.150 (chance 0.1 + 0.05)")
+    assert unusable.verdict == UNUSABLE
+    assert unusable.reason.endswith("but test accuracy 0.110 is under 0.150 (chance 0.1 + 0.05)")
     # the stricter statistic turns the same cell into a leak: its interval's leaking end
-    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, {**OPTIONS, "statistic": "ci_bound"})["verdict"] == LEAKS
-    assert judge(weak, PSNR, None, 0.9, 0.15, 0.1, OPTIONS)["verdict"] is None
+    assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, {**OPTIONS, "statistic": "ci_bound"}).verdict == LEAKS
+    assert judge(weak, PSNR, None, 0.9, 0.15, 0.1, OPTIONS).verdict is None
 
 
 def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only():
     t = leak_threshold(BASELINES, PSNR, None)
     weak = _cell("bayes", 9.5, (8.0, 11.0), n=32)
     # 11 of 32 nearest their own original: a guess gets 1 in 32; P(X >= 11) under Binomial(32, 1/32) = 1.9e-09
-    v = judge([{**weak, "identifiable": 11 / 32}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
-    assert v["verdict"] == LEAKS
-    assert v["reason"].endswith("but bayes identifies 11 of 32 images (each reconstruction nearest its own original; "
+    v = judge([replace(weak, identifiable=11 / 32)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
+    assert v.verdict == LEAKS
+    assert v.reason.endswith("but bayes identifies 11 of 32 images (each reconstruction nearest its own original; "
                                 "a guess: 1 in 32, binomial p = 1.9e-09), at least the 25% the verdict allows")
-    assert judge([{**weak, "identifiable": 4 / 32}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS  # < 25%
+    assert judge([replace(weak, identifiable=4 / 32)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS  # < 25%
     few = _cell("bayes", 9.5, (8.0, 11.0), n=4)  # 2 of 4: P(X >= 2 | 4, 1/4) = 0.26, chance explains it
-    assert judge([{**few, "identifiable": 0.5}], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)["verdict"] == PROTECTS
+    assert judge([replace(few, identifiable=0.5)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS
     off = {**OPTIONS, "identifiable": None}
-    assert judge([{**weak, "identifiable": 11 / 32}], PSNR, t, 0.9, 0.15, 0.1, off)["verdict"] == PROTECTS
+    assert judge([replace(weak, identifiable=11 / 32)], PSNR, t, 0.9, 0.15, 0.1, off).verdict == PROTECTS
 
 
 def test_summary_intervals_and_verdicts_from_rows(write_audit):
@@ -113,13 +118,12 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
              for t, p in enumerate([6.0, 7.0])]
     utility = [{"setting": "none", "accuracy": 0.9}, {"setting": "gaussian(sigma=1.0)", "accuracy": 0.1}]
     summary = summarise(audit, rows, utility, [], BASELINES, {"chance_accuracy": 0.1})
-    none, noisy = summary["worst_case"]
-    assert none["psnr"] == 21.0 and none["psnr_ci"] == [20.0, 22.0] and none["n"] == 2
-    assert summary["cells"][0]["psnr_std"] == pytest.approx(np.sqrt(2.0))  # the sample std (n - 1)
-    assert none["verdict"] == LEAKS and noisy["verdict"] == UNUSABLE and noisy["must_protect"]
-    assert none["worst_image"] == {"attack": "inverting_gradients", "checkpoint": 0, "score": 22.0, "target": 1,
-                                   "index": 0, "image": None}
-    assert summary["min_accuracy"] == pytest.approx(0.15)
+    none, noisy = summary.worst_case
+    assert none.mean("psnr") == 21.0 and none.ci("psnr") == [20.0, 22.0] and none.n == 2
+    assert summary.cells[0].scores["psnr"].std == pytest.approx(np.sqrt(2.0))  # the sample std (n - 1)
+    assert none.verdict == LEAKS and noisy.verdict == UNUSABLE and noisy.must_protect
+    assert none.worst_image == WorstImage(attack="inverting_gradients", checkpoint=0, score=22.0, target=1, index=0)
+    assert summary.min_accuracy == pytest.approx(0.15)
     assert_protects(summary)  # the marked setting does not leak
     with pytest.raises(AssertionError, match=r"^none leaks at step 0: inverting_gradients reaches psnr 21"):
         assert_protects(summary, ["none"])
@@ -127,8 +131,8 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     diverged = [{**r, "psnr": float("nan"), "per_image": {"psnr": [float("nan")]}} if r["defense"] == "gaussian"
                 else r for r in rows]
     summary = summarise(audit, diverged, utility, [], BASELINES, {"chance_accuracy": 0.1})
-    noisy = summary["worst_case"][1]
-    assert noisy["verdict"] is None and noisy["reason"].startswith("not judged: no attack scored a finite psnr")
+    noisy = summary.worst_case[1]
+    assert noisy.verdict is None and noisy.reason.startswith("not judged: no attack scored a finite psnr")
     with pytest.raises(AssertionError, match=r"gaussian\(sigma=1.0\) \(must_protect\) could not be judged"):
         assert_protects(summary)
 
@@ -253,11 +257,11 @@ def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, t
 
     audit = load_audit(write_audit(_audit(metrics=["ssim", "mse"])))
     summary = run_audit(audit, tmp_path / "out", progress=False)
-    assert summary["leakage_metric"] == "ssim" and summary["leak_threshold"]["margin"] == 0.05
-    assert {w["setting"]: w["verdict"] for w in summary["worst_case"]} == {"none": LEAKS,
+    assert summary.leakage_metric == "ssim" and summary.leak_threshold.margin == 0.05
+    assert {w.setting: w.verdict for w in summary.worst_case} == {"none": LEAKS,
                                                                            "gaussian(sigma=1.0)": UNUSABLE}
     assert (tmp_path / "out" / "privacy_utility.png").stat().st_size > 0
-    assert all(0.0 <= c["identifiable"] <= 1.0 and c["identifiable_by"] == "mse" for c in summary["cells"])
+    assert all(0.0 <= c.identifiable <= 1.0 and c.identifiable_by == "mse" for c in summary.cells)
 
 
 def test_the_ci_gate_example_passes_its_own_tests(tmp_path):
@@ -298,11 +302,13 @@ def test_a_defense_whose_settings_name_different_parameters_draws_its_line(tmp_p
     from leakaudit.evaluator.results.figures import plot_privacy_utility
     from leakaudit.plugins.manager import load_registry
 
-    points = [{"defense": "signsgd", "setting": key, "params": params, "accuracy": acc, "psnr": 9.0 + acc,
-               "baseline": False, "verdict": "protects", "epsilon": None}
+    points = [WorstCase(defense="signsgd", setting=key, params=params, baseline=False, reference=False, added=False,
+                        must_protect=False, accuracy=acc, epsilon=None, identifiable=None, attack="ig", checkpoint=0,
+                        scores={"psnr": Scores(mean=9.0 + acc, ci=[8.0, 10.0], n=2)}, n=2, verdict="protects",
+                        reason="", verdict_checkpoint=0)
               for key, params, acc in [("signsgd", {}, 0.8), ("signsgd(scaled=False)", {"scaled": False}, 0.1)]]
-    summary = {"worst_case": points, "leakage_metric": "psnr", "higher_is_more_leakage": True,
-               "leak_threshold": {"value": 14.0, "guess": "mean", "guess_score": 13.0, "margin": 1.0},
-               "chance_accuracy": 0.1, "min_accuracy": 0.15}
+    summary = SimpleNamespace(worst_case=points, leakage_metric="psnr", higher_is_more_leakage=True,
+                              leak_threshold=LeakThreshold(value=14.0, guess="mean", guess_score=13.0, margin=1.0),
+                              chance_accuracy=0.1, min_accuracy=0.15)
     assert plot_privacy_utility(summary, tmp_path / "pu.png", load_registry(entry_points=False))
     assert (tmp_path / "pu.png").stat().st_size > 0

@@ -42,8 +42,8 @@ def test_small_audit_writes_every_output(write_audit, tmp_path):
         assert key in rows[0]
     header = (out / "results.csv").read_text().splitlines()[0]
     assert header == "defense,setting,params,attack,checkpoint,target,epsilon,psnr,ssim,mse,label_accuracy,seconds"
-    assert {w["setting"] for w in summary["worst_case"]} == {"none", "gaussian(sigma=0.1)"}
-    assert all(0 <= u["accuracy"] <= 1 for u in summary["utility"].values())
+    assert {w.setting for w in summary.worst_case} == {"none", "gaussian(sigma=0.1)"}
+    assert all(0 <= u.accuracy <= 1 for u in summary.utility.values())
     html = (out / "report.html").read_text()
     # privacy-utility, leakage by step, the worst images and a grid per checkpoint; no epsilon plot without dpsgd
     assert html.count("data:image/png;base64,") == 5 and "name: small" in html
@@ -174,7 +174,7 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
     rows = [{**row, "target": 0, "psnr": 20.0}, {**row, "target": 1, "psnr": float("nan")}]
     notes: list[str] = []
     summary = summarise(audit, rows, [], notes)
-    assert summary["cells"][0]["psnr_mean"] == 20.0 and summary["cells"][0]["psnr_std"] == 0.0
+    assert summary.cells[0].mean("psnr") == 20.0 and summary.cells[0].scores["psnr"].std == 0.0
     assert notes == ["none, inverting_gradients, step 0: 1 of 2 images have a non-finite psnr "
                      "(the model or the reconstruction diverged); the cell leaves them out"]
 
@@ -182,6 +182,7 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
 def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_one(write_audit):
     from leakaudit.evaluator.audit.config import load_audit
     from leakaudit.evaluator.results.summary import summarise
+    from leakaudit.evaluator.results.types import NaiveVsAdaptive
 
     attacks = [{"name": "inverting_gradients", "label": "ig"}, {"name": "dlg", "label": "dlg"},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"drop_defended": True}},
@@ -192,10 +193,10 @@ def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_o
     scores = {"ig": 12.0, "dlg": 14.5, "ig_drop": 21.0, "tuned": 13.0}
     rows = [{**row, "attack": a, "psnr": v} for a, v in scores.items()]
     rows.append({**row, "setting": "gaussian(sigma=0.1)", "defense": "gaussian", "attack": "ig", "psnr": 9.0})
-    (line,) = summarise(audit, rows, [], [])["naive_vs_adaptive"]
-    assert line == {"defense": "none", "setting": "none", "checkpoint": 0, "metric": "psnr", "accuracy": None,
-                    "naive_attack": "dlg", "naive_score": 14.5, "adaptive_attack": "ig_drop", "adaptive_score": 21.0,
-                    "gap": 6.5}
+    (line,) = summarise(audit, rows, [], []).naive_vs_adaptive
+    assert line == NaiveVsAdaptive(defense="none", setting="none", checkpoint=0, metric="psnr", accuracy=None,
+                                   naive_attack="dlg", naive_score=14.5, adaptive_attack="ig_drop",
+                                   adaptive_score=21.0, gap=6.5)
 
 
 def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
@@ -210,9 +211,9 @@ def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
            "ssim": 0.5}
     rows = [{**row, "attack": "ig", "mse": 0.02}, {**row, "attack": "ig_drop", "mse": 0.05}]
     summary = summarise(audit, rows, [], [])
-    assert summary["worst_case"][0]["attack"] == "ig" and summary["worst_case"][0]["mse"] == 0.02
-    (line,) = summary["naive_vs_adaptive"]
-    assert line["gap"] == pytest.approx(-0.03)  # the adaptive attack leaked less: a negative gap
+    assert summary.worst_case[0].attack == "ig" and summary.worst_case[0].mean("mse") == 0.02
+    (line,) = summary.naive_vs_adaptive
+    assert line.gap == pytest.approx(-0.03)  # the adaptive attack leaked less: a negative gap
 
 
 def _children(pid: int) -> list[int]:
@@ -288,7 +289,7 @@ def test_resume_allows_what_only_judges_and_refuses_another_device(write_audit, 
     judged = {**first, "name": "renamed", "leakage_metric": "ssim", "verdict": {"margin": 0.1, "bootstrap": 500},
               "defenses": [{"name": "none"}, {"name": "gaussian", "params": {"sigma": 0.1}, "must_protect": True}]}
     summary = run_audit(load_audit(write_audit(judged, "judged.yaml")), out, resume=True, progress=False)
-    assert summary["audit"] == "renamed" and summary["leak_threshold"]["margin"] == 0.1
+    assert summary.audit == "renamed" and summary.leak_threshold.margin == 0.1
     info = json.loads((out / "run.json").read_text())
     assert len(info["sessions"]) == 2 and info["device_type"] == "cpu"
     (out / "run.json").write_text(json.dumps({**info, "device_type": "cuda"}))
@@ -307,15 +308,15 @@ def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_aud
                                                                            "priors": {"tv": 0.01}}}],
                         utility={"train_steps": 5, "batch_size": 8, "train_defended": False})
     summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
-    utility = summary["utility"]
-    accuracies = {u["accuracy"] for u in utility.values()}
-    assert len(accuracies) == 1 and all(u["epsilon"] is None for u in utility.values())
+    utility = summary.utility
+    accuracies = {u.accuracy for u in utility.values()}
+    assert len(accuracies) == 1 and all(u.epsilon is None for u in utility.values())
     rows = {(r["setting"], r["checkpoint"]): r["psnr"] for r in _rows(tmp_path / "out") if r["target"] == 0}
     assert rows[("gaussian(sigma=1.0)", 0)] < rows[("none", 0)] - 3.0  # the shared update is still noised
     defended = run_audit(load_audit(write_audit({**audit, "utility": {**audit["utility"], "train_defended": True}},
                                                 "defended.yaml")), tmp_path / "defended", progress=False)
-    assert len({u["accuracy"] for u in defended["utility"].values()}) > 1  # trained under the defenses: they differ
-    assert defended["utility"]["dpsgd(noise_multiplier=1.0)"]["epsilon"] > 0
+    assert len({u.accuracy for u in defended.utility.values()}) > 1  # trained under the defenses: they differ
+    assert defended.utility["dpsgd(noise_multiplier=1.0)"].epsilon > 0
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

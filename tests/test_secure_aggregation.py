@@ -47,7 +47,7 @@ def test_the_mean_of_four_clients_leaks_less_than_one_client(write_audit, tmp_pa
                             protocol={"name": "fedavg", "local_lr": 0.1, "clients": clients},
                             attacks=[{"name": "inverting_gradients", "params": {"iterations": 300}}])
         summary = run_audit(load_audit(write_audit(audit, f"c{clients}.yaml")), tmp_path / f"c{clients}", progress=False)
-        psnr[clients] = summary["cells"][0]["psnr_mean"]
+        psnr[clients] = summary.cells[0].mean("psnr")
     assert psnr[1] > 20 and psnr[4] < psnr[1] - 3
 
 

@@ -31,8 +31,8 @@ def _run(tmp_path, name: str, **changes) -> dict:
     return run_audit(load_audit(path), tmp_path / "out", progress=False)
 
 
-def _psnr(summary: dict, setting: str, attack: str) -> float:
-    return next(c["psnr_mean"] for c in summary["cells"] if c["setting"] == setting and c["attack"] == attack)
+def _psnr(summary, setting: str, attack: str) -> float:
+    return summary.cell(setting, attack, 0).mean("psnr")
 
 
 def _needs_absent_data(path) -> bool:
@@ -79,22 +79,22 @@ def test_table2_at_the_paper_shape_runs_on_an_offline_stand_in(tmp_path):
     trials = [json.loads(line) for line in (tmp_path / "out" / "tuning.jsonl").read_text().splitlines()]
     # two attacks' searches of 15 trials at two steps, on the setting and on the reference added to calibrate it
     assert {t["stage"] for t in trials} == {"scan", "grid"} and len(trials) == 2 * 2 * 2 * 15
-    assert all(s["budget"] == 15 and "scan priors.tv" in s["on_grid"] for s in summary["tuning"])
+    assert all(s.budget == 15 and "scan priors.tv" in s.on_grid for s in summary.tuning)
 
 
 def test_batch_of_four_beats_the_random_guess(tmp_path):
     summary = _run(tmp_path, "batch4", **{"data.targets": 4})
-    random_guess = summary["baselines"]["random"]
-    cell = summary["cells"][0]
-    assert cell["targets"] == 1 and cell["label_accuracy_mean"] == 1.0
-    assert cell["psnr_mean"] > random_guess["psnr"] + 4.0  # measured: 11.4 against 6.4 dB
-    assert cell["ssim_mean"] > random_guess["ssim"] + 0.15  # measured: 0.20 against 0.01
+    random_guess = summary.baselines["random"]
+    cell = summary.cells[0]
+    assert cell.targets == 1 and cell.mean("label_accuracy") == 1.0
+    assert cell.mean("psnr") > random_guess["psnr"] + 4.0  # measured: 11.4 against 6.4 dB
+    assert cell.mean("ssim") > random_guess["ssim"] + 0.15  # measured: 0.20 against 0.01
 
 
 def test_fedavg_five_local_steps_beats_the_random_guess(tmp_path):
     summary = _run(tmp_path, "fedavg", **{"data.targets": 2, "attacks.0.params.iterations": 500})
-    assert summary["cells"][0]["psnr_mean"] > summary["baselines"]["random"]["psnr"] + 8.0
-    assert summary["cells"][0]["label_accuracy_mean"] == 1.0
+    assert summary.cells[0].mean("psnr") > summary.baselines["random"]["psnr"] + 8.0
+    assert summary.cells[0].mean("label_accuracy") == 1.0
 
 
 @pytest.mark.slow
@@ -116,12 +116,12 @@ def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_p
         "defenses": [{"name": "none"},
                      {"name": "dpsgd", "params": {"max_grad_norm": 1.0}, "sweep": {"noise_multiplier": [0.003, 1.0]}}],
         "attacks": [{"name": "inverting_gradients", "params": {"iterations": 200}}]})
-    worst = {w["setting"]: w for w in summary["worst_case"]}
+    worst = {w.setting: w for w in summary.worst_case}
     none = worst["none"]
     low, high = (worst[f"dpsgd(max_grad_norm=1.0,noise_multiplier={s})"] for s in (0.003, 1.0))
-    assert none["psnr"] > high["psnr"] + 3.0 and low["psnr"] > high["psnr"] + 3.0
-    assert none["epsilon"] is None and low["epsilon"] > high["epsilon"] > 0
-    assert low["accuracy"] > high["accuracy"] + 0.1
+    assert none.mean("psnr") > high.mean("psnr") + 3.0 and low.mean("psnr") > high.mean("psnr") + 3.0
+    assert none.epsilon is None and low.epsilon > high.epsilon > 0
+    assert low.accuracy > high.accuracy + 0.1
 
 
 def _reduced(audit: dict) -> dict:
@@ -178,5 +178,5 @@ def test_every_shipped_audit_runs_to_its_report(name, tmp_path):
     loaded = load_audit(path)
     summary = run_audit(loaded, tmp_path / "out", progress=False)
     assert (tmp_path / "out" / "report.html").stat().st_size > 0
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["cells"] == summary["cells"]
-    assert len(summary["cells"]) == len({(j.setting.key, j.attack.key) for j in jobs_of(loaded)})
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["cells"] == summary.to_json()["cells"]
+    assert len(summary.cells) == len({(j.setting.key, j.attack.key) for j in jobs_of(loaded)})

@@ -52,12 +52,12 @@ def test_a_winner_on_a_grid_edge_is_a_warning(write_audit):
               {**row, "trial": 2, "params": {**base, "lr": 0.3}, "score": 14.0}]
     notes: list[str] = []
     (line,) = summarise_tuning(audit, trials, notes)
-    assert line["winner"] == {"lr": 0.3} and line["on_grid"] == "lr: highest" and line["budget"] == 3
+    assert line.winner == {"lr": 0.3} and line.on_grid == "lr: highest" and line.budget == 3
     assert notes == ["none, bayes, step 0: the tuned lr=0.3 is the highest value of its grid [0.03, 0.1, 0.3]; "
                      "the best may lie beyond it: widen the grid"]
     trials[2]["score"] = 11.0  # the winner inside the grid: no warning
     notes.clear()
-    assert summarise_tuning(audit, trials, notes)[0]["on_grid"] == "lr: inside" and notes == []
+    assert summarise_tuning(audit, trials, notes)[0].on_grid == "lr: inside" and notes == []
 
 
 def test_candidates_start_untuned_are_distinct_and_seeded():
@@ -115,7 +115,7 @@ def test_a_scan_best_on_its_edge_is_a_warning(write_audit):
                    "score": 13.0})
     notes: list[str] = []
     (line,) = summarise_tuning(audit, trials, notes)
-    assert line["on_grid"] == "scan priors.tv: 0.01 (highest); lr: highest; priors.tv: inside"
+    assert line.on_grid == "scan priors.tv: 0.01 (highest); lr: highest; priors.tv: inside"
     assert notes[-1] == ("none, bayes, step 0: the scan's best priors.tv=0.01 is the highest value of its scan "
                          "0.0001..0.01; the best may lie beyond it: widen the scan")
 
@@ -130,7 +130,7 @@ def test_a_scanning_audit_runs_its_grid_around_the_scan_best_and_resumes(write_a
     summary = run_audit(audit, out, progress=False)
     trials = [t for line in (out / "tuning.jsonl").read_text().splitlines()
               if (t := json.loads(line))["setting"] != "none"]  # the added reference is tuned alike
-    assert [t["stage"] for t in trials] == ["scan"] * 4 + ["grid"] * 3 and len(summary["tuning"]) == 2
+    assert [t["stage"] for t in trials] == ["scan"] * 4 + ["grid"] * 3 and len(summary.tuning) == 2
     best = max(trials[:4], key=lambda t: t["score"])["params"]["priors"]["tv"]
     grid = {t["params"]["priors"]["tv"] for t in trials[4:]}
     assert grid <= {float(f"{best / 2:.3g}"), float(f"{best * 2:.3g}")}
@@ -185,10 +185,10 @@ def test_tuned_audit_reports_the_search_and_attacks_with_the_winner(write_audit,
     trials = [t for line in (out / "tuning.jsonl").read_text().splitlines()
               if (t := json.loads(line))["setting"] != "none"]  # the added reference is tuned alike
     assert [t["trial"] for t in trials] == [0, 1, 2] and trials[0]["params"]["lr"] == 0.001
-    (search,) = [s for s in summary["tuning"] if s["setting"] != "none"]
-    assert search["budget"] == 3 and search["trials"] == 3
-    assert search["tuned"] >= search["untuned"]
-    assert search["tuned"] == max(t["score"] for t in trials)
+    (search,) = [s for s in summary.tuning if s.setting != "none"]
+    assert search.budget == 3 and search.trials == 3
+    assert search.tuned >= search.untuned
+    assert search.tuned == max(t["score"] for t in trials)
     best = max(trials, key=lambda t: t["score"])["params"]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all(r["attack_params"] == best for r in rows)

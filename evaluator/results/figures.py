@@ -18,6 +18,7 @@ from leakaudit.evaluator.audit.jobs import AttackJob, job_at
 from leakaudit.evaluator.audit.types import params_text, value_text
 from leakaudit.evaluator.results.rundir import RunFolder
 from leakaudit.evaluator.results.summary import per_image, second_views
+from leakaudit.evaluator.results.types import CellResult, Summary, WorstCase
 from leakaudit.evaluator.results.verdict import LEAKS, exact_interval
 from leakaudit.plugins.manager import Registry
 
@@ -29,44 +30,45 @@ def _axis_label(metric: str, higher: bool) -> str:
     return f"{metric.upper()} of the strongest attack ({'higher' if higher else 'lower'}: more leakage)"
 
 
-def _second_metric(points: list[dict], first: str, registry: Registry) -> str | None:
+def _second_metric(points: list[WorstCase], first: str, registry: Registry) -> str | None:
     """The first of the second views of leakage (``Metric.view_rank``) that the worst cases carry."""
-    return next((m for m in second_views(registry) if m != first and any(w.get(m) is not None for w in points)), None)
+    return next((m for m in second_views(registry) if m != first and any(w.mean(m) is not None for w in points)),
+                None)
 
 
-def _yerr(points: list[dict], metric: str) -> np.ndarray | None:
+def _yerr(points: list[WorstCase], metric: str) -> np.ndarray | None:
     """Asymmetric error bars from each point's interval (None when a point has none)."""
-    cis = [w.get(f"{metric}_ci") for w in points]
+    cis = [w.ci(metric) for w in points]
     if any(ci is None for ci in cis):
         return None
-    return np.array([[w[metric] - ci[0] for w, ci in zip(points, cis)],
-                     [ci[1] - w[metric] for w, ci in zip(points, cis)]]).clip(min=0)
+    return np.array([[w.mean(metric) - ci[0] for w, ci in zip(points, cis)],
+                     [ci[1] - w.mean(metric) for w, ci in zip(points, cis)]]).clip(min=0)
 
 
-def _threshold_line(ax, summary: dict, metric: str) -> None:
+def _threshold_line(ax, summary: Summary, metric: str) -> None:
     """The leak threshold, with the side beyond it shaded: points there leak."""
-    t = summary.get("leak_threshold")
-    if t is None or metric != summary["leakage_metric"]:
+    t = summary.leak_threshold
+    if t is None or metric != summary.leakage_metric:
         return
-    ax.axhline(t["value"], color="firebrick", linestyle="--", linewidth=1,
-               label=f"leak threshold ({t['guess']} guess {'+' if summary['higher_is_more_leakage'] else '-'} "
-                     f"{t['margin']:g})")
-    ax.axhline(t["guess_score"], color="grey", linestyle=":", linewidth=1, label=f"{t['guess']} guess")
+    ax.axhline(t.value, color="firebrick", linestyle="--", linewidth=1,
+               label=f"leak threshold ({t.guess} guess {'+' if summary.higher_is_more_leakage else '-'} "
+                     f"{t.margin:g})")
+    ax.axhline(t.guess_score, color="grey", linestyle=":", linewidth=1, label=f"{t.guess} guess")
     low, high = ax.get_ylim()
-    if summary["higher_is_more_leakage"]:
-        ax.axhspan(t["value"], max(high, t["value"]), color="firebrick", alpha=0.06)
+    if summary.higher_is_more_leakage:
+        ax.axhspan(t.value, max(high, t.value), color="firebrick", alpha=0.06)
     else:
-        ax.axhspan(min(low, t["value"]), t["value"], color="firebrick", alpha=0.06)
+        ax.axhspan(min(low, t.value), t.value, color="firebrick", alpha=0.06)
 
 
-def _chance_line(ax, summary: dict) -> None:
+def _chance_line(ax, summary: Summary) -> None:
     """Chance accuracy, and the accuracy a usable model needs, with the unusable side shaded."""
-    if summary.get("chance_accuracy") is not None:
-        ax.axvline(summary["chance_accuracy"], color="black", linestyle="-.", linewidth=1, label="chance accuracy")
-    if summary.get("min_accuracy") is not None:
-        ax.axvline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
+    if summary.chance_accuracy is not None:
+        ax.axvline(summary.chance_accuracy, color="black", linestyle="-.", linewidth=1, label="chance accuracy")
+    if summary.min_accuracy is not None:
+        ax.axvline(summary.min_accuracy, color="darkorange", linestyle="--", linewidth=1, label="usable from")
         left, _ = ax.get_xlim()
-        ax.axvspan(min(left, summary["min_accuracy"]), summary["min_accuracy"], color="darkorange", alpha=0.06)
+        ax.axvspan(min(left, summary.min_accuracy), summary.min_accuracy, color="darkorange", alpha=0.06)
 
 
 def _style(ax, xlabel: str, ylabel: str) -> None:
@@ -82,62 +84,62 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def _varying(ws: list[dict]) -> list[str]:
+def _varying(ws: list[WorstCase]) -> list[str]:
     """The parameters that vary along one defense's line (one setting may leave a parameter at its default)."""
-    keys = dict.fromkeys(k for x in ws for k in x["params"])
-    return [k for k in keys if len({str(x["params"].get(k)) for x in ws}) > 1]
+    keys = dict.fromkeys(k for x in ws for k in x.params)
+    return [k for k in keys if len({str(x.params.get(k)) for x in ws}) > 1]
 
 
-def _point_text(w: dict, ws: list[dict]) -> str:
+def _point_text(w: WorstCase, ws: list[WorstCase]) -> str:
     """A point's short label: the values of the parameters that vary (named in the legend), and epsilon."""
     varying = _varying(ws)
-    text = ", ".join(value_text(w["params"][k]) if k in w["params"] else "default" for k in varying) if varying \
-        else params_text(w["params"])
-    if w.get("epsilon") is not None and math.isfinite(w["epsilon"]):
-        text += f" (ε {w['epsilon']:.2g})"
+    text = ", ".join(value_text(w.params[k]) if k in w.params else "default" for k in varying) if varying \
+        else params_text(w.params)
+    if w.epsilon is not None and math.isfinite(w.epsilon):
+        text += f" (ε {w.epsilon:.2g})"
     return text
 
 
-def _line_label(defense: str, ws: list[dict]) -> str:
+def _line_label(defense: str, ws: list[WorstCase]) -> str:
     varying = _varying(ws)
     return f"{defense}: {', '.join(varying)}" if varying else defense
 
 
-def _mark_leaks(ax, points: list[dict], x: str, y: str) -> None:
+def _mark_leaks(ax, points: list[WorstCase], x: str, y: str) -> None:
     """Ring the points whose verdict is leaks (by score or by identification), so a point under the
     threshold line that leaks by identification is not read as safe."""
-    leaking = [w for w in points if w.get("verdict") == LEAKS and w.get(y) is not None]
+    leaking = [w for w in points if w.verdict == LEAKS and w.mean(y) is not None]
     if leaking:
-        ax.scatter([w[x] for w in leaking], [w[y] for w in leaking], s=150, facecolors="none",
+        ax.scatter([getattr(w, x) for w in leaking], [w.mean(y) for w in leaking], s=150, facecolors="none",
                    edgecolors="firebrick", linewidths=1.6, zorder=4, label="verdict: leaks")
 
 
-def plot_privacy_utility(summary: dict, path: Path, registry: Registry) -> bool:
+def plot_privacy_utility(summary: Summary, path: Path, registry: Registry) -> bool:
     """Accuracy against the strongest attack's leakage (with its interval), one line per defense, beside the
     leak threshold and chance accuracy. False when there is no utility to plot."""
-    points = [w for w in summary["worst_case"] if w["accuracy"] is not None]
+    points = [w for w in summary.worst_case if w.accuracy is not None]
     if not points:
         return False
-    first = summary["leakage_metric"]
+    first = summary.leakage_metric
     second = _second_metric(points, first, registry)
     panels = [first] + ([second] if second else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
-    by_defense: dict[str, list[dict]] = defaultdict(list)
+    by_defense: dict[str, list[WorstCase]] = defaultdict(list)
     for w in points:
-        by_defense[w["defense"]].append(w)
+        by_defense[w.defense].append(w)
     for ax, metric in zip(axes[0], panels):
         for defense, ws in by_defense.items():
-            ws = sorted((w for w in ws if w.get(metric) is not None), key=lambda w: w["accuracy"])
+            ws = sorted((w for w in ws if w.mean(metric) is not None), key=lambda w: w.accuracy)
             if not ws:
                 continue
-            xs, ys = [w["accuracy"] for w in ws], [w[metric] for w in ws]
-            if all(w["baseline"] for w in ws):  # hollow and beneath: a defense's point at the same place shows
+            xs, ys = [w.accuracy for w in ws], [w.mean(metric) for w in ws]
+            if all(w.baseline for w in ws):  # hollow and beneath: a defense's point at the same place shows
                 ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=15, markerfacecolor="none",
                             color="black", zorder=1, label="no defense")
                 continue
             ax.errorbar(xs, ys, yerr=_yerr(ws, metric), marker="o", capsize=3, label=_line_label(defense, ws))
             for w in ws:
-                ax.annotate(_point_text(w, ws), (w["accuracy"], w[metric]), fontsize=7,
+                ax.annotate(_point_text(w, ws), (w.accuracy, w.mean(metric)), fontsize=7,
                             textcoords="offset points", xytext=(5, 2))
         _mark_leaks(ax, points, "accuracy", metric)
         ax.set_title(f"privacy against utility ({metric})", fontsize=11)
@@ -148,108 +150,113 @@ def plot_privacy_utility(summary: dict, path: Path, registry: Registry) -> bool:
     return True
 
 
-def _strongest_by(summary: dict, key: str) -> dict[str, dict[Any, dict]]:
-    """Per setting and ``key`` (checkpoint): the cell of the most leaking attack."""
-    metric, sign = summary["leakage_metric"], 1 if summary["higher_is_more_leakage"] else -1
-    best: dict[str, dict[Any, dict]] = defaultdict(dict)
-    for c in summary["cells"]:
-        v = c.get(f"{metric}_mean")
+def _strongest_by_step(summary: Summary) -> dict[str, dict[int, CellResult]]:
+    """Per setting and checkpoint: the cell of the most leaking attack."""
+    metric, sign = summary.leakage_metric, 1 if summary.higher_is_more_leakage else -1
+    best: dict[str, dict[int, CellResult]] = defaultdict(dict)
+    for c in summary.cells:
+        v = c.mean(metric)
         if v is not None:
-            old = best[c["setting"]].get(c[key])
-            if old is None or sign * v > sign * old[f"{metric}_mean"]:
-                best[c["setting"]][c[key]] = c
+            old = best[c.setting].get(c.checkpoint)
+            if old is None or sign * v > sign * old.mean(metric):
+                best[c.setting][c.checkpoint] = c
     return best
 
 
-def plot_leakage_by_step(summary: dict, path: Path) -> bool:
+def plot_leakage_by_step(summary: Summary, path: Path) -> bool:
     """The strongest attack's leakage against training step, with intervals, one line per setting."""
-    if len(summary["checkpoints"]) < 2:
+    if len(summary.checkpoints) < 2:
         return False
-    metric = summary["leakage_metric"]
+    metric = summary.leakage_metric
     fig, ax = plt.subplots(figsize=(6.8, 4.6))
-    for setting, by_step in _strongest_by(summary, "checkpoint").items():
+    for setting, by_step in _strongest_by_step(summary).items():
         cells = [by_step[s] for s in sorted(by_step)]
-        points = [{metric: c[f"{metric}_mean"], f"{metric}_ci": c[f"{metric}_ci"]} for c in cells]
-        ax.errorbar(sorted(by_step), [p[metric] for p in points], yerr=_yerr(points, metric), marker="o",
+        ax.errorbar(sorted(by_step), [c.mean(metric) for c in cells], yerr=_yerr(cells, metric), marker="o",
                     capsize=3, label=textwrap.shorten(setting, 40))
     _threshold_line(ax, summary, metric)
-    _style(ax, "training step of the attacked model", _axis_label(metric, summary["higher_is_more_leakage"]))
+    _style(ax, "training step of the attacked model", _axis_label(metric, summary.higher_is_more_leakage))
     _save(fig, path)
     return True
 
 
-def plot_leakage_by_epsilon(summary: dict, path: Path) -> bool:
+def plot_leakage_by_epsilon(summary: Summary, path: Path) -> bool:
     """For defenses with a formal guarantee: leakage and accuracy against epsilon (log scale)."""
-    metric = summary["leakage_metric"]
-    points = sorted((w for w in summary["worst_case"] if w.get("epsilon") is not None
-                     and math.isfinite(w["epsilon"]) and w.get(metric) is not None), key=lambda w: w["epsilon"])
+    metric = summary.leakage_metric
+    points = sorted((w for w in summary.worst_case if w.epsilon is not None
+                     and math.isfinite(w.epsilon) and w.mean(metric) is not None), key=lambda w: w.epsilon)
     if not points:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.4, 4.6))
-    for defense in dict.fromkeys(w["defense"] for w in points):
-        ws = [w for w in points if w["defense"] == defense]
-        xs = [w["epsilon"] for w in ws]
-        left.errorbar(xs, [w[metric] for w in ws], yerr=_yerr(ws, metric), marker="o", capsize=3,
+    for defense in dict.fromkeys(w.defense for w in points):
+        ws = [w for w in points if w.defense == defense]
+        xs = [w.epsilon for w in ws]
+        left.errorbar(xs, [w.mean(metric) for w in ws], yerr=_yerr(ws, metric), marker="o", capsize=3,
                       label=_line_label(defense, ws))
-        if all(w["accuracy"] is not None for w in ws):
-            right.plot(xs, [w["accuracy"] for w in ws], marker="o", label=defense)
-    for w in summary["worst_case"]:
-        if w["baseline"] and w.get(metric) is not None:
-            left.axhline(w[metric], color="black", linewidth=1, label="no defense")
-            if w["accuracy"] is not None:
-                right.axhline(w["accuracy"], color="black", linewidth=1, label="no defense")
+        if all(w.accuracy is not None for w in ws):
+            right.plot(xs, [w.accuracy for w in ws], marker="o", label=defense)
+    for w in summary.worst_case:
+        if w.baseline and w.mean(metric) is not None:
+            left.axhline(w.mean(metric), color="black", linewidth=1, label="no defense")
+            if w.accuracy is not None:
+                right.axhline(w.accuracy, color="black", linewidth=1, label="no defense")
     _mark_leaks(left, points, "epsilon", metric)
     _threshold_line(left, summary, metric)
-    if summary.get("chance_accuracy") is not None:
-        right.axhline(summary["chance_accuracy"], color="black", linestyle="-.", linewidth=1, label="chance accuracy")
-    if summary.get("min_accuracy") is not None:
-        right.axhline(summary["min_accuracy"], color="darkorange", linestyle="--", linewidth=1, label="usable from")
+    if summary.chance_accuracy is not None:
+        right.axhline(summary.chance_accuracy, color="black", linestyle="-.", linewidth=1, label="chance accuracy")
+    if summary.min_accuracy is not None:
+        right.axhline(summary.min_accuracy, color="darkorange", linestyle="--", linewidth=1, label="usable from")
     for ax in (left, right):
         ax.set_xscale("log")
-    delta = next(iter(summary["utility"].values()), {}).get("delta")
+    delta = _delta(summary)
     xlabel = f"epsilon at delta {delta:g} (log scale)" if delta else "epsilon (log scale)"
     left.set_title("leakage against the privacy guarantee", fontsize=11)
     right.set_title("utility against the privacy guarantee", fontsize=11)
-    _style(left, xlabel, _axis_label(metric, summary["higher_is_more_leakage"]))
+    _style(left, xlabel, _axis_label(metric, summary.higher_is_more_leakage))
     _style(right, xlabel, "test accuracy")
     _save(fig, path)
     return True
 
 
-def plot_identification_bound(summary: dict, path: Path) -> bool:
+def plot_identification_bound(summary: Summary, path: Path) -> bool:
     """For settings with a privacy guarantee: the most identifying attack's share of identified targets (with its
     exact 95% interval) beside the bound the guarantee sets on any attack, against epsilon (or mu)."""
-    points = [w for w in summary["worst_case"] if w.get("privacy") and w["privacy"]["bound"] is not None
-              and w["privacy"]["identified"] is not None]
-    by_epsilon = bool(points) and all(_positive(w.get("epsilon")) for w in points)
-    x = (lambda w: w["epsilon"]) if by_epsilon else (lambda w: w["privacy"]["mu"])
+    points = [w for w in summary.worst_case if w.privacy and w.privacy.bound is not None
+              and w.privacy.identified is not None]
+    by_epsilon = bool(points) and all(_positive(w.epsilon) for w in points)
+    x = (lambda w: w.epsilon) if by_epsilon else (lambda w: w.privacy.mu)
     points = [w for w in points if _positive(x(w))]  # a log axis: no infinite, missing or zero guarantee
     if not points:
         return False
     fig, ax = plt.subplots(figsize=(6.8, 4.4))
-    for defense in dict.fromkeys(w["defense"] for w in points):
-        ws = sorted((w for w in points if w["defense"] == defense), key=x)
-        line = ax.plot([x(w) for w in ws], [w["privacy"]["bound"] for w in ws], linestyle="--",
+    for defense in dict.fromkeys(w.defense for w in points):
+        ws = sorted((w for w in points if w.defense == defense), key=x)
+        line = ax.plot([x(w) for w in ws], [w.privacy.bound for w in ws], linestyle="--",
                        label=f"{defense}: bound on any attack")[0]
-        shares = np.array([w["privacy"]["identified"] for w in ws])
-        n = np.array([w["privacy"]["identified_n"] for w in ws])
+        shares = np.array([w.privacy.identified for w in ws])
+        n = np.array([w.privacy.identified_n for w in ws])
         low, high = exact_interval(np.round(shares * n).astype(int), n, 0.025)  # two-sided 95%
         ax.errorbar([x(w) for w in ws], shares, yerr=[shares - low, high - shares], marker="o", capsize=3,
                     linestyle="none", color=line.get_color(), label=f"{defense}: identified by the attacks")
-        bad = [w for w in ws if w["privacy"]["violated"]]
+        bad = [w for w in ws if w.privacy.violated]
         if bad:
-            ax.scatter([x(w) for w in bad], [w["privacy"]["identified"] for w in bad], s=160, facecolors="none",
+            ax.scatter([x(w) for w in bad], [w.privacy.identified for w in bad], s=160, facecolors="none",
                        edgecolors="red", linewidths=2, zorder=4, label="beyond the bound")
-    chance = points[0]["privacy"]["chance"]
+    chance = points[0].privacy.chance
     ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"a guess ({chance:.0%})")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("identification against the bound the guarantee sets", fontsize=11)
-    delta = next(iter(summary["utility"].values()), {}).get("delta")
+    delta = _delta(summary)
     _style(ax, (f"epsilon at delta {delta:g} (log scale)" if delta else "epsilon (log scale)") if by_epsilon
            else "mu of one update (log scale)", "share of targets identified")
     _save(fig, path)
     return True
+
+
+def _delta(summary: Summary) -> float | None:
+    """The delta of the settings' training guarantee (None without one)."""
+    first = next(iter(summary.utility.values()), None)
+    return None if first is None else first.delta
 
 
 def _positive(value: float | None) -> bool:
@@ -310,27 +317,27 @@ def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str
     return True
 
 
-def plot_worst_images(folder: RunFolder, summary: dict, path: Path) -> bool:
+def plot_worst_images(folder: RunFolder, summary: Summary, path: Path) -> bool:
     """Per setting, the single most leaking reconstruction beside its original."""
     audit = folder.audit
     shown = []
-    for w in summary["worst_case"]:
-        at = w["worst_image"]
-        if "target" not in at:
+    for w in summary.worst_case:
+        at = w.worst_image
+        if at is None:
             continue
-        saved = folder.load_reconstruction(job_at(audit, w["setting"], at["attack"], at["checkpoint"], at["target"]))
+        saved = folder.load_reconstruction(job_at(audit, w.setting, at.attack, at.checkpoint, at.target))
         if saved is not None:
-            shown.append((w, saved["original"][at["index"]], saved["reconstruction"][at["index"]]))
+            shown.append((w, saved["original"][at.index], saved["reconstruction"][at.index]))
     if not shown:
         return False
     fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown) + 1.2, 4.6), squeeze=False)
     for j, (w, orig, rec) in enumerate(shown):
         _show(axes[0][j], orig)
         _show(axes[1][j], rec)
-        axes[0][j].set_title(_label(w["setting"], 22), fontsize=8)
-        at = w["worst_image"]
-        axes[1][j].set_xlabel(_label(f"{summary['leakage_metric']} {at['score']:.3g}, {at['attack']}, "
-                                     f"step {at['checkpoint']}", 22), fontsize=8)
+        axes[0][j].set_title(_label(w.setting, 22), fontsize=8)
+        at = w.worst_image
+        axes[1][j].set_xlabel(_label(f"{summary.leakage_metric} {at.score:.3g}, {at.attack}, step {at.checkpoint}",
+                                     22), fontsize=8)
     axes[0][0].set_ylabel("original", fontsize=9)
     axes[1][0].set_ylabel("most leaking\nreconstruction", fontsize=9)
     _save(fig, path)

@@ -27,6 +27,7 @@ from leakaudit.evaluator.results.figures import (
 from leakaudit.evaluator.results.identify import identifiability
 from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
+from leakaudit.evaluator.results.types import Summary
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -130,7 +131,7 @@ def page_template(template: Path | None = None) -> jinja2.Template:
 def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
                  baselines: dict[str, dict[str, float | None]], tuning: list[dict],
                  architecture: list[dict[str, Any]], run_info: dict[str, Any] | None = None,
-                 template: Path | None = None) -> dict:
+                 template: Path | None = None) -> Summary:
     """Write summary.json, the figures and a self-contained report.html; return the summary.
 
     Nothing here attacks or trains: it reads what the run wrote, so it can be rebuilt from the folder.
@@ -139,8 +140,8 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     run_info = run_info or {}
     notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
     summary = summarise(audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
-    summary.update(baselines=baselines, tuning=summarise_tuning(audit, tuning, summary["warnings"]),
-                   architecture=architecture, run=run_info)
+    summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
+    summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
     by_key = {row_key(r): r for r in rows}
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p, audit.registry)),
@@ -153,11 +154,11 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     grids = []
     for ckpt in audit.checkpoints:
         path = out_dir / f"reconstructions_step{ckpt}.png"
-        if plot_reconstructions(folder, by_key, summary["leakage_metric"], ckpt, path):
+        if plot_reconstructions(folder, by_key, summary.leakage_metric, ckpt, path):
             grids.append((ckpt, _data_uri(path)))
-    summary["figures"] = [f"{name}.png" for name, uri in figures.items() if uri] + [
+    summary.figures = [f"{name}.png" for name, uri in figures.items() if uri] + [
         f"reconstructions_step{ckpt}.png" for ckpt, _ in grids]
-    folder.write_json(SUMMARY, summary)  # after the figures, so that it names them
+    folder.write_json(SUMMARY, summary.to_json())  # after the figures, so that it names them
     extras = []
     if audit.registry.pm is not None:
         for extra in audit.registry.pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):
@@ -165,8 +166,8 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     page = page_template(template).render(
         summary=summary, audit=audit, figures=figures, grids=grids, extras=extras,
         threat=threat_model(audit), provenance=provenance(audit, run_info),
-        metrics=audit.metrics, leak=summary["leakage_metric"],
-        second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary["leakage_metric"]],
+        metrics=audit.metrics, leak=summary.leakage_metric,
+        second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
         trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None)
     folder.write_text(REPORT, page)
     return summary

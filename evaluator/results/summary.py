@@ -10,6 +10,18 @@ import numpy as np
 
 from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best, value_at, winners
 from leakaudit.evaluator.audit.types import Audit, as_dict
+from leakaudit.evaluator.results.types import (
+    CellResult,
+    NaiveVsAdaptive,
+    Privacy,
+    Scores,
+    SettingUtility,
+    StepVerdict,
+    Summary,
+    TuningResult,
+    WorstCase,
+    WorstImage,
+)
 from leakaudit.evaluator.results.verdict import (
     STILL_IMPROVING,
     beats_bound,
@@ -44,21 +56,21 @@ def per_image(row: dict, metric: str) -> list[float | None]:
     return row.get("per_image", {}).get(metric) or [row.get(metric)]
 
 
-def _worst_image(rows: list[dict], metric) -> dict[str, Any] | None:
+def _worst_image(rows: list[dict], metric) -> WorstImage | None:
     """The single most leaking image of ``rows``: its attack, step, score, target batch and place in the batch
     (None for rows without per-image scores: a label metric, or rows written before they were kept)."""
     best = None
     for r in rows:
         for i, v in enumerate(r.get("per_image", {}).get(metric.name, [])):
-            if v is not None and math.isfinite(v) and (best is None or metric.better(v, best["score"])):
-                best = {"attack": r["attack"], "checkpoint": r["checkpoint"], "score": v, "target": r["target"],
-                        "index": i, "image": r["images"][i] if "images" in r and i < len(r["images"]) else None}
+            if v is not None and math.isfinite(v) and (best is None or metric.better(v, best.score)):
+                best = WorstImage(r["attack"], r["checkpoint"], v, r["target"], i,
+                                  r["images"][i] if "images" in r and i < len(r["images"]) else None)
     return best
 
 
 def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
               baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
-              identifiable: tuple[str, dict[tuple, list | None]] | None = None) -> dict[str, Any]:
+              identifiable: tuple[str, dict[tuple, list | None]] | None = None) -> Summary:
     """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting, each step's
     verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
@@ -82,9 +94,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     alone = {s.key: _judged_steps(audit, s, cells, acc, bars) for s in audit.settings}
     verdicts, worst_case = [], []
     for s in audit.settings:
-        mine = [c for c in cells if c["setting"] == s.key and c.get(f"{leakage.name}_mean") is not None]
+        mine = [c for c in cells if c.setting == s.key and c.mean(leakage.name) is not None]
         if not mine:
-            if any(c["setting"] == s.key for c in cells):  # attacked, but no finite score: say so, never drop it
+            if any(c.setting == s.key for c in cells):  # attacked, but no finite score: say so, never drop it
                 worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
             continue
         reference = audit.reference_of(s)
@@ -92,67 +104,64 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         # for by a stronger attack that ran elsewhere
         by_step = {} if reference is None else alone[s.key] if reference is s else _judged_steps(
             audit, reference, cells, acc, bars, {a.key for a in audit.attacks if a.applies_to(s)})
-        by_step = {v["checkpoint"]: v for v in by_step}
-        per_step = [calibrate(v, by_step.get(v["checkpoint"])) for v in alone[s.key]]
+        by_step = {v.checkpoint: v for v in by_step}
+        per_step = [calibrate(v, by_step.get(v.checkpoint)) for v in alone[s.key]]
         verdicts.extend(per_step)
         worst_case.append(_worst_case(s, audit, mine, rows, leakage, overall(per_step), profiles[s.key],
                                       acc.get(s.key, {})))
-    violations = [f"{c['setting']}, {c['attack']}, step {c['checkpoint']}: {c['bound_violated']}"
-                  for c in cells if c.get("bound_violated")]
-    return {"audit": audit.name, "leakage_metric": leakage.name, "higher_is_more_leakage": leakage.higher_is_better,
-            "dataset": audit.data.dataset or audit.data.factory, "model": audit.model.name,
-            "device": audit.device, "seed": audit.seed, "metrics": audit.metrics, "checkpoints": audit.checkpoints,
-            "verdict_options": as_dict(audit.verdict), "leak_threshold": threshold, "chance_accuracy": chance,
-            "min_accuracy": needed, "identifiable_by": identified_by,
-            "utility": {u["setting"]: {k: u.get(k) for k in ("accuracy", "train_steps", "epsilon", "delta",
-                                                             "model_changes", "checkpoint_accuracy")}
-                        for u in utility},
-            "cells": cells, "worst_case": worst_case, "verdicts": verdicts, "bound_violations": violations,
-            "naive_vs_adaptive": naive_vs_adaptive(cells, leakage), "warnings": notes}
+    violations = [f"{c.setting}, {c.attack}, step {c.checkpoint}: {c.bound_violated}"
+                  for c in cells if c.bound_violated]
+    return Summary(
+        audit=audit.name, leakage_metric=leakage.name, higher_is_more_leakage=leakage.higher_is_better,
+        dataset=audit.data.dataset or audit.data.factory, model=audit.model.name, device=audit.device,
+        seed=audit.seed, metrics=audit.metrics, checkpoints=audit.checkpoints, verdict_options=audit.verdict,
+        leak_threshold=threshold, chance_accuracy=chance, min_accuracy=needed, identifiable_by=identified_by,
+        utility={u["setting"]: SettingUtility(**{k: u.get(k) for k in (
+            "accuracy", "train_steps", "epsilon", "delta", "model_changes", "checkpoint_accuracy")}) for u in utility},
+        cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
+        naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes)
 
 
-def _judged_steps(audit: Audit, setting, cells: list[dict], acc: dict, bars: tuple,
-                  attacks: set[str] | None = None) -> list[dict]:
+def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: tuple,
+                  attacks: set[str] | None = None) -> list[StepVerdict]:
     """A setting's verdict, judged alone, at each step it has a finite score, from its cells (those of
     ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance and the
     verdict options."""
     leakage, threshold, needed, chance, options = bars
-    mine = [c for c in cells if c["setting"] == setting.key and (attacks is None or c["attack"] in attacks)
-            and c.get(f"{leakage.name}_mean") is not None]
+    mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
+            and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")
-    return [{"setting": setting.key, "defense": setting.name, "checkpoint": ckpt, **judge(
-        [c for c in mine if c["checkpoint"] == ckpt], leakage, threshold, accuracy, needed, chance, options)}
-        for ckpt in audit.checkpoints if any(c["checkpoint"] == ckpt for c in mine)]
+    return [judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed, chance, options)
+            for ckpt in audit.checkpoints if any(c.checkpoint == ckpt for c in mine)]
 
 
 def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
-          identified: tuple[float | None, float | None], identified_by: str | None, profile) -> dict[str, Any]:
+          identified: tuple[float | None, float | None], identified_by: str | None, profile) -> CellResult:
     """One (setting, attack, checkpoint)'s statistics over its rows: per metric mean, std, interval and count;
     its most leaking image; its identifiable share and the bound a privacy guarantee sets on it; convergence."""
     setting, attack, ckpt = key
     roles = {a.key: a.role for a in audit.attacks}
-    cell = {"defense": rs[0]["defense"], "setting": setting, "params": rs[0]["params"], "attack": attack,
-            "role": roles.get(attack, "naive"), "checkpoint": ckpt, "targets": len(rs),
-            "accuracy": acc.get(setting, {}).get("accuracy"), "epsilon": acc.get(setting, {}).get("epsilon")}
+    scores = {}
     for m in audit.metrics:
         values = [v for r in rs for v in per_image(r, m)]
-        cell.update(cell_statistics(values, m, key, audit.seed, options["confidence"], options["bootstrap"]))
+        scores[m] = cell_statistics(values, m, key, audit.seed, options["confidence"], options["bootstrap"])
         bad = sum(1 for v in values if v is not None and not math.isfinite(v))
         if bad:
             notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
                          "(the model or the reconstruction diverged); the cell leaves them out")
-    cell["worst_image"] = _worst_image(rs, leakage)
     n, batch = len(rs) * audit.data.batch_size, audit.data.batch_size
-    (cell["identifiable"], cell["named"]), cell["identifiable_by"], cell["identifiable_n"] = identified, \
-        identified_by, n
-    cell["rero_bound"] = identification_bound(profile, batch, n)
-    cell["bound_violated"] = beats_bound(cell["named"], n, cell["rero_bound"], options["confidence"])
+    share, named = identified
+    bound = identification_bound(profile, batch, n)
     gains = finite(r.get("late_gain") for r in rs)
-    cell["late_gain"] = float(np.mean(gains)) if gains else None
-    cell["still_improving"] = None if not gains else cell["late_gain"] > STILL_IMPROVING
-    cell["iterations"] = _iterations(audit, attack, rs)
-    cell["seconds_mean"] = float(np.mean([r["seconds"] for r in rs]))
-    return cell
+    gain = float(np.mean(gains)) if gains else None
+    return CellResult(
+        defense=rs[0]["defense"], setting=setting, params=rs[0]["params"], attack=attack,
+        role=roles.get(attack, "naive"), checkpoint=ckpt, targets=len(rs), accuracy=acc.get(setting, {}).get("accuracy"),
+        epsilon=acc.get(setting, {}).get("epsilon"), scores=scores, worst_image=_worst_image(rs, leakage),
+        identifiable=share, named=named, identifiable_by=identified_by, identifiable_n=n, rero_bound=bound,
+        bound_violated=beats_bound(named, n, bound, options["confidence"]), late_gain=gain,
+        still_improving=None if not gains else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
+        seconds_mean=float(np.mean([r["seconds"] for r in rs])))
 
 
 def _iterations(audit: Audit, attack: str, rows: list[dict]) -> int | None:
@@ -165,78 +174,77 @@ def _iterations(audit: Audit, attack: str, rows: list[dict]) -> int | None:
     return None if declared is None else declared.default
 
 
-def _worst_case(s, audit: Audit, mine: list[dict], rows: list[dict], leakage, final: dict, profile,
-                utility: dict) -> dict[str, Any]:
+def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leakage, final: StepVerdict, profile,
+                utility: dict) -> WorstCase:
     """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps, and
     where it has a privacy guarantee the bound beside the measured identification."""
     top, _ = strongest(mine, leakage)
     views = second_views(audit.registry)
-    return {
-        "defense": s.name, "setting": s.key, "params": s.params, "baseline": s.is_baseline(audit.registry),
-        "reference": s.calibrates is not None, "added": s.added,
-        "must_protect": s.must_protect, "accuracy": top["accuracy"], "epsilon": top["epsilon"],
-        "identifiable": top["identifiable"],
-        "attack": top["attack"], "checkpoint": top["checkpoint"],
-        **{m: top.get(f"{m}_mean") for m in (leakage.name, *views) if f"{m}_mean" in top},
-        **{f"{m}_ci": top.get(f"{m}_ci") for m in (leakage.name, *views) if f"{m}_ci" in top},
-        "n": top[f"{leakage.name}_n"], "verdict": final["verdict"], "reason": final["reason"],
-        "verdict_checkpoint": final["checkpoint"], "still_improving": final.get("still_improving"),
-        "settling_iterations": final.get("settling_iterations"),
-        "privacy": _privacy(profile, mine, audit.data.batch_size, utility),
-        "worst_image": _worst_image([r for r in rows if r["setting"] == s.key], leakage) or {}}
+    return WorstCase(
+        **_setting_fields(s, audit), accuracy=top.accuracy, epsilon=top.epsilon, identifiable=top.identifiable,
+        attack=top.attack, checkpoint=top.checkpoint,
+        scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
+        n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
+        verdict_checkpoint=final.checkpoint, still_improving=final.still_improving,
+        settling_iterations=final.settling_iterations, privacy=_privacy(profile, mine, audit.data.batch_size, utility),
+        worst_image=_worst_image([r for r in rows if r["setting"] == s.key], leakage))
 
 
-def _privacy(profile, mine: list[dict], batch: int, utility: dict) -> dict[str, Any] | None:
+def _setting_fields(setting, audit: Audit) -> dict[str, Any]:
+    """What a worst case says of its setting: name, key, parameters and its place in the audit."""
+    return dict(defense=setting.name, setting=setting.key, params=setting.params,
+                baseline=setting.is_baseline(audit.registry), reference=setting.calibrates is not None,
+                added=setting.added, must_protect=setting.must_protect)
+
+
+def _privacy(profile, mine: list[CellResult], batch: int, utility: dict) -> Privacy | None:
     """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any of its
     attacks named (and whether some cell beat the bound), and what the training's epsilon bounds."""
     if profile is None:
         return None
-    top = max(mine, key=lambda c: -1 if c.get("named") is None else c["named"])
-    chance = batch / top["identifiable_n"]
-    return {"mu": profile.mu, "mechanism": profile.mechanism, "bound": top["rero_bound"],
-            "identified": top.get("named"), "identified_by": top["attack"], "identified_n": top["identifiable_n"],
-            "chance": chance, "violated": any(bool(c.get("bound_violated")) for c in mine),
-            "training_bound": training_bound(utility.get("epsilon"), utility.get("delta"), chance)}
+    top = max(mine, key=lambda c: -1 if c.named is None else c.named)
+    chance = batch / top.identifiable_n
+    return Privacy(mu=profile.mu, mechanism=profile.mechanism, bound=top.rero_bound, identified=top.named,
+                   identified_by=top.attack, identified_n=top.identifiable_n, chance=chance,
+                   violated=any(bool(c.bound_violated) for c in mine),
+                   training_bound=training_bound(utility.get("epsilon"), utility.get("delta"), chance))
 
 
-def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> dict[str, Any]:
+def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> WorstCase:
     """The worst-case entry of a setting whose every reconstruction scored no finite ``metric``."""
-    return {"defense": setting.name, "setting": setting.key, "params": setting.params,
-            "baseline": setting.is_baseline(audit.registry), "reference": setting.calibrates is not None,
-            "added": setting.added, "must_protect": setting.must_protect, "privacy": None,
-            "accuracy": utility.get("accuracy"), "epsilon": utility.get("epsilon"), "identifiable": None,
-            "attack": None, "checkpoint": None, metric: None, f"{metric}_ci": None, "n": 0, "verdict": None,
-            "reason": f"not judged: no attack scored a finite {metric} (every reconstruction diverged, or the metric "
-                      "could not be computed; see the warnings)", "verdict_checkpoint": None, "worst_image": {}}
+    return WorstCase(
+        **_setting_fields(setting, audit), accuracy=utility.get("accuracy"), epsilon=utility.get("epsilon"),
+        identifiable=None, attack=None, checkpoint=None, scores={metric: Scores()}, n=0, verdict=None,
+        reason=f"not judged: no attack scored a finite {metric} (every reconstruction diverged, or the metric "
+               "could not be computed; see the warnings)", verdict_checkpoint=None)
 
 
-def naive_vs_adaptive(cells: list[dict], metric) -> list[dict[str, Any]]:
+def naive_vs_adaptive(cells: list[CellResult], metric) -> list[NaiveVsAdaptive]:
     """Per setting and step: the strongest naive and the strongest adaptive attack's mean leakage score, and the gap.
 
     Only where both kinds ran. ``gap`` is in the metric's units, positive when the adaptive attack leaks
     more: how much safer the defense looks than it is; negative when the adaptive attack did worse.
     """
-    key = f"{metric.name}_mean"
-    best: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    best: dict[tuple, dict[str, CellResult]] = defaultdict(dict)
     for c in cells:
-        if c.get(key) is None:
+        if c.mean(metric.name) is None:
             continue
-        slot = best[(c["setting"], c["checkpoint"])]
-        if c["role"] not in slot or metric.better(c[key], slot[c["role"]][key]):
-            slot[c["role"]] = c
+        slot = best[(c.setting, c.checkpoint)]
+        if c.role not in slot or metric.better(c.mean(metric.name), slot[c.role].mean(metric.name)):
+            slot[c.role] = c
     out = []
     for (setting, ckpt), slot in best.items():
         if len(slot) == 2:
             naive, adaptive = slot["naive"], slot["adaptive"]
-            n, a = naive[key], adaptive[key]
-            out.append({"defense": naive["defense"], "setting": setting, "checkpoint": ckpt, "metric": metric.name,
-                        "accuracy": naive["accuracy"], "naive_attack": naive["attack"], "naive_score": n,
-                        "adaptive_attack": adaptive["attack"], "adaptive_score": a,
-                        "gap": (a - n) if metric.higher_is_better else (n - a)})
+            n, a = naive.mean(metric.name), adaptive.mean(metric.name)
+            out.append(NaiveVsAdaptive(
+                defense=naive.defense, setting=setting, checkpoint=ckpt, metric=metric.name, accuracy=naive.accuracy,
+                naive_attack=naive.attack, naive_score=n, adaptive_attack=adaptive.attack, adaptive_score=a,
+                gap=(a - n) if metric.higher_is_better else (n - a)))
     return out
 
 
-def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list[dict[str, Any]]:
+def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list[TuningResult]:
     """Per (setting, attack, checkpoint): the search's budget, the untuned and the winning score and setting,
     and where the winner sits on each grid (a scan's best on the scan's own range); a winner on a grid's edge
     adds a warning to ``notes``."""
@@ -263,9 +271,9 @@ def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list
                              f"{spec.scan.low:g}..{spec.scan.high:g}; the best may lie beyond it: widen the scan")
             positions = {f"scan {name}": f"{scanned:g} ({'untuned' if place == 'off the grid' else place})",
                          **positions}
-        out.append({"setting": key[0], "attack": key[1], "checkpoint": key[2], "metric": win["metric"],
-                    "budget": spec.budget, "trials": len(mine), "tuning_batches": spec.targets,
-                    "untuned": untuned["score"], "tuned": win["score"], "winner": changed or "untuned",
-                    "on_grid": "; ".join(f"{k}: {v}" for k, v in positions.items()) or "untuned won",
-                    "search_seconds": round(sum(t["seconds"] for t in mine), 1)})
+        out.append(TuningResult(
+            setting=key[0], attack=key[1], checkpoint=key[2], metric=win["metric"], budget=spec.budget,
+            trials=len(mine), tuning_batches=spec.targets, untuned=untuned["score"], tuned=win["score"],
+            winner=changed or "untuned", on_grid="; ".join(f"{k}: {v}" for k, v in positions.items()) or "untuned won",
+            search_seconds=round(sum(t["seconds"] for t in mine), 1)))
     return out

@@ -16,11 +16,13 @@ images is held to the bound that guarantee puts on any reconstruction attack (``
 from __future__ import annotations
 
 import math
+import dataclasses
 from typing import Any, Iterable
 
 import numpy as np
 
 from leakaudit.evaluator.audit.seeds import derive_seed
+from leakaudit.evaluator.results.types import CellResult, LeakThreshold, Scores, StepVerdict, Summary
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.defense import PrivacyProfile
 
@@ -53,15 +55,16 @@ def bootstrap_interval(values: list[float], confidence: float, resamples: int, s
 
 
 def cell_statistics(values: list[float], metric: str, key: tuple, seed: int, confidence: float,
-                    resamples: int) -> dict[str, Any]:
-    """``{metric}_mean``, ``_std`` (sample), ``_ci`` ([low, high]) and ``_n`` of one cell's per-image scores."""
+                    resamples: int) -> Scores:
+    """Mean, sample standard deviation, bootstrap interval ([low, high]) and count of one cell's per-image scores
+    of ``metric`` (the non-finite left out)."""
     vals = finite(values)
     if not vals:
-        return {f"{metric}_mean": None, f"{metric}_std": None, f"{metric}_ci": None, f"{metric}_n": 0}
+        return Scores()
     mean = float(np.mean(vals))
     std = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
     ci = bootstrap_interval(vals, confidence, resamples, derive_seed(seed, "bootstrap", metric, *map(str, key)))
-    return {f"{metric}_mean": mean, f"{metric}_std": std, f"{metric}_ci": list(ci), f"{metric}_n": len(vals)}
+    return Scores(mean, std, list(ci), len(vals))
 
 
 def late_gain(trace: Iterable[float]) -> float | None:
@@ -88,21 +91,20 @@ def leak_side(metric: Metric, ci: list[float]) -> float:
     return ci[1] if metric.higher_is_better else ci[0]
 
 
-def strongest(cells: list[dict], metric: Metric) -> tuple[dict, dict | None]:
+def strongest(cells: list[CellResult], metric: Metric) -> tuple[CellResult, CellResult | None]:
     """The cell whose mean shows the most leakage, and the runner-up (None when alone)."""
-    key = f"{metric.name}_mean"
-    ranked = sorted(cells, key=lambda c: c[key], reverse=metric.higher_is_better)
+    ranked = sorted(cells, key=lambda c: c.mean(metric.name), reverse=metric.higher_is_better)
     return ranked[0], (ranked[1] if len(ranked) > 1 else None)
 
 
-def intervals_overlap(a: dict, b: dict, metric: str) -> bool:
+def intervals_overlap(a: CellResult, b: CellResult, metric: str) -> bool:
     """Whether two cells' intervals overlap: the ranking of their attacks is then not settled."""
-    (a_lo, a_hi), (b_lo, b_hi) = a[f"{metric}_ci"], b[f"{metric}_ci"]
+    (a_lo, a_hi), (b_lo, b_hi) = a.scores[metric].ci, b.scores[metric].ci
     return a_lo <= b_hi and b_lo <= a_hi
 
 
 def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric,
-                   margin: float | None) -> dict[str, Any] | None:
+                   margin: float | None) -> LeakThreshold | None:
     """The score an attack must beat to leak: the better no-gradient guess, plus the margin. None without guesses."""
     guesses = {name: scores.get(metric.name) for name, scores in baselines.items()}
     guesses = {name: v for name, v in guesses.items() if v is not None and math.isfinite(v)}
@@ -111,7 +113,7 @@ def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric
     best = max(guesses, key=guesses.get) if metric.higher_is_better else min(guesses, key=guesses.get)
     margin = metric.margin if margin is None else margin
     value = guesses[best] + margin if metric.higher_is_better else guesses[best] - margin
-    return {"value": value, "guess": best, "guess_score": guesses[best], "margin": margin}
+    return LeakThreshold(value, best, guesses[best], margin)
 
 
 def min_accuracy(options: dict[str, Any], chance: float | None) -> float | None:
@@ -125,49 +127,50 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: float | None,
-          needed: float | None, chance: float | None, options: dict[str, Any]) -> dict[str, Any]:
+def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | None, accuracy: float | None,
+          needed: float | None, chance: float | None, options: dict[str, Any]) -> StepVerdict:
     """The verdict for one setting at one checkpoint, from the cells of every attack run there."""
     name = metric.name
     top, runner_up = strongest(cells, metric)
-    statistic = options["statistic"]
+    scores, statistic = top.scores[name], options["statistic"]
     if statistic == "mean":
-        value, what = top[f"{name}_mean"], "mean"
+        value, what = scores.mean, "mean"
     else:
-        value, what = leak_side(metric, top[f"{name}_ci"]), f"{options['confidence']:.0%} bound"
-    lo, hi = top[f"{name}_ci"]
-    evidence = (f"{top['attack']} reaches {name} {_fmt(top[f'{name}_mean'])} "
-                f"({options['confidence']:.0%} CI {_fmt(lo)} to {_fmt(hi)}, n={top[f'{name}_n']})")
+        value, what = leak_side(metric, scores.ci), f"{options['confidence']:.0%} bound"
+    lo, hi = scores.ci
+    evidence = (f"{top.attack} reaches {name} {_fmt(scores.mean)} "
+                f"({options['confidence']:.0%} CI {_fmt(lo)} to {_fmt(hi)}, n={scores.n})")
     if runner_up is not None and intervals_overlap(top, runner_up, name):
-        evidence += f"; {runner_up['attack']} is within its interval"
-    if top.get("identifiable") is not None and top.get("identifiable_n"):
+        evidence += f"; {runner_up.attack} is within its interval"
+    if top.identifiable is not None and top.identifiable_n:
         batch = options.get("batch_size", 1)
-        evidence += (f"; {top['identifiable']:.0%} of its reconstructions are nearest their own original " + (
-            f"(a guess: about {1 / top['identifiable_n']:.0%})" if batch == 1 else
+        evidence += (f"; {top.identifiable:.0%} of its reconstructions are nearest their own original " + (
+            f"(a guess: about {1 / top.identifiable_n:.0%})" if batch == 1 else
             f"(not tested at {batch} images per update: matching within a batch favours its own)"))
-    out = {"attack": top["attack"], "score": top[f"{name}_mean"], "ci": top[f"{name}_ci"], "statistic": statistic,
-           "compared": value, "threshold": None if threshold is None else threshold["value"],
-           "accuracy": accuracy, "min_accuracy": needed, "still_improving": top.get("still_improving"),
-           "settling_iterations": settling_budget(top.get("iterations")) if top.get("still_improving") else None}
+    out = dict(setting=top.setting, defense=top.defense, checkpoint=top.checkpoint, attack=top.attack,
+               score=scores.mean, ci=scores.ci, statistic=statistic, compared=value,
+               threshold=None if threshold is None else threshold.value, accuracy=accuracy, min_accuracy=needed,
+               still_improving=top.still_improving,
+               settling_iterations=settling_budget(top.iterations) if top.still_improving else None)
     named = identified(cells, name, options)
     if threshold is None:
         if named is not None:
-            return {**out, "verdict": LEAKS, "reason": f"{evidence}; {named}"}
-        return {**out, "verdict": None, "reason": f"not judged: no guess without the gradient scores {name}"}
-    beats = metric.better(value, threshold["value"])
-    bar = (f"{_fmt(threshold['value'])} ({threshold['guess']} guess {_fmt(threshold['guess_score'])} "
-           f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold['margin'])})")
+            return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; {named}")
+        return StepVerdict(**out, verdict=None, reason=f"not judged: no guess without the gradient scores {name}")
+    beats = metric.better(value, threshold.value)
+    bar = (f"{_fmt(threshold.value)} ({threshold.guess} guess {_fmt(threshold.guess_score)} "
+           f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold.margin)})")
     if beats:
-        return {**out, "verdict": LEAKS, "reason": f"{evidence}; its {what} beats the leak threshold {bar}"}
+        return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; its {what} beats the leak threshold {bar}")
     if named is not None:
-        return {**out, "verdict": LEAKS, "reason": f"{evidence}; its {what} does not beat the leak threshold {bar}, "
-                                                   f"but {named}"}
+        return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; its {what} does not beat the leak threshold "
+                                                        f"{bar}, but {named}")
     reason = f"{evidence}; its {what} does not beat the leak threshold {bar}"
     if accuracy is not None and needed is not None and accuracy < needed:
         base = "min_accuracy" if options.get("min_accuracy") is not None else \
             f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
-        return {**out, "verdict": UNUSABLE, "reason": f"{reason}{_still_improving(top)}; but test accuracy "
-                                                      f"{accuracy:.3f} is under {needed:.3f} ({base})"}
+        return StepVerdict(**out, verdict=UNUSABLE, reason=f"{reason}{_still_improving(top)}; but test accuracy "
+                                                           f"{accuracy:.3f} is under {needed:.3f} ({base})")
     reason += _still_improving(top)
     if accuracy is None:
         reason += f"; utility not measured ({options.get('no_utility', 'utility.train_steps is 0')})"
@@ -175,48 +178,48 @@ def judge(cells: list[dict], metric: Metric, threshold: dict | None, accuracy: f
         reason += "; utility not judged (chance accuracy unknown for this run)"
     else:
         reason += f"; test accuracy {accuracy:.3f} is at least {needed:.3f}"
-    return {**out, "verdict": PROTECTS, "reason": reason}
+    return StepVerdict(**out, verdict=PROTECTS, reason=reason)
 
 
-def _still_improving(top: dict) -> str:
+def _still_improving(top: CellResult) -> str:
     """The words of a verdict whose strongest attack was still improving when its budget ran out ("" if not)."""
-    if not top.get("still_improving"):
+    if not top.still_improving:
         return ""
-    budget = settling_budget(top.get("iterations"))
+    budget = settling_budget(top.iterations)
     advice = f"rerun with iterations: {budget} to settle it" if budget else "rerun with a larger budget to settle it"
-    return (f"; {top['attack']} was still improving when its budget ran out (its loss fell {top['late_gain']:.0%} "
+    return (f"; {top.attack} was still improving when its budget ran out (its loss fell {top.late_gain:.0%} "
             f"of its whole drop over its last fifth): {advice}")
 
 
-def calibrate(verdict: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+def calibrate(verdict: StepVerdict, reference: StepVerdict | None) -> StepVerdict:
     """A step's verdict held against the verdict of its model's undefended reference at the same step: a
     "protects" (or "protects but unusable") is inconclusive where the same attacks did not break even the
     undefended update, since it cannot be told from an attack too weak to break anything."""
-    if verdict["verdict"] not in (PROTECTS, UNUSABLE) or (reference is not None and reference["verdict"] == LEAKS):
+    if verdict.verdict not in (PROTECTS, UNUSABLE) or (reference is not None and reference.verdict == LEAKS):
         return verdict
     if reference is None:
         why = "no attack ran on the undefended update at this step, so the attacks' strength is unknown"
-    elif reference["setting"] == verdict["setting"]:
+    elif reference.setting == verdict.setting:
         why = "the attacks did not break even this undefended update at this budget"
     else:
         why = (f"the attacks did not break even the undefended update at this budget (reference "
-               f"{reference['setting']}: {reference['attack']} reaches {_fmt(reference['score'])}"
-               + ("" if reference["threshold"] is None else f", the leak threshold is {_fmt(reference['threshold'])}")
+               f"{reference.setting}: {reference.attack} reaches {_fmt(reference.score)}"
+               + ("" if reference.threshold is None else f", the leak threshold is {_fmt(reference.threshold)}")
                + ")")
     fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended update "
            "leaks")
-    return {**verdict, "verdict": INCONCLUSIVE, "alone": verdict["verdict"],
-            "reason": f"{why}; {fix}. Judged alone: {verdict['verdict']}: {verdict['reason']}"}
+    return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict,
+                               reason=f"{why}; {fix}. Judged alone: {verdict.verdict}: {verdict.reason}")
 
 
-def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str | None:
+def identified(cells: list[CellResult], metric: str, options: dict[str, Any]) -> str | None:
     """Why the reconstructions identify their originals (None when they do not): some attack's share of
     reconstructions nearest their own original reaches ``identifiable`` and beats the 1-in-N chance of a guess
     (one-sided binomial test at the verdict's confidence)."""
     if options.get("identifiable") is None:
         return None
-    for c in sorted(cells, key=lambda c: -(c.get("identifiable") or 0)):
-        share, n = c.get("identifiable"), c.get("identifiable_n") or 0
+    for c in sorted(cells, key=lambda c: -(c.identifiable or 0)):
+        share, n = c.identifiable, c.identifiable_n or 0
         if share is None or n < 2 or math.isnan(share):
             continue
         if share < options["identifiable"]:
@@ -224,7 +227,7 @@ def identified(cells: list[dict], metric: str, options: dict[str, Any]) -> str |
         hits = round(share * n)
         p = _binomial_p(hits, n, 1 / n)
         if p < 1 - options["confidence"]:
-            return (f"{c['attack']} identifies {hits} of {n} images (each reconstruction nearest its own original; "
+            return (f"{c.attack} identifies {hits} of {n} images (each reconstruction nearest its own original; "
                     f"a guess: 1 in {n}, binomial p = {p:.2g}), at least the {options['identifiable']:.0%} "
                     "the verdict allows")
     return None
@@ -277,12 +280,12 @@ def identification_bound(profile: PrivacyProfile | None, batch: int, n: int) -> 
     return None if profile is None or n <= batch else profile.reconstruction_bound(batch / n)
 
 
-def overall(verdicts: list[dict]) -> dict | None:
+def overall(verdicts: list[StepVerdict]) -> StepVerdict | None:
     """A setting's verdict over its checkpoints: the worst one (a leak at any step is a leak)."""
-    judged = [v for v in verdicts if v["verdict"] is not None]
+    judged = [v for v in verdicts if v.verdict is not None]
     if not judged:
         return verdicts[0] if verdicts else None
-    return min(judged, key=lambda v: VERDICTS.index(v["verdict"]))
+    return min(judged, key=lambda v: VERDICTS.index(v.verdict))
 
 
 def identifiable_share(distances: np.ndarray) -> float:
@@ -316,19 +319,19 @@ def named_share(distances: np.ndarray, batch: int) -> float | None:
     return hits / n
 
 
-def gate_failures(summary: dict[str, Any], allow_inconclusive: bool = False) -> list[tuple[str, str]]:
+def gate_failures(summary: Summary, allow_inconclusive: bool = False) -> list[tuple[str, str]]:
     """``(kind, line)`` for each reason the gate fails: a setting marked ``must_protect`` that leaks ("leak"),
     could not be judged ("unjudged") or is inconclusive ("inconclusive", unless allowed), and any setting whose
     attacks beat the bound its privacy guarantee puts on them ("bound": the defense or its accounting is wrong).
     The gate fails closed: a setting it cannot vouch for is not passed."""
     lines = []
-    for w in summary["worst_case"]:
-        where = f"{w['setting']} (must_protect)"
-        if w.get("must_protect") and w["verdict"] == LEAKS:
-            lines.append(("leak", f"{where} leaks at step {w['verdict_checkpoint']}: {w['reason']}"))
-        elif w.get("must_protect") and w["verdict"] is None:
-            lines.append(("unjudged", f"{where} could not be judged: {w['reason']}"))
-        elif w.get("must_protect") and w["verdict"] == INCONCLUSIVE and not allow_inconclusive:
-            lines.append(("inconclusive", f"{where} is inconclusive at step {w['verdict_checkpoint']}: {w['reason']}"))
-    lines += [("bound", line) for line in summary.get("bound_violations", [])]
+    for w in summary.worst_case:
+        where = f"{w.setting} (must_protect)"
+        if w.must_protect and w.verdict == LEAKS:
+            lines.append(("leak", f"{where} leaks at step {w.verdict_checkpoint}: {w.reason}"))
+        elif w.must_protect and w.verdict is None:
+            lines.append(("unjudged", f"{where} could not be judged: {w.reason}"))
+        elif w.must_protect and w.verdict == INCONCLUSIVE and not allow_inconclusive:
+            lines.append(("inconclusive", f"{where} is inconclusive at step {w.verdict_checkpoint}: {w.reason}"))
+    lines += [("bound", line) for line in summary.bound_violations]
     return lines

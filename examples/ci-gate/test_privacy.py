@@ -27,4 +27,4 @@ def test_the_shipped_defense_protects(summary):
 
 def test_the_audit_can_still_see_a_leak(summary):
     """The gate is only worth something if the same attack breaks the undefended model."""
-    assert next(w for w in summary["worst_case"] if w["setting"] == "none")["verdict"] == "leaks"
+    assert summary.worst("none").verdict == "leaks"

@@ -88,16 +88,16 @@ def server_app(rounds: int) -> ServerApp:
     return ServerApp(server_fn=server_fn)
 
 
-def main(out: str = "runs/flower_training", rounds: int = 3, every: int = 1) -> list[dict]:
+def main(out: str = "runs/flower_training", rounds: int = 3, every: int = 1) -> list:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Flower's simulation starts Ray: keep it offline
     run_simulation(server_app=server_app(rounds), client_app=client_app(out, every), num_supernodes=2,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
     summaries = []
     for folder in sorted(Path(out).glob("client-*")):
         summary = report_folder(folder)
-        for cell in summary["cells"]:
-            print(f"{folder.name}, round {cell['checkpoint']}: {cell['attack']} rebuilds its images at "
-                  f"{cell['psnr_mean']:.1f} dB PSNR")
+        for cell in summary.cells:
+            print(f"{folder.name}, round {cell.checkpoint}: {cell.attack} rebuilds its images at "
+                  f"{cell.mean('psnr'):.1f} dB PSNR")
         summaries.append(summary)
     print(f"reports: {out}/client-*/report.html")
     return summaries

@@ -40,10 +40,10 @@ def main(out: str = "runs/monitored_training", steps: int = 201, every: int = 50
             print(f"  step {step}: attacked ({len(monitor.audited_steps)} so far)", flush=True)
     monitor.detach()
     summary = monitor.report()
-    for cell in summary["cells"]:
-        print(f"step {cell['checkpoint']}: {cell['attack']} rebuilds the image at {cell['psnr_mean']:.1f} dB PSNR")
-    for w in summary["worst_case"]:
-        print(f"verdict: {w['setting']} {w['verdict']}: {w['reason']}")
+    for cell in summary.cells:
+        print(f"step {cell.checkpoint}: {cell.attack} rebuilds the image at {cell.mean('psnr'):.1f} dB PSNR")
+    for w in summary.worst_case:
+        print(f"verdict: {w.setting} {w.verdict}: {w.reason}")
     print(f"report: {out}/report.html")
     return summary
 

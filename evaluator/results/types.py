@@ -1,0 +1,352 @@
+"""The typed results of an audit: what summary.json holds, as the runner and the monitor fill it and the
+figures, the page and the gate read it.
+
+``Summary.to_json`` writes the layout of summary.json (a metric's statistics flattened to ``{metric}_mean``,
+``_std``, ``_ci``, ``_n``, as the files of earlier releases have them) and ``Summary.from_json`` reads it back,
+from this release's folders or an older one's. ``SUMMARY_VERSION`` numbers the layout: a folder written
+before it was numbered reads as version 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from leakaudit.evaluator.audit.types import VerdictSection
+
+#: The layout of summary.json this release writes; it reads this one and every earlier one.
+SUMMARY_VERSION = 2
+STATISTICS = ("mean", "std", "ci", "n")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One metric over a cell's images: mean, sample standard deviation, bootstrap interval, count."""
+
+    mean: float | None = None
+    std: float | None = None
+    ci: list[float] | None = None
+    n: int = 0
+
+    def flat(self, metric: str) -> dict[str, Any]:
+        """As summary.json writes it: ``{metric}_mean``, ``_std``, ``_ci``, ``_n``."""
+        return {f"{metric}_{k}": getattr(self, k) for k in STATISTICS}
+
+    @classmethod
+    def read(cls, record: dict[str, Any], metric: str) -> Scores:
+        return cls(**{k: record.get(f"{metric}_{k}", 0 if k == "n" else None) for k in STATISTICS})
+
+
+@dataclass(frozen=True)
+class WorstImage:
+    """The single most leaking image: its attack, step, score, target batch, place in the batch, dataset index."""
+
+    attack: str
+    checkpoint: int
+    score: float
+    target: int
+    index: int
+    image: int | None = None
+
+
+@dataclass(frozen=True)
+class LeakThreshold:
+    """The score an attack must beat to leak: the better no-gradient guess (name, score) plus the margin."""
+
+    value: float
+    guess: str
+    guess_score: float
+    margin: float
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One (setting, attack, step): the statistics of every metric, identification, and convergence."""
+
+    defense: str
+    setting: str
+    params: dict[str, Any]
+    attack: str
+    role: str
+    checkpoint: int
+    targets: int
+    accuracy: float | None
+    epsilon: float | None
+    scores: dict[str, Scores]
+    worst_image: WorstImage | None = None
+    identifiable: float | None = None
+    named: float | None = None
+    identifiable_by: str | None = None
+    identifiable_n: int = 0
+    rero_bound: float | None = None
+    bound_violated: str | None = None
+    late_gain: float | None = None
+    still_improving: bool | None = None
+    iterations: int | None = None
+    seconds_mean: float | None = None
+
+    def mean(self, metric: str) -> float | None:
+        """The cell's mean ``metric`` (None where it has none)."""
+        return self.scores.get(metric, Scores()).mean
+
+    def ci(self, metric: str) -> list[float] | None:
+        """The cell's interval of the mean ``metric`` (None where it has none)."""
+        return self.scores.get(metric, Scores()).ci
+
+    def to_json(self) -> dict[str, Any]:
+        record = _fields(self, "scores", "worst_image")
+        head = {k: record.pop(k) for k in list(record)[:9]}
+        flat = {k: v for m, s in self.scores.items() for k, v in s.flat(m).items()}
+        return {**head, **flat, "worst_image": _record(self.worst_image), **record}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], metrics: list[str]) -> CellResult:
+        scores = {m: Scores.read(record, m) for m in metrics if f"{m}_mean" in record}
+        return cls(**_known(cls, record), scores=scores, worst_image=_image(record.get("worst_image")))
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """A setting's verdict at one step, its strongest attack's evidence, and (once calibrated into
+    "inconclusive") the verdict it had alone."""
+
+    setting: str
+    defense: str
+    checkpoint: int
+    attack: str
+    score: float
+    ci: list[float]
+    statistic: str
+    compared: float
+    threshold: float | None
+    accuracy: float | None
+    min_accuracy: float | None
+    still_improving: bool | None
+    settling_iterations: int | None
+    verdict: str | None
+    reason: str
+    alone: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record = _fields(self)
+        if self.alone is None:
+            del record["alone"]
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> StepVerdict:
+        return cls(**_known(cls, record))
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any attack
+    named (whether a cell beat the bound), and what the training's epsilon bounds."""
+
+    mu: float | None
+    mechanism: str
+    bound: float | None
+    identified: float | None
+    identified_by: str
+    identified_n: int
+    chance: float
+    violated: bool
+    training_bound: float | None
+
+
+@dataclass(frozen=True)
+class WorstCase:
+    """A setting's line in the report: its strongest attack's scores (the leakage metric and its second views)
+    and its verdict over the steps. ``attack`` is None where no attack scored a finite value."""
+
+    defense: str
+    setting: str
+    params: dict[str, Any]
+    baseline: bool
+    reference: bool
+    added: bool
+    must_protect: bool
+    accuracy: float | None
+    epsilon: float | None
+    identifiable: float | None
+    attack: str | None
+    checkpoint: int | None
+    scores: dict[str, Scores]
+    n: int
+    verdict: str | None
+    reason: str
+    verdict_checkpoint: int | None
+    still_improving: bool | None = None
+    settling_iterations: int | None = None
+    privacy: Privacy | None = None
+    worst_image: WorstImage | None = None
+
+    def mean(self, metric: str) -> float | None:
+        """The strongest attack's mean ``metric`` (None where it has none)."""
+        return self.scores.get(metric, Scores()).mean
+
+    def ci(self, metric: str) -> list[float] | None:
+        return self.scores.get(metric, Scores()).ci
+
+    def to_json(self) -> dict[str, Any]:
+        record = _fields(self, "scores", "privacy", "worst_image")
+        head = {k: record.pop(k) for k in list(record)[:12]}
+        means = {m: s.mean for m, s in self.scores.items()}
+        cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
+        return {**head, **means, **cis, **record, "privacy": _record(self.privacy),
+                "worst_image": _record(self.worst_image) or {}}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> WorstCase:
+        scores = {k[:-3]: Scores(mean=record.get(k[:-3]), ci=v, n=record.get("n", 0))
+                  for k, v in record.items() if k.endswith("_ci")}
+        privacy = record.get("privacy")
+        return cls(**_known(cls, record), scores=scores, worst_image=_image(record.get("worst_image")),
+                   privacy=Privacy(**privacy) if privacy else None)
+
+
+@dataclass(frozen=True)
+class SettingUtility:
+    """A setting's utility: test accuracy after its training, the privacy its training spent, what the defense
+    changed in the model, and the accuracy of the model attacked at each step."""
+
+    accuracy: float | None
+    train_steps: int | None
+    epsilon: float | None
+    delta: float | None
+    model_changes: list[str]
+    checkpoint_accuracy: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class NaiveVsAdaptive:
+    """At one setting and step, the strongest naive and adaptive attacks' mean leakage and the gap (positive
+    where the adaptive attack leaks more: how much safer the defense looks than it is)."""
+
+    defense: str
+    setting: str
+    checkpoint: int
+    metric: str
+    accuracy: float | None
+    naive_attack: str
+    naive_score: float
+    adaptive_attack: str
+    adaptive_score: float
+    gap: float
+
+
+@dataclass(frozen=True)
+class TuningResult:
+    """A tuned (setting, attack, step): its search's budget, the untuned and winning scores, and where the
+    winner sits on each grid."""
+
+    setting: str
+    attack: str
+    checkpoint: int
+    metric: str
+    budget: int
+    trials: int
+    tuning_batches: int
+    untuned: float | None
+    tuned: float | None
+    winner: dict[str, Any] | str
+    on_grid: str
+    search_seconds: float
+
+
+@dataclass
+class Summary:
+    """What an audit found: per cell the statistics, per setting its worst case and verdict at every step,
+    the privacy bounds beside the attacks, and (from the report) the guesses, tuning, figures and provenance."""
+
+    audit: str
+    leakage_metric: str
+    higher_is_more_leakage: bool
+    dataset: str | None
+    model: str
+    device: str
+    seed: int
+    metrics: list[str]
+    checkpoints: list[int]
+    verdict_options: VerdictSection
+    leak_threshold: LeakThreshold | None
+    chance_accuracy: float | None
+    min_accuracy: float | None
+    identifiable_by: str | None
+    utility: dict[str, SettingUtility]
+    cells: list[CellResult]
+    worst_case: list[WorstCase]
+    verdicts: list[StepVerdict]
+    bound_violations: list[str]
+    naive_vs_adaptive: list[NaiveVsAdaptive]
+    warnings: list[str]
+    #: the guesses made without the gradient: guess -> metric -> score (from the report)
+    baselines: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    tuning: list[TuningResult] = field(default_factory=list)
+    #: the architecture analysis's records, as its attacks declare them (from the report)
+    architecture: list[dict[str, Any]] = field(default_factory=list)
+    #: the run's provenance: versions, device, seeds, wall time (from the report)
+    run: dict[str, Any] = field(default_factory=dict)
+    figures: list[str] = field(default_factory=list)
+    version: int = SUMMARY_VERSION
+
+    def cell(self, setting: str, attack: str, checkpoint: int) -> CellResult | None:
+        """The cell of one setting, attack and step (None where it did not run)."""
+        return next((c for c in self.cells if (c.setting, c.attack, c.checkpoint) == (setting, attack, checkpoint)),
+                    None)
+
+    def worst(self, setting: str) -> WorstCase | None:
+        """A setting's worst case (None for a setting not in the summary)."""
+        return next((w for w in self.worst_case if w.setting == setting), None)
+
+    def to_json(self) -> dict[str, Any]:
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record.update(verdict_options=dataclasses.asdict(self.verdict_options),
+                      leak_threshold=_record(self.leak_threshold),
+                      utility={k: _record(u) for k, u in self.utility.items()},
+                      **{k: [x.to_json() if hasattr(x, "to_json") else _record(x) for x in getattr(self, k)]
+                         for k in ("cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning")})
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Summary:
+        """A summary.json of this release or an earlier one (one with no ``version`` is version 1)."""
+        version = record.get("version", 1)
+        if version > SUMMARY_VERSION:
+            raise ValueError(f"summary.json has layout version {version}; this leakaudit reads up to "
+                             f"{SUMMARY_VERSION}: upgrade leakaudit to read it")
+        metrics, threshold = record["metrics"], record.get("leak_threshold")
+        return cls(**{**_known(cls, record), "version": version},
+                   verdict_options=VerdictSection(**_known(VerdictSection, record["verdict_options"])),
+                   leak_threshold=LeakThreshold(**threshold) if threshold else None,
+                   utility={k: SettingUtility(**_known(SettingUtility, u)) for k, u in record["utility"].items()},
+                   cells=[CellResult.from_json(c, metrics) for c in record["cells"]],
+                   worst_case=[WorstCase.from_json(w) for w in record["worst_case"]],
+                   verdicts=[StepVerdict.from_json(v) for v in record["verdicts"]],
+                   naive_vs_adaptive=[NaiveVsAdaptive(**n) for n in record.get("naive_vs_adaptive", [])],
+                   tuning=[TuningResult(**_known(TuningResult, t)) for t in record.get("tuning", [])])
+
+
+def _fields(record, *leave_out: str) -> dict[str, Any]:
+    """A record's fields in declaration order, shallow (nested records stay objects), some left out."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name not in leave_out}
+
+
+def _record(value) -> dict[str, Any] | None:
+    """A flat record (or None) as its JSON mapping."""
+    return None if value is None else dataclasses.asdict(value)
+
+
+def _image(record: dict[str, Any] | None) -> WorstImage | None:
+    return WorstImage(**record) if record else None
+
+
+#: Fields that from_json builds itself, beside the ones copied from the record.
+_BUILT = {"scores", "worst_image", "privacy", "verdict_options", "leak_threshold", "utility", "cells", "worst_case",
+          "verdicts", "naive_vs_adaptive", "tuning", "version"}
+
+
+def _known(cls, record: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``record`` that are plain fields of ``cls`` (a key a later layout added is left out)."""
+    names = {f.name for f in dataclasses.fields(cls)} - _BUILT
+    return {k: v for k, v in record.items() if k in names}

@@ -98,7 +98,10 @@ class TopK(DeterministicDefense):
         total: Tensor | float = 0.0
         for o, c in zip(observed.tensors, candidate):
             kept = o != 0
-            threshold = o[kept].abs().min() if kept.any() else o.new_zeros(())
+            # the smallest kept magnitude (0 where nothing is kept), without data-dependent control flow: the
+            # likelihood runs under vmap, one observed update per problem, and on a GPU without a sync
+            smallest = torch.where(kept, o.abs(), torch.full_like(o, math.inf)).amin()
+            threshold = torch.where(kept.any(), smallest, torch.zeros_like(smallest))
             total = total - 0.5 * (((o - c) ** 2) * kept).sum()
             total = total - 0.5 * (((c.abs() - threshold).clamp_min(0) ** 2) * ~kept).sum()
         return total

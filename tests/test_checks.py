@@ -13,6 +13,8 @@ from leakaudit.defenses.chain import Chain
 from leakaudit.defenses.noise import gaussian_log_density, laplace_log_density, sample_gaussian
 from leakaudit.testing import check_attack, check_defense, tiny_case
 
+from conftest import small_audit
+
 #: Every built-in defense, configured where it needs parameters, with the kind of check it gets.
 BUILTIN_SETTINGS = {
     "none": ({}, "exact"),
@@ -148,6 +150,35 @@ def test_a_likelihood_that_ignores_the_candidate_fails():
 
     with pytest.raises(AssertionError, match="ignores the candidate"):
         check_defense(Blind())
+
+
+def test_a_likelihood_with_a_data_dependent_branch_fails_where_bayes_vectorises_it():
+    """A Python branch on the observed update (as topk's likelihood had) cannot run under vmap: the vectorised
+    bayes attack failed on every cell of two or more targets. check_defense runs it as the engine does."""
+    class Branching(SendsThreeTimesTheNoise):
+        def perturb(self, update, generator):
+            return [g + sample_gaussian(g, self.sigma, generator) for g in update]
+
+        def log_likelihood(self, observed, candidate):
+            total = 0.0
+            for o, c in zip(observed.tensors, candidate):
+                if (o != 0).any():
+                    total = total + gaussian_log_density(o - c, self.sigma).sum()
+            return total
+
+    with pytest.raises(AssertionError, match=r"log_likelihood fails under torch.func.vmap.*with torch.where"):
+        check_defense(Branching(sigma=0.1))
+
+
+def test_bayes_attacks_topk_on_many_targets_at_once(write_audit, tmp_path):
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.runner import run_audit
+
+    audit = small_audit(defenses=[{"name": "topk", "params": {"fraction": 0.5}}], utility={"train_steps": 0},
+                        attacks=[{"name": "bayes", "params": {"iterations": 3}}], metrics=["psnr"])
+    summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False, workers=1)
+    cell = summary.cell("topk(fraction=0.5)", "bayes", 0)
+    assert cell.targets == 2 and cell.scores["psnr"].n == 2
 
 
 def test_a_share_missing_a_tensor_fails():

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leakaudit.attacks.vectorised import split_metadata, stack_targets
 from leakaudit.evaluator.authoring.cases import case_or_tiny, check_threat, seeded_generator
 from leakaudit.evaluator.results.verdict import exact_interval
 from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate
@@ -158,6 +159,37 @@ def _likelihood_problems(defense: Defense, shares: list[SharedUpdate], truth: li
     grads = torch.autograd.grad(value, candidate, allow_unused=True)
     if all(g is None for g in grads) or not all(torch.isfinite(g).all() for g in grads if g is not None):
         return ["log_likelihood has no finite gradient in the candidate (the Bayes attacker follows it)"]
+    return []
+
+
+def _vmap_problems(defense: Defense, shares: list[SharedUpdate], truth: list[Tensor]) -> list[str]:
+    """Whether ``log_likelihood`` runs under ``torch.func.vmap`` with one observed update per problem, as the
+    vectorised Bayes attacker evaluates it for many targets at once, and gives there what it gives alone."""
+    pair = shares[:2]
+    split = split_metadata(pair)
+    if len(pair) < 2 or split is None:  # metadata that differs between problems: the engine solves them alone
+        return []
+    stacked, static = split
+    targets = stack_targets(pair, truth[0].device)
+    candidates = [torch.stack([t, 0.9 * t]) for t in truth]
+
+    def one(target: list[Tensor], metadata: dict, candidate: list[Tensor]) -> Tensor:
+        observed = SharedUpdate(list(target), pair[0].names, pair[0].batch_size, {**static, **metadata})
+        return defense.log_likelihood(observed, list(candidate)).reshape(())
+
+    try:
+        with torch.no_grad():
+            together = torch.func.vmap(one)(targets, stacked, candidates)
+    except RuntimeError as exc:
+        return [f"log_likelihood fails under torch.func.vmap, where the vectorised bayes attack evaluates it for "
+                f"many targets at once ({str(exc).splitlines()[0][:120]}); write data-dependent branches "
+                "(if on a tensor, .item(), boolean indexing) with torch.where"]
+    with torch.no_grad():
+        alone = torch.stack([defense.log_likelihood(s, [c[i] for c in candidates]).reshape(())
+                             for i, s in enumerate(pair)])
+    if not torch.allclose(together, alone, rtol=1e-9, atol=1e-9):
+        return [f"log_likelihood under torch.func.vmap gives {together.tolist()}, alone {alone.tolist()}: a "
+                "likelihood must treat each problem of a batch as it treats one alone"]
     return []
 
 
@@ -329,7 +361,7 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     threat = check_threat(model, inputs, labels, defense, protocol, known_labels=True)
     like = [t.detach().double() for t in defense.candidate_update(threat, inputs, labels)]
     drawn = [_in_float64(s) for s in drawn]
-    check.problems += _likelihood_problems(defense, drawn, like)
+    check.problems += _likelihood_problems(defense, drawn, like) or _vmap_problems(defense, drawn, like)
     if check.problems:
         return _conclude(check)
     truth = _flat(like)

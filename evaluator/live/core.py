@@ -17,6 +17,7 @@ from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.api import Stats, attack_shared, channel_stats, pixels_of, prepare
 from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RunError, RunFolder
+from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import guess_scores
 from leakaudit.plugins.defense import SharedUpdate
@@ -193,7 +194,7 @@ class MonitorCore:
         self._write_baselines()
 
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> Summary:
         """Write report.html (and summary.json) from the rows so far; returns the summary."""
         from leakaudit.evaluator.run.runner import report_folder
 

@@ -17,6 +17,7 @@ from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.types import Audit
 from leakaudit.evaluator.results.report import write_report
 from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, RESULTS, RUN_INFO, RunError, RunFolder
+from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, deterministic_kernels
@@ -87,7 +88,7 @@ def _version(package: str) -> str:
 
 
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
-              workers: int | None = None, template: Path | None = None) -> dict[str, Any]:
+              workers: int | None = None, template: Path | None = None) -> Summary:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
     restore = deterministic_kernels(audit)
     try:
@@ -97,7 +98,7 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
 
 
 def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, workers: int | None,
-         template: Path | None) -> dict[str, Any]:
+         template: Path | None) -> Summary:
     """``run_audit``'s work, under the audit's kernel flags."""
     started = time.perf_counter()
     scenario = Scenario(audit)
@@ -152,7 +153,7 @@ def _pending_attacks(audit: Audit, trials: list[dict], finished: set[tuple]) -> 
             + [j for j in jobs_of(audit) if j.key not in finished])
 
 
-def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str, Any]:
+def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     """Write the report of a finished run again from its folder, with no training or attack; returns the summary."""
     audit = folder.audit
     missing = [name for name in (BASELINES, ARCHITECTURE, RUN_INFO) if not (folder.path / name).exists()]
@@ -169,7 +170,7 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> dict[str,
 
 
 def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Iterable[str] = (),
-                  template: Path | None = None) -> dict[str, Any]:
+                  template: Path | None = None) -> Summary:
     """``leakaudit report DIR``: rewrite a run folder's report (an audit's or a LeakMonitor's) from its saved
     rows; returns the summary."""
     from leakaudit.evaluator.results.rundir import saved_audit

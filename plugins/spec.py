@@ -55,7 +55,7 @@ class Param:
         if self.type is float and not math.isfinite(value):
             return f"{value!r} is not a finite number"
         if self.choices is not None and value not in self.choices:
-            return f"{value!r} is not one of the choices; choices: {', '.join(map(str, self.choices))}"
+            return f"{value!r} is not one of the choices; choices: {', '.join(map(_as_yaml, self.choices))}"
         if self.min is not None:
             if self.exclusive_min and value <= self.min:
                 return f"{value!r} must be greater than {self.min}"
@@ -133,3 +133,8 @@ def check_params(spec: Mapping[str, Param], given: Mapping[str, Any], where: str
         if p.required and key not in given and not any(did_you_mean(u, [key]) for u in unknown):
             problems.append(f"{where}.{key}: required parameter is missing ({p.describe()})")
     return problems
+
+
+def _as_yaml(value: Any) -> str:
+    """A choice as an audit file writes it (true and false, not Python's True and False)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

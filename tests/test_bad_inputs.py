@@ -52,7 +52,7 @@ CASES = [
     (_with("deterministic", "yes"), "deterministic: 'yes' is not of type bool"),
     (_with("workers", 0), "workers: 0 is below the minimum 1"),
     (_with("workers", "two"), "workers: 'two' is not of type int"),
-    (_with("architecture", "sometimes"), "architecture: 'sometimes' is not one of the choices; choices: auto, True, False"),
+    (_with("architecture", "sometimes"), "architecture: 'sometimes' is not one of the choices; choices: auto, true, false"),
     (_with("protocol", {"name": "fedavg", "clients": 0}), "protocol.clients: 0 is below the minimum 1"),
     (_with("defenses", [{"name": "signsgd", "params": {"scaled": 1}}]),
      "defenses[0].params.scaled: 1 is not of type bool"),

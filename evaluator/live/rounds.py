@@ -48,7 +48,7 @@ def _optimizer_text(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__}({', '.join(f'{k}={v}' for k, v in odd.items())})"
 
 
-def _sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] | str:
+def sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] | str:
     """The trainable parameters' values the client sends: from ``sent`` (arrays in the order of the model's
     ``state_dict`` or of its trainable parameters), or the model's own when None; or why they cannot be read."""
     params = trainable(model)
@@ -136,10 +136,17 @@ class RoundMonitor(MonitorCore):
             self._described["skipped"][str(local.number)] = found
             warnings.warn(f"LeakMonitor: round {local.number} not attacked: {found}", stacklevel=3)
             return
-        protocol, batch, update, optimizer = found  # the report's protocol and targets: the last round's
-        self._described["rounds"][str(local.number)] = {**dataclasses.asdict(protocol), "images": len(batch[1]),
-                                                        "optimizer": optimizer}
-        self._attack_at(local.number, local.before, local.buffers, update, batch, protocol)
+        protocol, batch, update, optimizer = found
+        self.attack_round(local.number, local.before, local.buffers, update, batch, protocol, optimizer)
+
+    def attack_round(self, number: int, before: list[Tensor], buffers: dict[str, Tensor], update: list[Tensor],
+                     batch: tuple[Tensor, Tensor], protocol: FedAvg, optimizer: str = "SGD()") -> None:
+        """Attack round ``number``'s update (``theta_before - theta_after`` of the trainable parameters) as
+        ``protocol``'s over ``batch``'s images in training order, the model at ``before`` and ``buffers``: the
+        client's own view (``local_round``) or the server's (``LeakAuditStrategy``)."""
+        self._described["rounds"][str(number)] = {**dataclasses.asdict(protocol), "images": len(batch[1]),
+                                                  "optimizer": optimizer}  # the report's: the last round's
+        self._attack_at(number, before, buffers, update, batch, protocol)
 
     def _round_update(self, local: LocalRound) -> tuple[FedAvg, tuple[Tensor, Tensor], list[Tensor], str] | str:
         """The round as FedAvg describes it: the protocol, the images in order, and the update; or why not."""
@@ -165,7 +172,7 @@ class RoundMonitor(MonitorCore):
         labels = torch.cat([torch.as_tensor(y).reshape(-1) for _, y in passes[0]])
         if len(labels) > self.max_images:
             return f"it trained on {len(labels)} images, more than max_images={self.max_images}"
-        after = _sent_weights(self._model, local.sent)
+        after = sent_weights(self._model, local.sent)
         if isinstance(after, str):
             return after
         update = [b - a for b, a in zip(local.before, after)]

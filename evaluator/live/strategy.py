@@ -1,0 +1,195 @@
+"""LeakAuditStrategy: a Flower federation audited from where its attacker sits, the server (install
+``leakaudit[flower]``).
+
+It wraps any Flower server ``Strategy`` and leaves what it does unchanged: the wrapped strategy configures
+the rounds and aggregates the updates, and the aggregate is the wrapped strategy's. Beside it, every
+``every``-th round, each client's update (the global weights sent minus the weights returned) is attacked as
+the FedAvg update it is: the client's local epochs and learning rate are read from the fit config the
+strategy sent, its minibatch size from its loader. The mean of the clients' updates, what a server under
+secure aggregation sees, is attacked too, as FedAvg over all of the clients' images. Each client's rows go to
+``out/client-NAME``, the mean's to ``out/aggregate``: run folders that ``leakaudit report`` reads like any.
+
+A server holds no images, so the attacks cannot be scored there: auditing a federation in simulation, the
+team gives the strategy each client's loader (``client_loader``), the same loader the client trains on, in
+the same order (no shuffling, or a fixed order).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import ConcatDataset, DataLoader
+
+from leakaudit.evaluator.audit.types import ConfigError
+from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, inputs_labels, load_model_state, model_state
+from leakaudit.evaluator.live.monitor import LeakMonitor
+from leakaudit.evaluator.live.rounds import sent_weights
+from leakaudit.plugins.protocol import FedAvg
+
+try:
+    from flwr.common import parameters_to_ndarrays
+    from flwr.server.strategy import Strategy
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError("leakaudit's Flower strategy needs Flower: pip install 'leakaudit[flower]'") from exc
+
+AGGREGATE = "aggregate"
+
+
+class LeakAuditStrategy(Strategy):
+    """``strategy``, with the updates it aggregates attacked every ``every``-th round (rounds 1, 1 + every, ...).
+
+    ``model`` is the network the federation trains (its weights are replaced by each round's global ones);
+    ``client_loader(name)`` gives the loader a client trains on, where ``name`` is the value of ``client_key``
+    in the metrics its ``fit`` returns (its partition id, say) or else Flower's node id. ``lr_key`` and
+    ``epochs_key`` name the fit config entries the clients train with (an absent ``epochs_key`` is one epoch).
+    ``aggregate``: also attack the mean of the round's updates. The remaining keywords configure each client's
+    ``LeakMonitor`` (defense, attacks, metrics, mean, std, known_labels, seed, ...).
+    """
+
+    def __init__(self, strategy: Strategy, model: nn.Module, client_loader: Callable[[str], Any], *,
+                 out: str | Path = "runs/flower_server", every: int = 1, lr_key: str = "lr",
+                 epochs_key: str = "local_epochs", client_key: str = "partition", aggregate: bool = True,
+                 max_images: int = MAX_ROUND_IMAGES, **monitor: Any) -> None:
+        problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
+        problems += [] if callable(client_loader) else ["client_loader: expected a function of a client's name"]
+        if problems:
+            raise ConfigError([f"LeakAuditStrategy: {p}" for p in problems])
+        LeakMonitor(**monitor, out=Path(out) / AGGREGATE)  # the monitor's settings, checked before any round
+        self.strategy, self.model, self.client_loader = strategy, copy.deepcopy(model), client_loader
+        self.out, self.every, self.aggregate, self.max_images = Path(out), every, aggregate, max_images
+        self.lr_key, self.epochs_key, self.client_key = lr_key, epochs_key, client_key
+        self._settings = monitor
+        self._monitors: dict[str, LeakMonitor] = {}
+        self._sent: dict[int, list[Any]] = {}
+        self._configs: dict[int, dict[str, dict[str, Any]]] = {}
+
+    def __repr__(self) -> str:
+        return f"LeakAuditStrategy({self.strategy!r})"
+
+    def initialize_parameters(self, client_manager):
+        return self.strategy.initialize_parameters(client_manager)
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        """The wrapped strategy's fit instructions; the weights and each client's config are kept to audit."""
+        instructions = self.strategy.configure_fit(server_round, parameters, client_manager)
+        if self._audited(server_round):
+            self._sent[server_round] = parameters_to_ndarrays(parameters)
+            self._configs[server_round] = {proxy.cid: dict(ins.config) for proxy, ins in instructions}
+        return instructions
+
+    def aggregate_fit(self, server_round, results, failures):
+        """The wrapped strategy's aggregate, unchanged; then, in an audited round, each update attacked."""
+        aggregated = self.strategy.aggregate_fit(server_round, results, failures)
+        if server_round in self._sent:
+            self._audit(server_round, results)
+        return aggregated
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return self.strategy.configure_evaluate(server_round, parameters, client_manager)
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return self.strategy.aggregate_evaluate(server_round, results, failures)
+
+    def evaluate(self, server_round, parameters):
+        return self.strategy.evaluate(server_round, parameters)
+
+    def report(self) -> dict[str, Any]:
+        """Each run folder's report.html and summary.json: the typed summaries by folder name."""
+        return {name: monitor.report() for name, monitor in self._monitors.items() if monitor.audited_steps}
+
+    def _audited(self, server_round: int) -> bool:
+        return (server_round - 1) % self.every == 0
+
+    def _audit(self, server_round: int, results: list) -> None:
+        """Attack each client's update and the mean of those that can be attacked together."""
+        sent, configs = self._sent.pop(server_round), self._configs.pop(server_round)
+        before, buffers = self._global_state(sent)
+        rounds = []
+        for proxy, res in sorted(results, key=lambda r: str(r[1].metrics.get(self.client_key, r[0].cid))):
+            name = str(res.metrics.get(self.client_key, proxy.cid))
+            found = self._client_round(name, configs.get(proxy.cid, {}), before, parameters_to_ndarrays(res.parameters))
+            if isinstance(found, str):
+                warnings.warn(f"LeakAuditStrategy: round {server_round}, client {name} not attacked: {found}",
+                              stacklevel=3)
+                continue
+            rounds.append((name, res.num_examples, *found))
+        if not rounds:
+            return
+        population = _population(rounds)
+        for name, _, batch, update, _, protocol in rounds:
+            self._monitor(name, population).attack_round(server_round, before, buffers, update, batch, protocol)
+        if self.aggregate and len(rounds) > 1:
+            self._attack_mean(server_round, before, buffers, rounds, population)
+
+    def _global_state(self, sent: list[Any]) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """The trainable weights and buffers of the model at the global weights sent this round."""
+        state = self.model.state_dict()
+        if [tuple(a.shape) for a in sent] == [tuple(v.shape) for v in state.values()]:
+            self.model.load_state_dict({k: torch.as_tensor(a) for k, a in zip(state, sent)})
+            return model_state(self.model)
+        weights = sent_weights(self.model, sent)
+        if isinstance(weights, str):
+            raise ConfigError([f"LeakAuditStrategy: the global weights: {weights}"])
+        load_model_state(self.model, weights, dict(self.model.named_buffers()))
+        return model_state(self.model)
+
+    def _client_round(self, name: str, config: dict[str, Any], before: list[Tensor], returned: list[Any]):
+        """One client's round as FedAvg: (images and labels in order, update, loader, protocol), or why not."""
+        if self.lr_key not in config:
+            return f"its fit config has no {self.lr_key!r} (the learning rate FedAvg's attacker unrolls)"
+        loader = self.client_loader(name)
+        batches = [inputs_labels(b) for b in loader]
+        if not batches:
+            return "its loader gives no batch"
+        inputs = torch.cat([torch.as_tensor(x) for x, _ in batches])
+        labels = torch.cat([torch.as_tensor(y).reshape(-1) for _, y in batches])
+        if len(labels) > self.max_images:
+            return f"it trains on {len(labels)} images, more than max_images={self.max_images}"
+        after = sent_weights(self.model, returned)
+        if isinstance(after, str):
+            return after
+        protocol = FedAvg(local_epochs=int(config.get(self.epochs_key, 1)), local_batch_size=len(batches[0][1]),
+                          local_lr=float(config[self.lr_key]))
+        return (inputs, labels), [b - a for b, a in zip(before, after)], loader, protocol
+
+    def _monitor(self, name: str, loader: Any) -> LeakMonitor:
+        """The monitor writing ``out/client-NAME`` (or ``out/aggregate``), bound to the model on first use with
+        ``loader`` (the federation's images: its normalisation, and the mean image a guess without the update
+        makes)."""
+        if name not in self._monitors:
+            folder = self.out / (name if name == AGGREGATE else f"client-{name}")
+            monitor = LeakMonitor(**self._settings, out=folder)
+            monitor.bind_rounds(self.model, loader, self.max_images)
+            self._monitors[name] = monitor
+        return self._monitors[name]
+
+    def _attack_mean(self, server_round: int, before: list[Tensor], buffers: dict[str, Tensor],
+                     rounds: list[tuple], population: Any) -> None:
+        """The mean of the clients' updates, attacked as FedAvg over all of their images (secure aggregation's
+        view), where the clients trained alike on equally many images."""
+        protocols = {r[5] for r in rounds}
+        counts = {len(r[2][1]) for r in rounds}
+        if len(protocols) > 1 or len(counts) > 1 or len({r[1] for r in rounds}) > 1:
+            warnings.warn(f"LeakAuditStrategy: round {server_round}'s mean not attacked: its clients trained on "
+                          "different numbers of images or with different settings", stacklevel=4)
+            return
+        protocol = protocols.pop()
+        mean = [torch.stack(parts).mean(0) for parts in zip(*(r[3] for r in rounds))]
+        batch = (torch.cat([r[2][0] for r in rounds]), torch.cat([r[2][1] for r in rounds]))
+        joint = FedAvg(local_epochs=protocol.local_epochs, local_batch_size=protocol.local_batch_size,
+                       local_lr=protocol.local_lr, clients=len(rounds))
+        self._monitor(AGGREGATE, population).attack_round(server_round, before, buffers, mean, batch, joint)
+
+
+def _population(rounds: list[tuple]) -> Any:
+    """The clients' images of a round together, as one loader: the data an attacker's guess without the update
+    draws its mean image from (a client's own few images would hand the guess the very target)."""
+    loaders = [r[4] for r in rounds]
+    datasets = [getattr(loader, "dataset", None) for loader in loaders]
+    if any(d is None for d in datasets):
+        return loaders[0]
+    return DataLoader(ConcatDataset(datasets), batch_size=getattr(loaders[0], "batch_size", None) or 1)

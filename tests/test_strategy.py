@@ -1,0 +1,128 @@
+"""LeakAuditStrategy: the server's view of a Flower federation. Each client's update and their mean are attacked
+beside the wrapped strategy, whose aggregate stays the same."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("flwr")
+from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
+from flwr.server.client_manager import SimpleClientManager  # noqa: E402
+from flwr.server.client_proxy import ClientProxy  # noqa: E402
+from flwr.server.strategy import FedAvg  # noqa: E402
+
+from leakaudit.evaluator.live.strategy import LeakAuditStrategy  # noqa: E402
+from leakaudit.plugins.manager import load_registry  # noqa: E402
+
+CLIENTS, LR = 4, 0.1
+
+
+class Proxy(ClientProxy):
+    """A client the server can sample; the test runs its fit itself."""
+
+    def get_properties(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def get_parameters(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def fit(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def evaluate(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def reconnect(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Sigmoid(), nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+
+
+def _loaders():
+    data = load_registry(entry_points=False).get("dataset", "digits").load(image_size=16, root=None, download=False)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    x = (data.train_x[:CLIENTS] - mean) / std
+    return {str(i): DataLoader(TensorDataset(x[i:i + 1], data.train_y[i:i + 1]), batch_size=1)
+            for i in range(CLIENTS)}, mean, std
+
+
+def _fit(model: nn.Module, weights: list, loader, config: dict) -> list:
+    """A client's fit: its local epochs of SGD at the config's learning rate, from the global weights."""
+    model.load_state_dict({k: torch.as_tensor(w) for k, w in zip(model.state_dict(), weights)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
+    for _ in range(config["local_epochs"]):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return [v.detach().numpy().copy() for v in model.state_dict().values()]
+
+
+def test_the_server_attacks_each_client_and_their_mean_and_aggregates_as_before(tmp_path):
+    loaders, mean, std = _loaders()
+    model = _model()
+    start = ndarrays_to_parameters([v.detach().numpy() for v in model.state_dict().values()])
+    config = {"lr": LR, "local_epochs": 1}
+    wrapped = FedAvg(min_fit_clients=CLIENTS, min_available_clients=CLIENTS, on_fit_config_fn=lambda r: config)
+    strategy = LeakAuditStrategy(wrapped, model, loaders.__getitem__, out=tmp_path, mean=mean, std=std,
+                                 attacks=[{"name": "inverting_gradients", "params": {"iterations": 200}}],
+                                 known_labels=True)
+    manager = SimpleClientManager()
+    for i in range(CLIENTS):
+        manager.register(Proxy(f"node-{i}"))
+    instructions = strategy.configure_fit(1, start, manager)
+    assert len(instructions) == CLIENTS and all(ins.config == config for _, ins in instructions)
+    results = []
+    for proxy, ins in instructions:
+        name = proxy.cid.removeprefix("node-")
+        sent = _fit(_model(), parameters_to_ndarrays(ins.parameters), loaders[name], ins.config)
+        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), 1, {"partition": name})))
+    aggregated, _ = strategy.aggregate_fit(1, results, [])
+    alone, _ = FedAvg().aggregate_fit(1, results, [])
+    for a, b in zip(parameters_to_ndarrays(aggregated), parameters_to_ndarrays(alone)):
+        np.testing.assert_array_equal(a, b)  # the wrapped strategy's aggregate, unchanged
+
+    summaries = strategy.report()
+    assert sorted(summaries) == ["0", "1", "2", "3", "aggregate"]
+    client = {name: s.cell("none", "inverting_gradients", 1).mean("psnr") for name, s in summaries.items()}
+    rows = [json.loads(line) for line in (tmp_path / "client-0" / "results.jsonl").read_text().splitlines()]
+    assert [(r["checkpoint"], r["attack"]) for r in rows] == [(1, "inverting_gradients")]
+    assert all(summaries[n].worst("none").verdict == "leaks" for n in "0123")
+    # the mean of four updates hides each image better than one client's own update
+    assert client["aggregate"] < np.mean([client[n] for n in "0123"]) - 3.0  # measured: 21.4 against 26.2 dB
+    rounds = json.loads((tmp_path / "aggregate" / "monitor.json").read_text())["rounds"]
+    assert rounds["1"]["clients"] == CLIENTS and rounds["1"]["images"] == CLIENTS
+
+
+def test_a_round_the_config_cannot_describe_is_skipped_with_a_warning(tmp_path):
+    loaders, mean, std = _loaders()
+    model = _model()
+    start = ndarrays_to_parameters([v.detach().numpy() for v in model.state_dict().values()])
+    strategy = LeakAuditStrategy(FedAvg(min_fit_clients=2, min_available_clients=2), model, loaders.__getitem__,
+                                 out=tmp_path, mean=mean, std=std)
+    manager = SimpleClientManager()
+    for i in range(2):
+        manager.register(Proxy(str(i)))
+    instructions = strategy.configure_fit(1, start, manager)
+    results = [(p, FitRes(Status(Code.OK, ""), ins.parameters, 1, {})) for p, ins in instructions]
+    with pytest.warns(UserWarning, match="fit config has no 'lr'"):
+        strategy.aggregate_fit(1, results, [])
+    assert strategy.report() == {}
+
+
+def test_bad_settings_are_one_line_each_before_any_round():
+    from leakaudit.evaluator.audit.types import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        LeakAuditStrategy(FedAvg(), _model(), "not a function", every=0)
+    assert info.value.lines == ["LeakAuditStrategy: every: 0; expected a whole number >= 1",
+                                "LeakAuditStrategy: client_loader: expected a function of a client's name"]

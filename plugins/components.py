@@ -51,6 +51,9 @@ class ModelSpec:
     params: dict[str, Param] = field(default_factory=dict)
     summary: str = ""
     paper: str = ""
+    #: What a malicious server changed in the model it sends (empty for an honest server's model): the report's
+    #: threat box says it.
+    malicious: str = ""
 
 
 @dataclass

@@ -34,6 +34,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.bayesian",
     "leakaudit.attacks.rgap",
     "leakaudit.attacks.cinet",
+    "leakaudit.attacks.imprint",
     "leakaudit.evaluator.zoo.metrics",
     "leakaudit.evaluator.zoo.models",
     "leakaudit.evaluator.zoo.datasets",

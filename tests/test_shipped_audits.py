@@ -125,13 +125,16 @@ def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_p
 
 
 def _reduced(audit: dict) -> dict:
-    """The audit at a token budget: one target batch of at most 8 images, step 0 (every attack runs there) and two
-    training steps of at most 8 images, the first point of each sweep, two iterations and one restart or sample
-    per attack, two tuning trials (four when a search scans)."""
+    """The audit at a token budget: one target batch of at most 8 images (and at most as many clients), step 0
+    (every attack runs there) and two training steps of at most 8 images, the first point of each sweep, two
+    iterations and one restart or sample per attack, two tuning trials (four when a search scans)."""
     audit = {**audit, "workers": 1, "device": "cpu"}
     batch = min(audit["data"].get("batch_size", 1), 8)
     audit["data"] = {**audit["data"], "targets": batch, "batch_size": batch}
     audit["model"] = {**audit["model"], "checkpoints": [0]}
+    protocol = audit.get("protocol")
+    if isinstance(protocol, dict) and protocol.get("clients", 1) > batch:  # secure aggregation: one image each
+        audit["protocol"] = {**protocol, "clients": batch}
     utility = audit.get("utility", {})
     audit["utility"] = {**utility, "train_steps": 2, "batch_size": min(utility.get("batch_size", 8), 8)}
     for entry in audit["defenses"]:

@@ -77,7 +77,11 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
             f"each of {audit.data.batch_size // clients} private image(s)")
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]
     naive = [a.key for a in audit.attacks if a.role != "adaptive"]
+    spec = audit.registry.get("model", audit.model.name) if audit.model.name in audit.registry.names("model") \
+        else None
     return [
+        ("Server", f"malicious: {spec.malicious}" if spec is not None and spec.malicious else
+         "honest but curious: it sends the model as trained and attacks what comes back"),
         ("Model weights", "the attacked checkpoint's weights and architecture (white box, as the server holds them)"),
         ("Model mode", "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model.mode ==
          "train" else "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leakaudit.attacks.imprint import ImprintBlock
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import call_with_accepted, import_factory
@@ -232,6 +233,24 @@ ZOO = [
               summary=resnet20.__doc__, paper="He et al. 2016"),
     *(_linear_system_spec(name) for name in LINEAR_SYSTEM_VARIANTS),
 ]
+#: The networks an imprint block can be placed in front of, with their parameters at their defaults.
+IMPRINT_BASES = {spec.name: spec.build for spec in ZOO}
+
+
+def imprint(channels: int, num_classes: int, image_size: int, base: str = "lenet_zhu",
+            bins: int = 1024) -> nn.Module:
+    """A zoo network (``base``) behind the imprint block a malicious server places in front of it (Fowl et al.
+    2022): ``bins`` thresholded measurements of the input, from whose gradients the ``imprint`` attack reads
+    individual images."""
+    return nn.Sequential(ImprintBlock(channels, image_size, bins), IMPRINT_BASES[base](channels, num_classes,
+                                                                                      image_size))
+
+
+ZOO.append(ModelSpec("imprint", imprint, {
+    "base": Param("lenet_zhu", str, choices=tuple(IMPRINT_BASES), help="the network behind the imprint block"),
+    "bins": Param(1024, int, min=2, help="the block's bins: more bins, fewer images sharing one")},
+    summary=imprint.__doc__, paper="Fowl et al. 2022",
+    malicious="the server sent a model with an imprint block in front of it (Fowl et al. 2022)"))
 
 
 @hookimpl

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("flwr")
-from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
 from flwr.server.client_manager import SimpleClientManager  # noqa: E402
 from flwr.server.client_proxy import ClientProxy  # noqa: E402
 from flwr.server.strategy import FedAvg  # noqa: E402

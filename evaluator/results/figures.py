@@ -5,7 +5,6 @@ import math
 import textwrap
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
 import matplotlib

@@ -16,7 +16,9 @@ the same order (no shuffling, or a fixed order).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +39,18 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("leakaudit's Flower strategy needs Flower: pip install 'leakaudit[flower]'") from exc
 
 AGGREGATE = "aggregate"
+
+
+@dataclass
+class ClientRound:
+    """One client's round as FedAvg describes it: its images in training order, its update, its loader."""
+
+    name: str
+    examples: int
+    batch: tuple[Tensor, Tensor]
+    update: list[Tensor]
+    loader: Any
+    protocol: FedAvg
 
 
 class LeakAuditStrategy(Strategy):
@@ -109,19 +123,22 @@ class LeakAuditStrategy(Strategy):
         sent, configs = self._sent.pop(server_round), self._configs.pop(server_round)
         before, buffers = self._global_state(sent)
         rounds = []
-        for proxy, res in sorted(results, key=lambda r: str(r[1].metrics.get(self.client_key, r[0].cid))):
-            name = str(res.metrics.get(self.client_key, proxy.cid))
-            found = self._client_round(name, configs.get(proxy.cid, {}), before, parameters_to_ndarrays(res.parameters))
+        named = sorted(((str(res.metrics.get(self.client_key, proxy.cid)), proxy, res) for proxy, res in results),
+                       key=lambda item: item[0])
+        for name, proxy, res in named:
+            found = self._client_round(name, res.num_examples, configs.get(proxy.cid, {}), before,
+                                       parameters_to_ndarrays(res.parameters))
             if isinstance(found, str):
                 warnings.warn(f"LeakAuditStrategy: round {server_round}, client {name} not attacked: {found}",
                               stacklevel=3)
                 continue
-            rounds.append((name, res.num_examples, *found))
+            rounds.append(found)
         if not rounds:
             return
         population = _population(rounds)
-        for name, _, batch, update, _, protocol in rounds:
-            self._monitor(name, population).attack_round(server_round, before, buffers, update, batch, protocol)
+        for r in rounds:
+            self._monitor(r.name, population).attack_round(server_round, before, buffers, r.update, r.batch,
+                                                           r.protocol)
         if self.aggregate and len(rounds) > 1:
             self._attack_mean(server_round, before, buffers, rounds, population)
 
@@ -137,8 +154,9 @@ class LeakAuditStrategy(Strategy):
         load_model_state(self.model, weights, dict(self.model.named_buffers()))
         return model_state(self.model)
 
-    def _client_round(self, name: str, config: dict[str, Any], before: list[Tensor], returned: list[Any]):
-        """One client's round as FedAvg: (images and labels in order, update, loader, protocol), or why not."""
+    def _client_round(self, name: str, examples: int, config: dict[str, Any], before: list[Tensor],
+                      returned: list[Any]) -> ClientRound | str:
+        """One client's round as FedAvg describes it, or why it cannot."""
         if self.lr_key not in config:
             return f"its fit config has no {self.lr_key!r} (the learning rate FedAvg's attacker unrolls)"
         loader = self.client_loader(name)
@@ -154,7 +172,7 @@ class LeakAuditStrategy(Strategy):
             return after
         protocol = FedAvg(local_epochs=int(config.get(self.epochs_key, 1)), local_batch_size=len(batches[0][1]),
                           local_lr=float(config[self.lr_key]))
-        return (inputs, labels), [b - a for b, a in zip(before, after)], loader, protocol
+        return ClientRound(name, examples, (inputs, labels), [b - a for b, a in zip(before, after)], loader, protocol)
 
     def _monitor(self, name: str, loader: Any) -> LeakMonitor:
         """The monitor writing ``out/client-NAME`` (or ``out/aggregate``), bound to the model on first use with
@@ -168,27 +186,25 @@ class LeakAuditStrategy(Strategy):
         return self._monitors[name]
 
     def _attack_mean(self, server_round: int, before: list[Tensor], buffers: dict[str, Tensor],
-                     rounds: list[tuple], population: Any) -> None:
+                     rounds: list[ClientRound], population: Any) -> None:
         """The mean of the clients' updates, attacked as FedAvg over all of their images (secure aggregation's
         view), where the clients trained alike on equally many images."""
-        protocols = {r[5] for r in rounds}
-        counts = {len(r[2][1]) for r in rounds}
-        if len(protocols) > 1 or len(counts) > 1 or len({r[1] for r in rounds}) > 1:
+        protocols = {r.protocol for r in rounds}
+        counts = {len(r.batch[1]) for r in rounds}
+        if len(protocols) > 1 or len(counts) > 1 or len({r.examples for r in rounds}) > 1:
             warnings.warn(f"LeakAuditStrategy: round {server_round}'s mean not attacked: its clients trained on "
                           "different numbers of images or with different settings", stacklevel=4)
             return
-        protocol = protocols.pop()
-        mean = [torch.stack(parts).mean(0) for parts in zip(*(r[3] for r in rounds))]
-        batch = (torch.cat([r[2][0] for r in rounds]), torch.cat([r[2][1] for r in rounds]))
-        joint = FedAvg(local_epochs=protocol.local_epochs, local_batch_size=protocol.local_batch_size,
-                       local_lr=protocol.local_lr, clients=len(rounds))
+        mean = [torch.stack(parts).mean(0) for parts in zip(*(r.update for r in rounds))]
+        batch = (torch.cat([r.batch[0] for r in rounds]), torch.cat([r.batch[1] for r in rounds]))
+        joint = dataclasses.replace(protocols.pop(), clients=len(rounds))
         self._monitor(AGGREGATE, population).attack_round(server_round, before, buffers, mean, batch, joint)
 
 
-def _population(rounds: list[tuple]) -> Any:
+def _population(rounds: list[ClientRound]) -> Any:
     """The clients' images of a round together, as one loader: the data an attacker's guess without the update
     draws its mean image from (a client's own few images would hand the guess the very target)."""
-    loaders = [r[4] for r in rounds]
+    loaders = [r.loader for r in rounds]
     datasets = [getattr(loader, "dataset", None) for loader in loaders]
     if any(d is None for d in datasets):
         return loaders[0]

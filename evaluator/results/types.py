@@ -59,8 +59,29 @@ class LeakThreshold:
     margin: float
 
 
+class _Scored:
+    """A record with a metric's statistics under ``scores`` (written flat, in the fields' place)."""
+
+    scores: dict[str, Scores]
+
+    def mean(self, metric: str) -> float | None:
+        """The mean ``metric`` (None where it has none)."""
+        return self.scores.get(metric, Scores()).mean
+
+    def ci(self, metric: str) -> list[float] | None:
+        """The interval of the mean ``metric`` (None where it has none)."""
+        return self.scores.get(metric, Scores()).ci
+
+    def _around_scores(self, *leave_out: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The fields declared before ``scores`` and those after it, some left out: summary.json writes the
+        scores between them."""
+        names = [f.name for f in dataclasses.fields(self) if f.name not in leave_out]
+        cut = names.index("scores")
+        return ({k: getattr(self, k) for k in names[:cut]}, {k: getattr(self, k) for k in names[cut + 1:]})
+
+
 @dataclass(frozen=True)
-class CellResult:
+class CellResult(_Scored):
     """One (setting, attack, step): the statistics of every metric, identification, and convergence."""
 
     defense: str
@@ -85,19 +106,10 @@ class CellResult:
     iterations: int | None = None
     seconds_mean: float | None = None
 
-    def mean(self, metric: str) -> float | None:
-        """The cell's mean ``metric`` (None where it has none)."""
-        return self.scores.get(metric, Scores()).mean
-
-    def ci(self, metric: str) -> list[float] | None:
-        """The cell's interval of the mean ``metric`` (None where it has none)."""
-        return self.scores.get(metric, Scores()).ci
-
     def to_json(self) -> dict[str, Any]:
-        record = _fields(self, "scores", "worst_image")
-        head = {k: record.pop(k) for k in list(record)[:9]}
+        head, tail = self._around_scores("worst_image")
         flat = {k: v for m, s in self.scores.items() for k, v in s.flat(m).items()}
-        return {**head, **flat, "worst_image": _record(self.worst_image), **record}
+        return {**head, **flat, "worst_image": _record(self.worst_image), **tail}
 
     @classmethod
     def from_json(cls, record: dict[str, Any], metrics: list[str]) -> CellResult:
@@ -155,7 +167,7 @@ class Privacy:
 
 
 @dataclass(frozen=True)
-class WorstCase:
+class WorstCase(_Scored):
     """A setting's line in the report: its strongest attack's scores (the leakage metric and its second views)
     and its verdict over the steps. ``attack`` is None where no attack scored a finite value."""
 
@@ -181,19 +193,11 @@ class WorstCase:
     privacy: Privacy | None = None
     worst_image: WorstImage | None = None
 
-    def mean(self, metric: str) -> float | None:
-        """The strongest attack's mean ``metric`` (None where it has none)."""
-        return self.scores.get(metric, Scores()).mean
-
-    def ci(self, metric: str) -> list[float] | None:
-        return self.scores.get(metric, Scores()).ci
-
     def to_json(self) -> dict[str, Any]:
-        record = _fields(self, "scores", "privacy", "worst_image")
-        head = {k: record.pop(k) for k in list(record)[:12]}
+        head, tail = self._around_scores("privacy", "worst_image")
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
-        return {**head, **means, **cis, **record, "privacy": _record(self.privacy),
+        return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
                 "worst_image": _record(self.worst_image) or {}}
 
     @classmethod

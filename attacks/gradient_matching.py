@@ -7,18 +7,18 @@
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
+from leakaudit.attacks.lbfgs import BatchedLBFGS, Evaluate, LBFGSSettings, LockStep, Solver, minimise
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
 from leakaudit.attacks.vectorised import (
-    LOCKSTEP_MAX_PROBLEMS,
     Batch,
-    LockStep,
     SharedModel,
     batched,
     candidate_update,
@@ -215,6 +215,12 @@ class InvertingGradients(Attack):
         return images, extra, trace.tolist()
 
 
+#: Curvature pairs each L-BFGS run keeps (torch.optim.LBFGS's ``history_size``).
+HISTORY = 100
+#: At most this many problems share one ``BatchedLBFGS`` (their histories are one tensor).
+MAX_BATCHED_PROBLEMS = 1024
+
+
 class DeepLeakage(Attack):
     """Euclidean gradient matching by L-BFGS on the image and a soft label jointly, with restarts (Zhu et al.)."""
 
@@ -252,12 +258,12 @@ class DeepLeakage(Attack):
 
     @classmethod
     def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
-        """Like problems solved together: each keeps its own L-BFGS, line search and restarts (one thread per
-        problem, ``LockStep``), and their loss evaluations run as one vmapped pass (benchmarks/lbfgs_batching.py)."""
+        """Like problems solved together: each keeps its own L-BFGS iterate and line search, and their evaluations
+        and two-loop recursions run as batched passes (``BatchedLBFGS``, benchmarks/lbfgs_batching.py)."""
         if any(getattr(cls, n) is not getattr(DeepLeakage, n) for n in ("reconstruct", "_restarts", "_one_run")):
             return super().reconstruct_all(problems, max_problems)
         return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
-                         build=cls._batch, cap=LOCKSTEP_MAX_PROBLEMS)
+                         build=cls._batch, cap=MAX_BATCHED_PROBLEMS)
 
     @staticmethod
     def _group_key(p: Problem) -> tuple:
@@ -266,7 +272,10 @@ class DeepLeakage(Attack):
                 tuple(sorted(p.attack.priors)), tuple(p.observed.names))
 
     @classmethod
-    def _batch(cls, problems: list[Problem]) -> tuple[list[Problem], Callable[[list[Problem]], list[Reconstruction]]]:
+    def _batch(cls, problems: list[Problem], lock_step: bool = False
+               ) -> tuple[list[Problem], Callable[[list[Problem]], list[Reconstruction]]]:
+        """The problems and their solver: ``BatchedLBFGS``, or with ``lock_step`` torch.optim.LBFGS per problem
+        (``LockStep``, the reference the tests compare with)."""
         threat = problems[0].threat
         fixed = [p.attack._labels(p.observed, p.threat, p.generator) for p in problems]  # drawn first, as alone
         targets = stack_targets([p.observed for p in problems], threat.device)
@@ -282,36 +291,70 @@ class DeepLeakage(Attack):
 
         step = vmap(grad_and_value(loss), in_dims=(0, 0, 0, None if labels is None else 0))
 
-        def evaluate(rows: list[int], variables: list[list[Tensor]]) -> list[tuple[Tensor, list[Tensor]]]:
+        def evaluate(rows: list[int], variables: list[Tensor]) -> tuple[list[Tensor], Tensor]:
             pick = rows_of(rows, len(problems), threat.device)
-            grads, losses = step([torch.stack(v) for v in zip(*variables)], pick(targets), pick(hyper),
-                                 None if labels is None else pick(labels))
-            return [(losses[r], [g[r] for g in grads]) for r in range(len(rows))]
+            return step(variables, pick(targets), pick(hyper), None if labels is None else pick(labels))
 
-        def solve(part: list[Problem]) -> list[Reconstruction]:
-            return LockStep(evaluate).run([
+        if lock_step:
+            def evaluate_each(rows: list[int], variables: list[list[Tensor]]) -> list[tuple[Tensor, list[Tensor]]]:
+                grads, losses = evaluate(rows, [torch.stack(v) for v in zip(*variables)])
+                return [(losses[r], [g[r] for g in grads]) for r in range(len(rows))]
+
+            return problems, lambda part: LockStep(evaluate_each).run([
                 lambda request, p=p, f=f: p.attack._restarts(p.threat, p.generator, f, request)
                 for p, f in zip(part, fixed)])
+
+        shapes = [(threat.batch_size, *threat.input_shape)] + ([] if labels is not None else
+                                                                 [(threat.batch_size, threat.num_classes)])
+        sizes = [math.prod(shape) for shape in shapes]
+
+        def evaluate_flat(rows: list[int], x: Tensor) -> tuple[Tensor, Tensor]:
+            parts = [v.reshape(len(rows), *shape) for v, shape in zip(x.split(sizes, dim=1), shapes)]
+            grads, losses = evaluate(rows, parts)
+            return losses, torch.cat([g.reshape(len(rows), -1) for g in grads], dim=1)
+
+        def solve(part: list[Problem]) -> list[Reconstruction]:
+            engine = BatchedLBFGS(evaluate_flat, len(part), sum(sizes), HISTORY, threat.device)
+            return engine.run([p.attack._solver(p.threat, p.generator, f) for p, f in zip(part, fixed)])
 
         return problems, solve
 
     def _restarts(self, threat: ThreatModel, generator: torch.Generator, fixed: Tensor | None,
                   evaluate: Callable[[list[Tensor]], tuple[Tensor, list[Tensor]]]) -> Reconstruction:
         """The best of ``restarts`` L-BFGS runs; ``evaluate(variables)`` gives the loss and its gradients."""
-        best = None
+        return self._best(threat, fixed, [self._one_run(threat, generator, fixed, evaluate)
+                                          for _ in range(self.restarts)])
+
+    def _solver(self, threat: ThreatModel, generator: torch.Generator, fixed: Tensor | None) -> Solver:
+        """``_restarts`` as a solver for ``BatchedLBFGS``: the same starts, drawn in the same order, the same steps."""
+        settings = LBFGSSettings(lr=self.lr, line_search=self.line_search, history_size=HISTORY)
+        runs = []
         for _ in range(self.restarts):
-            run = self._one_run(threat, generator, fixed, evaluate)
-            if best is None or run[2] < best[2]:
-                best = run
-        images, labels, loss, trace = best
+            variables = self._start(threat, generator, fixed)
+            x, trace = yield from minimise(torch.cat([v.reshape(-1) for v in variables]), self.iterations, settings)
+            final = (yield Evaluate(x)).loss
+            images, logits = x[:variables[0].numel()].view_as(variables[0]), x[variables[0].numel():]
+            labels = fixed if fixed is not None else logits.view_as(variables[1]).argmax(dim=-1)
+            runs.append((images, labels, final if final == final else float("inf"), trace))
+        return self._best(threat, fixed, runs)
+
+    @staticmethod
+    def _best(threat: ThreatModel, fixed: Tensor | None, runs: list[tuple]) -> Reconstruction:
+        """The run with the lowest final match (the first of equals)."""
+        images, labels, loss, trace = min(runs, key=lambda run: run[2])
         return Reconstruction(threat.to_pixels(images), labels, trace, 0.0, {"match_loss": loss})
 
-    def _one_run(self, threat, generator, fixed, evaluate):
-        variables = [random_images(threat, generator).requires_grad_(True)]
-        if fixed is None:  # a soft label optimised beside the image
+    def _start(self, threat: ThreatModel, generator: torch.Generator, fixed: Tensor | None) -> list[Tensor]:
+        """A run's start: a random image, and a random soft label where the labels are not fixed."""
+        variables = [random_images(threat, generator)]
+        if fixed is None:
             variables.append(torch.randn((threat.batch_size, threat.num_classes), generator=generator,
-                                         device=threat.device).requires_grad_(True))
-        optimiser = torch.optim.LBFGS(variables, lr=self.lr, max_iter=20, history_size=100,
+                                         device=threat.device))
+        return variables
+
+    def _one_run(self, threat, generator, fixed, evaluate):
+        variables = [v.requires_grad_(True) for v in self._start(threat, generator, fixed)]
+        optimiser = torch.optim.LBFGS(variables, lr=self.lr, max_iter=20, history_size=HISTORY,
                                       line_search_fn="strong_wolfe" if self.line_search else None)
 
         def closure() -> Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -35,8 +34,6 @@ MEMORY_SHARE = 0.5  # of the free device memory that ``max_problems: auto`` lets
 #: faster for lenet_zhu (14k: 2.2x at K = 8, 5.4x at K = 64), cnn_bayes (0.25M: 1.15x) and resnet20 (0.27M:
 #: 1.2x), slower for the 0.85M-parameter mlp (0.5x) and the 2.9M-parameter convnet (docs/results.md, Speed).
 CPU_MAX_PARAMETERS = 300_000
-#: At most this many problems (one thread each) share a ``LockStep`` pass.
-LOCKSTEP_MAX_PROBLEMS = 1024
 
 
 def vectorisable(threat: ThreatModel) -> bool:
@@ -347,85 +344,6 @@ def run_chunks(problems: list[Problem], build: Callable[[list[Problem]], tuple[B
             r.seconds = seconds
         out.extend(recs)
     return out
-
-
-class LockStep:
-    """Sequential solvers, one thread per problem, whose loss evaluations are gathered into batched passes.
-
-    Each solver runs its own optimiser (torch.optim.LBFGS with its line search: a different number of
-    evaluations per step for each problem) and calls ``request(variables)`` where it needs its loss and
-    gradients. The threads take turns like coroutines: one runs until it requests (or ends), then the
-    next; when all have requested, ``evaluate(rows, variables)`` computes every waiting problem's loss
-    and gradients in one pass (``rows``: their indices). A solver's own arithmetic is untouched, so each
-    problem takes the path it takes alone, up to the floating-point order of the batched pass.
-    """
-
-    def __init__(self, evaluate: Callable[[list[int], list[list[Tensor]]], list[tuple[Tensor, list[Tensor]]]]):
-        self.evaluate = evaluate
-        self._back = threading.Event()
-        self._turns: list[threading.Event] = []
-        self._asked: dict[int, list[Tensor]] = {}
-        self._answers: dict[int, Any] = {}
-
-    def run(self, solvers: list[Callable[[Callable[[list[Tensor]], tuple[Tensor, list[Tensor]]]], Any]]) -> list[Any]:
-        """Each ``solver(request)``'s result, in order; the first error of any solver is raised."""
-        results: list[Any] = [None] * len(solvers)
-        errors: list[BaseException] = []
-        self._turns = [threading.Event() for _ in solvers]
-        threads = [threading.Thread(target=self._solve, args=(i, s, results, errors), daemon=True)
-                   for i, s in enumerate(solvers)]
-        for t in threads:
-            t.start()
-        live = list(range(len(solvers)))
-        while live:
-            for i in live:
-                self._resume(i)
-            live = [i for i in live if i in self._asked]
-            if live:
-                self._answers.update(zip(live, self._answer_all(live, [self._asked.pop(i) for i in live], errors)))
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-    def _resume(self, i: int) -> None:
-        """Let solver ``i`` run until it requests an evaluation or ends."""
-        self._back.clear()
-        self._turns[i].set()
-        self._back.wait()
-
-    def _answer_all(self, rows: list[int], variables: list[list[Tensor]], errors: list[BaseException]) -> list:
-        if errors:  # a solver failed: the others stop at this request
-            return [errors[0]] * len(rows)
-        try:
-            return self.evaluate(rows, variables)
-        except BaseException as exc:
-            errors.append(exc)
-            return [exc] * len(rows)
-
-    def _solve(self, i: int, solver: Callable, results: list[Any], errors: list[BaseException]) -> None:
-        def wait_turn() -> None:
-            self._turns[i].wait()
-            self._turns[i].clear()
-
-        def request(variables: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-            self._asked[i] = variables
-            self._back.set()
-            wait_turn()
-            answer = self._answers.pop(i)
-            if isinstance(answer, BaseException):
-                raise answer
-            return answer
-
-        wait_turn()
-        try:
-            results[i] = solver(request)
-        except BaseException as exc:
-            if exc not in errors:
-                errors.append(exc)
-        finally:
-            self._back.set()
 
 
 def defense_candidate(defense: Defense) -> bool:

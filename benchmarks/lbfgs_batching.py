@@ -12,8 +12,9 @@ measures, for K ``dlg`` problems on the untrained lenet_zhu (32x32 digits, batch
 
 from them an upper bound on the speed-up of any batched L-BFGS with a line search per problem
 (lock-step evaluations x batched evaluation time, no line-search or history bookkeeping counted);
-and the speed-up measured for ``DeepLeakage.reconstruct_all``, which keeps torch.optim.LBFGS per
-problem (its history and line search, one thread each) and batches only the evaluations.
+and the speed-ups measured for ``DeepLeakage.reconstruct_all`` (``BatchedLBFGS``: evaluations and
+two-loop recursions batched) and for the lock-step reference (``LockStep``: torch.optim.LBFGS per
+problem, one thread each, only the evaluations batched).
 
     python benchmarks/lbfgs_batching.py [--k 16] [--iterations 20] [--device cpu]
 """
@@ -87,8 +88,8 @@ def batched_evaluation(k: int, device: str, repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def solved_together(k: int, iterations: int, device: str) -> float:
-    """Wall time of ``DeepLeakage.reconstruct_all`` on the same K problems."""
+def solved_together(k: int, iterations: int, device: str, lock_step: bool = False) -> float:
+    """Wall time of ``DeepLeakage.reconstruct_all`` on the same K problems (with ``lock_step``, of ``LockStep``)."""
     problems, model = [], None
     for i in range(k):
         observed, threat, _ = case(device, i, model)
@@ -96,7 +97,13 @@ def solved_together(k: int, iterations: int, device: str) -> float:
         problems.append(Problem(observed, threat, torch.Generator(device=device).manual_seed(i),
                                 DeepLeakage(iterations=iterations, restarts=1)))
     start = time.perf_counter()
-    DeepLeakage.reconstruct_all(problems, max_problems=k)
+    if lock_step:
+        batch, solve = DeepLeakage._batch(problems, lock_step=True)
+        solve(batch)
+    else:
+        DeepLeakage.reconstruct_all(problems, max_problems=k)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -122,8 +129,9 @@ def main() -> None:
     print(f"  one vmapped evaluation of K: {batch * 1e3:.2f} ms ({batch / args.k * 1e3:.2f} ms per problem)")
     bound = lock_step * batch
     print(f"  batched L-BFGS, at best: {bound:.2f} s, {seconds / bound:.2f}x per-problem speed")
-    together = solved_together(args.k, args.iterations, args.device)
-    print(f"  measured, reconstruct_all (lock step): {together:.2f} s, {seconds / together:.2f}x per-problem speed")
+    for name, lock_step in (("reconstruct_all (BatchedLBFGS)", False), ("lock step (LockStep)", True)):
+        together = solved_together(args.k, args.iterations, args.device, lock_step)
+        print(f"  measured, {name}: {together:.2f} s, {seconds / together:.2f}x per-problem speed")
 
 
 if __name__ == "__main__":

@@ -189,6 +189,13 @@ def test_vectorised_fedavg_unrolling_matches_one_at_a_time(write_audit, tmp_path
 
 def _alone_and_together(defense, model, attack, known_labels: bool = True):
     """Three problems on one model drawing its own noise: each solved alone, then all solved together."""
+    problems = problems_on(defense, model, attack, known_labels)
+    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
+    return alone, type(attack).reconstruct_all(problems)
+
+
+def problems_on(defense, model, attack, known_labels: bool = True) -> list[Problem]:
+    """Three digits' problems on one model drawing its own noise, each with its own seeded generator."""
     data = load_digits(16)
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
     problems = []
@@ -198,8 +205,7 @@ def _alone_and_together(defense, model, attack, known_labels: bool = True):
             observed = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(k)))
         threat = ThreatModel(model, loss_fn, (1, 16, 16), mean, std, 10, 1, defense, labels=y if known_labels else None)
         problems.append(Problem(observed, threat, torch.Generator().manual_seed(100 + k), attack))
-    alone = [attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
-    return alone, type(attack).reconstruct_all(problems)
+    return problems
 
 
 def test_bayesian_exact_solves_many_fixed_networks_together_as_one_at_a_time():
@@ -234,8 +240,8 @@ def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
 @pytest.mark.parametrize("attack,known", [(DeepLeakage(iterations=6, restarts=2), False),
                                           (ImprovedDeepLeakage(iterations=6), False),
                                           (DeepLeakage(iterations=6, line_search=False), True)])
-def test_dlg_problems_in_lock_step_follow_their_own_lbfgs_path(attack, known):
-    """Each problem keeps its own L-BFGS and line search; only the evaluations are batched."""
+def test_dlg_problems_solved_together_follow_their_own_lbfgs_path(attack, known):
+    """Each problem keeps its own L-BFGS iterate and line search; evaluations and two-loop recursions are batched."""
     torch.manual_seed(0)
     alone, together = _alone_and_together(NoDefense(), lenet_zhu(1, 10, 16), attack, known_labels=known)
     for a, b in zip(alone, together):  # batched evaluations round differently: L-BFGS paths part by a few 1e-3
@@ -246,7 +252,7 @@ def test_dlg_problems_in_lock_step_follow_their_own_lbfgs_path(attack, known):
 
 
 def test_lock_step_raises_a_solvers_error_and_stops_the_others():
-    from leakaudit.attacks.vectorised import LockStep
+    from leakaudit.attacks.lbfgs import LockStep
 
     calls = []
 

@@ -119,7 +119,7 @@ class LikelihoodAttack(Attack):
     @classmethod
     def _solve(cls, batch: Batch, labels: list[Tensor]) -> list[Reconstruction]:
         first, threat, template = batch.problems[0].attack, batch.problems[0].threat, batch.problems[0].observed
-        shared = SharedModel.of(threat.model)
+        shared = SharedModel.of(threat.model, threat)
         lo, hi = threat.box()
         own = cls is BayesOptimal and defense_candidate(threat.defense)
 

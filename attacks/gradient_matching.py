@@ -153,7 +153,7 @@ class InvertingGradients(Attack):
     @classmethod
     def _solve(cls, batch: Batch, keep: list[bool] | None, labels: list[Tensor]) -> list[Reconstruction]:
         first, threat = batch.problems[0].attack, batch.problems[0].threat
-        shared = SharedModel.of(threat.model)
+        shared = SharedModel.of(threat.model, threat)
         lo, hi = threat.box()
 
         def matching(images, labels, target, metadata, hyper, unknowns):
@@ -282,7 +282,7 @@ class DeepLeakage(Attack):
         hyper = {**problem_hyper([p.attack for p in problems], threat.device),
                  "state": stacked_state([p.threat.model for p in problems])}
         labels = None if fixed[0] is None else torch.stack(fixed)
-        shared, (lo, hi) = SharedModel.of(threat.model), threat.box()
+        shared, (lo, hi) = SharedModel.of(threat.model, threat), threat.box()
 
         def loss(variables, target, hyper, label):
             y = label if label is not None else torch.softmax(variables[1], dim=-1)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
 
 from leakaudit.attacks.priors import PRIORS
-from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel, parameter_gradient
 from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.plugins.stochastic import noise_from, stochastic_modules
 
@@ -51,16 +51,23 @@ class SharedModel:
     module: nn.Module
     params: dict[str, Tensor]
     buffers: dict[str, Tensor]
+    #: The gradient of the defense's parameter-only loss term, by parameter name, where it is hoisted out of every
+    #: candidate's update (``parameter_gradient``); None where it stays inside.
+    hoisted: dict[str, Tensor] | None = None
 
     @classmethod
-    def of(cls, model: nn.Module) -> "SharedModel":
+    def of(cls, model: nn.Module, threat: ThreatModel | None = None) -> "SharedModel":
+        """``model`` for torch.func; with ``threat`` (whose model it is), the defense's parameter-only term's gradient
+        is computed here, once, for ``candidate_update`` to add."""
+        hoisted = None if threat is None else parameter_gradient(model, threat.defense, threat.protocol)
         module = model
         if model.training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             module = copy.deepcopy(model)
             torch.func.replace_all_batch_norm_modules_(module)  # running statistics off: no in-place update
         params = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
         frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
-        return cls(module, params, {**frozen, **dict(module.named_buffers())})
+        named = None if hoisted is None else dict(zip(params, hoisted))
+        return cls(module, params, {**frozen, **dict(module.named_buffers())}, named)
 
 
 def model_key(model: nn.Module) -> tuple:
@@ -85,9 +92,10 @@ def candidate_update(shared: SharedModel, threat: ThreatModel, images: Tensor, l
     """The clean update of candidate ``images`` under the threat's protocol and client loss, via torch.func;
     ``state`` holds this problem's own parameters and buffers where problems have different models."""
     params, buffers = (state["params"], state["buffers"]) if state else (shared.params, shared.buffers)
-    loss_fn = threat.defense.client_loss(shared.module, threat.loss_fn)
+    hoisted = None if state else shared.hoisted  # each problem's own model: its term stays inside
+    loss_fn = threat.defense.client_loss(shared.module, threat.loss_fn) if hoisted is None else threat.loss_fn
     grads = threat.protocol.functional_update(shared.module, params, buffers, loss_fn, images, labels)
-    return [grads[n] for n in shared.params]
+    return [grads[n] if hoisted is None else grads[n] + hoisted[n] for n in shared.params]
 
 
 def problem_hyper(attacks: list, device: torch.device) -> dict[str, Tensor]:

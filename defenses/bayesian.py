@@ -236,6 +236,12 @@ class Bayesian(Defense):
     def client_loss(self, model: nn.Module, loss_fn: LossFn) -> LossFn:
         return with_kl(model, loss_fn, self.kl_weight)
 
+    def parameter_term(self, model: nn.Module) -> Tensor | None:
+        """The weighted KL that ``client_loss`` adds: it depends on the layers' means and scales alone."""
+        if self.kl_weight == 0:
+            return None
+        return self.kl_weight * sum(layer.kl_divergence() for layer in bayesian_layers(model).values())
+
 
 @hookimpl
 def register_defenses():

@@ -106,6 +106,14 @@ class Defense:
         """The loss the client differentiates: the task loss, plus any term the defense trains with (a KL)."""
         return loss_fn
 
+    def parameter_term(self, model: nn.Module) -> Tensor | None:
+        """The term ``client_loss`` adds to the task loss where it depends on the parameters alone (Bayesian layers'
+        KL), computed from the model's own parameters; None where it adds none, or one that depends on the data.
+
+        Under FedSGD its gradient is the same for every candidate image, so attackers add it once
+        (``parameter_gradient``) instead of differentiating it twice in every iteration."""
+        return None
+
     def defended_tensors(self, names: Sequence[str]) -> set[str]:
         """Names of shared tensors the defense rewrote so that an informed attacker leaves them out of a match."""
         return set()

@@ -23,6 +23,8 @@ from torch import Tensor
 CURVATURE_MIN = 1e-10
 #: The strong-Wolfe constants: sufficient decrease and curvature.
 C1, C2 = 1e-4, 0.9
+#: The zoom stops on a bracket this narrow (torch.optim.LBFGS leaves it at this default whatever ``tolerance_change``).
+ZOOM_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -112,8 +114,8 @@ def minimise(x: Tensor, steps: int, settings: LBFGSSettings) -> Generator[Reques
 def _step(s: _Iterate, c: LBFGSSettings) -> Generator[Request, Any, float]:
     """One ``step``: up to ``max_iter`` iterations and ``max_eval`` evaluations; the loss it started from."""
     at = yield Evaluate(s.x)
-    start, loss, grad, evaluations = at.loss, at.loss, at.grad, 1
-    if at.grad_max <= c.tolerance_grad:
+    start, loss, grad, grad_max, evaluations = at.loss, at.loss, at.grad, at.grad_max, 1
+    if grad_max <= c.tolerance_grad:
         return start
     for n in range(1, c.max_iter + 1):
         s.n_iter += 1
@@ -124,15 +126,17 @@ def _step(s: _Iterate, c: LBFGSSettings) -> Generator[Request, Any, float]:
         if direction.slope > -c.tolerance_change:
             break
         if c.line_search:
-            found, t, spent = yield from _strong_wolfe(s.x, t, s.d, Point(loss, grad, direction.slope, 0.0),
-                                                       direction.d_max, c, c.max_eval - evaluations)
+            found, t, spent = yield from _strong_wolfe(s.x, t, s.d, Point(loss, grad, direction.slope, grad_max),
+                                                       direction.d_max, c.max_eval - evaluations)
             s.x = s.x.add(s.d, alpha=t)
-            loss, grad, optimal = found.loss, found.grad, found.grad_max <= c.tolerance_grad
+            loss, grad, grad_max = found.loss, found.grad, found.grad_max
+            optimal = grad_max <= c.tolerance_grad
         else:
             s.x, spent, optimal = s.x.add(s.d, alpha=t), 0, False
             if n != c.max_iter:
                 at = yield Evaluate(s.x)
-                loss, grad, optimal, spent = at.loss, at.grad, at.grad_max <= c.tolerance_grad, 1
+                loss, grad, grad_max, spent = at.loss, at.grad, at.grad_max, 1
+                optimal = grad_max <= c.tolerance_grad
         s.t, evaluations = t, evaluations + spent
         if (n == c.max_iter or evaluations >= c.max_eval or optimal or direction.d_max * abs(t) <= c.tolerance_change
                 or abs(loss - s.loss) < c.tolerance_change):
@@ -164,8 +168,7 @@ def _cubic_minimum(x1: float, f1: float, g1: float, x2: float, f2: float, g2: fl
     return min(max(at, low), high)
 
 
-def _strong_wolfe(x: Tensor, t: float, d: Tensor, start: Point, d_max: float, c: LBFGSSettings,
-                  max_ls: int) -> Generator[Request, Any, tuple[Point, float, int]]:
+def _strong_wolfe(x: Tensor, t: float, d: Tensor, start: Point, d_max: float, max_ls: int) -> Generator[Request, Any, tuple[Point, float, int]]:
     """A step along ``d`` that meets the strong Wolfe conditions: bracket, then zoom. The point found, its step and
     the evaluations spent."""
     f, gtd = start.loss, start.slope
@@ -194,7 +197,7 @@ def _strong_wolfe(x: Tensor, t: float, d: Tensor, start: Point, d_max: float, c:
     stalled = False
     while not done and ls_iter < max_ls:
         (a, at_a), (b, at_b) = bracket
-        if abs(b - a) * d_max < c.tolerance_change:
+        if abs(b - a) * d_max < ZOOM_TOLERANCE:
             break
         t = _cubic_minimum(a, at_a.loss, at_a.slope, b, at_b.loss, at_b.slope)
         t, stalled = _away_from_ends(t, min(a, b), max(a, b), stalled)
@@ -222,7 +225,7 @@ def _away_from_ends(t: float, low: float, high: float, stalled: bool) -> tuple[f
     """The zoom's safeguard: a trial within a tenth of the bracket from an end is moved in to that tenth when the
     last trial was also that close (or it left the bracket); whether this trial was too close."""
     eps = 0.1 * (high - low)
-    if min(high - t, t - low) >= eps:
+    if not min(high - t, t - low) < eps:  # NaN included, as torch.optim.LBFGS has it
         return t, False
     if stalled or t >= high or t <= low:
         return (high - eps if abs(t - high) < abs(t - low) else low + eps), False
@@ -242,7 +245,8 @@ class BatchedLBFGS:
     """
 
     def __init__(self, evaluate: Callable[[list[int], Tensor], tuple[Tensor, Tensor]], problems: int, size: int,
-                 history_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+                 history_size: int, device: torch.device, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or torch.get_default_dtype()
         self.evaluate, self.history = evaluate, history_size
         self.pairs = torch.zeros(problems, 2 * history_size, 2, size, device=device, dtype=dtype)  # (s, y)
         self.rho = torch.zeros(problems, 2 * history_size, device=device, dtype=dtype)
@@ -334,16 +338,16 @@ class BatchedLBFGS:
         begin, end = int(self.first.min()), int((self.first + self.count).max())
         columns = torch.arange(begin, end, device=grad.device)
         inside = (columns >= self.first[:, None]) & (columns < (self.first + self.count)[:, None])
-        rho = self.rho[:, begin:end] * inside
+        rho, inside = self.rho[:, begin:end], inside[:, :, None]
         q, alpha = -grad, []
-        for c in reversed(range(end - begin)):
+        for c in reversed(range(end - begin)):  # where, not a zero weight: a stale pair may hold inf
             a = rho[:, c] * torch.linalg.vecdot(self.pairs[:, begin + c, 0], q)
-            q = q.addcmul(a[:, None], self.pairs[:, begin + c, 1], value=-1)
+            q = torch.where(inside[:, c], q.addcmul(a[:, None], self.pairs[:, begin + c, 1], value=-1), q)
             alpha.append(a)
         r = q * self.h_diag[:, None]
         for c, a in zip(range(end - begin), reversed(alpha)):
             b = rho[:, c] * torch.linalg.vecdot(self.pairs[:, begin + c, 1], r)
-            r = r.addcmul((a - b)[:, None], self.pairs[:, begin + c, 0])
+            r = torch.where(inside[:, c], r.addcmul((a - b)[:, None], self.pairs[:, begin + c, 0]), r)
         return r
 
 

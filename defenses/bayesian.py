@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import LossFn
-from leakaudit.plugins.stochastic import StochasticModule, with_kl
+from leakaudit.plugins.stochastic import StochasticModule, stochastic_modules, with_kl
 
 NOISE = ("per_pass", "per_example")
 
@@ -237,10 +237,12 @@ class Bayesian(Defense):
         return with_kl(model, loss_fn, self.kl_weight)
 
     def parameter_term(self, model: nn.Module) -> Tensor | None:
-        """The weighted KL that ``client_loss`` adds: it depends on the layers' means and scales alone."""
-        if self.kl_weight == 0:
+        """The weighted KL that ``client_loss`` adds: it depends on the layers' means and scales alone (None where
+        the model holds other noisy modules, whose terms ``client_loss`` adds too)."""
+        layers = bayesian_layers(model)
+        if self.kl_weight == 0 or len(layers) != len(stochastic_modules(model)):
             return None
-        return self.kl_weight * sum(layer.kl_divergence() for layer in bayesian_layers(model).values())
+        return self.kl_weight * sum(layer.kl_divergence() for layer in layers.values())
 
 
 @hookimpl

@@ -74,7 +74,7 @@ def parameter_gradient(model: nn.Module, defense: Defense, protocol: Protocol) -
     params = trainable(model)
     with torch.enable_grad():
         term = defense.parameter_term(model)
-        if term is None:
+        if not isinstance(term, Tensor) or not term.requires_grad:  # none, or of frozen parameters only
             return None
         grads = torch.autograd.grad(term, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]

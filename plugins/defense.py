@@ -111,7 +111,8 @@ class Defense:
         KL), computed from the model's own parameters; None where it adds none, or one that depends on the data.
 
         Under FedSGD its gradient is the same for every candidate image, so attackers add it once
-        (``parameter_gradient``) instead of differentiating it twice in every iteration."""
+        (``parameter_gradient``) instead of differentiating it twice in every iteration. Where it is not None,
+        ``client_loss(model, loss_fn)`` must be exactly ``loss_fn`` plus it."""
         return None
 
     def defended_tensors(self, names: Sequence[str]) -> set[str]:

@@ -63,6 +63,9 @@ def test_the_hoisted_gradient_follows_the_weights_and_stays_inside_under_fedavg(
     assert all(torch.allclose(e, g, atol=1e-6, rtol=1e-5) for e, g in zip(expected, got))
     assert parameter_gradient(model, defense, FedAvg(local_epochs=2)) is None  # later local steps see other weights
     assert parameter_gradient(model, Bayesian(kl_weight=0.0), FEDSGD) is None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert parameter_gradient(model, defense, FEDSGD) is None  # a KL of frozen layers only: nothing to hoist
 
 
 @pytest.mark.parametrize("kl_weight", [0.5, 0.0])

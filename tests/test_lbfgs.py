@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leakaudit.attacks.gradient_matching import DeepLeakage
-from leakaudit.attacks.lbfgs import BatchedLBFGS, LBFGSSettings, minimise
+from leakaudit.attacks.lbfgs import BatchedLBFGS, Direction, LBFGSSettings, minimise
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.zoo.models import lenet_zhu
 
@@ -106,3 +106,18 @@ def test_dlg_batched_agrees_with_the_lock_step_reference(attack, known):
         assert gap.mean() < 2e-3 and gap.max() < 5e-2 and torch.equal(a.labels, b.labels)
         assert len(a.loss_trace) == len(b.loss_trace)
         assert b.extras["match_loss"] == pytest.approx(a.extras["match_loss"], rel=0.5, abs=1e-4)
+
+
+def test_a_restart_forgets_a_stored_pair_that_overflowed():
+    """torch.optim.LBFGS stores a pair whose y overflowed (y . s = inf > 0); a new optimiser forgets it, and so
+    must a restarted problem here: its first direction is -grad, not NaN."""
+    g = torch.tensor([1.0, -2.0, 0.5])
+
+    def solver():
+        first = yield Direction(g, True)
+        yield Direction(torch.tensor([float("inf"), 1.0, 1.0]), False, g, first.d, 1.0)
+        again = yield Direction(2 * g, True)
+        return again.d
+
+    (d,) = BatchedLBFGS(lambda rows, x: None, 1, 3, 2, torch.device("cpu")).run([solver()])
+    assert torch.equal(d, -2 * g)

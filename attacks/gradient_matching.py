@@ -260,7 +260,8 @@ class DeepLeakage(Attack):
     def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
         """Like problems solved together: each keeps its own L-BFGS iterate and line search, and their evaluations
         and two-loop recursions run as batched passes (``BatchedLBFGS``, benchmarks/lbfgs_batching.py)."""
-        if any(getattr(cls, n) is not getattr(DeepLeakage, n) for n in ("reconstruct", "_restarts", "_one_run")):
+        if any(getattr(cls, n) is not getattr(DeepLeakage, n)
+               for n in ("reconstruct", "_restarts", "_one_run", "_solver", "_start", "_best")):
             return super().reconstruct_all(problems, max_problems)
         return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
                          build=cls._batch, cap=MAX_BATCHED_PROBLEMS)
@@ -335,12 +336,13 @@ class DeepLeakage(Attack):
             final = (yield Evaluate(x)).loss
             images, logits = x[:variables[0].numel()].view_as(variables[0]), x[variables[0].numel():]
             labels = fixed if fixed is not None else logits.view_as(variables[1]).argmax(dim=-1)
-            runs.append((images, labels, final if final == final else float("inf"), trace))
+            runs.append((images, labels, final, trace))
         return self._best(threat, fixed, runs)
 
     @staticmethod
     def _best(threat: ThreatModel, fixed: Tensor | None, runs: list[tuple]) -> Reconstruction:
-        """The run with the lowest final match (the first of equals)."""
+        """The run with the lowest final match (the first of equals; NaN from a diverged run counts as inf)."""
+        runs = [(images, labels, loss if loss == loss else float("inf"), trace) for images, labels, loss, trace in runs]
         images, labels, loss, trace = min(runs, key=lambda run: run[2])
         return Reconstruction(threat.to_pixels(images), labels, trace, 0.0, {"match_loss": loss})
 
@@ -371,7 +373,6 @@ class DeepLeakage(Attack):
                 break
         final = evaluate(variables)[0].item()
         labels = fixed if fixed is not None else variables[1].detach().argmax(dim=-1)
-        final = final if final == final else float("inf")  # NaN from a diverged run loses
         return variables[0].detach(), labels, final, torch.stack(trace).tolist()
 
 

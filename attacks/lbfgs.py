@@ -293,7 +293,7 @@ class BatchedLBFGS:
         step = self._full(index, [a.previous * a.step if not a.first else torch.zeros_like(a.grad) for a in asks])
         starts = torch.zeros(len(self.count), dtype=torch.bool, device=grad.device)
         starts[index] = torch.tensor([a.first for a in asks], device=grad.device)
-        self._store_pair(starts, step, grad - before)
+        self._store_pair(starts, any(a.first for a in asks), step, grad - before)
         d = self._two_loop(grad)[index]
         grad = grad[index]
         numbers = torch.stack([torch.linalg.vecdot(grad, d), d.abs().amax(-1), grad.abs().sum(-1)]).tolist()
@@ -304,21 +304,26 @@ class BatchedLBFGS:
         out = self.pairs.new_zeros(len(self.count), self.pairs.shape[-1])
         return out.index_copy_(0, index, torch.stack(rows))
 
-    def _store_pair(self, starts: Tensor, s: Tensor, y: Tensor) -> None:
-        """Clear the history of problems starting a run; store the pair ``(s, y)`` of the others where ``y . s`` is
-        positive enough (the oldest leaves a full window)."""
+    def _store_pair(self, starts: Tensor, restarting: bool, s: Tensor, y: Tensor) -> None:
+        """Clear the history of problems starting a run (``restarting``: any does); store the pair ``(s, y)`` of the
+        others where ``y . s`` is positive enough (the oldest leaves a full window). Every pair that leaves a window is
+        zeroed, so that the two-loop recursion can weight what lies outside a window by zero (torch.optim.LBFGS
+        stores a pair whose ``y`` overflowed; its inf must not outlive the pair)."""
         ys = torch.linalg.vecdot(y, s)
         keep = ~starts & (ys > CURVATURE_MIN)
+        if restarting:
+            self.pairs[starts] = 0
         self.first.masked_fill_(starts, 0)
         self.count.masked_fill_(starts, 0)
         self.h_diag.masked_fill_(starts, 1.0)
         if bool((keep & (self.first + self.count >= self.pairs.shape[1])).any()):
             self._rewind()
         drop = keep & (self.count == self.history)
+        everyone = torch.arange(len(keep), device=keep.device)
+        self.pairs[everyone, self.first] = torch.where(drop[:, None, None], 0.0, self.pairs[everyone, self.first])
         self.first += drop
         self.count += keep & ~drop
         column = (self.first + self.count - 1).clamp_min(0)
-        everyone = torch.arange(len(keep), device=keep.device)
         self.pairs[everyone, column] = torch.where(keep[:, None, None], torch.stack([s, y], dim=1),
                                                    self.pairs[everyone, column])
         self.rho[everyone, column] = torch.where(keep, 1 / ys, self.rho[everyone, column])
@@ -329,6 +334,7 @@ class BatchedLBFGS:
         for k, (first, count) in enumerate(zip(self.first.tolist(), self.count.tolist())):
             if first:
                 self.pairs[k, :count] = self.pairs[k, first:first + count].clone()
+                self.pairs[k, count:] = 0
                 self.rho[k, :count] = self.rho[k, first:first + count].clone()
         self.first.zero_()
 
@@ -338,16 +344,16 @@ class BatchedLBFGS:
         begin, end = int(self.first.min()), int((self.first + self.count).max())
         columns = torch.arange(begin, end, device=grad.device)
         inside = (columns >= self.first[:, None]) & (columns < (self.first + self.count)[:, None])
-        rho, inside = self.rho[:, begin:end], inside[:, :, None]
+        rho = self.rho[:, begin:end] * inside  # outside a window the pairs are zero (``_store_pair``): finite
         q, alpha = -grad, []
-        for c in reversed(range(end - begin)):  # where, not a zero weight: a stale pair may hold inf
+        for c in reversed(range(end - begin)):
             a = rho[:, c] * torch.linalg.vecdot(self.pairs[:, begin + c, 0], q)
-            q = torch.where(inside[:, c], q.addcmul(a[:, None], self.pairs[:, begin + c, 1], value=-1), q)
+            q = q.addcmul(a[:, None], self.pairs[:, begin + c, 1], value=-1)
             alpha.append(a)
         r = q * self.h_diag[:, None]
         for c, a in zip(range(end - begin), reversed(alpha)):
             b = rho[:, c] * torch.linalg.vecdot(self.pairs[:, begin + c, 1], r)
-            r = torch.where(inside[:, c], r.addcmul((a - b)[:, None], self.pairs[:, begin + c, 0]), r)
+            r = r.addcmul((a - b)[:, None], self.pairs[:, begin + c, 0])
         return r
 
 

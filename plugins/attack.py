@@ -38,16 +38,19 @@ class ThreatModel:
         The loss is the client's: the task loss plus any term the defense trains with; a term of the parameters
         alone enters as its gradient, computed once while the weights stay as they are (``parameter_gradient``).
         """
-        params = trainable(self.model)
-        key = (id(self.defense), self.protocol, tuple((id(p), p._version) for p in params))
+        hoisted = self._parameter_gradient()
+        loss_fn = self.defense.client_loss(self.model, self.loss_fn) if hoisted is None else self.loss_fn
+        update = self.protocol.attacker_update(self.model, loss_fn, images, targets, create_graph=True)
+        return update if hoisted is None else [u + h for u, h in zip(update, hoisted)]
+
+    def _parameter_gradient(self) -> list[Tensor] | None:
+        """``parameter_gradient`` of this threat, kept while the weights' version counters stay the same."""
+        if type(self.defense).parameter_term is Defense.parameter_term:  # no such term: nothing to keep per call
+            return None
+        key = (id(self.defense), self.protocol, tuple((id(p), p._version) for p in trainable(self.model)))
         if self._hoisted is None or self._hoisted[0] != key:
             self._hoisted = key, parameter_gradient(self.model, self.defense, self.protocol)
-        hoisted = self._hoisted[1]
-        if hoisted is None:
-            loss_fn = self.defense.client_loss(self.model, self.loss_fn)
-            return self.protocol.attacker_update(self.model, loss_fn, images, targets, create_graph=True)
-        update = self.protocol.attacker_update(self.model, self.loss_fn, images, targets, create_graph=True)
-        return [u + h for u, h in zip(update, hoisted)]
+        return self._hoisted[1]
 
     def normalise(self, pixels: Tensor) -> Tensor:
         return (pixels - self.mean) / self.std

@@ -26,7 +26,7 @@ def _case(protocol=FEDSGD, kl_weight=0.5):
     return defense, model, threat, images, torch.tensor([3, 7])
 
 
-def _whole_loss_update(defense, model, threat, images, labels, seed=0):
+def _whole_loss_update(defense, model, images, labels, seed=0):
     """The update with the KL inside the loss, differentiated as a whole (the reference)."""
     with noise_from(model, torch.Generator().manual_seed(seed)):
         loss = defense.client_loss(model, F.cross_entropy)(model(images), labels)
@@ -35,7 +35,7 @@ def _whole_loss_update(defense, model, threat, images, labels, seed=0):
 
 def test_hoisted_kl_gives_the_update_and_image_gradient_of_the_whole_loss():
     defense, model, threat, images, labels = _case()
-    expected = _whole_loss_update(defense, model, threat, images, labels)
+    expected = _whole_loss_update(defense, model, images, labels)
     with noise_from(model, torch.Generator().manual_seed(0)):
         got = threat.candidate_update(images, labels)
     assert threat._hoisted[1] is not None  # the term was hoisted
@@ -58,7 +58,7 @@ def test_the_hoisted_gradient_follows_the_weights_and_stays_inside_under_fedavg(
         next(iter(trainable(model))).mul_(3.0)  # an optimiser step between rounds: the KL's gradient changes
     with noise_from(model, torch.Generator().manual_seed(0)):
         got = threat.candidate_update(images, labels)
-    expected = _whole_loss_update(defense, model, threat, images, labels)
+    expected = _whole_loss_update(defense, model, images, labels)
     assert not torch.allclose(before[0], threat._hoisted[1][0])
     assert all(torch.allclose(e, g, atol=1e-6, rtol=1e-5) for e, g in zip(expected, got))
     assert parameter_gradient(model, defense, FedAvg(local_epochs=2)) is None  # later local steps see other weights
@@ -79,5 +79,5 @@ def test_the_vectorised_update_hoists_as_the_threat_model_does(kl_weight):
     shared = SharedModel.of(model, threat)
     assert (shared.hoisted is None) == (kl_weight == 0)
     got = candidate_update(shared, threat, images, labels)
-    expected = _whole_loss_update(defense, model, threat, images, labels)
+    expected = _whole_loss_update(defense, model, images, labels)
     assert all(torch.allclose(e, g, atol=1e-6, rtol=1e-5) for e, g in zip(expected, got))

@@ -72,6 +72,10 @@ class Chain(Defense):
     def has_likelihood(self) -> bool:
         return self.members[-1].has_likelihood()
 
+    @property
+    def bounded_support(self) -> bool:  # type: ignore[override]
+        return self.members[-1].bounded_support
+
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         return self.members[-1].privacy_spent(steps, sample_rate, delta)
 

@@ -72,6 +72,9 @@ class Defense:
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
     deterministic: ClassVar[bool] = False
+    #: ``log_likelihood`` is finite only near what was sent (a quantiser's kernel): ``check_defense`` then takes its
+    #: slopes and curvature at the true candidate by autograd, since finite differences would step out of it.
+    bounded_support: ClassVar[bool] = False
     #: The undefended reference: the report draws it as the point every defense is compared with.
     baseline: ClassVar[bool] = False
     #: The defense is what Opacus's DPOptimizer does to an update (per-example clipping, Gaussian noise), with

@@ -55,7 +55,7 @@ def test_plugins_of_one_kind(capsys):
                              "choices: defense, attack, metric, model, dataset"),
     (("plugins", "defense", "gausian"), "leakaudit: error: plugins: defense 'gausian' is not registered (did you "
                                         "mean 'gaussian'?); defenses: ats, bayesian, clip, dpsgd, gaussian, laplace, "
-                                        "none, precode, prune, signsgd, soteria, topk"),
+                                        "none, precode, prune, qsgd, signsgd, soteria, topk"),
 ])
 def test_plugins_typos_are_one_line(capsys, argv, line):
     code, out, err = _run(capsys, *argv)

@@ -26,6 +26,7 @@ BUILTIN_SETTINGS = {
     "signsgd": ({}, "exact"),
     "gaussian": ({"sigma": 0.1}, "noisy"),
     "laplace": ({"scale": 0.05}, "noisy"),
+    "qsgd": ({}, "noisy"),  # by autograd: its triangles' support is bounded
     "dpsgd": ({}, "noisy"),
     "precode": ({}, "no likelihood"),
     "bayesian": ({}, "no likelihood"),

@@ -229,6 +229,30 @@ class Moves:
         return -(self.up + self.down) / self.steps ** 2
 
 
+@dataclass
+class Slopes:
+    """Each share's slope of the log-likelihood at the true candidate along each direction (``scores``, (shares,
+    directions)) and its minus second derivative (``curvature``), by autograd: for a likelihood of bounded support,
+    where a finite step can leave the support."""
+
+    scores: Tensor
+    curvature: Tensor
+
+    @classmethod
+    def measure(cls, defense: Defense, shares: list[SharedUpdate], truth: Tensor, like: list[Tensor],
+                directions: Tensor) -> "Slopes":
+        scores, curvature = [], []
+        for share in shares:
+            slope = torch.func.grad(lambda x: defense.log_likelihood(share, _unflat(x, like)).double().reshape(()))
+            gradient, bends = torch.func.vmap(lambda d: torch.func.jvp(slope, (truth,), (d,)))(directions)
+            scores.append((gradient * directions).sum(-1))
+            curvature.append(-(bends * directions).sum(-1))
+        return cls(torch.stack(scores), torch.stack(curvature))
+
+    def __getitem__(self, kept: Tensor) -> "Slopes":
+        return Slopes(self.scores[:, kept], self.curvature[:, kept])
+
+
 def _scale_ratio(scores: Tensor, curvature: Tensor, generator: torch.Generator,
                  resamples: int = 1000) -> tuple[float, float, float]:
     """Score variance over curvature, summed over directions, with a percentile interval over resampled shares."""
@@ -243,9 +267,10 @@ def _scale_ratio(scores: Tensor, curvature: Tensor, generator: torch.Generator,
     return float(ratio(torch.arange(n, device=scores.device))), float(lo), float(hi)
 
 
-def _statistical_problems(at: Moves, names: list[str], check: DefenseCheck, generator: torch.Generator) -> list[str]:
-    """The centre and scale tests of a noisy defense, from the log-likelihoods of moved candidates."""
-    scores, curvature, n = at.scores, at.curvature, len(at.base)
+def _statistical_problems(at: Moves | Slopes, names: list[str], check: DefenseCheck,
+                          generator: torch.Generator) -> list[str]:
+    """The centre and scale tests of a noisy defense, from each share's slopes and curvature at the true candidate."""
+    scores, curvature, n = at.scores, at.curvature, len(at.scores)
     problems = []
     z = scores.mean(0) / (scores.std(0) / math.sqrt(n)).clamp_min(1e-300)
     check.centre_z = float(z.abs().max())
@@ -253,12 +278,11 @@ def _statistical_problems(at: Moves, names: list[str], check: DefenseCheck, gene
     off = int((z.abs() > z_crit).sum())
     if off:
         j = int(z.abs().argmax())
-        gain = (at.up if z[j] > 0 else at.down)[:, j]
+        slope = scores[:, j] * z[j].sign()
         others = f"; so do {off - 1} more of the {len(names)} directions" if off > 1 else ""
-        problems.append(f"a candidate moved {float(at.steps[j]):.3g} along {names[j]} has a higher expected "
-                        f"log-likelihood than the true one (by {float(gain.mean()):.3g} +- "
-                        f"{float(gain.std() / math.sqrt(n)):.2g} over {n} shares; z = {float(z[j]):.1f}{others}): "
-                        "log_likelihood is not centred on what share() sends")
+        problems.append(f"a candidate moved {'along' if z[j] > 0 else 'against'} {names[j]} has a higher expected log-likelihood than the true one "
+                        f"(slope {float(slope.mean()):.3g} +- {float(slope.std() / math.sqrt(n)):.2g} over {n} "
+                        f"shares; z = {float(z[j]):.1f}{others}): log_likelihood is not centred on what share() sends")
     ratio, lo, hi = _scale_ratio(scores, curvature, generator)
     check.scale_ratio, check.scale_interval = ratio, (lo, hi)
     if lo > SCALE_TOLERANCE or hi < 1 / SCALE_TOLERANCE:
@@ -370,14 +394,18 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     named = _directions(truth, offset, directions, gen)
     names, unit = [what for what, _ in named], torch.stack([d for _, d in named])
     check.directions = len(names)
-    spread = (torch.stack([s.flat() for s in drawn]) @ unit.T).std(0)
-    first = Moves.measure(defense, drawn, truth, like, unit,
-                          torch.where(spread > 1e-9 * (1 + truth.norm()), spread / 2, 1e-3 * (1 + truth.norm())))
-    exact, found = _exact_problems(first)
-    check.kind = "exact" if exact else "noisy"
-    if exact:
-        check.problems += found
-        return _conclude(check)
+    if defense.bounded_support:
+        first = Slopes.measure(defense, drawn, truth, like, unit)
+        check.kind = "noisy"
+    else:
+        spread = (torch.stack([s.flat() for s in drawn]) @ unit.T).std(0)
+        first = Moves.measure(defense, drawn, truth, like, unit,
+                              torch.where(spread > 1e-9 * (1 + truth.norm()), spread / 2, 1e-3 * (1 + truth.norm())))
+        exact, found = _exact_problems(first)
+        check.kind = "exact" if exact else "noisy"
+        if exact:
+            check.problems += found
+            return _conclude(check)
     # the first moves measured the likelihood's curvature along each direction; the tests step a quarter of the
     # width it implies, along the directions where it is not flat (clip's likelihood ignores the update's norm)
     curvature = first.curvature.mean(0)
@@ -390,9 +418,10 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
                               "candidate does not lower it on average")
         return _conclude(check)
     kept = torch.nonzero(~flat).flatten()
-    names, steps = [names[j] for j in kept.tolist()], 0.25 / curvature[kept].sqrt()
-    check.problems += _statistical_problems(Moves.measure(defense, drawn, truth, like, unit[kept], steps), names,
-                                            check, gen)
+    names = [names[j] for j in kept.tolist()]
+    at = first[kept] if isinstance(first, Slopes) else \
+        Moves.measure(defense, drawn, truth, like, unit[kept], 0.25 / curvature[kept].sqrt())
+    check.problems += _statistical_problems(at, names, check, gen)
     return _conclude(check)
 
 

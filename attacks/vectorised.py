@@ -34,6 +34,22 @@ MEMORY_SHARE = 0.5  # of the free device memory that ``max_problems: auto`` lets
 #: faster for lenet_zhu (14k: 2.2x at K = 8, 5.4x at K = 64), cnn_bayes (0.25M: 1.15x) and resnet20 (0.27M:
 #: 1.2x), slower for the 0.85M-parameter mlp (0.5x) and the 2.9M-parameter convnet (docs/results.md, Speed).
 CPU_MAX_PARAMETERS = 300_000
+#: Whether ``batched`` steps go through torch.compile (an audit's ``compile: true``; set by ``compile_steps``).
+_COMPILE = False
+
+
+def compile_steps(enabled: bool) -> Callable[[], None]:
+    """Compile every vectorised step from now on (or not), in this process; returns what restores the setting.
+
+    torch.compile caches what it builds by code and input shapes, so chunks of one model shape, attack and chunk
+    size compile once per process, and its disk cache serves later runs."""
+    global _COMPILE
+    before, _COMPILE = _COMPILE, enabled
+
+    def restore() -> None:
+        global _COMPILE
+        _COMPILE = before
+    return restore
 
 
 def vectorisable(threat: ThreatModel) -> bool:
@@ -251,8 +267,8 @@ def batched(objective: Callable[..., Tensor], extra_dims: tuple = (), with_grad:
     def joint(variables, labels, targets, metadata, hyper, *extras):
         return objective(variables[0], labels, targets, metadata, hyper, variables[1], *extras)
 
-    fn = grad_and_value(joint) if with_grad else joint
-    return vmap(fn, in_dims=(0, 0, 0, 0, 0, *extra_dims))
+    fn = vmap(grad_and_value(joint) if with_grad else joint, in_dims=(0, 0, 0, 0, 0, *extra_dims))
+    return torch.compile(fn, dynamic=False) if _COMPILE else fn
 
 
 def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int, lr_factor: Callable[[int], Tensor],

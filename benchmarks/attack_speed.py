@@ -4,9 +4,10 @@ beside one at a time; PSNR reached against wall time; thread layouts; the quicks
 Case: inverting_gradients on the untrained lenet_zhu (32x32 digits, batch 1, no defense); K problems
 are K different target images, each with its own start. "one at a time" runs ``attack(...)`` per
 problem (the path a plugin attack written for one problem takes); "vectorised" runs
-``InvertingGradients.reconstruct_all`` on all K (torch.func: functional_call, grad, vmap).
+``InvertingGradients.reconstruct_all`` on all K (torch.func: functional_call, grad, vmap); with
+``--compile``, also through torch.compile (an audit's ``compile: true``), its first compilation timed apart.
 
-    python benchmarks/attack_speed.py [--iterations 200] [--device cpu] [--ks 1,8,64] [--quickstart]
+    python benchmarks/attack_speed.py [--iterations 200] [--device cpu] [--ks 1,8,64] [--compile] [--quickstart]
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.attacks.vectorised import compile_steps
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.run.scenario import loss_fn
 from leakaudit.evaluator.zoo.datasets import load_digits
@@ -53,27 +55,45 @@ def problems(device: str, k: int, iterations: int) -> list[Problem]:
     return out
 
 
-def vectorised_against_one_at_a_time(device: str, ks: list[int], iterations: int) -> None:
+def _vectorised_rate(device: str, k: int, iterations: int) -> tuple[float, float]:
+    """Image-iterations per second of ``reconstruct_all`` on K problems, after a warm-up of 5 iterations (first
+    calls allocate, build vmap's plans and compile): the rate, and the warm-up's seconds."""
+    warm = problems(device, k, 5)
+    start = time.perf_counter()
+    InvertingGradients.reconstruct_all(warm, max_problems=k)
+    _sync(device)
+    warm_up = time.perf_counter() - start
+    fresh = problems(device, k, iterations)  # built before the clock starts: loading data is not attacking
+    start = time.perf_counter()
+    InvertingGradients.reconstruct_all(fresh, max_problems=k)
+    _sync(device)
+    return k * iterations / (time.perf_counter() - start), warm_up
+
+
+def vectorised_against_one_at_a_time(device: str, ks: list[int], iterations: int, compiled: bool) -> None:
     print(f"image-iterations per second against K ({device}, {torch.get_num_threads()} thread(s), "
           f"{iterations} iterations):")
-    print(f"  {'K':>6}  {'one at a time':>14}  {'vectorised':>12}  {'speed-up':>8}")
+    print(f"  {'K':>6}  {'one at a time':>14}  {'vectorised':>12}  {'speed-up':>8}"
+          + (f"  {'compiled':>10}  {'speed-up':>8}  {'first compile':>13}" if compiled else ""))
     for k in ks:
-        warm = problems(device, k, 5)  # first calls allocate and build vmap's plans: not part of the rate
-        warm[0].attack(warm[0].observed, warm[0].threat, warm[0].generator)
-        InvertingGradients.reconstruct_all(warm, max_problems=k)
         batch = problems(device, k, iterations)
+        batch[0].attack(batch[0].observed, batch[0].threat, batch[0].generator)  # warm-up
         one = min(k, 8)  # one at a time is linear in K: time a few and scale
         start = time.perf_counter()
         for p in batch[:one]:
             p.attack(p.observed, p.threat, p.generator)
         _sync(device)
         serial = one * iterations / (time.perf_counter() - start)
-        fresh = problems(device, k, iterations)  # built before the clock starts: loading data is not attacking
-        start = time.perf_counter()
-        InvertingGradients.reconstruct_all(fresh, max_problems=k)
-        _sync(device)
-        vector = k * iterations / (time.perf_counter() - start)
-        print(f"  {k:6d}  {serial:14.0f}  {vector:12.0f}  {vector / serial:7.1f}x")
+        vector, _ = _vectorised_rate(device, k, iterations)
+        line = f"  {k:6d}  {serial:14.0f}  {vector:12.0f}  {vector / serial:7.1f}x"
+        if compiled:
+            restore = compile_steps(True)
+            try:
+                fast, warm_up = _vectorised_rate(device, k, iterations)
+            finally:
+                restore()
+            line += f"  {fast:10.0f}  {fast / serial:7.1f}x  {warm_up:11.1f} s"
+        print(line, flush=True)
 
 
 def _sync(device: str) -> None:
@@ -130,11 +150,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ks", default="1,8,64", help="numbers of problems solved together, comma-separated")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--compile", action="store_true", help="also the vectorised steps through torch.compile")
     p.add_argument("--quickstart", action="store_true", help="also time the quickstart audit")
     p.add_argument("--layouts", action="store_true", help="also PSNR against time and the CPU thread layouts")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    vectorised_against_one_at_a_time(args.device, [int(k) for k in args.ks.split(",")], args.iterations)
+    vectorised_against_one_at_a_time(args.device, [int(k) for k in args.ks.split(",")], args.iterations, args.compile)
     if args.layouts:
         psnr_against_time(args.iterations * 5, args.device)
         if args.device == "cpu":

@@ -50,6 +50,8 @@ CASES = [
     (_with("device", "tpu"), "device: 'tpu' is not one of the choices"),
     (_with("device", "cuda"), "device: 'cuda' but no CUDA device"),
     (_with("deterministic", "yes"), "deterministic: 'yes' is not of type bool"),
+    (_with("compile", "yes"), "compile: 'yes' is not of type bool"),
+    (_with("defenses", [{"name": "qsgd", "params": {"levels": 0}}]), "defenses[0].params.levels: 0 is below the minimum 1"),
     (_with("workers", 0), "workers: 0 is below the minimum 1"),
     (_with("workers", "two"), "workers: 'two' is not of type int"),
     (_with("architecture", "sometimes"), "architecture: 'sometimes' is not one of the choices; choices: auto, true, false"),

@@ -120,21 +120,21 @@ def test_cnn_bayes_has_flax_default_initialisation():
     assert all(m.bias.abs().sum() == 0 for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
 
 
-def test_deterministic_kernels_on_cuda_only_and_only_when_asked(monkeypatch):
+def test_process_flags_on_cuda_only_and_only_when_asked(monkeypatch):
     """CUDA's fast kernels are not bit-reproducible (two H100 runs differed by 0.8 dB per image): an audit on
     CUDA asks for deterministic cuDNN and cuBLAS kernels unless it sets deterministic: false."""
     from types import SimpleNamespace
 
-    from leakaudit.evaluator.run.scenario import deterministic_kernels
+    from leakaudit.evaluator.run.scenario import process_flags
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:
-        deterministic_kernels(SimpleNamespace(device="cpu", deterministic=True))
-        deterministic_kernels(SimpleNamespace(device="cuda", deterministic=False))
+        process_flags(SimpleNamespace(device="cpu", deterministic=True))
+        process_flags(SimpleNamespace(device="cuda", deterministic=False))
         assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
-        restore = deterministic_kernels(SimpleNamespace(device="cuda", deterministic=True))
+        restore = process_flags(SimpleNamespace(device="cuda", deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         restore()  # run_audit restores them when it ends: the caller's own code is not left deterministic

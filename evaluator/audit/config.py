@@ -109,7 +109,8 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
                  plugins_dirs=dirs, data=DataSection(**data), model=ModelSection(**model), settings=settings,
                  attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
                  protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
-                 verdict=VerdictSection(**verdict), deterministic=top["deterministic"], executor=executor,
+                 verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
+                 executor=executor,
                  architecture=top["architecture"])
 
 

@@ -234,6 +234,7 @@ class Audit:
     max_problems: int | None = None  # None: auto
     verdict: VerdictSection = field(default_factory=VerdictSection)
     deterministic: bool = True
+    compile: bool = False  # the attacks' vectorised steps through torch.compile
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     architecture: str | bool = "auto"  # the report's architecture analysis: auto, True or False
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)

@@ -17,7 +17,7 @@ import torch
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.audit.types import DefenseSetting
-from leakaudit.evaluator.run.scenario import Scenario, loss_fn
+from leakaudit.evaluator.run.scenario import Scenario, cache_root, loss_fn
 
 #: The largest dense system the rank computation builds (float64).
 ANALYSIS_MAX_BYTES = 2 << 30
@@ -47,9 +47,8 @@ def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[s
 
 
 def cache_dir() -> Path:
-    """Where analyses of zoo models are kept between runs: ``$LEAKAUDIT_CACHE``, else the user's cache folder."""
-    root = os.environ.get("LEAKAUDIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leakaudit"
-    return Path(root) / "analysis"
+    """Where analyses of zoo models are kept between runs."""
+    return cache_root() / "analysis"
 
 
 def _cache_file(scenario: Scenario, section: dict) -> Path | None:

@@ -21,7 +21,7 @@ from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import Cell
 from leakaudit.evaluator.audit.types import Audit, DefenseSetting
 from leakaudit.evaluator.results.rundir import RunError, RunFolder
-from leakaudit.evaluator.run.scenario import Scenario, deterministic_kernels
+from leakaudit.evaluator.run.scenario import Scenario, process_flags
 from leakaudit.evaluator.run.worker import AuditWorker
 
 
@@ -53,7 +53,7 @@ def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads
     _die_with_parent()
     torch.set_num_threads(threads)
     audit = load_audit(audit_path, plugin_dirs)
-    deterministic_kernels(audit)
+    process_flags(audit)
     with started.get_lock():
         index, started.value = started.value, started.value + 1
     if audit.torch_device().type == "cuda":

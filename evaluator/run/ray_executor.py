@@ -22,7 +22,7 @@ from leakaudit.evaluator.audit.jobs import Cell
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.results.rundir import Outbox, RunError
 from leakaudit.evaluator.run.executors import describe_item, item_size, progress_bar
-from leakaudit.evaluator.run.scenario import Scenario, deterministic_kernels
+from leakaudit.evaluator.run.scenario import Scenario, process_flags
 from leakaudit.plugins.spec import PluginError, one_line
 
 try:
@@ -40,7 +40,7 @@ def run_job(spec: dict[str, Any], data: list, method: str, item: Any, states: li
     if _WORKER is None or _WORKER[0] != spec["key"]:
         torch.set_num_threads(spec["threads"])
         audit = load_audit(spec["path"], spec["plugins_dirs"], text=spec["text"])
-        deterministic_kernels(audit)
+        process_flags(audit)
         scenario = Scenario(audit)
         scenario.__dict__["data"] = ray.get(data[0])  # the driver's data, not this node's files
         _WORKER = (spec["key"], spec["worker_type"](scenario, Outbox(audit)))

@@ -20,7 +20,7 @@ from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, RESULTS,
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
-from leakaudit.evaluator.run.scenario import Scenario, check_scenario, deterministic_kernels
+from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags
 from leakaudit.evaluator.run.worker import AuditWorker
 from leakaudit.evaluator.zoo.metrics import guess_scores
 
@@ -90,7 +90,7 @@ def _version(package: str) -> str:
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
               workers: int | None = None, template: Path | None = None) -> Summary:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
-    restore = deterministic_kernels(audit)
+    restore = process_flags(audit)
     try:
         return _run(audit, out_dir, resume, progress, workers, template)
     finally:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.attacks.vectorised import free_memory
+from leakaudit.attacks.vectorised import compile_steps, free_memory
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection, as_dict
 from leakaudit.evaluator.zoo.models import build_model
@@ -31,19 +31,33 @@ def round_generators(device: torch.device, seed: int, setting_key: str, checkpoi
             generator(device, seed, f"{purpose}attack", setting_key, checkpoint, index))
 
 
-def deterministic_kernels(audit: Audit) -> Callable[[], None]:
-    """Same file, same numbers on CUDA too (``deterministic: true``): deterministic cuDNN and cuBLAS kernels,
-    set before the process first touches CUDA (cuBLAS reads its workspace setting once). Without them two
-    runs of one audit on an H100 differed by up to 0.8 dB per image; with them, not at all, at several times
-    the run time (docs/results.md). A CPU is deterministic either way. Returns what restores the flags."""
+def cache_root() -> Path:
+    """What leakaudit keeps between runs (architecture analyses, compiled steps): ``$LEAKAUDIT_CACHE``, else the
+    user's cache folder."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leakaudit"
+    return Path(os.environ.get("LEAKAUDIT_CACHE") or home)
+
+
+def process_flags(audit: Audit) -> Callable[[], None]:
+    """The process-wide switches an audit sets, before the process first touches CUDA; returns what restores them.
+
+    ``deterministic: true`` on CUDA: deterministic cuDNN and cuBLAS kernels (cuBLAS reads its workspace setting
+    once), so the same file gives the same numbers. Without them two runs of one audit on an H100 differed by up
+    to 0.8 dB per image; with them, not at all, at several times the run time (docs/results.md). A CPU is
+    deterministic either way. ``compile: true``: the attacks' vectorised steps through torch.compile, its disk
+    cache kept beside the architecture analyses (``$LEAKAUDIT_CACHE/inductor``)."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    restore_compile = compile_steps(getattr(audit, "compile", False))
 
     def restore() -> None:
         """Put the process's flags back as they were (a caller's own code is not left in deterministic mode)."""
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        restore_compile()
 
+    if getattr(audit, "compile", False):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     if audit.device == "cuda" and audit.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False

@@ -17,6 +17,7 @@ from torch.func import grad_and_value, vmap
 from leakaudit.attacks.lbfgs import BatchedLBFGS, Evaluate, LBFGSSettings, LockStep, Solver, minimise
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
+from leakaudit.attacks import vectorised
 from leakaudit.attacks.vectorised import (
     Batch,
     SharedModel,
@@ -221,6 +222,22 @@ HISTORY = 100
 MAX_BATCHED_PROBLEMS = 1024
 
 
+def history_cap(problems: list[Problem], max_problems: int | None) -> int:
+    """How many problems one ``BatchedLBFGS`` may hold: ``MAX_BATCHED_PROBLEMS``, and under ``max_problems: auto``
+    no more than whose curvature histories (2 x ``HISTORY`` pairs of (s, y), each the size of the variables) fit in
+    half of the ``MEMORY_SHARE`` of the device's free memory that ``chunk_size`` gives the passes themselves."""
+    if max_problems is not None or not problems:
+        return MAX_BATCHED_PROBLEMS
+    def variables(t: ThreatModel) -> int:  # the images, and the soft labels where they are unknown
+        return t.batch_size * (math.prod(t.input_shape) + (t.num_classes if t.labels is None else 0))
+
+    threat = max((p.threat for p in problems), key=variables)
+    element = torch.empty((), dtype=torch.get_default_dtype()).element_size()
+    history = 2 * HISTORY * 2 * variables(threat) * element
+    fits = int(vectorised.MEMORY_SHARE / 2 * vectorised.free_memory(threat.device) // history)
+    return max(1, min(MAX_BATCHED_PROBLEMS, fits))
+
+
 class DeepLeakage(Attack):
     """Euclidean gradient matching by L-BFGS on the image and a soft label jointly, with restarts (Zhu et al.)."""
 
@@ -264,7 +281,7 @@ class DeepLeakage(Attack):
                for n in ("reconstruct", "_restarts", "_one_run", "_solver", "_start", "_best")):
             return super().reconstruct_all(problems, max_problems)
         return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
-                         build=cls._batch, cap=MAX_BATCHED_PROBLEMS)
+                         build=cls._batch, cap=history_cap(problems, max_problems))
 
     @staticmethod
     def _group_key(p: Problem) -> tuple:

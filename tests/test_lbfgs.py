@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leakaudit.attacks.gradient_matching import DeepLeakage
+from leakaudit.attacks import vectorised
+from leakaudit.attacks.gradient_matching import MAX_BATCHED_PROBLEMS, DeepLeakage, history_cap
 from leakaudit.attacks.lbfgs import BatchedLBFGS, Direction, LBFGSSettings, minimise
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.zoo.models import lenet_zhu
@@ -121,3 +122,19 @@ def test_a_restart_forgets_a_stored_pair_that_overflowed():
 
     (d,) = BatchedLBFGS(lambda rows, x: None, 1, 3, 2, torch.device("cpu")).run([solver()])
     assert torch.equal(d, -2 * g)
+
+
+def test_the_histories_of_a_chunk_fit_in_free_memory(monkeypatch):
+    """Each dlg problem on 16 px digits with known labels keeps 2 x 100 pairs of (s, y) over 16 x 16 pixels: 409,600
+    bytes in float32 (10 more values a pair where the labels are unknown). With room for two histories in the quarter
+    of free memory they may use, a chunk holds two."""
+    model = lenet_zhu(1, 10, 16)
+    problems = problems_on(NoDefense(), model, DeepLeakage(iterations=1))
+    history = 2 * 100 * 2 * 16 * 16 * 4
+    monkeypatch.setattr(vectorised, "free_memory", lambda device: 4 * (2 * history + 1))
+    assert history_cap(problems, None) == 2
+    unknown = problems_on(NoDefense(), model, DeepLeakage(iterations=1), known_labels=False)
+    assert history_cap(unknown, None) == 1  # 266 values a pair: two no longer fit
+    assert history_cap(problems, 64) == MAX_BATCHED_PROBLEMS  # a number given is the user's to answer for
+    monkeypatch.setattr(vectorised, "free_memory", lambda device: 1 << 40)
+    assert history_cap(problems, None) == MAX_BATCHED_PROBLEMS

@@ -135,7 +135,8 @@ class LikelihoodAttack(Attack):
             return total / len(points)
 
         def per_step(it: int) -> tuple:
-            weight = min(1.0, 1e-3 * 1e3 ** (it / first.warmup)) if first.warmup else 1.0
+            value = min(1.0, 1e-3 * 1e3 ** (it / first.warmup)) if first.warmup else 1.0
+            weight = torch.tensor(value, device=batch.starts.device)  # a tensor: a compiled step takes it as an input
             if first.radius == 0:
                 return ((weight, None),)
             draws = [ball_draws(s, first.samples, p.generator) for s, p in zip(batch.starts, batch.problems)]

@@ -36,19 +36,30 @@ MEMORY_SHARE = 0.5  # of the free device memory that ``max_problems: auto`` lets
 CPU_MAX_PARAMETERS = 300_000
 #: Whether ``batched`` steps go through torch.compile (an audit's ``compile: true``; set by ``compile_steps``).
 _COMPILE = False
+#: Compilations torch keeps for one function before it runs it eagerly: every vectorised step is one function to
+#: torch (vmap's wrapper), and each attack, model shape and chunk size is a compilation of it (torch's default: 8).
+RECOMPILE_LIMIT = 256
 
 
 def compile_steps(enabled: bool) -> Callable[[], None]:
     """Compile every vectorised step from now on (or not), in this process; returns what restores the setting.
 
     torch.compile caches what it builds by code and input shapes, so chunks of one model shape, attack and chunk
-    size compile once per process, and its disk cache serves later runs."""
+    size compile once per process, and its disk cache serves later runs. All steps share torch's per-function limit
+    on compilations, raised to ``RECOMPILE_LIMIT`` while compiling is on."""
     global _COMPILE
     before, _COMPILE = _COMPILE, enabled
+    if enabled:  # torch._dynamo is imported only where compiling is asked for (it costs most of a second)
+        import torch._dynamo.config as dynamo_config
+
+        limit = dynamo_config.recompile_limit
+        dynamo_config.recompile_limit = max(limit, RECOMPILE_LIMIT)
 
     def restore() -> None:
         global _COMPILE
         _COMPILE = before
+        if enabled:
+            dynamo_config.recompile_limit = limit
     return restore
 
 
@@ -268,7 +279,7 @@ def batched(objective: Callable[..., Tensor], extra_dims: tuple = (), with_grad:
         return objective(variables[0], labels, targets, metadata, hyper, variables[1], *extras)
 
     fn = vmap(grad_and_value(joint) if with_grad else joint, in_dims=(0, 0, 0, 0, 0, *extra_dims))
-    return torch.compile(fn, dynamic=False) if _COMPILE else fn
+    return torch.compile(fn, dynamic=False) if _COMPILE and with_grad else fn  # a value alone is one call: eager
 
 
 def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int, lr_factor: Callable[[int], Tensor],

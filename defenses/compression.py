@@ -74,7 +74,7 @@ class QSGD(Defense):
 
     def _quantise(self, t: Tensor, norm: Tensor, generator: torch.Generator) -> Tensor:
         """``norm * sign(t) * level / levels``, the level rounded up with probability the remainder."""
-        scaled = self.levels * t.abs() / norm.clamp_min(torch.finfo(t.dtype).tiny)
+        scaled = (self.levels * t.abs() / norm.clamp_min(torch.finfo(t.dtype).tiny)).clamp_max(self.levels)
         lower = scaled.floor()
         up = torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype) < scaled - lower
         return t.sign() * (lower + up) * norm / self.levels

@@ -485,3 +485,12 @@ def test_a_damaged_or_missing_run_folder_is_one_line(tmp_path, capsys):
     assert main(["report", str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"leakaudit: error: {folder / 'run.json'}: damaged (") and len(err.splitlines()) == 1
+
+
+def test_compile_without_a_cpp_compiler_is_one_line_before_any_work(write_audit, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    path = write_audit(_with("compile", True) | {"device": "cpu"})
+    assert main(["validate", str(path)]) == 2
+    assert _one_line(capsys, path).startswith("compile: true needs a C++ compiler on a CPU")

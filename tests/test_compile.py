@@ -1,35 +1,51 @@
-"""``compile: true``: the vectorised steps through torch.compile give what the eager steps give, for each model."""
+"""``compile: true``: the vectorised steps through torch.compile give what the eager steps give, for each model,
+compiled once for a model shape and reused by the next chunk with its own weights."""
 from __future__ import annotations
 
 import torch
 
 from leakaudit.attacks.gradient_matching import InvertingGradients
-from leakaudit.attacks.vectorised import compile_steps
+from leakaudit.attacks.vectorised import RECOMPILE_LIMIT, compile_steps
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.zoo.models import lenet_zhu
 
 from test_isolation import problems_on
 
 
-def _solve(models: list[torch.nn.Module], compiled: bool) -> list[torch.Tensor]:
+def _solve(model: torch.nn.Module, compiled: bool) -> list[torch.Tensor]:
     restore = compile_steps(compiled)
     try:
         attack = InvertingGradients(iterations=20, restarts=1)
-        return [r.images for m in models for r in InvertingGradients.reconstruct_all(problems_on(NoDefense(), m, attack))]
+        return [r.images for r in InvertingGradients.reconstruct_all(problems_on(NoDefense(), model, attack))]
     finally:
         restore()
 
 
-def test_compiled_steps_follow_the_eager_ones_and_each_chunks_own_weights(monkeypatch):
-    compiled_functions = []
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled_functions.append(fn) or real(fn, **kw))
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_steps_follow_the_eager_ones_and_each_chunks_own_weights():
     torch.manual_seed(0)
-    models = [lenet_zhu(1, 10, 16), lenet_zhu(1, 10, 16)]  # one shape, other weights: the second chunk reuses the
-    eager = _solve(models, False)  # compiled step, and must read its own weights
-    assert not compiled_functions  # only when asked
-    compiled = _solve(models, True)
-    assert len(compiled_functions) >= 2  # at least one vectorised step per chunk
-    assert not torch.allclose(eager[0], eager[3], atol=1e-2)  # the two models' reconstructions differ
-    for a, b in zip(eager, compiled):
+    first, second = lenet_zhu(1, 10, 16), lenet_zhu(1, 10, 16)  # one shape, other weights
+    eager = [_solve(first, False), _solve(second, False)]
+    before = _graphs()
+    compiled = [_solve(first, True)]
+    made = _graphs() - before
+    compiled.append(_solve(second, True))
+    assert made >= 1 and _graphs() - before == made  # the second model's chunk ran the first one's compiled step
+    assert not torch.allclose(eager[0][0], eager[1][0], atol=1e-2)  # and read its own weights:
+    for a, b in zip(eager[0] + eager[1], compiled[0] + compiled[1]):
         assert (a - b).abs().max() < 1e-3, float((a - b).abs().max())
+
+
+def test_compiling_raises_torchs_limit_on_compilations_and_restores_it():
+    import torch._dynamo.config as dynamo_config
+
+    limit = dynamo_config.recompile_limit
+    restore = compile_steps(True)
+    assert dynamo_config.recompile_limit == max(limit, RECOMPILE_LIMIT)
+    restore()
+    assert dynamo_config.recompile_limit == limit

@@ -117,3 +117,11 @@ def test_a_qsgd_likelihood_of_the_wrong_width_fails_the_plugin_check():
 def test_qsgd_is_registered_with_its_paper():
     registry = load_registry(entry_points=False)
     assert registry.get("defense", "qsgd") is QSGD and QSGD.paper == "Alistarh et al. 2017"
+
+
+def test_qsgd_after_clip_in_a_chain_takes_the_autograd_check():
+    from leakaudit.defenses.chain import Chain
+    from leakaudit.defenses.clipping import Clip
+
+    check = check_defense(Chain([Clip(max_norm=0.5), QSGD(levels=4)]), shares=128, directions=16)
+    assert check.kind == "noisy" and 0.85 < check.scale_ratio < 1.15

@@ -144,6 +144,22 @@ def test_process_flags_on_cuda_only_and_only_when_asked(monkeypatch):
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
 
 
+def test_process_flags_compile_the_steps_only_when_asked_and_restore(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from leakaudit.attacks import vectorised
+    from leakaudit.evaluator.run.scenario import process_flags
+
+    monkeypatch.setenv("LEAKAUDIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    process_flags(SimpleNamespace(device="cpu", deterministic=True))()
+    assert not vectorised._COMPILE and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    restore = process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=True))
+    assert vectorised._COMPILE and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    restore()
+    assert not vectorised._COMPILE
+
+
 def test_targets_can_be_the_first_training_images_and_are_then_never_tuned_on(write_audit):
     from leakaudit.evaluator.audit.config import load_audit
     from leakaudit.evaluator.run.scenario import Scenario

@@ -7,6 +7,8 @@ import dataclasses
 import importlib.util
 import inspect
 import itertools
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -431,6 +433,15 @@ def check_max_problems(value: Any, problems: list[str]) -> int | None:
         problems.append(f"max_problems: {value!r} is neither 'auto' nor a whole number >= 1; choices: auto, 1, 2, ...")
         return None
     return value
+
+
+def check_compile(enabled: Any, device: str, problems: list[str]) -> None:
+    """``compile: true`` on a CPU needs a C++ compiler for torch.compile's generated kernels: said before any work."""
+    if enabled is True and device == "cpu":
+        candidates = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(c and shutil.which(c) for c in candidates):
+            problems.append("compile: true needs a C++ compiler on a CPU (torch.compile builds its kernels with it) and "
+                            "none was found ($CXX, g++, c++, clang++); install one or set compile: false")
 
 
 def check_device(device: str, problems: list[str]) -> str:

@@ -12,6 +12,7 @@ from leakaudit.evaluator.audit.checks import (
     IMPORT_USER_CODE,
     check_attack_scope,
     check_attacks,
+    check_compile,
     check_data,
     check_device,
     check_executor,
@@ -100,6 +101,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     metrics = check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = check_device(top.get("device", "auto"), problems)
+    check_compile(top.get("compile"), device, problems)
     workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else None)
     max_problems = check_max_problems(top.get("max_problems", "auto"), problems)
     executor = check_executor(top.get("executor", "local"), device, problems)

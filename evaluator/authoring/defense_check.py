@@ -395,7 +395,13 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     names, unit = [what for what, _ in named], torch.stack([d for _, d in named])
     check.directions = len(names)
     if defense.bounded_support:
-        first = Slopes.measure(defense, drawn, truth, like, unit)
+        try:
+            first = Slopes.measure(defense, drawn, truth, like, unit)
+        except (RuntimeError, NotImplementedError) as exc:
+            check.problems.append("declares bounded_support, but torch.func cannot take log_likelihood's second "
+                                  f"derivatives (grad, then jvp: {str(exc).splitlines()[0][:120]}); write it with "
+                                  "differentiable torch operations")
+            return _conclude(check)
         check.kind = "noisy"
     else:
         spread = (torch.stack([s.flat() for s in drawn]) @ unit.T).std(0)

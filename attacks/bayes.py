@@ -134,9 +134,13 @@ class LikelihoodAttack(Attack):
                 total = total + prior_sum(x, hyper, lo, hi)
             return total / len(points)
 
+        # the likelihood's weight at every iteration, made once on the device: a compiled step takes it as an input
+        weights = torch.tensor([min(1.0, 1e-3 * 1e3 ** (it / first.warmup)) if first.warmup else 1.0
+                                for it in range(first.iterations)], device=batch.starts.device,
+                               dtype=batch.starts.dtype)
+
         def per_step(it: int) -> tuple:
-            value = min(1.0, 1e-3 * 1e3 ** (it / first.warmup)) if first.warmup else 1.0
-            weight = torch.tensor(value, device=batch.starts.device)  # a tensor: a compiled step takes it as an input
+            weight = weights[it]
             if first.radius == 0:
                 return ((weight, None),)
             draws = [ball_draws(s, first.samples, p.generator) for s, p in zip(batch.starts, batch.problems)]

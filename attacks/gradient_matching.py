@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
+from leakaudit.attacks import vectorised
 from leakaudit.attacks.lbfgs import BatchedLBFGS, Evaluate, LBFGSSettings, LockStep, Solver, minimise
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
-from leakaudit.attacks import vectorised
 from leakaudit.attacks.vectorised import (
     Batch,
     SharedModel,
@@ -228,6 +228,7 @@ def history_cap(problems: list[Problem], max_problems: int | None) -> int:
     half of the ``MEMORY_SHARE`` of the device's free memory that ``chunk_size`` gives the passes themselves."""
     if max_problems is not None or not problems:
         return MAX_BATCHED_PROBLEMS
+
     def variables(t: ThreatModel) -> int:  # the images, and the soft labels where they are unknown
         return t.batch_size * (math.prod(t.input_shape) + (t.num_classes if t.labels is None else 0))
 

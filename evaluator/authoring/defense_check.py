@@ -280,7 +280,8 @@ def _statistical_problems(at: Moves | Slopes, names: list[str], check: DefenseCh
         j = int(z.abs().argmax())
         slope = scores[:, j] * z[j].sign()
         others = f"; so do {off - 1} more of the {len(names)} directions" if off > 1 else ""
-        problems.append(f"a candidate moved {'along' if z[j] > 0 else 'against'} {names[j]} has a higher expected log-likelihood than the true one "
+        way = "along" if z[j] > 0 else "against"
+        problems.append(f"a candidate moved {way} {names[j]} has a higher expected log-likelihood than the true one "
                         f"(slope {float(slope.mean()):.3g} +- {float(slope.std() / math.sqrt(n)):.2g} over {n} "
                         f"shares; z = {float(z[j]):.1f}{others}): log_likelihood is not centred on what share() sends")
     ratio, lo, hi = _scale_ratio(scores, curvature, generator)
@@ -412,8 +413,9 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
         if exact:
             check.problems += found
             return _conclude(check)
-    # the first moves measured the likelihood's curvature along each direction; the tests step a quarter of the
-    # width it implies, along the directions where it is not flat (clip's likelihood ignores the update's norm)
+    # the first measurement gave the likelihood's curvature along each direction; the tests keep the directions where
+    # it is not flat (clip's likelihood ignores the update's norm), by finite moves of a quarter of the width it
+    # implies, or by the slopes already taken for a likelihood of bounded support
     curvature = first.curvature.mean(0)
     flat = curvature.abs() <= FLAT * curvature.abs().max()
     check.flat_directions = int(flat.sum())

@@ -48,7 +48,9 @@ def process_flags(audit: Audit) -> Callable[[], None]:
     cache kept beside the architecture analyses (``$LEAKAUDIT_CACHE/inductor``)."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    restore_compile = compile_steps(getattr(audit, "compile", False))
+    if audit.compile:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    restore_compile = compile_steps(audit.compile)
 
     def restore() -> None:
         """Put the process's flags back as they were (a caller's own code is not left in deterministic mode)."""
@@ -56,8 +58,6 @@ def process_flags(audit: Audit) -> Callable[[], None]:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
         restore_compile()
 
-    if getattr(audit, "compile", False):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     if audit.device == "cuda" and audit.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False

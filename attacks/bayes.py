@@ -70,6 +70,8 @@ class LikelihoodAttack(Attack):
         "samples": Param(1, int, min=1, help="Monte Carlo samples k in the delta-ball"),
         "radius": Param(0.0, float, min=0.0, help="delta: radius of the ball, in normalised input space"),
         "warmup": Param(0, int, min=0, help="steps over which the likelihood weight grows from 0.001 to 1"),
+        "signed": Param(False, bool, help="Adam on the sign of the image gradient (Geiping et al. 2020): steps "
+                                          "that a likelihood's steep or flat stretches do not scale"),
         "label_method": LABEL_METHOD,
     }
 
@@ -94,7 +96,7 @@ class LikelihoodAttack(Attack):
     def _group_key(p: Problem) -> tuple:
         a, t = p.attack, p.threat
         return (vectorisable(t), id(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.samples,
-                a.radius, a.warmup, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names),
+                a.radius, a.warmup, a.signed, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names),
                 getattr(a, "layer_weights", None))
 
     @classmethod
@@ -147,7 +149,7 @@ class LikelihoodAttack(Attack):
             return (weight, None), (torch.stack([d for d, _ in draws]), 0), (torch.stack([u for _, u in draws]), 0)
 
         gamma = batch.hyper.pop("gamma")
-        images, _, trace = optimise(batch, objective, iterations=first.iterations, signed=False, box=(lo, hi),
+        images, _, trace = optimise(batch, objective, iterations=first.iterations, signed=first.signed, box=(lo, hi),
                                  lr_factor=lambda it: (gamma ** it).to(batch.hyper["lr"].dtype), per_step=per_step)
         return [Reconstruction(p.threat.to_pixels(images[i].detach()), labels[i], trace[:, i].tolist(), 0.0)
                 for i, p in enumerate(batch.problems)]
@@ -168,7 +170,8 @@ class LikelihoodAttack(Attack):
         for it in range(self.iterations):
             weight = min(1.0, 1e-3 * 1e3 ** (it / self.warmup)) if self.warmup else 1.0
             loss = self._objective(images, labels, observed, threat, weight, generator, lo, hi)
-            (images.grad,) = torch.autograd.grad(loss, images)
+            (grad,) = torch.autograd.grad(loss, images)
+            images.grad = grad.sign() if self.signed else grad
             optimiser.step()
             schedule.step()
             with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Why the Bayes adversary does not beat Inverting Gradients on QSGD: is it the optimiser, or the estimator?
+"""Why the Bayes adversary needs a prior on QSGD: where its estimator lands without one, against the truth.
 
 For one digit on the untrained lenet_zhu (32 px), the update is quantised by ``qsgd`` and attacked by plain
 Adam (1,000 steps, lr 0.1 decaying to 0.01, no prior) on minus QSGD's log-likelihood, two ways:

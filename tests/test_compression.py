@@ -50,9 +50,10 @@ def test_signsgd_is_registered_with_its_paper():
 
 
 @pytest.mark.slow
-def test_the_bayes_adversary_reads_more_of_signsgd_than_inverting_gradients(write_audit, tmp_path):
-    """configs/compression.yaml's attacks on 4 digits at step 0: the attacker who knows the compression rebuilds
-    better images than the one matching cosines (measured 9.9 against 8.75 dB on 2 cores)."""
+def test_the_bayes_adversary_reads_more_of_each_compressor_than_inverting_gradients(write_audit, tmp_path):
+    """configs/compression.yaml's attacks on 4 digits at step 0, signSGD and QSGD at 4 levels: the attacker who
+    knows the compression (signed steps, its prior's weight tuned on its own images) rebuilds better images than
+    the one matching cosines (measured 13.6 against 8.75 dB and 13.4 against 8.0 dB on 2 cores)."""
     import yaml
 
     from leakaudit.evaluator.audit.config import load_audit
@@ -61,10 +62,12 @@ def test_the_bayes_adversary_reads_more_of_signsgd_than_inverting_gradients(writ
     from conftest import ROOT
 
     audit = yaml.safe_load((ROOT / "configs" / "compression.yaml").read_text())
-    audit |= {"defenses": [{"name": "signsgd"}], "utility": {"train_steps": 0}, "workers": 1, "device": "cpu"}
+    audit |= {"defenses": [{"name": "signsgd"}, {"name": "qsgd", "params": {"levels": 4}, "label": "qsgd4"}],
+              "utility": {"train_steps": 0}, "workers": 1, "device": "cpu"}
     summary = run_audit(load_audit(write_audit(audit)), tmp_path / "out", progress=False)
-    psnr = {c.attack: c.mean("psnr") for c in summary.cells if c.setting == "signsgd"}
-    assert psnr["bayes"] > psnr["inverting_gradients"] + 0.5
+    for setting in ("signsgd", "qsgd4"):
+        psnr = {c.attack: c.mean("psnr") for c in summary.cells if c.setting == setting}
+        assert psnr["bayes"] > psnr["inverting_gradients"] + 2.0, (setting, psnr)
 
 
 def test_qsgd_sends_each_tensor_on_its_norms_lattice_and_unbiased():

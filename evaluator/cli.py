@@ -206,7 +206,10 @@ def cmd_validate(args) -> int:
     check_scenario(Scenario(audit), user_code=False)
     from leakaudit.evaluator.audit.jobs import jobs_of
 
-    print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({audit.num_batches} target batches each): "
+    counts = sorted({audit.num_batches_of(s) for s in audit.settings}) or [audit.num_batches]
+    each = (f"{counts[0]} target batches each" if len(counts) == 1
+            else f"{' to '.join(map(str, (counts[0], counts[-1])))} target batches each, by the setting's clients")
+    print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({each}): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
     function = getattr(audit.protocol, "function", None)
     factories = [s for s in (audit.data.factory, audit.model.name, function if isinstance(function, str)

@@ -138,6 +138,8 @@ def _reduced(audit: dict) -> dict:
     utility = audit.get("utility", {})
     audit["utility"] = {**utility, "train_steps": 2, "batch_size": min(utility.get("batch_size", 8), 8)}
     for entry in audit["defenses"]:
+        if isinstance(entry.get("clients"), list):  # the first number of clients, as the first of a sweep
+            entry["clients"] = entry["clients"][:1]
         for member in [entry, *entry.get("chain", [])]:
             member["sweep"] = {k: v[:1] for k, v in member.get("sweep", {}).items()}
     registry = load_registry()

@@ -15,7 +15,7 @@ import torch
 
 from leakaudit.evaluator.audit.specs import ATTACK, DEFAULT_LEAKAGE_METRIC, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
 from leakaudit.evaluator.audit.tuning import check_tune
-from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, ExecutorSection, ModelSection, model_label
+from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, ExecutorSection, ModelSection, world
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry
@@ -144,7 +144,8 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
 
 
 def expand_defenses(value: Any, registry: Registry, problems: list[str],
-                     protocol: Protocol = FEDSGD) -> list[DefenseSetting]:
+                     protocol: Protocol = FEDSGD, data: dict | None = None) -> list[DefenseSetting]:
+    """Every setting the ``defenses:`` entries expand to (sweeps, chains, own models, numbers of clients)."""
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
         item, ok = checked_section(item, DEFENSE, where, problems)
@@ -174,12 +175,17 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str],
             _check_architecture(own_model, registry, f"{where}.model", problems)
             if len(problems) > found:
                 continue
-        combos = list(itertools.product(*options))
-        for members in combos:
+        crowds = _client_counts(item.get("clients"), protocol, data, f"{where}.clients", problems)
+        if not crowds:
+            continue
+        combos = list(itertools.product(*options, crowds))
+        for *members, clients in combos:
             setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None,
-                                     None if own_model is None else ModelSection(**own_model), item["must_protect"])
+                                     None if own_model is None else ModelSection(**own_model), item["must_protect"],
+                                     clients=clients)
+            mine = protocol if clients is None else dataclasses.replace(protocol, clients=clients)
             try:
-                why = setting.build(registry).unsupported(protocol)
+                why = setting.build(registry).unsupported(mine)
             except (ValueError, TypeError) as exc:
                 why = str(exc)
             except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
@@ -193,10 +199,35 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str],
     return settings
 
 
+def _client_counts(value: Any, protocol: Protocol, data: dict | None, path: str,
+                   problems: list[str]) -> list[int | None]:
+    """The numbers of clients an entry's ``clients:`` names ([None]: the protocol's); [] after a problem."""
+    if value is None:
+        return [None]
+    counts = value if isinstance(value, list) else [value]
+    found = len(problems)
+    if not hasattr(protocol, "clients"):
+        problems.append(f"{path}: secure aggregation needs protocol fedavg (protocol: {{name: fedavg, ...}}); "
+                        f"protocol {protocol.name} has no clients")
+    elif not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        problems.append(f"{path}: expected a number of clients of at least 1, or a list of them; got {value!r}")
+    elif len(set(counts)) < len(counts):
+        problems.append(f"{path}: {value!r} names a number of clients twice")
+    elif data is not None:
+        each = data["batch_size"] // protocol.clients
+        for n in counts:
+            if data["targets"] % (n * each):
+                problems.append(f"{path}: {n} clients of {each} image(s) each (data.batch_size / protocol.clients) "
+                                f"make updates of {n * each} images, which data.targets {data['targets']} is not a "
+                                "multiple of")
+    return counts if len(problems) == found else []
+
+
 def with_references(settings: list[DefenseSetting], attacks: list[AttackSpec],
                     registry: Registry) -> list[DefenseSetting]:
-    """``settings`` with an undefended reference for each model they run on, which calibrates the verdicts:
-    the audit's own undefended setting of that model, else one added at the end (marked ``added``).
+    """``settings`` with an undefended reference for each model and number of clients they run on, which
+    calibrates the verdicts: the audit's own undefended setting of that world, else one added at the end
+    (marked ``added``).
 
     A reference is attacked by every attack that runs on a setting of its model and supports the undefended
     update (attacks that read what a defense adds to the model, ``needs_defense``, do not), with the same
@@ -208,16 +239,16 @@ def with_references(settings: list[DefenseSetting], attacks: list[AttackSpec],
     if baseline is None or not settings:
         return settings
     reference, out = baseline(), []
-    models = list({model_label(s.model): s.model for s in settings}.items())
-    for name, own in models:
-        mine = [s for s in settings if model_label(s.model) == name]
+    worlds = list({world(s): s for s in settings}.items())
+    for key, first in worlds:
+        mine = [s for s in settings if world(s) == key]
         given = next((s for s in mine if s.is_baseline(registry)), None)
         labels = frozenset(a.label for a in attacks if (given is not None and a.filters_in(given)) or (
             any(a.filters_in(s) for s in mine) and _calibrates(a.build(registry), reference)))
         if given is not None:
             settings = [dataclasses.replace(s, calibrates=labels) if s is given else s for s in settings]
         elif labels:
-            out.append(DefenseSetting(((baseline.name, {}),), None, own, False, labels, True))
+            out.append(DefenseSetting(((baseline.name, {}),), None, first.model, False, labels, True, first.clients))
     return settings + out
 
 

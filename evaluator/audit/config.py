@@ -91,7 +91,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     check_data(data, registry, into("data") if data_ok else [])
     check_model(model, registry, into("model") if model_ok else [])
     protocol = check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
-    settings = expand_defenses(top.get("defenses"), registry, into("defenses"), protocol)
+    settings = expand_defenses(top.get("defenses"), registry, into("defenses"), protocol, data if data_ok else None)
     attacks = check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
     check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
     settings = with_references(settings, attacks, registry)

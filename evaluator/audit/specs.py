@@ -87,6 +87,9 @@ MODEL = {"name": Param(None, str, help="a zoo model (leakaudit plugins)"),
 DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
            "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}"),
            "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)"),
+           "clients": Param(None, (int, list), help="secure aggregation: the server sees the mean of this many "
+                                                    "clients' updates (a list: one setting each), each client holding "
+                                                    "data.batch_size / protocol.clients images (protocol fedavg)"),
            "must_protect": Param(False, bool, help="run --fail-on-leak exits with status 3 when a setting of this "
                                                    "entry leaks")}
 SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}

@@ -135,6 +135,8 @@ class DefenseSetting:
     calibrates: frozenset[str] | None = field(default=None, compare=False)
     #: Added by leakaudit as its model's reference, where the audit file names no undefended setting for it.
     added: bool = field(default=False, compare=False)
+    #: Secure aggregation over this many clients (``clients:`` of the entry); None: the audit's protocol.clients.
+    clients: int | None = None
 
     @property
     def name(self) -> str:
@@ -151,7 +153,8 @@ class DefenseSetting:
         """What the setting is (members, parameters, own model), whatever its label: its random streams
         derive from this, so renaming a label leaves the numbers as they were."""
         own = "" if self.model is None else f"@{model_label(self.model)}"
-        return ">".join(call_label(n, p) for n, p in self.members) + own
+        crowd = "" if self.clients is None else f"[{self.clients} client{'s' if self.clients > 1 else ''}]"
+        return ">".join(call_label(n, p) for n, p in self.members) + own + crowd
 
     @property
     def key(self) -> str:
@@ -250,10 +253,35 @@ class Audit:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
+    def clients_of(self, setting: DefenseSetting) -> int:
+        """How many clients' mean the server sees for ``setting``: its own ``clients:``, else the protocol's."""
+        return setting.clients or getattr(self.protocol, "clients", 1)
+
+    def protocol_of(self, setting: DefenseSetting) -> Protocol:
+        """The protocol of ``setting``'s updates: the audit's, with the setting's own number of clients."""
+        if setting.clients is None:
+            return self.protocol
+        return dataclasses.replace(self.protocol, clients=setting.clients)
+
+    def batch_size_of(self, setting: DefenseSetting) -> int:
+        """Images in one of ``setting``'s updates: each client holds ``data.batch_size / protocol.clients``."""
+        if setting.clients is None:
+            return self.data.batch_size
+        return setting.clients * (self.data.batch_size // getattr(self.protocol, "clients", 1))
+
+    def num_batches_of(self, setting: DefenseSetting) -> int:
+        """How many of ``setting``'s updates the targets make."""
+        return self.data.targets // self.batch_size_of(setting)
+
     def reference_of(self, setting: DefenseSetting) -> DefenseSetting | None:
-        """The undefended reference that calibrates ``setting``'s verdicts: its model's (``with_references``)."""
-        own = model_label(setting.model)
-        return next((s for s in self.settings if s.calibrates is not None and model_label(s.model) == own), None)
+        """The undefended reference that calibrates ``setting``'s verdicts: the one of its model and number of
+        clients (``with_references``)."""
+        return next((s for s in self.settings if s.calibrates is not None and world(s) == world(setting)), None)
+
+
+def world(setting: DefenseSetting) -> tuple[str, int | None]:
+    """What a setting's undefended reference must share with it: its model and its number of clients."""
+    return model_label(setting.model), setting.clients
 
 
 def model_label(model: ModelSection | None) -> str:

@@ -283,7 +283,7 @@ def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str
     for s in audit.settings:
         for a in audit.attacks:
             recs, origs, scores = [], [], []
-            for t in range(audit.num_batches):
+            for t in range(audit.num_batches_of(s)):
                 job = AttackJob(s, a, checkpoint, t)
                 saved = folder.load_reconstruction(job)
                 if saved is not None:

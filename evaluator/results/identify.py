@@ -19,7 +19,8 @@ from leakaudit.plugins.components import Metric
 def _cell_images(folder: RunFolder, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A cell's reconstructions and originals over all its target batches (None when one is missing)."""
     recs, origs = [], []
-    for t in range(folder.audit.num_batches):
+    setting = job_at(folder.audit, *key, 0).setting
+    for t in range(folder.audit.num_batches_of(setting)):
         saved = folder.load_reconstruction(job_at(folder.audit, *key, t))
         if saved is None:
             return None
@@ -63,8 +64,8 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
         if name not in cache:
             images = _cell_images(folder, key)
             distances = None if images is None or audit.data.targets < 2 else _distances(metric, *images)
-            cache[name] = None if distances is None else [identifiable_share(distances),
-                                                          named_share(distances, audit.data.batch_size)]
+            batch = audit.batch_size_of(job_at(audit, *key, 0).setting)
+            cache[name] = None if distances is None else [identifiable_share(distances), named_share(distances, batch)]
             changed = True
         out[key] = cache[name]
     if changed:

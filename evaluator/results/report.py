@@ -27,7 +27,7 @@ from leakaudit.evaluator.results.figures import (
 from leakaudit.evaluator.results.identify import identifiability
 from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
-from leakaudit.evaluator.results.types import Summary
+from leakaudit.evaluator.results.types import Summary, WorstCase
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -72,9 +72,12 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
     fields = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)} if dataclasses.is_dataclass(
         protocol) else {}  # its settings, not its ClassVars
     clients = fields.pop("clients", 1)
-    seen = (f"; one update of {audit.data.batch_size} private image(s)" if clients == 1 else
+    own = sorted({s.clients for s in audit.settings if s.clients is not None})
+    seen = (f"; one update of {audit.data.batch_size} private image(s)" if clients == 1 and not own else
             f"; under secure aggregation the server sees only the mean of {clients} clients' updates, "
             f"each of {audit.data.batch_size // clients} private image(s)")
+    if own:
+        seen += f" (settings that name their clients: the mean of {', '.join(map(str, own))} clients' updates)"
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]
     naive = [a.key for a in audit.attacks if a.role != "adaptive"]
     spec = audit.registry.get("model", audit.model.name) if audit.model.name in audit.registry.names("model") \
@@ -104,6 +107,18 @@ def _targets(audit: Audit) -> tuple[str, str]:
                        + (" (its first ones)" if audit.data.target_order == "first" else "")
                        + (", never seen in training or tuning" if audit.data.target_split == "test"
                           else ", trained on but never tuned on"))
+
+
+def leakage_by_clients(audit: Audit, summary: Summary) -> tuple[list[int], list[tuple[str, dict[int, WorstCase]]]]:
+    """The settings that name their number of clients, as a table: each defense (its setting without the clients)
+    against every number of clients, each cell that setting's worst case. Empty where no setting names any."""
+    cases = {w.setting: w for w in summary.worst_case}
+    table: dict[str, dict[int, WorstCase]] = {}
+    for s in audit.settings:
+        if s.clients is not None and s.key in cases:
+            table.setdefault(dataclasses.replace(s, clients=None).identity, {})[s.clients] = cases[s.key]
+    counts = sorted({n for row in table.values() for n in row})
+    return counts, list(table.items())
 
 
 def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
@@ -169,7 +184,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
             extras.extend((title, jinja2.utils.markupsafe.Markup(content)) for title, content in extra or [])
     page = page_template(template).render(
         summary=summary, audit=audit, figures=figures, grids=grids, extras=extras,
-        threat=threat_model(audit), provenance=provenance(audit, run_info),
+        threat=threat_model(audit), provenance=provenance(audit, run_info), clients=leakage_by_clients(audit, summary),
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
         trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None)

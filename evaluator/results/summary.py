@@ -75,9 +75,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
-    # matching reconstructions to originals within a batch favours their own: no 1-in-N test at batches > 1
-    options = {**as_dict(audit.verdict), "batch_size": audit.data.batch_size,
-               **({"identifiable": None} if audit.data.batch_size > 1 else {}),
+    options = {**as_dict(audit.verdict),
                **({"no_utility": "a monitored training measures no test accuracy"} if audit.live else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
@@ -122,12 +120,19 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes)
 
 
+def _batch_options(options: dict, batch: int) -> dict:
+    """The verdict options for updates of ``batch`` images: matching reconstructions to originals within a batch
+    favours their own, so there is no 1-in-N identification test at batches > 1."""
+    return {**options, "batch_size": batch, **({"identifiable": None} if batch > 1 else {})}
+
+
 def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: tuple,
                   attacks: set[str] | None = None) -> list[StepVerdict]:
     """A setting's verdict, judged alone, at each step it has a finite score, from its cells (those of
     ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance and the
     verdict options."""
     leakage, threshold, needed, chance, options = bars
+    options = _batch_options(options, audit.batch_size_of(setting))
     mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
             and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")
@@ -149,7 +154,9 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         if bad:
             notes.append(f"{setting}, {attack}, step {ckpt}: {bad} of {len(values)} images have a non-finite {m} "
                          "(the model or the reconstruction diverged); the cell leaves them out")
-    n, batch = len(rs) * audit.data.batch_size, audit.data.batch_size
+    own = next((s for s in audit.settings if s.key == setting), None)
+    batch = audit.data.batch_size if own is None else audit.batch_size_of(own)
+    n = len(rs) * batch
     share, named = identified
     bound = identification_bound(profile, batch, n)
     gains = finite(r.get("late_gain") for r in rs)
@@ -186,7 +193,7 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving,
-        settling_iterations=final.settling_iterations, privacy=_privacy(profile, mine, audit.data.batch_size, utility),
+        settling_iterations=final.settling_iterations, privacy=_privacy(profile, mine, audit.batch_size_of(s), utility),
         worst_image=_worst_image([r for r in rows if r["setting"] == s.key], leakage))
 
 
@@ -194,7 +201,7 @@ def _setting_fields(setting, audit: Audit) -> dict[str, Any]:
     """What a worst case says of its setting: name, key, parameters and its place in the audit."""
     return dict(defense=setting.name, setting=setting.key, params=setting.params,
                 baseline=setting.is_baseline(audit.registry), reference=setting.calibrates is not None,
-                added=setting.added, must_protect=setting.must_protect)
+                added=setting.added, must_protect=setting.must_protect, clients=setting.clients)
 
 
 def _privacy(profile, mine: list[CellResult], batch: int, utility: dict) -> Privacy | None:

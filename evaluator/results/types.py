@@ -192,13 +192,15 @@ class WorstCase(_Scored):
     settling_iterations: int | None = None
     privacy: Privacy | None = None
     worst_image: WorstImage | None = None
+    clients: int | None = None  # secure aggregation: how many clients' mean the server saw (the entry's clients:)
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("privacy", "worst_image")
+        head, tail = self._around_scores("privacy", "worst_image", "clients")
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
         return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
-                "worst_image": _record(self.worst_image) or {}}
+                "worst_image": _record(self.worst_image) or {},
+                **({} if self.clients is None else {"clients": self.clients})}  # older summaries read back alike
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WorstCase:

@@ -120,23 +120,27 @@ class Scenario:
             order = order[~torch.isin(order, self.target_indices)]
         return order
 
-    def _batch_of(self, order: Tensor, index: int) -> Tensor:
-        b = self.audit.data.batch_size
+    def batch_size(self, setting: DefenseSetting | None = None) -> int:
+        """Images in one update: of ``setting`` (its own number of clients), else of the audit."""
+        return self.audit.data.batch_size if setting is None else self.audit.batch_size_of(setting)
+
+    def _batch_of(self, order: Tensor, index: int, setting: DefenseSetting | None) -> Tensor:
+        b = self.batch_size(setting)
         return order[index * b:(index + 1) * b]
 
-    def target_ids(self, index: int) -> Tensor:
-        """Target-split indices of target batch ``index``."""
-        return self._batch_of(self.target_indices, index)
+    def target_ids(self, index: int, setting: DefenseSetting | None = None) -> Tensor:
+        """Target-split indices of target batch ``index`` (of ``setting``'s batch size, else the audit's)."""
+        return self._batch_of(self.target_indices, index, setting)
 
-    def target_batch(self, index: int) -> tuple[Tensor, Tensor]:
+    def target_batch(self, index: int, setting: DefenseSetting | None = None) -> tuple[Tensor, Tensor]:
         """Batch ``index`` of private images (pixel space) and labels, on the device."""
-        idx = self.target_ids(index)
+        idx = self.target_ids(index, setting)
         x, y = self._target_split
         return x[idx].to(self.device), y[idx].to(self.device)
 
-    def tuning_batch(self, index: int) -> tuple[Tensor, Tensor]:
+    def tuning_batch(self, index: int, setting: DefenseSetting | None = None) -> tuple[Tensor, Tensor]:
         """Batch ``index`` of the attacker's own tuning images, drawn from the training split."""
-        idx = self._batch_of(self.tuning_indices, index)
+        idx = self._batch_of(self.tuning_indices, index, setting)
         return self.data.train_x[idx].to(self.device), self.data.train_y[idx].to(self.device)
 
     @cached_property
@@ -177,13 +181,19 @@ class Scenario:
             torch.manual_seed(derive_seed(self.audit.seed, "wrap"))
             return defense.wrap_model(model).to(self.device)
 
-    def threat(self, model: nn.Module, defense: Defense, labels: Tensor) -> ThreatModel:
+    def threat(self, model: nn.Module, defense: Defense, labels: Tensor,
+               setting: DefenseSetting | None = None) -> ThreatModel:
+        """What the attacker knows of one update of ``setting`` (its batch size and protocol, else the audit's)."""
         return ThreatModel(
             model=model, loss_fn=loss_fn, input_shape=tuple(self.data.test_x.shape[1:]),
             mean=self.mean, std=self.std, num_classes=self.data.num_classes,
-            batch_size=self.audit.data.batch_size, defense=defense,
+            batch_size=self.batch_size(setting), defense=defense,
             labels=labels if self.audit.threat.known_labels else None, device=self.device,
-            protocol=self.audit.protocol)
+            protocol=self.protocol(setting))
+
+    def protocol(self, setting: DefenseSetting | None = None):
+        """The protocol of ``setting``'s updates (its own number of clients), else the audit's."""
+        return self.audit.protocol if setting is None else self.audit.protocol_of(setting)
 
 
 def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
@@ -215,7 +225,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
         for i, spec in enumerate(audit.attacks):
             attack = scenario.attack(spec)
             why = spec.applies_to(setting) and (
-                attack.unsupported(model, audit.data.batch_size, audit.protocol)
+                attack.unsupported(model, audit.batch_size_of(setting), audit.protocol_of(setting))
                 or attack.unsupported_defense(defense))
             if why:
                 reasons.setdefault((i, why), []).append(setting.key)
@@ -231,13 +241,14 @@ def _tuning_images_problems(scenario: Scenario) -> list[str]:
     """A search whose tuning batches need more training images than are left once the targets are taken."""
     audit, left = scenario.audit, len(scenario.tuning_indices)
     out = []
+    largest = max((audit.batch_size_of(s) for s in audit.settings), default=audit.data.batch_size)
     for i, spec in enumerate(audit.attacks):
-        need = spec.tune.targets * audit.data.batch_size if spec.tune else 0
+        need = spec.tune.targets * largest if spec.tune else 0
         if need > left:
             taken = (f" ({audit.data.targets} are targets: data.target_split is train)"
                      if audit.data.target_split == "train" else "")
             out.append(f"{audit.path}: attacks[{i}].tune.targets: {spec.tune.targets} tuning batches of "
-                       f"{audit.data.batch_size} need {need} training images; {left} are left to tune on{taken}; "
+                       f"{largest} need {need} training images; {left} are left to tune on{taken}; "
                        "lower tune.targets or data.targets")
     return out
 

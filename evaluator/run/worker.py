@@ -61,9 +61,9 @@ class AuditWorker:
         """The most any attack can identify of the audit's targets (a guess names an update's images: batch size
         in the number of targets) under the setting's privacy guarantee for one update; None where it gives none."""
         if setting.key not in self._bound:
-            data = self.scenario.audit.data
+            audit = self.scenario.audit
             self._bound[setting.key] = identification_bound(self.scenario.defense(setting).privacy_profile(),
-                                                            data.batch_size, data.targets)
+                                                            audit.batch_size_of(setting), audit.data.targets)
         return self._bound[setting.key]
 
     def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
@@ -87,8 +87,8 @@ class AuditWorker:
             share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint, index, purpose)
             if index not in shared:  # every trial of a search attacks the same update of a batch
                 pixels = defense.augment(pixels, share_gen)
-                step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.audit.protocol)
-                shared[index] = (defense.share(step), sc.threat(model, defense, labels), pixels)
+                step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.protocol(setting))
+                shared[index] = (defense.share(step), sc.threat(model, defense, labels, setting), pixels)
             update, threat, pixels = shared[index]
             out.append(Problem(update, threat, attack_gen, attack))
             originals.append(pixels)
@@ -99,7 +99,7 @@ class AuditWorker:
         sc, first = self.scenario, cell.first
         spec = first.attack.tune
         metric = sc.audit.registry.get("metric", spec.metric)
-        batches = [sc.tuning_batch(t) for t in range(spec.targets)]
+        batches = [sc.tuning_batch(t, first.setting) for t in range(spec.targets)]
         attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
         problems, originals = self.problems(first.setting, first.checkpoint, [
             (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
@@ -119,7 +119,7 @@ class AuditWorker:
         sc, first = self.scenario, cell.first
         audit = sc.audit
         attack = sc.attack(first.attack, first.params)
-        batches = [sc.target_batch(job.target) for job in cell.jobs]
+        batches = [sc.target_batch(job.target, first.setting) for job in cell.jobs]
         problems, originals = self.problems(first.setting, first.checkpoint,
                                             [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
         recs = _reconstruct(audit, first, attack, problems, f"{len(cell.jobs)} target batch(es)")
@@ -130,7 +130,7 @@ class AuditWorker:
     def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
         """Score one reconstruction, keep it for the report, and make its results row."""
         scores = score(metrics, rec.images, pixels, rec.labels, labels)
-        row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target).tolist(),
+        row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target, job.setting).tolist(),
                                       self.epsilon(job.setting), self.bound(job.setting))
         return row, scores.notes
 

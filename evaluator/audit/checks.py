@@ -15,7 +15,14 @@ import torch
 
 from leakaudit.evaluator.audit.specs import ATTACK, DEFAULT_LEAKAGE_METRIC, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
 from leakaudit.evaluator.audit.tuning import check_tune
-from leakaudit.evaluator.audit.types import AttackSpec, DefenseSetting, ExecutorSection, ModelSection, world
+from leakaudit.evaluator.audit.types import (
+    AttackSpec,
+    DefenseSetting,
+    ExecutorSection,
+    ModelSection,
+    with_clients,
+    world,
+)
 from leakaudit.plugins.components import ModelSpec
 from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry
@@ -183,9 +190,8 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str],
             setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None,
                                      None if own_model is None else ModelSection(**own_model), item["must_protect"],
                                      clients=clients)
-            mine = protocol if clients is None else dataclasses.replace(protocol, clients=clients)
             try:
-                why = setting.build(registry).unsupported(mine)
+                why = setting.build(registry).unsupported(with_clients(protocol, clients))
             except (ValueError, TypeError) as exc:
                 why = str(exc)
             except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line

@@ -59,7 +59,8 @@ def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[Attack
     """Every attack job of an audit, in order (``tuned``: the winning parameters per setting, attack, step)."""
     tuned = tuned or {}
     return [AttackJob(s, a, c, t, tuned.get((s.key, a.key, c), {}).get("params"))
-            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches_of(s)) for a in audit.attacks
+            for s in audit.settings for c in audit.checkpoints for t in range(audit.num_batches_of(s))
+            for a in audit.attacks
             if a.applies_to(s) and a.runs_at(c)]
 
 

@@ -253,21 +253,20 @@ class Audit:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    def clients_of(self, setting: DefenseSetting) -> int:
-        """How many clients' mean the server sees for ``setting``: its own ``clients:``, else the protocol's."""
-        return setting.clients or getattr(self.protocol, "clients", 1)
+    @property
+    def images_per_client(self) -> int:
+        """What each client holds: ``data.batch_size / protocol.clients``."""
+        return self.data.batch_size // getattr(self.protocol, "clients", 1)
 
     def protocol_of(self, setting: DefenseSetting) -> Protocol:
         """The protocol of ``setting``'s updates: the audit's, with the setting's own number of clients."""
-        if setting.clients is None:
-            return self.protocol
-        return dataclasses.replace(self.protocol, clients=setting.clients)
+        return with_clients(self.protocol, setting.clients)
 
     def batch_size_of(self, setting: DefenseSetting) -> int:
-        """Images in one of ``setting``'s updates: each client holds ``data.batch_size / protocol.clients``."""
+        """Images in one of ``setting``'s updates: its own number of clients times each client's images."""
         if setting.clients is None:
             return self.data.batch_size
-        return setting.clients * (self.data.batch_size // getattr(self.protocol, "clients", 1))
+        return setting.clients * self.images_per_client
 
     def num_batches_of(self, setting: DefenseSetting) -> int:
         """How many of ``setting``'s updates the targets make."""
@@ -277,6 +276,11 @@ class Audit:
         """The undefended reference that calibrates ``setting``'s verdicts: the one of its model and number of
         clients (``with_references``)."""
         return next((s for s in self.settings if s.calibrates is not None and world(s) == world(setting)), None)
+
+
+def with_clients(protocol: Protocol, clients: int | None) -> Protocol:
+    """``protocol`` with its secure aggregation over ``clients`` clients (None: as it is)."""
+    return protocol if clients is None else dataclasses.replace(protocol, clients=clients)
 
 
 def world(setting: DefenseSetting) -> tuple[str, int | None]:

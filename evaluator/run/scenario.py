@@ -18,6 +18,7 @@ from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.factories import call_with_accepted, import_factory
+from leakaudit.plugins.protocol import Protocol
 
 
 def round_generators(device: torch.device, seed: int, setting_key: str, checkpoint: int, index: int,
@@ -191,7 +192,7 @@ class Scenario:
             labels=labels if self.audit.threat.known_labels else None, device=self.device,
             protocol=self.protocol(setting))
 
-    def protocol(self, setting: DefenseSetting | None = None):
+    def protocol(self, setting: DefenseSetting | None = None) -> Protocol:
         """The protocol of ``setting``'s updates (its own number of clients), else the audit's."""
         return self.audit.protocol if setting is None else self.audit.protocol_of(setting)
 

@@ -130,8 +130,9 @@ class AuditWorker:
     def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
         """Score one reconstruction, keep it for the report, and make its results row."""
         scores = score(metrics, rec.images, pixels, rec.labels, labels)
-        row = self.folder.save_result(job, pixels, labels, rec, scores, self.scenario.target_ids(job.target, job.setting).tolist(),
-                                      self.epsilon(job.setting), self.bound(job.setting))
+        images = self.scenario.target_ids(job.target, job.setting).tolist()
+        row = self.folder.save_result(job, pixels, labels, rec, scores, images, self.epsilon(job.setting),
+                                      self.bound(job.setting))
         return row, scores.notes
 
 

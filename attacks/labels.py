@@ -115,6 +115,29 @@ def geng_counts(update: SharedUpdate, threat: ThreatModel, generator: torch.Gene
     return threat.batch_size * (mean_p - gw.sum(dim=1) / feature_sum)
 
 
+def labels_from_inputs(update: SharedUpdate, threat: ThreatModel, inputs: Tensor) -> Tensor:
+    """Each recovered input's own label, exactly where the inputs are exact (the last step of iLRG, Ma et al.
+    2023): the output layer's weight gradient is ``(P - Y)^T H / B`` with ``H`` and ``P`` the batch's features
+    and softmax outputs, which the known model gives for the inputs, so ``P - Y`` is one least-squares solve.
+
+    Labels in the inputs' order; needs at least as many features into the output layer as images.
+    """
+    if threat.labels is not None:
+        return threat.labels.to(threat.device)
+    gw, _ = _mean_gradients(update, threat)
+    layer = output_layer(threat.model)
+    captured: list[Tensor] = []
+    handle = layer.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            probs = torch.softmax(threat.model(inputs.to(threat.device)), dim=1).double()
+    finally:
+        handle.remove()
+    features = captured[0].double().flatten(1)  # (B, d)
+    residual = torch.linalg.lstsq(features.T, len(inputs) * gw.double().T).solution  # (B, classes): P - Y
+    return (probs - residual).argmax(dim=1)
+
+
 def recover_labels(update: SharedUpdate, threat: ThreatModel, method: str, generator: torch.Generator) -> Tensor:
     """Known labels where the threat model grants them, else recovered with ``method`` (auto: signs for one
     image, feature_fit for a batch when the output layer has a bias, geng otherwise)."""

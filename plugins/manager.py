@@ -35,6 +35,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.rgap",
     "leakaudit.attacks.cinet",
     "leakaudit.attacks.imprint",
+    "leakaudit.attacks.decomposition",
     "leakaudit.evaluator.zoo.metrics",
     "leakaudit.evaluator.zoo.models",
     "leakaudit.evaluator.zoo.datasets",

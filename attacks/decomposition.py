@@ -1,0 +1,342 @@
+"""Attacks that take a fully connected layer's weight gradient apart into its per-example terms.
+
+For a layer ``z = W x + b`` the batch's weight gradient is a sum of outer products, ``dL/dW = sum_i g_i x_i^T``
+with ``g_i = dL/dz_i``, and the bias gradient is ``sum_i g_i``: a matrix of rank at most the batch size whose
+row space holds the inputs. Two ways to split it:
+
+- SPEAR (Dimitrov et al. 2024) uses the ReLU after the layer: each ``g_i`` is zero wherever example ``i`` left a
+  unit inactive, so among the directions of the gradient's column space the true ``g_i`` are the sparse ones.
+  Sampling ``b - 1`` rows of a rank-``b`` factor and taking the direction they annihilate finds them; the bias
+  gradient fixes their scales, and the inputs follow exactly.
+- The Cocktail Party attack (Kariyappa et al. 2023) treats the rows of the gradient as mixtures of the inputs,
+  which are independent and far from Gaussian, and unmixes them by independent component analysis; it needs no
+  activation and works on large batches and on the mean of many clients' updates (secure aggregation).
+
+Both read the first layer of a model that sees the flattened image, so they recover the images themselves, in
+one gradient step (FedSGD, or FedAvg with one local step per client, whatever the number of clients).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from leakaudit.attacks.labels import METHODS, labels_from_inputs, recover_labels
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import Protocol
+
+LABEL_METHOD = Param("inputs", str, choices=("inputs", *METHODS),
+                     help="labels: inputs (exact, from the recovered images and the output layer's gradient, "
+                          "Ma et al. 2023), or a method of the other attacks")
+
+
+def input_layer(model: nn.Module) -> tuple[str, nn.Linear, nn.Module | None]:
+    """The model's first parametrised module when it is a Linear layer fed the flattened image, its name, and the
+    module registered right after it (its activation in an ``nn.Sequential``)."""
+    modules = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    first = next((i for i, (_, m) in enumerate(modules) if any(True for _ in m.parameters(recurse=False))), None)
+    if first is None or not isinstance(modules[first][1], nn.Linear):
+        raise ValueError("the model's first layer with parameters must be fully connected (nn.Linear on the "
+                         "flattened image), as in the zoo's mlp")
+    name, layer = modules[first]
+    after = modules[first + 1][1] if first + 1 < len(modules) else None
+    return name, layer, after
+
+
+def _one_step_problem(name: str, model: nn.Module, batch_size: int, protocol: Protocol,
+                      needs_relu: bool) -> str | None:
+    """Why a decomposition attack cannot read this scenario's first layer, or None."""
+    try:
+        _, layer, after = input_layer(model)
+    except ValueError as exc:
+        return f"{name}: {exc}"
+    if layer.bias is None:
+        return f"{name}: the first fully connected layer has no bias, whose gradient fixes each input's scale"
+    if needs_relu and not isinstance(after, nn.ReLU):
+        return f"{name}: the first fully connected layer must be followed by nn.ReLU, whose zeros it reads"
+    if batch_size > min(layer.in_features, layer.out_features):
+        return (f"{name}: {batch_size} images per update exceed the first layer's rank "
+                f"(min of {layer.in_features} inputs, {layer.out_features} units)")
+    if protocol.local_steps(batch_size) != 1:
+        return (f"{name}: needs each client's update to be one gradient step ({protocol.name} takes "
+                f"{protocol.local_steps(batch_size)} local steps here)")
+    return None
+
+
+def layer_gradients(observed: SharedUpdate, threat: ThreatModel) -> tuple[Tensor, Tensor]:
+    """The first layer's weight and bias gradients in float64 on the attack's device (their common scale,
+    such as FedAvg's ``-lr``, cancels in both attacks)."""
+    name, _, _ = input_layer(threat.model)
+    grads = dict(zip(observed.names, observed.tensors))
+    return (grads[f"{name}.weight"].to(threat.device, torch.float64),
+            grads[f"{name}.bias"].to(threat.device, torch.float64))
+
+
+#: A direction counts as an example's once this share of the active units are zeros of it beyond those drawn
+#: (an example leaves about half inactive; a random direction's extra zeros are units only one example uses).
+MIN_ZERO_SHARE = 0.2
+#: Angles within this many times the tolerance count as one, and so do zeros before a direction is polished.
+LOOSE = 100
+#: Planes drawn inside each mixture of examples to take it apart.
+SPLIT_DRAWS = 256
+
+
+def low_rank(weight_grad: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """``weight_grad ~ L R`` with ``L`` (units, rank) and orthonormal rows ``R`` (rank, inputs), by the SVD."""
+    u, s, vh = torch.linalg.svd(weight_grad, full_matrices=False)
+    return u[:, :rank] * s[:rank], vh[:rank]
+
+
+def null_planes(factor: Tensor, draws: int, generator: torch.Generator) -> Tensor:
+    """For each of ``draws`` random choices of ``rank - 2`` rows of ``factor`` (units, rank), an orthonormal
+    basis (rank, 2) of the plane those rows annihilate (the last columns of a complete QR of their transpose)."""
+    rank = factor.shape[1]
+    pick = torch.rand(draws, len(factor), generator=generator, device=factor.device).topk(rank - 2, dim=1).indices
+    q, _ = torch.linalg.qr(factor[pick].transpose(1, 2), mode="complete")
+    return q[..., -2:]
+
+
+def sparsest_in_planes(factor: Tensor, planes: Tensor, tolerance: float, top: int = 1) -> Tensor:
+    """The unit directions of each plane (draws, rank, 2) that the most rows of ``factor`` annihilate: the
+    ``top`` sparsest of each plane, (draws * top, rank).
+
+    A row ``l`` annihilates ``planes @ c`` where ``c`` is at right angles to ``l @ planes``; the rows of one
+    example's zero set all give the same angle, so the longest run of equal angles, sorted, names it (rows that
+    annihilate the whole plane take part in no run: in the plane of two examples they are the zeros both share).
+    Sampling ``rank - 2`` rows and searching the plane they leave finds a direction where ``rank - 1`` rows
+    would have to be drawn to pin it (Dimitrov et al. 2024 sample ``rank - 1``): a factor of the zero share
+    fewer draws.
+    """
+    v = factor @ planes  # (draws, units, 2): each row's trace on each plane
+    size = v.norm(dim=-1)
+    angle = torch.atan2(v[..., 1], v[..., 0]).remainder(math.pi)
+    flat = size <= tolerance * size.amax(dim=1, keepdim=True)
+    angle = torch.where(flat, 4 + torch.arange(v.shape[1], device=v.device, dtype=angle.dtype), angle)
+    angle = angle.sort(dim=1).values
+    same = angle.diff(dim=1) <= tolerance * math.pi
+    position = torch.arange(same.shape[1], device=factor.device).expand_as(same)
+    start = torch.where(same, torch.full_like(position, -1), position).cummax(dim=1).values
+    run = position - start  # the length of the run of equal angles ending at each position
+    last = torch.cat([~same[:, 1:], torch.ones_like(same[:, :1])], dim=1)  # a run ends here
+    end = torch.where(last, run, torch.zeros_like(run)).topk(top, dim=1).indices
+    theta = angle.gather(1, end + 1) + math.pi / 2  # (draws, top): at right angles to each run's rows
+    c = torch.stack([theta.cos(), theta.sin()], dim=-1).to(planes.dtype)  # (draws, top, 2)
+    return (c @ planes.transpose(1, 2)).flatten(0, 1)
+
+
+def split_mixture(factor: Tensor, direction: Tensor, tolerance: float, draws: int,
+                  generator: torch.Generator) -> Tensor:
+    """Sparser directions inside a mixture of examples: the space its zero rows annihilate holds each example
+    of the mixture, and a plane of it through ``d - 2`` further random rows (``d`` its dimension) holds one of
+    them whenever those rows are that example's zeros, which most draws are. Empty for a single example.
+
+    Similar examples (two images of one digit) share most of their zeros, so a draw of shared zeros yields a
+    mixture of them far more often than either example alone; this step takes such mixtures apart.
+    """
+    column = factor @ direction
+    zeros = column.abs() <= tolerance * column.abs().max()
+    _, s, vh = torch.linalg.svd(factor[zeros], full_matrices=True)
+    rank = int((s > tolerance * s.max()).sum()) if len(s) else 0
+    basis = vh[rank:].T  # (rank of factor, d): what the mixture's zero rows annihilate
+    d = basis.shape[1]
+    if d < 2:
+        return basis.new_empty(0, factor.shape[1])
+    if d == 2:  # the plane of two examples: its two longest runs
+        return sparsest_in_planes(factor, basis[None], LOOSE * tolerance, top=2)
+    rest = factor[~zeros] @ basis
+    pick = torch.rand(draws, len(rest), generator=generator, device=factor.device).topk(d - 2, dim=1).indices
+    q, _ = torch.linalg.qr(rest[pick].transpose(1, 2), mode="complete")
+    return sparsest_in_planes(factor, basis @ q[..., -2:], LOOSE * tolerance)
+
+
+def polish(factor: Tensor, directions: Tensor, tolerance: float) -> Tensor:
+    """Each direction made exact: the null direction of the rows it nearly annihilates (within ``tolerance``
+    of its largest entry), by the SVD, so that an angle read to a few digits gives a direction to all of them."""
+    columns = directions @ factor.T
+    near = columns.abs() <= tolerance * columns.abs().amax(dim=1, keepdim=True)
+    return torch.linalg.svd(factor * near[..., None], full_matrices=True).Vh[:, -1]
+
+
+def zero_counts(columns: Tensor, tolerance: float) -> Tensor:
+    """Entries of each row of ``columns`` at most ``tolerance`` times that row's largest magnitude."""
+    return (columns.abs() <= tolerance * columns.abs().amax(dim=-1, keepdim=True)).sum(dim=-1)
+
+
+def independent_sparsest(directions: Tensor, zeros: Tensor, count: int) -> Tensor | None:
+    """``count`` linearly independent directions (rows), the sparsest first; None when they span less."""
+    chosen: list[int] = []
+    for i in zeros.argsort(descending=True, stable=True).tolist():
+        trial = directions[chosen + [i]]
+        if torch.linalg.svdvals(trial)[-1] > 1e-6:
+            chosen.append(i)
+        if len(chosen) == count:
+            return directions[chosen]
+    return None
+
+
+def spear_inputs(weight_grad: Tensor, bias_grad: Tensor, layer: nn.Linear, count: int, samples: int, chunk: int,
+                 tolerance: float, generator: torch.Generator) -> tuple[Tensor | None, dict]:
+    """The ``count`` inputs (count, inputs) of a linear-then-ReLU ``layer`` from its gradients (Dimitrov et al.
+    2024): sparse directions of the weight gradient's column space are sampled until ``count`` of them give
+    inputs whose units' signs match the zeros they were found by (the exactness check), or ``samples`` draws
+    are spent. None where fewer than ``count`` directions came up; with what the search saw."""
+    full, rows = low_rank(weight_grad, count)
+    norms = full.norm(dim=1)
+    factor = full[norms > tolerance * norms.max()]  # units no example activated are zero in every direction
+    min_zeros = count - 2 + max(2, math.ceil(MIN_ZERO_SHARE * len(factor)))
+    found = torch.empty(0, count, dtype=factor.dtype, device=factor.device)
+    zeros = torch.empty(0, dtype=torch.long, device=factor.device)
+    info: dict = {"draws": 0, "directions_found": 0, "exact": False}
+    inputs = None
+    while info["draws"] < samples and len(factor) >= count - 2:
+        draws = min(chunk, samples - info["draws"])
+        q = sparsest_in_planes(factor, null_planes(factor, draws, generator), LOOSE * tolerance)
+        info["draws"] += draws
+        grew = False
+        while len(q):  # few pass the filter: examples' directions and mixtures of similar examples
+            q = q[zero_counts(q @ factor.T, LOOSE * tolerance) >= min_zeros]
+            q = polish(factor, q, LOOSE * tolerance) if len(q) else q
+            z = zero_counts(q @ factor.T, tolerance)
+            q, z = q[z >= min_zeros], z[z >= min_zeros]
+            q = q * q.gather(1, q.abs().argmax(dim=1, keepdim=True)).sign()  # one sign per direction
+            new = []
+            for direction, n in zip(q, z):
+                if len(found) == 0 or (found @ direction).abs().max() < 1 - 1e-4:
+                    found, zeros, grew = torch.cat([found, direction[None]]), torch.cat([zeros, n[None]]), True
+                    new.append(split_mixture(factor, direction, tolerance, SPLIT_DRAWS, generator))
+            q = torch.cat(new) if new else q[:0]
+        if not grew or len(found) < count:
+            continue
+        chosen = independent_sparsest(found, zeros, count)
+        if chosen is None:
+            continue
+        inputs, consistent = _solve_inputs(full, rows, chosen.T, bias_grad, layer, tolerance)
+        if consistent:
+            info["exact"] = True
+            break
+    info["directions_found"] = len(found)
+    return inputs, info
+
+
+def _solve_inputs(factor: Tensor, rows: Tensor, q: Tensor, bias_grad: Tensor, layer: nn.Linear,
+                  tolerance: float) -> tuple[Tensor, bool]:
+    """The inputs ``Q^-1 R`` for the directions ``q`` (rank, count) scaled by the bias gradient, and SPEAR's
+    exactness check: every unit an input leaves inactive is a zero of its output gradient and the reverse."""
+    outputs = factor @ q  # (units, count): each example's output gradient, up to its scale
+    scales = torch.linalg.lstsq(outputs, bias_grad[:, None]).solution.squeeze(1)
+    inputs = torch.linalg.solve(q * scales, rows)  # dL/dW = (L Q)(Q^-1 R)
+    pre = inputs @ layer.weight.detach().to(inputs).T + layer.bias.detach().to(inputs)
+    inactive = outputs.T.abs() <= tolerance * outputs.T.abs().amax(dim=1, keepdim=True)
+    mismatch = ((pre > 0) == inactive).float().mean()
+    return inputs, bool(mismatch <= 0.01)
+
+
+class Spear(Attack):
+    """Exact batch recovery from a linear-then-ReLU first layer (Dimitrov et al. 2024): the sparse directions of
+    the weight gradient's column space are the examples' output gradients, and the inputs follow from them."""
+
+    name = "spear"
+    paper = "Dimitrov et al. 2024"
+    params = {
+        "samples": Param(4_000_000, int, min=1, max=100_000_000,
+                         help="most random row subsets tried (about 2^b per image for b images per update)"),
+        "chunk": Param(8192, int, min=1, max=1_000_000, help="row subsets solved together"),
+        "tolerance": Param(1e-6, float, min=0.0, exclusive_min=True,
+                           help="an entry counts as zero below this share of its column's largest"),
+        "label_method": LABEL_METHOD,
+    }
+
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        return _one_step_problem(self.name, model, batch_size, protocol, needs_relu=True)
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        weight_grad, bias_grad = layer_gradients(observed, threat)
+        _, layer, _ = input_layer(threat.model)
+        inputs, info = spear_inputs(weight_grad, bias_grad, layer, threat.batch_size, self.samples, self.chunk,
+                                    self.tolerance, _on_device(generator, threat.device))
+        return _answer(self, observed, threat, generator, inputs, info)
+
+
+def edges(rows: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Each row's image (``shape``: channels, height, width) as its horizontal and vertical differences, flat."""
+    images = rows.reshape(len(rows), *shape)
+    return torch.cat([images.diff(dim=-1).flatten(1), images.diff(dim=-2).flatten(1)], dim=1)
+
+
+def unmix_inputs(weight_grad: Tensor, bias_grad: Tensor, count: int, iterations: int, tolerance: float,
+                 seed: int, shape: tuple[int, ...] | None = None) -> tuple[Tensor, dict]:
+    """``count`` inputs (count, inputs) unmixed from the rows of a linear layer's weight gradient by FastICA
+    (scikit-learn's, on the CPU: one small matrix per update), each scaled by the bias gradient.
+
+    With unmixing ``C`` (count, units) of the rows ``dL/dW = G^T X``, ``C dL/dW = M^T X`` where ``M = G C^T``
+    is, once separated, a permutation times a diagonal; ``C dL/db = M^T 1`` is that diagonal, so each unmixed
+    row divided by its entry is one input with its sign, scale and mean restored (Kariyappa et al. 2023
+    resolve them with image statistics instead).
+    """
+    from sklearn.decomposition import FastICA
+
+    signals = weight_grad if shape is None else edges(weight_grad, shape)
+    observed = signals.T.double().cpu().numpy()  # samples are the inputs' coordinates, features the units
+    ica = FastICA(n_components=count, whiten="unit-variance", max_iter=iterations, tol=tolerance,
+                  random_state=seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ica.fit(observed)
+    unmixing = torch.as_tensor(ica.components_, dtype=weight_grad.dtype, device=weight_grad.device)
+    scales = unmixing @ bias_grad
+    inputs = (unmixing @ weight_grad) / scales[:, None]
+    return inputs, {"ica_iterations": int(ica.n_iter_), "converged": not any(
+        "did not converge" in str(w.message) for w in caught)}
+
+
+class CocktailParty(Attack):
+    """The inputs of a fully connected first layer unmixed from its weight gradient by independent component
+    analysis (Kariyappa et al. 2023): large batches and the mean of many clients' updates alike."""
+
+    name = "cocktail_party"
+    paper = "Kariyappa et al. 2023"
+    params = {
+        "iterations": Param(1000, int, min=1, max=100_000, help="FastICA's most iterations"),
+        "tolerance": Param(1e-4, float, min=0.0, exclusive_min=True, help="FastICA's convergence tolerance"),
+        "label_method": LABEL_METHOD,
+    }
+
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if batch_size < 2:
+            return f"{self.name}: unmixing needs at least 2 images per update (use analytic for one)"
+        return _one_step_problem(self.name, model, batch_size, protocol, needs_relu=False)
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        weight_grad, bias_grad = layer_gradients(observed, threat)
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
+        inputs, info = unmix_inputs(weight_grad, bias_grad, threat.batch_size, self.iterations, self.tolerance, seed)
+        return _answer(self, observed, threat, generator, inputs, info)
+
+
+def _on_device(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from the problem's own (draws on the device need one there)."""
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _answer(attack: Attack, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator,
+            inputs: Tensor | None, info: dict) -> Reconstruction:
+    """The reconstruction of recovered normalised ``inputs`` (the data's mean image where none came back)."""
+    shape = (threat.batch_size, *threat.input_shape)
+    normalised = torch.zeros(shape, device=threat.device) if inputs is None else \
+        inputs.to(torch.float32).view(shape)
+    if attack.label_method == "inputs":
+        labels = labels_from_inputs(observed, threat, normalised) if inputs is not None else \
+            recover_labels(observed, threat, "auto", generator)
+    else:
+        labels = recover_labels(observed, threat, attack.label_method, generator)
+    return Reconstruction(threat.to_pixels(normalised), labels, [], 0.0, info)
+
+
+@hookimpl
+def register_attacks():
+    return [Spear, CocktailParty]

@@ -85,10 +85,12 @@ LOOSE = 100
 SPLIT_DRAWS = 256
 
 
-def low_rank(weight_grad: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """``weight_grad ~ L R`` with ``L`` (units, rank) and orthonormal rows ``R`` (rank, inputs), by the SVD."""
+def low_rank(weight_grad: Tensor, rank: int) -> tuple[Tensor, Tensor, float]:
+    """``weight_grad ~ L R`` with ``L`` (units, rank) and orthonormal rows ``R`` (rank, inputs), by the SVD, and
+    the share of the largest singular value left past ``rank`` (0 for an exact sum of ``rank`` outer products)."""
     u, s, vh = torch.linalg.svd(weight_grad, full_matrices=False)
-    return u[:, :rank] * s[:rank], vh[:rank]
+    rest = float(s[rank] / s[0]) if len(s) > rank else 0.0
+    return u[:, :rank] * s[:rank], vh[:rank], rest
 
 
 def null_planes(factor: Tensor, draws: int, generator: torch.Generator) -> Tensor:
@@ -183,14 +185,18 @@ def spear_inputs(weight_grad: Tensor, bias_grad: Tensor, layer: nn.Linear, count
     """The ``count`` inputs (count, inputs) of a linear-then-ReLU ``layer`` from its gradients (Dimitrov et al.
     2024): sparse directions of the weight gradient's column space are sampled until ``count`` of them give
     inputs whose units' signs match the zeros they were found by (the exactness check), or ``samples`` draws
-    are spent. None where fewer than ``count`` directions came up; with what the search saw."""
-    full, rows = low_rank(weight_grad, count)
+    are spent. None where fewer than ``count`` directions came up, or where the gradient is not of rank
+    ``count`` (a defense's noise: the exact attack has nothing to read); with what the search saw."""
+    full, rows, rest = low_rank(weight_grad, count)
+    info: dict = {"draws": 0, "directions_found": 0, "exact": False}
+    if rest > LOOSE * tolerance:  # noise or more examples than said: no exact zeros to find
+        info["residual_rank_share"] = rest
+        return None, info
     norms = full.norm(dim=1)
     factor = full[norms > tolerance * norms.max()]  # units no example activated are zero in every direction
     min_zeros = count - 2 + max(2, math.ceil(MIN_ZERO_SHARE * len(factor)))
     found = torch.empty(0, count, dtype=factor.dtype, device=factor.device)
     zeros = torch.empty(0, dtype=torch.long, device=factor.device)
-    info: dict = {"draws": 0, "directions_found": 0, "exact": False}
     inputs = None
     while info["draws"] < samples and len(factor) >= count - 2:
         draws = min(chunk, samples - info["draws"])

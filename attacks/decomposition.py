@@ -237,8 +237,8 @@ def _solve_inputs(factor: Tensor, rows: Tensor, q: Tensor, bias_grad: Tensor, la
     inputs = torch.linalg.solve(q * scales, rows)  # dL/dW = (L Q)(Q^-1 R)
     pre = inputs @ layer.weight.detach().to(inputs).T + layer.bias.detach().to(inputs)
     inactive = outputs.T.abs() <= tolerance * outputs.T.abs().amax(dim=1, keepdim=True)
-    mismatch = ((pre > 0) == inactive).float().mean()
-    return inputs, bool(mismatch <= 0.01)
+    clear = pre.abs() > LOOSE * tolerance * pre.abs().amax(dim=1, keepdim=True)  # signs not lost to rounding
+    return inputs, not bool((((pre > 0) == inactive) & clear).any())
 
 
 class Spear(Attack):

@@ -274,7 +274,7 @@ def edges(rows: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 def unmix_inputs(weight_grad: Tensor, bias_grad: Tensor, count: int, iterations: int, tolerance: float,
-                 seed: int, shape: tuple[int, ...] | None = None) -> tuple[Tensor, dict]:
+                 seed: int, shape: tuple[int, ...] | None = None, contrast: str = "logcosh") -> tuple[Tensor, dict]:
     """``count`` inputs (count, inputs) unmixed from the rows of a linear layer's weight gradient by FastICA
     (scikit-learn's, on the CPU: one small matrix per update), each scaled by the bias gradient.
 
@@ -287,7 +287,7 @@ def unmix_inputs(weight_grad: Tensor, bias_grad: Tensor, count: int, iterations:
 
     signals = weight_grad if shape is None else edges(weight_grad, shape)
     observed = signals.T.double().cpu().numpy()  # samples are the inputs' coordinates, features the units
-    ica = FastICA(n_components=count, whiten="unit-variance", max_iter=iterations, tol=tolerance,
+    ica = FastICA(n_components=count, whiten="unit-variance", fun=contrast, max_iter=iterations, tol=tolerance,
                   random_state=seed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -308,6 +308,8 @@ class CocktailParty(Attack):
     params = {
         "iterations": Param(1000, int, min=1, max=100_000, help="FastICA's most iterations"),
         "tolerance": Param(1e-4, float, min=0.0, exclusive_min=True, help="FastICA's convergence tolerance"),
+        "contrast": Param("logcosh", str, choices=("logcosh", "exp", "cube"),
+                          help="FastICA's measure of non-Gaussianity (scikit-learn's fun)"),
         "label_method": LABEL_METHOD,
     }
 
@@ -319,7 +321,8 @@ class CocktailParty(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         weight_grad, bias_grad = layer_gradients(observed, threat)
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
-        inputs, info = unmix_inputs(weight_grad, bias_grad, threat.batch_size, self.iterations, self.tolerance, seed)
+        inputs, info = unmix_inputs(weight_grad, bias_grad, threat.batch_size, self.iterations, self.tolerance, seed,
+                                    threat.input_shape, self.contrast)
         return _answer(self, observed, threat, generator, inputs, info)
 
 

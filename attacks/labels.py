@@ -92,6 +92,18 @@ def feature_fit_counts(update: SharedUpdate, threat: ThreatModel, refinements: i
     return counts
 
 
+def _outputs_and_features(model: nn.Module, inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """The model's softmax outputs for ``inputs`` and the features its output layer received, without gradients."""
+    captured: list[Tensor] = []
+    handle = output_layer(model).register_forward_hook(lambda m, args, out: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            probs = torch.softmax(model(inputs), dim=1)
+    finally:
+        handle.remove()
+    return probs, captured[0]
+
+
 def geng_counts(update: SharedUpdate, threat: ThreatModel, generator: torch.Generator, dummies: int = 64) -> Tensor:
     """Class counts from the mean softmax and feature sum of dummy inputs (Geng et al. 2021).
 
@@ -100,18 +112,12 @@ def geng_counts(update: SharedUpdate, threat: ThreatModel, generator: torch.Gene
     the weight gradient's row sums divided by the dummies' mean feature sum.
     """
     gw, gb = _mean_gradients(update, threat)
-    layer = output_layer(threat.model)
-    captured: list[Tensor] = []
-    handle = layer.register_forward_hook(lambda m, inputs, out: captured.append(inputs[0]))
-    try:
-        with torch.no_grad():
-            x = torch.randn((dummies, *threat.input_shape), generator=generator, device=threat.device)
-            mean_p = torch.softmax(threat.model(x), dim=1).mean(0)
-    finally:
-        handle.remove()
+    x = torch.randn((dummies, *threat.input_shape), generator=generator, device=threat.device)
+    probs, features = _outputs_and_features(threat.model, x)
+    mean_p = probs.mean(0)
     if gb is not None:
         return threat.batch_size * (mean_p - gb)
-    feature_sum = captured[0].sum(dim=1).mean()
+    feature_sum = features.sum(dim=1).mean()
     return threat.batch_size * (mean_p - gw.sum(dim=1) / feature_sum)
 
 
@@ -125,15 +131,8 @@ def labels_from_inputs(update: SharedUpdate, threat: ThreatModel, inputs: Tensor
     if threat.labels is not None:
         return threat.labels.to(threat.device)
     gw, _ = _mean_gradients(update, threat)
-    layer = output_layer(threat.model)
-    captured: list[Tensor] = []
-    handle = layer.register_forward_hook(lambda m, args, out: captured.append(args[0]))
-    try:
-        with torch.no_grad():
-            probs = torch.softmax(threat.model(inputs.to(threat.device)), dim=1).double()
-    finally:
-        handle.remove()
-    features = captured[0].double().flatten(1)  # (B, d)
+    probs, features = _outputs_and_features(threat.model, inputs.to(threat.device))
+    probs, features = probs.double(), features.double().flatten(1)  # (B, classes), (B, d)
     residual = torch.linalg.lstsq(features.T, len(inputs) * gw.double().T).solution  # (B, classes): P - Y
     return (probs - residual).argmax(dim=1)
 

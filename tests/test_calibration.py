@@ -139,11 +139,12 @@ def test_a_filtered_attack_calibrates_on_the_reference_where_it_can_run_undefend
     assert audit.reference_of(audit.settings[0]) is reference
 
 
-def test_the_undefended_lenet_is_inconclusive_at_400_iterations_and_leaks_at_1000(write_audit, tmp_path):
+def test_the_undefended_lenet_is_inconclusive_at_200_iterations_and_leaks_at_1000(write_audit, tmp_path):
     """The case that once read "protects": Inverting Gradients on the untrained sigmoid LeNet, four digits at 32 px,
-    judged by the score alone, reaches 14.0 dB at 400 iterations against the mean image's 13.2 + 1 dB."""
+    judged by the score alone, reaches 12.0 dB at 200 iterations against the mean image's 13.2 + 1 dB. (At 400
+    iterations it reaches 14.0 to 14.6 dB, either side of the bar, depending on the CPU's kernels.)"""
     verdicts = {}
-    for iterations in (400, 1000):
+    for iterations in (200, 1000):
         audit = small_audit(data={"dataset": "digits", "image_size": 32, "targets": 4, "batch_size": 1},
                             defenses=[{"name": "none"}], utility={"train_steps": 0}, verdict={"identifiable": None},
                             attacks=[{"name": "inverting_gradients",
@@ -151,7 +152,7 @@ def test_the_undefended_lenet_is_inconclusive_at_400_iterations_and_leaks_at_100
         summary = run_audit(load_audit(write_audit(audit, f"a{iterations}.yaml")), tmp_path / str(iterations),
                             progress=False)
         verdicts[iterations] = summary.worst_case[0].verdict
-    assert verdicts == {400: INCONCLUSIVE, 1000: LEAKS}
+    assert verdicts == {200: INCONCLUSIVE, 1000: LEAKS}
 
 
 def _overclaiming_defense():

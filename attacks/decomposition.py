@@ -195,6 +195,13 @@ def spear_inputs(weight_grad: Tensor, bias_grad: Tensor, layer: nn.Linear, count
     norms = full.norm(dim=1)
     factor = full[norms > tolerance * norms.max()]  # units no example activated are zero in every direction
     min_zeros = count - 2 + max(2, math.ceil(MIN_ZERO_SHARE * len(factor)))
+    if count <= 2:  # the whole space is one plane: its sparsest directions are the examples'
+        chosen = sparsest_in_planes(factor, torch.eye(count, 2, dtype=factor.dtype, device=factor.device)[None],
+                                    LOOSE * tolerance, top=count) if count == 2 else factor.new_ones(1, 1)
+        chosen = polish(factor, chosen, LOOSE * tolerance) if count == 2 else chosen
+        inputs, info["exact"] = _solve_inputs(full, rows, chosen.T, bias_grad, layer, tolerance)
+        info["directions_found"] = count
+        return inputs, info
     found = torch.empty(0, count, dtype=factor.dtype, device=factor.device)
     zeros = torch.empty(0, dtype=torch.long, device=factor.device)
     inputs = None

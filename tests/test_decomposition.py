@@ -42,6 +42,17 @@ def test_spear_gives_back_a_batch_exactly_and_says_so():
     assert sorted(distance.argmin(dim=1).tolist()) == list(range(8))
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_spear_reads_one_or_two_images_without_drawing(count):
+    torch.manual_seed(0)
+    model, x, y = _relu_mlp(64, 128), torch.randn(count, 64), torch.randint(0, 10, (count,))
+    gw, gb = _first_layer_grads(model, x, y)
+    found, info = spear_inputs(gw.double(), gb.double(), model[1], count, 1000, 100, 1e-6,
+                               torch.Generator().manual_seed(0))
+    assert info["exact"] and info["draws"] == 0
+    assert torch.cdist(found.float(), x).min(dim=1).values.max() < 1e-4
+
+
 def test_spear_refuses_to_guess_under_noise():
     torch.manual_seed(0)
     model, x, y = _relu_mlp(64, 128), torch.randn(8, 64), torch.randint(0, 10, (8,))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -9,6 +10,22 @@ import pytest
 from conftest import LEAKAUDIT, ROOT
 
 pytestmark = pytest.mark.slow
+
+#: How far another CPU's kernels move the quickstart's printed numbers (README.md states them): measured 0.006
+#: in accuracy undefended and 0.025 under noise of sigma 0.1 (its training sees other noise), 0.6 dB in PSNR and
+#: 2.0 dB in an interval's bound, between two Intel Xeon machines.
+TOLERANCE = {"accuracy": 0.05, "psnr": 1.0, "bound": 2.5}
+NUMBERS = re.compile(r"accuracy ([\d.]+)  psnr ([\d.]+) \[([\d.]+), ([\d.]+)\]")
+
+
+def _same_within_tolerance(readme_line: str, line: str) -> None:
+    """The same setting, verdict, attack and step, and each number within what another CPU may move it."""
+    where = f"README.md's quickstart block drifted from a fresh run (python benchmarks/quickstart_readme.py): " \
+            f"{readme_line!r} against {line!r}"
+    assert NUMBERS.sub("#", readme_line) == NUMBERS.sub("#", line), where
+    want, got = (list(map(float, NUMBERS.search(text).groups())) for text in (readme_line, line))
+    limits = [TOLERANCE["accuracy"], TOLERANCE["psnr"], TOLERANCE["bound"], TOLERANCE["bound"]]
+    assert all(abs(g - w) <= limit for g, w, limit in zip(got, want, limits)), where
 
 
 def test_quickstart_end_to_end(tmp_path):
@@ -27,8 +44,10 @@ def test_quickstart_end_to_end(tmp_path):
     readme = (ROOT / "README.md").read_text().splitlines()
     start = readme.index("$ leakaudit run configs/quickstart.yaml --out runs/quickstart") + 1
     shown = readme[start:readme.index("```", start)]
-    assert shown == [line for line in done.stdout.splitlines() if line.startswith("  ")], \
-        "README.md's quickstart block drifted from a fresh run: python benchmarks/quickstart_readme.py"
+    printed = [line for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert len(shown) == len(printed), "README.md's quickstart block drifted: python benchmarks/quickstart_readme.py"
+    for readme_line, line in zip(shown, printed):
+        _same_within_tolerance(readme_line, line)
     undefended = worst["none"]["psnr"]
     assert undefended >= 18.0  # Geiping et al. 2020 Table 1: 18.00 dB for this attack on this untrained network
     assert worst["gaussian(sigma=1.0)"]["psnr"] <= undefended - 6.0

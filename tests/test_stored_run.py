@@ -2,7 +2,8 @@
 must leave every number, name and verdict where it was.
 
 The stored copy is tests/data/stored_run/. Timings and the run's provenance (versions, device, dates) are left
-out of the comparison, and numbers compare to 1e-4 relative (another CPU's kernels may round differently);
+out of the comparison, and numbers compare to 1e-4 relative or 1e-5 absolute (another CPU's kernels may round
+differently: measured up to 1.2e-3 relative, 2.1e-6 absolute, on late_gain, a difference of two scores);
 everything else must match exactly. After a change meant to alter results, rewrite the copy with
 ``LEAKAUDIT_STORE_RUN=1 python -m pytest tests/test_stored_run.py`` and say why in the commit.
 """
@@ -52,9 +53,10 @@ def _read(folder: Path, name: str):
 
 
 def _same(got, want, where: str = "") -> None:
-    """Exact equality but for floats (1e-4 relative); the first difference is named by its path."""
+    """Exact equality but for floats (1e-4 relative, or 1e-5 absolute: a difference of two near-equal scores, such
+    as late_gain, keeps no relative digits across CPUs); the first difference is named by its path."""
     if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-9, nan_ok=True), where
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5, nan_ok=True), where
     elif isinstance(want, dict) and isinstance(got, dict):
         assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
         for key in want:

@@ -56,6 +56,8 @@ def _one_step_problem(name: str, model: nn.Module, batch_size: int, protocol: Pr
         return f"{name}: {exc}"
     if layer.bias is None:
         return f"{name}: the first fully connected layer has no bias, whose gradient fixes each input's scale"
+    if not (layer.weight.requires_grad and layer.bias.requires_grad):
+        return f"{name}: the first fully connected layer is frozen, so the update carries no gradient of it"
     if needs_relu and not isinstance(after, nn.ReLU):
         return f"{name}: the first fully connected layer must be followed by nn.ReLU, whose zeros it reads"
     if batch_size > min(layer.in_features, layer.out_features):
@@ -69,8 +71,11 @@ def _one_step_problem(name: str, model: nn.Module, batch_size: int, protocol: Pr
 
 def layer_gradients(observed: SharedUpdate, threat: ThreatModel) -> tuple[Tensor, Tensor]:
     """The first layer's weight and bias gradients in float64 on the attack's device (their common scale,
-    such as FedAvg's ``-lr``, cancels in both attacks)."""
-    name, _, _ = input_layer(threat.model)
+    such as FedAvg's learning rate, cancels in both attacks)."""
+    name, layer, _ = input_layer(threat.model)
+    if layer.in_features != math.prod(threat.input_shape):
+        raise ValueError(f"the first fully connected layer found ({name}) takes {layer.in_features} inputs, not the "
+                         f"{math.prod(threat.input_shape)} of a flattened image {tuple(threat.input_shape)}")
     grads = dict(zip(observed.names, observed.tensors))
     return (grads[f"{name}.weight"].to(threat.device, torch.float64),
             grads[f"{name}.bias"].to(threat.device, torch.float64))
@@ -85,12 +90,14 @@ LOOSE = 100
 SPLIT_DRAWS = 256
 
 
-def low_rank(weight_grad: Tensor, rank: int) -> tuple[Tensor, Tensor, float]:
-    """``weight_grad ~ L R`` with ``L`` (units, rank) and orthonormal rows ``R`` (rank, inputs), by the SVD, and
-    the share of the largest singular value left past ``rank`` (0 for an exact sum of ``rank`` outer products)."""
+def low_rank(weight_grad: Tensor, rank: int) -> tuple[Tensor, Tensor, float, float]:
+    """``weight_grad ~ L R`` with ``L`` (units, rank) and orthonormal rows ``R`` (rank, inputs), by the SVD; and the
+    shares of the largest singular value held by the last one kept and by the first one past ``rank`` (an exact
+    sum of ``rank`` independent outer products: the first well above 0, the second 0; a zero gradient: NaN)."""
     u, s, vh = torch.linalg.svd(weight_grad, full_matrices=False)
+    last = float(s[rank - 1] / s[0]) if len(s) >= rank else 0.0
     rest = float(s[rank] / s[0]) if len(s) > rank else 0.0
-    return u[:, :rank] * s[:rank], vh[:rank], rest
+    return u[:, :rank] * s[:rank], vh[:rank], last, rest
 
 
 def null_planes(factor: Tensor, draws: int, generator: torch.Generator) -> Tensor:
@@ -160,7 +167,7 @@ def polish(factor: Tensor, directions: Tensor, tolerance: float) -> Tensor:
     of its largest entry), by the SVD, so that an angle read to a few digits gives a direction to all of them."""
     columns = directions @ factor.T
     near = columns.abs() <= tolerance * columns.abs().amax(dim=1, keepdim=True)
-    return torch.linalg.svd(factor * near[..., None], full_matrices=True).Vh[:, -1]
+    return torch.linalg.svd(factor * near[..., None], full_matrices=False).Vh[:, -1]  # units >= rank: Vh square
 
 
 def zero_counts(columns: Tensor, tolerance: float) -> Tensor:
@@ -186,11 +193,13 @@ def spear_inputs(weight_grad: Tensor, bias_grad: Tensor, layer: nn.Linear, count
     2024): sparse directions of the weight gradient's column space are sampled until ``count`` of them give
     inputs whose units' signs match the zeros they were found by (the exactness check), or ``samples`` draws
     are spent. None where fewer than ``count`` directions came up, or where the gradient is not of rank
-    ``count`` (a defense's noise: the exact attack has nothing to read); with what the search saw."""
-    full, rows, rest = low_rank(weight_grad, count)
+    ``count`` (a defense's noise, or repeated examples: the exact attack has nothing to read); with what the
+    search saw."""
+    full, rows, last, rest = low_rank(weight_grad, count)
     info: dict = {"draws": 0, "directions_found": 0, "exact": False}
-    if rest > LOOSE * tolerance:  # noise or more examples than said: no exact zeros to find
-        info["residual_rank_share"] = rest
+    if not last > LOOSE * tolerance or not rest <= LOOSE * tolerance:
+        # noise or more examples than said (no exact zeros to find), or fewer independent ones (no unique split)
+        info["rank_shares"] = [last, rest]
         return None, info
     norms = full.norm(dim=1)
     factor = full[norms > tolerance * norms.max()]  # units no example activated are zero in every direction
@@ -327,7 +336,7 @@ class CocktailParty(Attack):
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         weight_grad, bias_grad = layer_gradients(observed, threat)
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator))
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator, device=generator.device))
         inputs, info = unmix_inputs(weight_grad, bias_grad, threat.batch_size, self.iterations, self.tolerance, seed,
                                     threat.input_shape, self.contrast)
         return _answer(self, observed, threat, generator, inputs, info)
@@ -335,7 +344,7 @@ class CocktailParty(Attack):
 
 def _on_device(generator: torch.Generator, device: torch.device) -> torch.Generator:
     """A generator on ``device`` seeded from the problem's own (draws on the device need one there)."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
     return torch.Generator(device=device).manual_seed(seed)
 
 
@@ -345,11 +354,11 @@ def _answer(attack: Attack, observed: SharedUpdate, threat: ThreatModel, generat
     shape = (threat.batch_size, *threat.input_shape)
     normalised = torch.zeros(shape, device=threat.device) if inputs is None else \
         inputs.to(torch.float32).view(shape)
-    if attack.label_method == "inputs":
-        labels = labels_from_inputs(observed, threat, normalised) if inputs is not None else \
-            recover_labels(observed, threat, "auto", generator)
-    else:
-        labels = recover_labels(observed, threat, attack.label_method, generator)
+    labels = labels_from_inputs(observed, threat, normalised) \
+        if attack.label_method == "inputs" and inputs is not None else None
+    if labels is None:  # another method asked for, or no inputs to read the labels with
+        method = "auto" if attack.label_method == "inputs" else attack.label_method
+        labels = recover_labels(observed, threat, method, generator)
     return Reconstruction(threat.to_pixels(normalised), labels, [], 0.0, info)
 
 

@@ -121,18 +121,21 @@ def geng_counts(update: SharedUpdate, threat: ThreatModel, generator: torch.Gene
     return threat.batch_size * (mean_p - gw.sum(dim=1) / feature_sum)
 
 
-def labels_from_inputs(update: SharedUpdate, threat: ThreatModel, inputs: Tensor) -> Tensor:
+def labels_from_inputs(update: SharedUpdate, threat: ThreatModel, inputs: Tensor) -> Tensor | None:
     """Each recovered input's own label, exactly where the inputs are exact (the last step of iLRG, Ma et al.
     2023): the output layer's weight gradient is ``(P - Y)^T H / B`` with ``H`` and ``P`` the batch's features
     and softmax outputs, which the known model gives for the inputs, so ``P - Y`` is one least-squares solve.
 
-    Labels in the inputs' order; needs at least as many features into the output layer as images.
+    Labels in the inputs' order; None where the output layer takes fewer features than there are images (the
+    solve would not be unique).
     """
     if threat.labels is not None:
         return threat.labels.to(threat.device)
     gw, _ = _mean_gradients(update, threat)
     probs, features = _outputs_and_features(threat.model, inputs.to(threat.device))
     probs, features = probs.double(), features.double().flatten(1)  # (B, classes), (B, d)
+    if features.shape[1] < len(inputs):
+        return None
     residual = torch.linalg.lstsq(features.T, len(inputs) * gw.double().T).solution  # (B, classes): P - Y
     return (probs - residual).argmax(dim=1)
 

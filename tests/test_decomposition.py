@@ -60,7 +60,19 @@ def test_spear_refuses_to_guess_under_noise():
     noisy = gw + 1e-3 * gw.abs().max() * torch.randn_like(gw)
     found, info = spear_inputs(noisy.double(), gb.double(), model[1], 8, 400_000, 4096, 1e-6,
                                torch.Generator().manual_seed(0))
-    assert found is None and info["draws"] == 0 and info["residual_rank_share"] > 1e-4
+    assert found is None and info["draws"] == 0 and info["rank_shares"][1] > 1e-4
+
+
+def test_spear_refuses_to_guess_where_examples_repeat_or_nothing_was_sent():
+    """A repeated image and label leaves the gradient of rank 7 for 8 images: no unique split to search for."""
+    torch.manual_seed(0)
+    model, x, y = _relu_mlp(64, 128), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    x[7], y[7] = x[6], y[6]
+    gw, gb = _first_layer_grads(model, x, y)
+    for weight_grad in (gw, torch.zeros_like(gw)):
+        found, info = spear_inputs(weight_grad.double(), gb.double(), model[1], 8, 400_000, 4096, 1e-6,
+                                   torch.Generator().manual_seed(0))
+        assert found is None and info["draws"] == 0
 
 
 def test_the_labels_of_exact_inputs_are_exact_with_repeats():

@@ -6,8 +6,8 @@ row space holds the inputs. Two ways to split it:
 
 - SPEAR (Dimitrov et al. 2024) uses the ReLU after the layer: each ``g_i`` is zero wherever example ``i`` left a
   unit inactive, so among the directions of the gradient's column space the true ``g_i`` are the sparse ones.
-  Sampling ``b - 1`` rows of a rank-``b`` factor and taking the direction they annihilate finds them; the bias
-  gradient fixes their scales, and the inputs follow exactly.
+  Drawing rows of a rank-``b`` factor and taking the sparsest direction of what they annihilate finds them; the
+  bias gradient fixes their scales, and the inputs follow exactly.
 - The Cocktail Party attack (Kariyappa et al. 2023) treats the rows of the gradient as mixtures of the inputs,
   which are independent and far from Gaussian, and unmixes them by independent component analysis; it needs no
   activation and works on large batches and on the mean of many clients' updates (secure aggregation).
@@ -27,7 +27,7 @@ from leakaudit.attacks.labels import METHODS, labels_from_inputs, recover_labels
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins.protocol import Protocol, not_one_step
 
 LABEL_METHOD = Param("inputs", str, choices=("inputs", *METHODS),
                      help="labels: inputs (exact, from the recovered images and the output layer's gradient, "
@@ -63,10 +63,7 @@ def _one_step_problem(name: str, model: nn.Module, batch_size: int, protocol: Pr
     if batch_size > min(layer.in_features, layer.out_features):
         return (f"{name}: {batch_size} images per update exceed the first layer's rank "
                 f"(min of {layer.in_features} inputs, {layer.out_features} units)")
-    if protocol.local_steps(batch_size) != 1:
-        return (f"{name}: needs each client's update to be one gradient step ({protocol.name} takes "
-                f"{protocol.local_steps(batch_size)} local steps here)")
-    return None
+    return not_one_step(protocol, batch_size, name)
 
 
 def layer_gradients(observed: SharedUpdate, threat: ThreatModel) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins.protocol import Protocol, not_one_step
 
 #: A bin whose bias gradient is below this share of the largest one holds no image (rounding only).
 EMPTY = 1e-6
@@ -74,11 +74,7 @@ class Imprint(Attack):
         if imprint_block(model) is None:
             return ("imprint reads the gradients of an imprint block the malicious server places in front of the "
                     "model; audit it with model: {name: imprint, params: {base: ...}}")
-        if protocol.local_steps(batch_size) != 1:
-            return (f"imprint needs each client's update to be one gradient step ({protocol.name} takes "
-                    f"{protocol.local_steps(batch_size)} local steps here; set local_batch_size and local_epochs "
-                    "so that each client steps once)")
-        return None
+        return not_one_step(protocol, batch_size, self.name)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         name, block = imprint_block(threat.model)

@@ -61,6 +61,15 @@ class Protocol:
         return 1
 
 
+def not_one_step(protocol: Protocol, images: int, attack: str) -> str | None:
+    """Why ``attack``, which reads one gradient step, cannot read ``protocol``'s update of ``images``; None if it can."""
+    steps = protocol.local_steps(images)
+    if steps == 1:
+        return None
+    return (f"{attack} needs each client's update to be one gradient step ({protocol.name} takes {steps} local "
+            "steps here; set local_batch_size and local_epochs so that each client steps once)")
+
+
 @dataclass(frozen=True)
 class FedSGD(Protocol):
     """The client sends the gradient of the mean loss over its whole batch."""

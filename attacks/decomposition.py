@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from leakaudit.attacks.labels import METHODS, labels_from_inputs, recover_labels
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, generator_on
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step
 
@@ -276,7 +276,7 @@ class Spear(Attack):
         weight_grad, bias_grad = layer_gradients(observed, threat)
         _, layer, _ = input_layer(threat.model)
         inputs, info = spear_inputs(weight_grad, bias_grad, layer, threat.batch_size, self.samples, self.chunk,
-                                    self.tolerance, _on_device(generator, threat.device))
+                                    self.tolerance, generator_on(threat.device, generator))
         return _answer(self, observed, threat, generator, inputs, info)
 
 
@@ -337,12 +337,6 @@ class CocktailParty(Attack):
         inputs, info = unmix_inputs(weight_grad, bias_grad, threat.batch_size, self.iterations, self.tolerance, seed,
                                     threat.input_shape, self.contrast)
         return _answer(self, observed, threat, generator, inputs, info)
-
-
-def _on_device(generator: torch.Generator, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` seeded from the problem's own (draws on the device need one there)."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _answer(attack: Attack, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator,

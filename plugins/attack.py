@@ -14,6 +14,24 @@ from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
 
 
+@dataclass(frozen=True)
+class AuxiliaryData:
+    """Images the attacker owns, in pixel space [0, 1] on the CPU, with their labels: the rows ``indices`` of
+    ``images`` (the training split without the audit's targets). Attacks that learn from data draw from it."""
+
+    images: Tensor
+    labels: Tensor
+    indices: Tensor
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def draw(self, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """``count`` distinct images and their labels, drawn with a CPU ``generator``."""
+        pick = self.indices[torch.randperm(len(self.indices), generator=generator)[:count]]
+        return self.images[pick], self.labels[pick]
+
+
 @dataclass
 class ThreatModel:
     """The honest-but-curious server's knowledge: white-box model, loss, data format and the defense."""
@@ -29,6 +47,8 @@ class ThreatModel:
     labels: Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     protocol: Protocol = FEDSGD
+    #: The attacker's own images (None: it has none), for attacks that learn from data.
+    auxiliary: AuxiliaryData | None = None
 
     _hoisted: tuple[tuple, list[Tensor] | None] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -81,6 +101,13 @@ def parameter_gradient(model: nn.Module, defense: Defense, protocol: Protocol) -
             return None
         grads = torch.autograd.grad(term, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
+
+
+def generator_on(device: torch.device, generator: torch.Generator) -> torch.Generator:
+    """A generator on ``device`` seeded from ``generator`` (draws there need one there; the problem's own
+    generator stays the source of every draw)."""
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass

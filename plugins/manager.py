@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.cinet",
     "leakaudit.attacks.imprint",
     "leakaudit.attacks.decomposition",
+    "leakaudit.attacks.learned",
     "leakaudit.evaluator.zoo.metrics",
     "leakaudit.evaluator.zoo.models",
     "leakaudit.evaluator.zoo.datasets",

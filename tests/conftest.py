@@ -12,6 +12,21 @@ ROOT = Path(__file__).resolve().parents[1]
 LEAKAUDIT = [sys.executable, "-m", "leakaudit"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the checks marked slow (end-to-end audits at their shipped size)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Checks marked slow are skipped unless --runslow is given (or -m selects them), as in pytest's own docs."""
+    if config.getoption("--runslow") or "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _own_cache(tmp_path_factory):
     """Analyses are cached in a folder of the test session, not the user's cache (subprocesses inherit it)."""

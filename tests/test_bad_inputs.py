@@ -196,6 +196,8 @@ CASES = [
      "attacks[0].params.label_method: 'votes' is not one of the choices; choices: inputs, auto, signs"),
     (_with("attacks", [{"name": "cocktail_party", "params": {"contrast": "tanh"}}]),
      "attacks[0].params.contrast: 'tanh' is not one of the choices; choices: logcosh, exp, cube"),
+    (_with("attacks", [{"name": "learning_to_invert", "params": {"updates": 8}}]),
+     "attacks[0].params.updates: 8 is below the minimum 16"),
     (_with("attacks", [{"name": "spear"}]),
      "attacks[0]: spear: the model's first layer with parameters must be fully connected"),
     (_with("attacks.0.tune", {"budget": 0, "space": {"lr": [0.01, 0.1]}}), "attacks[0].tune.budget: "),

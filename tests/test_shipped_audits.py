@@ -127,7 +127,7 @@ def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_p
 def _reduced(audit: dict) -> dict:
     """The audit at a token budget: one target batch of at most 8 images (and at most as many clients), step 0
     (every attack runs there) and two training steps of at most 8 images, the first point of each sweep, two
-    iterations and one restart or sample per attack, two tuning trials (four when a search scans)."""
+    iterations, one restart or sample and 16 learning updates per attack, two tuning trials (four when a search scans)."""
     audit = {**audit, "workers": 1, "device": "cpu"}
     batch = min(audit["data"].get("batch_size", 1), 8)
     audit["data"] = {**audit["data"], "targets": batch, "batch_size": batch}
@@ -148,7 +148,7 @@ def _reduced(audit: dict) -> dict:
         params = attack.setdefault("params", {})
         declared = registry.get("attack", attack["name"]).params
         params.update({k: v for k, v in {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0,
-                                         "cg_iterations": 2}.items() if k in declared})
+                                         "cg_iterations": 2, "updates": 16, "width": 16}.items() if k in declared})
         if "tune" in attack:
             attack["tune"] = {**attack["tune"], "budget": 2}
             if "scan" in attack["tune"]:  # two scan values around the file's own, and one grid trial

@@ -14,7 +14,7 @@ from leakaudit.attacks.vectorised import compile_steps, free_memory
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection, as_dict
 from leakaudit.evaluator.zoo.models import build_model
-from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.attack import AuxiliaryData, ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.factories import call_with_accepted, import_factory
@@ -190,7 +190,12 @@ class Scenario:
             mean=self.mean, std=self.std, num_classes=self.data.num_classes,
             batch_size=self.batch_size(setting), defense=defense,
             labels=labels if self.audit.threat.known_labels else None, device=self.device,
-            protocol=self.protocol(setting))
+            protocol=self.protocol(setting), auxiliary=self.auxiliary)
+
+    @cached_property
+    def auxiliary(self) -> AuxiliaryData:
+        """The attacker's own images: the training split without the targets (the tuning images' pool)."""
+        return AuxiliaryData(self.data.train_x, self.data.train_y, self.tuning_indices)
 
     def protocol(self, setting: DefenseSetting | None = None) -> Protocol:
         """The protocol of ``setting``'s updates (its own number of clients), else the audit's."""

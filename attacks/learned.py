@@ -1,0 +1,175 @@
+"""Learning to Invert (Wu et al. 2023): an inversion network trained on the attacker's own images.
+
+The attacker draws batches of its own images (the training split, never a target), computes the update each
+would send at the audited model's weights, passes it through the audited defense and protocol exactly as a
+client does (``Defense.share``), and trains a network from those defended updates back to the images. The
+network learns whatever the defense leaves, without a likelihood: it breaks defenses whose ``p(g|x)`` is
+unknown, and works on trained models where gradient matching stalls.
+
+As in the paper, the network is a multilayer perceptron with two hidden ReLU layers and a sigmoid output of
+the whole batch, and it reads a fixed random subset of the update's coordinates (the paper's large models use
+a hashed projection for the same purpose). The paper matches its outputs to a batch's images by the Hungarian
+algorithm at every step; ours orders each batch canonically (by label, then by brightness) so that the loss
+stays on the device, with no transfer per step. One network is trained per model, checkpoint and defense,
+and reads every target update of that cell.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leakaudit.attacks.gradient_matching import LABEL_METHOD
+from leakaudit.attacks.labels import recover_labels
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, generator_on
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import ClientStep
+
+#: Points of the training loss kept in the reconstruction's trace (its last fifth tells whether it still fell).
+TRACE_POINTS = 100
+
+
+def canonical_order(pixels: Tensor, labels: Tensor) -> Tensor:
+    """The order the network is taught to give a batch's images in: by label, then by mean brightness."""
+    key = labels.to(pixels.dtype) * 2 + pixels.flatten(1).mean(dim=1)  # brightness in [0, 1] breaks label ties
+    return key.argsort()
+
+
+def coordinates(observed: SharedUpdate, count: int, seed: int, device: torch.device) -> Tensor:
+    """The ``count`` coordinates of the flattened update the network reads, drawn once per attack (all of them
+    where the update has fewer), in increasing order."""
+    size = sum(t.numel() for t in observed.tensors)
+    if size <= count:
+        return torch.arange(size, device=device)
+    pick = torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:count]
+    return pick.sort().values.to(device)
+
+
+def flat_update(update: SharedUpdate, picked: Tensor) -> Tensor:
+    """The picked coordinates of an update in float32, scaled to unit length: a trained model's updates differ
+    in size by orders of magnitude between images it fits (the attacker's, from the training split) and images it
+    has not seen (the targets), while their directions carry the images."""
+    flat = torch.cat([t.reshape(-1) for t in update.tensors]).to(torch.float32)[picked.to(update.tensors[0].device)]
+    return flat / flat.norm().clamp_min(1e-30)
+
+
+def training_updates(threat: ThreatModel, picked: Tensor, count: int, generator: torch.Generator,
+                     device_generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``count`` defended updates of batches of the attacker's own images (rows: the picked coordinates) and
+    those batches' pixels in canonical order (rows: batch x channels x height x width, flat)."""
+    model, defense, aux = threat.model, threat.defense, threat.auxiliary
+    inputs, targets = [], []
+    for _ in range(count):
+        pixels, labels = aux.draw(threat.batch_size, generator)
+        pixels, labels = pixels.to(threat.device), labels.to(threat.device)
+        pixels = defense.augment(pixels, device_generator)
+        step = ClientStep(model, threat.loss_fn, threat.normalise(pixels), labels, device_generator, threat.protocol)
+        inputs.append(flat_update(defense.share(step), picked))
+        targets.append(pixels[canonical_order(pixels, labels)].flatten())
+    return torch.stack(inputs), torch.stack(targets)
+
+
+def inversion_network(inputs: int, width: int, outputs: int) -> nn.Sequential:
+    """Wu et al.'s (2023) inversion network: two hidden ReLU layers, a sigmoid output in pixel space."""
+    return nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, outputs), nn.Sigmoid())
+
+
+def fit_inversion(inputs: Tensor, targets: Tensor, width: int, iterations: int, minibatch: int, lr: float,
+                  generator: torch.Generator) -> tuple[nn.Sequential, Tensor, Tensor, list[float]]:
+    """The network trained by Adam on the mean squared error from standardised ``inputs`` to ``targets`` (the
+    step size falls tenfold at three quarters of the steps, as in the paper), the standardisation, and its
+    training loss at ``TRACE_POINTS`` points."""
+    mean, std = inputs.mean(dim=0), inputs.std(dim=0).clamp_min(1e-12)
+    scaled = (inputs - mean) / std
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=generator)))
+        net = inversion_network(inputs.shape[1], width, targets.shape[1]).to(inputs.device)
+    optimiser = torch.optim.Adam(net.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, [int(0.75 * iterations)], gamma=0.1)
+    every = max(1, iterations // TRACE_POINTS)
+    losses = []
+    for step in range(iterations):
+        pick = torch.randint(0, len(scaled), (min(minibatch, len(scaled)),), generator=generator)
+        pick = pick.to(inputs.device)
+        loss = F.mse_loss(net(scaled[pick]), targets[pick])
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        schedule.step()
+        if step % every == every - 1:
+            losses.append(loss.detach())
+    net.eval()
+    return net, mean, std, [float(v) for v in torch.stack(losses).cpu()] if losses else []
+
+
+class LearningToInvert(Attack):
+    """An inversion network trained on the attacker's own images' defended updates (Wu et al. 2023): needs no
+    likelihood of the defense, so it attacks any defense as the client applies it."""
+
+    name = "learning_to_invert"
+    paper = "Wu et al. 2023"
+    uses_defense = True
+    params = {
+        "updates": Param(2048, int, min=16, max=10_000_000,
+                         help="defended updates of the attacker's own images it learns from"),
+        "coordinates": Param(8192, int, min=1, max=100_000_000,
+                             help="random coordinates of the update the network reads (all, where fewer)"),
+        "width": Param(1000, int, min=1, max=100_000, help="units of each of the network's two hidden layers"),
+        "iterations": Param(1500, int, min=1, max=10_000_000, help="Adam steps training the network"),
+        "minibatch": Param(64, int, min=1, max=100_000, help="updates per training step"),
+        "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="Adam's step size (a tenth from 3/4 of the steps)"),
+        "label_method": LABEL_METHOD,
+    }
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        return self.reconstruct_all([Problem(observed, threat, generator, self)])[0]
+
+    @classmethod
+    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+        """One network per model, defense and attack setting (a cell's updates share them), trained from the
+        first such problem's generator, then read on every update."""
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(problems):
+            key = (id(p.threat.model), id(p.threat.defense), p.threat.batch_size, repr(sorted(p.attack.settings.items())))
+            groups.setdefault(key, []).append(i)
+        out: list[Reconstruction | None] = [None] * len(problems)
+        for members in groups.values():
+            first = problems[members[0]]
+            for i, rec in zip(members, first.attack._solve([problems[i] for i in members])):
+                out[i] = rec
+        return out  # type: ignore[return-value]
+
+    def _solve(self, problems: list[Problem]) -> list[Reconstruction]:
+        first = problems[0]
+        threat = first.threat
+        if threat.auxiliary is None or len(threat.auxiliary) < threat.batch_size:
+            have = 0 if threat.auxiliary is None else len(threat.auxiliary)
+            raise ValueError(f"{self.name} learns from the attacker's own images (ThreatModel.auxiliary): it has {have}, "
+                             f"needs at least {threat.batch_size}")
+        start = time.perf_counter()
+        cpu = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=first.generator,
+                                                              device=first.generator.device)))
+        picked = coordinates(first.observed, self.coordinates, int(torch.randint(0, 2 ** 62, (1,), generator=cpu)),
+                             threat.device)
+        inputs, targets = training_updates(threat, picked, self.updates, cpu, generator_on(threat.device, cpu))
+        net, mean, std, trace = fit_inversion(inputs, targets, self.width, self.iterations, self.minibatch, self.lr, cpu)
+        shared = (time.perf_counter() - start) / len(problems)
+        out = []
+        for p in problems:
+            with torch.no_grad():
+                pixels = net((flat_update(p.observed, picked).to(threat.device) - mean) / std)
+            pixels = pixels.view(p.threat.batch_size, *p.threat.input_shape)
+            labels = recover_labels(p.observed, p.threat, self.label_method, p.generator)
+            out.append(Reconstruction(pixels, labels, trace, shared,
+                                      {"training_loss": trace[-1] if trace else math.nan}))
+        return out
+
+
+@hookimpl
+def register_attacks():
+    return [LearningToInvert]

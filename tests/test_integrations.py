@@ -186,6 +186,7 @@ def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):
         assert summary.checkpoints == [1, 2] and summary.worst_case[0].verdict == "leaks"
 
 
+@pytest.mark.slow
 def test_flower_simulation_audited_from_the_server(tmp_path, monkeypatch):
     """Four clients in Flower's simulation, LeakAuditStrategy on the server: every client's update leaks, and
     the mean of the four (the view under secure aggregation) leaks less than the clients' own updates."""

@@ -264,6 +264,7 @@ def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, t
     assert all(0.0 <= c.identifiable <= 1.0 and c.identifiable_by == "mse" for c in summary.cells)
 
 
+@pytest.mark.slow
 def test_the_ci_gate_example_passes_its_own_tests(tmp_path):
     """examples/ci-gate, as a team copies it: its pytest file passes (none leaks, its DP-SGD setting protects)."""
     from conftest import ROOT

@@ -57,6 +57,7 @@ def test_every_shipped_audit_is_valid():
         assert audit.settings and audit.attacks and jobs_of(audit), path
 
 
+@pytest.mark.slow
 def test_table2_at_the_paper_shape_runs_on_an_offline_stand_in(tmp_path):
     """configs/bayes_table2_mnist_paper.yaml with its data and budgets reduced when full MNIST is absent: the
     20 MNIST images of the foolbox wheel stand in for it (said in the warning), so the file's steps 0 and 500,
@@ -91,6 +92,7 @@ def test_batch_of_four_beats_the_random_guess(tmp_path):
     assert cell.mean("ssim") > random_guess["ssim"] + 0.15  # measured: 0.20 against 0.01
 
 
+@pytest.mark.slow
 def test_fedavg_five_local_steps_beats_the_random_guess(tmp_path):
     summary = _run(tmp_path, "fedavg", **{"data.targets": 2, "attacks.0.params.iterations": 500})
     assert summary.cells[0].mean("psnr") > summary.baselines["random"]["psnr"] + 8.0
@@ -167,7 +169,9 @@ def _offline(audit: dict, path) -> dict:
     return audit
 
 
-SLOW_TO_ANALYSE = {"linear_systems"}  # eight architectures' dense rank computations: about 4 minutes
+#: The heaviest files even reduced: eight architectures' dense rank computations (about 4 minutes), Soteria's
+#: per-step feature scores over its training, the Bayesian network at its full budget.
+SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE else [])

@@ -196,6 +196,7 @@ class BayesOptimal(LikelihoodAttack):
     paper = "Balunovic et al. 2022"
     uses_defense = True
     uses_likelihood = True
+    brings = "the defense's own likelihood p(g|x), the adversary that knows it"
 
     def unsupported_defense(self, defense) -> str | None:
         if defense.has_likelihood():

@@ -260,6 +260,7 @@ class Spear(Attack):
 
     name = "spear"
     paper = "Dimitrov et al. 2024"
+    brings = "exact recovery of a batch from a fully connected first layer followed by ReLU"
     params = {
         "samples": Param(4_000_000, int, min=1, max=100_000_000,
                          help="most random row subsets tried (about 2^b per image for b images per update)"),
@@ -318,6 +319,7 @@ class CocktailParty(Attack):
 
     name = "cocktail_party"
     paper = "Kariyappa et al. 2023"
+    brings = "large batches and the mean of many clients unmixed at a fully connected first layer"
     params = {
         "iterations": Param(1000, int, min=1, max=100_000, help="FastICA's most iterations"),
         "tolerance": Param(1e-4, float, min=0.0, exclusive_min=True, help="FastICA's convergence tolerance"),

@@ -68,6 +68,7 @@ class Imprint(Attack):
 
     name = "imprint"
     paper = "Fowl et al. 2022"
+    brings = "a malicious server's imprint block (model: imprint), where the threat model allows one"
     params = {"label_method": LABEL_METHOD}
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:

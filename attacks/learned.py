@@ -114,6 +114,7 @@ class LearningToInvert(Attack):
     name = "learning_to_invert"
     paper = "Wu et al. 2023"
     uses_defense = True
+    brings = "a data prior learned from the attacker's own images, for trained models"
     params = {
         "updates": Param(2048, int, min=16, max=10_000_000,
                          help="defended updates of the attacker's own images it learns from"),

@@ -172,6 +172,10 @@ class Attack:
     #: The attack is built from a defense's own ``log_likelihood`` (the Bayes adversary): ``leakaudit init`` runs
     #: it on every defense that declares one.
     uses_likelihood: ClassVar[bool] = False
+    #: What the attack brings that gradient matching lacks, in a few words ("" for none): where the attacks an
+    #: audit ran break not even the undefended update, the report names the registered attacks with one that
+    #: the audit did not run, as the stronger class to try.
+    brings: ClassVar[str] = ""
 
     @property
     def knows_defense(self) -> bool:

@@ -2,6 +2,7 @@
 convergence of the attacks, and the bound a privacy guarantee puts on any attack."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -47,6 +48,30 @@ def test_a_protects_stands_only_where_the_attacks_broke_the_undefended_update(al
         assert out.alone == alone
         assert ("no attack ran on the undefended update" if reference is None else
                 "did not break even the undefended update") in out.reason
+
+
+def test_a_verdict_names_the_attack_it_stands_on_and_the_stronger_classes_not_run():
+    """A "protects" names the attack that broke the undefended update at its step; an inconclusive one names the
+    registered attacks of a stronger class the audit did not run."""
+    reference = dataclasses.replace(_verdict("none", LEAKS), attack="learning_to_invert", score=14.6)
+    stands = calibrate(_verdict("gaussian", PROTECTS), reference)
+    assert stands.calibrated_by == "learning_to_invert" and stands.to_json()["calibrated_by"] == "learning_to_invert"
+    assert stands.reason.endswith("calibrated by learning_to_invert, which breaks the undefended update at this "
+                                  "step (none: 14.6)")
+    open_ = calibrate(_verdict("gaussian", PROTECTS), _verdict("none", PROTECTS), "spear (exact recovery)")
+    assert open_.calibrated_by is None and "calibrated_by" not in open_.to_json()
+    assert "attacks of a stronger class this audit did not run: spear (exact recovery)" in open_.reason
+
+
+def test_the_untried_attacks_are_those_that_apply_and_did_not_run(write_audit):
+    """On an MLP at 16 images per update, decomposition and learning apply; imprint needs its own model."""
+    from leakaudit.evaluator.run.scenario import Scenario, untried_attacks
+
+    audit = load_audit(write_audit(small_audit(model={"name": "mlp", "checkpoints": [0]}, data={
+        "dataset": "digits", "image_size": 8, "targets": 16, "batch_size": 16},
+        attacks=[{"name": "spear"}]), "untried.yaml"))
+    names = [part.split(" (")[0] for part in untried_attacks(Scenario(audit)).split("; ")]
+    assert names == ["bayes", "cinet", "cocktail_party", "learning_to_invert"]
 
 
 def test_inconclusive_is_worse_than_protects_and_better_than_leaks():

@@ -89,6 +89,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     chance = run_info.get("chance_accuracy")
     needed = min_accuracy(options, chance)
     bars = (leakage, threshold, needed, chance, options)
+    untried = run_info.get("untried_attacks", "")
     alone = {s.key: _judged_steps(audit, s, cells, acc, bars) for s in audit.settings}
     verdicts, worst_case = [], []
     for s in audit.settings:
@@ -103,7 +104,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         by_step = {} if reference is None else alone[s.key] if reference is s else _judged_steps(
             audit, reference, cells, acc, bars, {a.key for a in audit.attacks if a.applies_to(s)})
         by_step = {v.checkpoint: v for v in by_step}
-        per_step = [calibrate(v, by_step.get(v.checkpoint)) for v in alone[s.key]]
+        per_step = [calibrate(v, by_step.get(v.checkpoint), untried) for v in alone[s.key]]
         verdicts.extend(per_step)
         worst_case.append(_worst_case(s, audit, mine, rows, leakage, overall(per_step), profiles[s.key],
                                       acc.get(s.key, {})))

@@ -138,11 +138,15 @@ class StepVerdict:
     verdict: str | None
     reason: str
     alone: str | None = None
+    #: The attack that broke the undefended reference at this step, which a "protects" stands on (None: the setting
+    #: is its own reference, or its verdict is not a "protects").
+    calibrated_by: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = _fields(self)
-        if self.alone is None:
-            del record["alone"]
+        for optional in ("alone", "calibrated_by"):
+            if record[optional] is None:
+                del record[optional]
         return record
 
     @classmethod

@@ -191,12 +191,20 @@ def _still_improving(top: CellResult) -> str:
             f"of its whole drop over its last fifth): {advice}")
 
 
-def calibrate(verdict: StepVerdict, reference: StepVerdict | None) -> StepVerdict:
+def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str = "") -> StepVerdict:
     """A step's verdict held against the verdict of its model's undefended reference at the same step: a
     "protects" (or "protects but unusable") is inconclusive where the same attacks did not break even the
-    undefended update, since it cannot be told from an attack too weak to break anything."""
-    if verdict.verdict not in (PROTECTS, UNUSABLE) or (reference is not None and reference.verdict == LEAKS):
+    undefended update, since it cannot be told from an attack too weak to break anything; where they did, the
+    attack that broke it is named (``calibrated_by``). ``untried``: stronger attack classes the audit did not run,
+    for the advice."""
+    if verdict.verdict not in (PROTECTS, UNUSABLE):
         return verdict
+    if reference is not None and reference.verdict == LEAKS:
+        if reference.setting == verdict.setting:
+            return verdict
+        return dataclasses.replace(verdict, calibrated_by=reference.attack, reason=(
+            f"{verdict.reason}; calibrated by {reference.attack}, which breaks the undefended update at this step "
+            f"({reference.setting}: {_fmt(reference.score)})"))
     if reference is None:
         why = "no attack ran on the undefended update at this step, so the attacks' strength is unknown"
     elif reference.setting == verdict.setting:
@@ -207,7 +215,7 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None) -> StepVerdic
                + ("" if reference.threshold is None else f", the leak threshold is {_fmt(reference.threshold)}")
                + ")")
     fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended update "
-           "leaks")
+           "leaks" + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else ""))
     return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict,
                                reason=f"{why}; {fix}. Judged alone: {verdict.verdict}: {verdict.reason}")
 

@@ -20,7 +20,7 @@ from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, RESULTS,
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
-from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags
+from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
 from leakaudit.evaluator.zoo.metrics import guess_scores
 
@@ -65,7 +65,8 @@ def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict
             "deterministic": scenario.audit.deterministic or device.type != "cuda",
             "audit_file": str(scenario.audit.path.resolve()),
             "num_classes": scenario.data.num_classes,
-            "chance_accuracy": float(torch.bincount(labels).max()) / len(labels)}
+            "chance_accuracy": float(torch.bincount(labels).max()) / len(labels),
+            "untried_attacks": untried_attacks(scenario)}
 
 
 def versions() -> dict[str, str]:

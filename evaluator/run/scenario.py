@@ -202,6 +202,23 @@ class Scenario:
         return self.audit.protocol if setting is None else self.audit.protocol_of(setting)
 
 
+def untried_attacks(scenario: Scenario) -> str:
+    """The registered attacks that bring what gradient matching lacks (``Attack.brings``), apply to the audit's
+    first setting at their defaults and did not run, each with what it brings ("" when none): the report's advice
+    where even the undefended update resists every attack the audit ran."""
+    audit = scenario.audit
+    setting = audit.settings[0]
+    model = scenario.fresh_model(scenario.defense(setting), setting)
+    ran = {a.name for a in audit.attacks}
+    found = []
+    for name, entry in sorted(audit.registry.entries["attack"].items()):
+        if not getattr(entry.obj, "brings", "") or name in ran:
+            continue
+        if entry.obj().unsupported(model, audit.batch_size_of(setting), audit.protocol_of(setting)) is None:
+            found.append(f"{name} ({entry.obj.brings})")
+    return "; ".join(found)
+
+
 def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
     """Checks that need the data and a built model (targets fit the test split, attacks apply); before any work.
 

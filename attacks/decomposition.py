@@ -261,6 +261,7 @@ class Spear(Attack):
     name = "spear"
     paper = "Dimitrov et al. 2024"
     brings = "exact recovery of a batch from a fully connected first layer followed by ReLU"
+    noise_free_only = True
     params = {
         "samples": Param(4_000_000, int, min=1, max=100_000_000,
                          help="most random row subsets tried (about 2^b per image for b images per update)"),

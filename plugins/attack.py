@@ -176,6 +176,10 @@ class Attack:
     #: audit ran break not even the undefended update, the report names the registered attacks with one that
     #: the audit did not run, as the stronger class to try.
     brings: ClassVar[str] = ""
+    #: The attack reads only updates no noise touched (an exact decomposition): where a defense adds noise it
+    #: returns the data's mean image at once, so its break of the undefended update does not calibrate that
+    #: defense's "protects".
+    noise_free_only: ClassVar[bool] = False
 
     @property
     def knows_defense(self) -> bool:

@@ -33,6 +33,7 @@ ARCHITECTURE = "architecture.json"
 BASELINES = "baselines.json"
 RUN_INFO = "run.json"
 IDENTIFIABLE = "cache/identifiable.json"
+DECOYS = "cache/decoys.pt"  # images of the target split that no update holds, for identifying batches
 SUMMARY = "summary.json"
 REPORT = "report.html"
 AUDIT_COPY = "audit.yaml"
@@ -228,6 +229,16 @@ class RunFolder:
         """Write what a remote worker's jobs kept for this folder (``Outbox.take``)."""
         for kind, key, value in kept:
             (self.save_checkpoints if kind == "checkpoints" else self.save_reconstruction)(key, value)
+
+    def save_decoys(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """Keep the decoys a batch's identification test compares reconstructions with (pixels, labels, CPU)."""
+        path = self.path / DECOYS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"images": images.cpu(), "labels": labels.cpu()}, path)
+
+    def load_decoys(self) -> dict[str, torch.Tensor] | None:
+        path = self.path / DECOYS
+        return torch.load(path, weights_only=True) if path.exists() else None
 
     def load_reconstruction(self, job: AttackJob) -> dict[str, Any] | None:
         path = self.recon_file(job)

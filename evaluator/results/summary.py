@@ -83,7 +83,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
-    cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key) or (None, None), identified_by,
+    cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key) or (None, None, None), identified_by,
                    profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
     chance = run_info.get("chance_accuracy")
@@ -102,7 +102,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         # the reference judged on the attacks that ran on this setting: a weak attack's "protects" is not vouched
         # for by a stronger attack that ran elsewhere
         by_step = {} if reference is None else alone[s.key] if reference is s else _judged_steps(
-            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if a.applies_to(s)})
+            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if _calibrates(audit, a, s)})
         by_step = {v.checkpoint: v for v in by_step}
         per_step = [calibrate(v, by_step.get(v.checkpoint), untried) for v in alone[s.key]]
         verdicts.extend(per_step)
@@ -121,10 +121,19 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes)
 
 
+def _calibrates(audit: Audit, attack, setting) -> bool:
+    """Whether ``attack``'s run on the undefended reference vouches for ``setting``'s "protects": it runs on the
+    setting, and reads its updates (an attack of noise-free updates only says nothing of a defense that adds
+    noise)."""
+    if not attack.applies_to(setting):
+        return False
+    noisy = any(not audit.registry.get("defense", name).deterministic for name, _ in setting.members)
+    return not (noisy and audit.registry.get("attack", attack.name).noise_free_only)
+
+
 def _batch_options(options: dict, batch: int) -> dict:
-    """The verdict options for updates of ``batch`` images: matching reconstructions to originals within a batch
-    favours their own, so there is no 1-in-N identification test at batches > 1."""
-    return {**options, "batch_size": batch, **({"identifiable": None} if batch > 1 else {})}
+    """The verdict options for updates of ``batch`` images (a batch is identified among decoys, not 1 in N)."""
+    return {**options, "batch_size": batch}
 
 
 def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: tuple,
@@ -158,7 +167,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
     own = next((s for s in audit.settings if s.key == setting), None)
     batch = audit.data.batch_size if own is None else audit.batch_size_of(own)
     n = len(rs) * batch
-    share, named = identified
+    share, named, decoys = identified
     bound = identification_bound(profile, batch, n)
     gains = finite(r.get("late_gain") for r in rs)
     gain = float(np.mean(gains)) if gains else None
@@ -167,6 +176,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         role=roles.get(attack, "naive"), checkpoint=ckpt, targets=len(rs), accuracy=acc.get(setting, {}).get("accuracy"),
         epsilon=acc.get(setting, {}).get("epsilon"), scores=scores, worst_image=_worst_image(rs, leakage),
         identifiable=share, named=named, identifiable_by=identified_by, identifiable_n=n, rero_bound=bound,
+        decoy_hits=None if decoys is None else decoys[0], decoy_p=None if decoys is None else decoys[2],
         bound_violated=beats_bound(named, n, bound, options["confidence"]), late_gain=gain,
         still_improving=None if not gains else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
         seconds_mean=float(np.mean([r["seconds"] for r in rs])))

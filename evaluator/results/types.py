@@ -99,6 +99,10 @@ class CellResult(_Scored):
     named: float | None = None
     identifiable_by: str | None = None
     identifiable_n: int = 0
+    #: A batch's identification test (``verdict.decoy_test``): originals named among same-class decoys, and the
+    #: p-value of as many under the null that the reconstructions know only their update's classes.
+    decoy_hits: int | None = None
+    decoy_p: float | None = None
     rero_bound: float | None = None
     bound_violated: str | None = None
     late_gain: float | None = None

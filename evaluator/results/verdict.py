@@ -2,8 +2,10 @@
 
 A setting **leaks** where its strongest attack beats the best guess made without the gradient (random
 noise, flat grey or the training split's mean image, whichever scores best) by the leakage metric's
-margin, or (one image per update) where an attack's reconstructions identify their originals: a share at
-least ``identifiable`` of them is nearest its own original among all targets, beyond chance. It **protects but is
+margin, or where an attack's reconstructions identify their originals: with one image per update, a share at
+least ``identifiable`` of them is nearest its own original among all targets, beyond chance; with a batch, a
+share at least ``identifiable`` of its originals is named among decoys of their own classes, beyond what the
+classes explain (``decoy_test``). It **protects but is
 unusable** where it does not leak and its test accuracy stays under chance plus a margin; otherwise it
 **protects**. The thresholds and the statistic compared are the audit's ``verdict:`` section.
 
@@ -144,9 +146,10 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
         evidence += f"; {runner_up.attack} is within its interval"
     if top.identifiable is not None and top.identifiable_n:
         batch = options.get("batch_size", 1)
-        evidence += (f"; {top.identifiable:.0%} of its reconstructions are nearest their own original " + (
-            f"(a guess: about {1 / top.identifiable_n:.0%})" if batch == 1 else
-            f"(not tested at {batch} images per update: matching within a batch favours its own)"))
+        evidence += (f"; {top.identifiable:.0%} of its reconstructions are nearest their own original "
+                     f"(a guess: about {1 / top.identifiable_n:.0%})" if batch == 1 else "" if top.decoy_hits is None
+                     else f"; it names {top.decoy_hits} of its {top.identifiable_n} originals among decoys of their "
+                          f"classes (p = {top.decoy_p:.2g})")
     out = dict(setting=top.setting, defense=top.defense, checkpoint=top.checkpoint, attack=top.attack,
                score=scores.mean, ci=scores.ci, statistic=statistic, compared=value,
                threshold=None if threshold is None else threshold.value, accuracy=accuracy, min_accuracy=needed,
@@ -226,6 +229,8 @@ def identified(cells: list[CellResult], metric: str, options: dict[str, Any]) ->
     (one-sided binomial test at the verdict's confidence)."""
     if options.get("identifiable") is None:
         return None
+    if options.get("batch_size", 1) > 1:
+        return _named_among_decoys(cells, options)
     for c in sorted(cells, key=lambda c: -(c.identifiable or 0)):
         share, n = c.identifiable, c.identifiable_n or 0
         if share is None or n < 2 or math.isnan(share):
@@ -238,6 +243,22 @@ def identified(cells: list[CellResult], metric: str, options: dict[str, Any]) ->
             return (f"{c.attack} identifies {hits} of {n} images (each reconstruction nearest its own original; "
                     f"a guess: 1 in {n}, binomial p = {p:.2g}), at least the {options['identifiable']:.0%} "
                     "the verdict allows")
+    return None
+
+
+def _named_among_decoys(cells: list[CellResult], options: dict[str, Any]) -> str | None:
+    """``identified`` for batches: some attack names at least ``identifiable`` of the originals among same-class
+    decoys, beyond what the batch's classes explain (``decoy_test`` at the verdict's confidence)."""
+    for c in sorted(cells, key=lambda c: -(c.decoy_hits or 0)):
+        if c.decoy_hits is None or c.decoy_p is None or not c.identifiable_n:
+            continue
+        if c.decoy_hits / c.identifiable_n < options["identifiable"]:
+            return None  # in decreasing hits: none of the rest reaches it either
+        if c.decoy_p < 1 - options["confidence"]:
+            return (f"{c.attack} names {c.decoy_hits} of {c.identifiable_n} originals among up to "
+                    f"{DECOYS_PER_IMAGE} decoys of each one's class (nearest of its update's images and their decoys; "
+                    f"p = {c.decoy_p:.2g} where the reconstructions know only the classes), at least the "
+                    f"{options['identifiable']:.0%} the verdict allows")
     return None
 
 
@@ -325,6 +346,47 @@ def named_share(distances: np.ndarray, batch: int) -> float | None:
         named = inside.argmin(axis=1)[inside.min(axis=1) < outside.min(axis=1)]
         hits += len(set(named.tolist()))
     return hits / n
+
+
+#: Decoys of the same class as each original, for the identification test of a batch (``decoy_test``).
+DECOYS_PER_IMAGE = 8
+
+
+def decoy_groups(labels: np.ndarray, decoy_labels: np.ndarray, taken: set[int]) -> list[list[int]]:
+    """For each original of one update (``labels``), the indices of up to ``DECOYS_PER_IMAGE`` decoys of its
+    class, in the decoys' order, none given twice (``taken`` holds those given to earlier originals)."""
+    groups = []
+    for label in labels.tolist():
+        mine = [d for d in np.flatnonzero(decoy_labels == label).tolist() if d not in taken][:DECOYS_PER_IMAGE]
+        taken.update(mine)
+        groups.append(mine)
+    return groups
+
+
+def decoy_test(own: list[np.ndarray], decoys: list[np.ndarray], groups: list[list[list[int]]]) -> tuple[int, int, float]:
+    """Whether a batch's reconstructions name their own update's originals beyond what their classes explain:
+    per update, the distances (rows: reconstructions) to its originals (``own``) and to the decoys (``decoys``),
+    and each original's group of same-class decoys (``groups``). Each reconstruction names its nearest image
+    among the originals and their decoys; a hit is an original named by at least one.
+
+    Under the null that a reconstruction depends on its update's images only through their classes, each
+    original is exchangeable with its decoys, so an original is named with the share of its group (itself and
+    its decoys) that is named: the hits are a sum of independent Bernoulli draws, and the p-value is their
+    exact upper tail (Poisson binomial). Returns (hits, originals, p-value)."""
+    hits, chances = 0, []
+    for d_own, d_decoys, members in zip(own, decoys, groups):
+        b = d_own.shape[1]
+        pool = np.concatenate([d_own, d_decoys], axis=1)
+        named = set(pool.argmin(axis=1).tolist())
+        hits += sum(1 for i in range(b) if i in named)
+        for i, mine in enumerate(members):
+            chances.append(sum(1 for m in [i, *(b + d for d in mine)] if m in named) / (1 + len(mine)))
+    tail = np.zeros(len(chances) + 1)
+    tail[0] = 1.0
+    for q in chances:  # the distribution of the number of hits, one original at a time
+        tail[1:] = tail[1:] * (1 - q) + tail[:-1] * q
+        tail[0] *= 1 - q
+    return hits, len(chances), float(min(1.0, tail[hits:].sum()))
 
 
 def gate_failures(summary: Summary, allow_inconclusive: bool = False) -> list[tuple[str, str]]:

@@ -192,6 +192,24 @@ class Scenario:
             labels=labels if self.audit.threat.known_labels else None, device=self.device,
             protocol=self.protocol(setting), auxiliary=self.auxiliary)
 
+    def decoys(self) -> tuple[Tensor, Tensor] | None:
+        """Images of the target split that no update holds, with their labels, for the identification test of a
+        batch (``verdict.decoy_test``): up to ``MAX_DECOYS`` drawn from the audit seed, fewer where each would
+        exceed ``DECOY_BYTES`` in all; None where no setting sends more than one image or identification is off."""
+        audit = self.audit
+        if audit.verdict.identifiable is None or all(audit.batch_size_of(s) == 1 for s in audit.settings):
+            return None
+        x, y = self._target_split
+        free = torch.ones(len(x), dtype=torch.bool)
+        free[self.target_indices] = False
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(derive_seed(audit.seed, "decoys")))
+        order = order[free[order]]
+        count = min(len(order), MAX_DECOYS, max(1, DECOY_BYTES // (x[0].numel() * 4)))
+        if count == 0:
+            return None
+        pick = order[:count]
+        return x[pick].float(), y[pick]
+
     @cached_property
     def auxiliary(self) -> AuxiliaryData:
         """The attacker's own images: the training split without the targets (the tuning images' pool)."""
@@ -200,6 +218,11 @@ class Scenario:
     def protocol(self, setting: DefenseSetting | None = None) -> Protocol:
         """The protocol of ``setting``'s updates (its own number of clients), else the audit's."""
         return self.audit.protocol if setting is None else self.audit.protocol_of(setting)
+
+
+#: The most decoys kept for identifying batches, and the most bytes they may take.
+MAX_DECOYS = 512
+DECOY_BYTES = 64 * 2 ** 20
 
 
 def untried_attacks(scenario: Scenario) -> str:

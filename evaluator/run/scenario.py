@@ -169,8 +169,10 @@ class Scenario:
         """The ``model:`` section a setting uses: its own, or the audit's."""
         return self.audit.model if setting is None or setting.model is None else setting.model
 
-    def fresh_model(self, defense: Defense, setting: DefenseSetting | None = None) -> nn.Module:
-        """The model at training step 0: the same initialisation for every defense setting.
+    def fresh_model(self, defense: Defense, setting: DefenseSetting | None = None,
+                    device: torch.device | None = None) -> nn.Module:
+        """The model at training step 0: the same initialisation for every defense setting, on ``device`` (the
+        audit's by default).
 
         A setting with its own ``model:`` gets that model; otherwise the audit's.
         """
@@ -180,7 +182,7 @@ class Scenario:
                             m.params, derive_seed(self.audit.seed, "init"))
         with torch.random.fork_rng(devices=[]):  # layers a defense adds are initialised from the audit seed
             torch.manual_seed(derive_seed(self.audit.seed, "wrap"))
-            return defense.wrap_model(model).to(self.device)
+            return defense.wrap_model(model).to(self.device if device is None else device)
 
     def threat(self, model: nn.Module, defense: Defense, labels: Tensor,
                setting: DefenseSetting | None = None) -> ThreatModel:
@@ -231,7 +233,7 @@ def untried_attacks(scenario: Scenario) -> str:
     where even the undefended update resists every attack the audit ran."""
     audit = scenario.audit
     setting = audit.settings[0]
-    model = scenario.fresh_model(scenario.defense(setting), setting)
+    model = scenario.fresh_model(scenario.defense(setting), setting, torch.device("cpu"))  # its shape is enough
     ran = {a.name for a in audit.attacks}
     found = []
     for name, entry in sorted(audit.registry.entries["attack"].items()):

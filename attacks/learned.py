@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, generator_on
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, generator_on, seed_from
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import ClientStep
 
@@ -87,7 +87,7 @@ def fit_inversion(inputs: Tensor, targets: Tensor, width: int, iterations: int, 
     mean, std = inputs.mean(dim=0), inputs.std(dim=0).clamp_min(1e-12)
     scaled = (inputs - mean) / std
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=generator)))
+        torch.manual_seed(seed_from(generator))
         net = inversion_network(inputs.shape[1], width, targets.shape[1]).to(inputs.device)
     optimiser = torch.optim.Adam(net.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, [int(0.75 * iterations)], gamma=0.1)
@@ -153,10 +153,8 @@ class LearningToInvert(Attack):
             raise ValueError(f"{self.name} learns from the attacker's own images (ThreatModel.auxiliary): it has {have}, "
                              f"needs at least {threat.batch_size}")
         start = time.perf_counter()
-        cpu = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=first.generator,
-                                                              device=first.generator.device)))
-        picked = coordinates(first.observed, self.coordinates, int(torch.randint(0, 2 ** 62, (1,), generator=cpu)),
-                             threat.device)
+        cpu = generator_on(torch.device("cpu"), first.generator)
+        picked = coordinates(first.observed, self.coordinates, seed_from(cpu), threat.device)
         inputs, targets = training_updates(threat, picked, self.updates, cpu, generator_on(threat.device, cpu))
         net, mean, std, trace = fit_inversion(inputs, targets, self.width, self.iterations, self.minibatch, self.lr, cpu)
         shared = (time.perf_counter() - start) / len(problems)

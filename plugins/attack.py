@@ -103,11 +103,15 @@ def parameter_gradient(model: nn.Module, defense: Defense, protocol: Protocol) -
     return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
 
 
+def seed_from(generator: torch.Generator) -> int:
+    """A seed drawn from ``generator``, so that what it seeds stays one of the problem's own draws."""
+    return int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
+
+
 def generator_on(device: torch.device, generator: torch.Generator) -> torch.Generator:
     """A generator on ``device`` seeded from ``generator`` (draws there need one there; the problem's own
     generator stays the source of every draw)."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
-    return torch.Generator(device=device).manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed_from(generator))
 
 
 @dataclass

@@ -77,7 +77,7 @@ def test_the_untried_attacks_are_those_that_apply_and_did_not_run(write_audit):
 
 
 def test_each_original_gets_decoys_of_its_own_class_none_twice():
-    assert decoy_groups(np.array([1, 1, 2]), np.array([1, 2, 1, 1, 2, 0]), set()) == [[0, 2, 3], [], [1, 4]]
+    assert decoy_groups(np.array([1, 1, 2]), np.array([1, 2, 1, 1, 2, 0])) == [[0, 2, 3], [], [1, 4]]
 
 
 def test_a_batch_named_among_decoys_has_the_exact_chance_of_its_classes():

@@ -36,19 +36,19 @@ def _distances(metric, recs: torch.Tensor, others: torch.Tensor, chunk: int = 51
     return -d if metric.higher_is_better else d
 
 
-def _decoy_result(metric, batches: list[dict], decoys: dict | None) -> list | None:
-    """``decoy_test`` over a cell's updates: [hits, originals, p-value]; None without decoys."""
-    if decoys is None:
-        return None
-    own, near, groups = [], [], []
+def _decoy_result(metric, batches: list[dict], distances: np.ndarray, decoys: dict) -> list:
+    """``decoy_test`` over a cell's updates: [hits, originals, p-value]. ``distances``: the cell's reconstructions
+    to its originals, whose blocks on the diagonal are each update's own."""
+    own, near, groups, start = [], [], [], 0
     for saved in batches:
-        mine = decoy_groups(saved["labels"].numpy(), decoys["labels"].numpy(), set())
+        mine = decoy_groups(saved["labels"].numpy(), decoys["labels"].numpy())
         used = sorted({d for g in mine for d in g})
         where = {d: i for i, d in enumerate(used)}
         recs = saved["reconstruction"].float()
-        own.append(_distances(metric, recs, saved["original"].float()))
+        own.append(distances[start:start + len(recs), start:start + len(recs)])
         near.append(_distances(metric, recs, decoys["images"][used].float()) if used else np.empty((len(recs), 0)))
         groups.append([[where[d] for d in g] for g in mine])
+        start += len(recs)
     return list(decoy_test(own, near, groups))
 
 
@@ -72,7 +72,7 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
     counts: dict[tuple, int] = defaultdict(int)
     for r in rows:
         counts[(r["setting"], r["attack"], r["checkpoint"])] += 1
-    out, changed = {}, False
+    out, changed, decoys = {}, False, None
     for key, n in counts.items():
         name = json.dumps([*key, n, by, "named", "decoys"])
         if name not in cache:
@@ -83,8 +83,10 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
             else:
                 recs = torch.cat([b["reconstruction"].float() for b in batches])
                 distances = _distances(metric, recs, torch.cat([b["original"].float() for b in batches]))
-                decoys = _decoy_result(metric, batches, folder.load_decoys()) if batch > 1 else None
-                cache[name] = [identifiable_share(distances), named_share(distances, batch), decoys]
+                if batch > 1 and decoys is None:
+                    decoys = folder.load_decoys()  # once for all cells
+                tested = None if batch == 1 or decoys is None else _decoy_result(metric, batches, distances, decoys)
+                cache[name] = [identifiable_share(distances), named_share(distances, batch), tested]
             changed = True
         out[key] = cache[name]
     if changed:

@@ -236,6 +236,9 @@ class RunFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"images": images.cpu(), "labels": labels.cpu()}, path)
 
+    def has_decoys(self) -> bool:
+        return (self.path / DECOYS).exists()
+
     def load_decoys(self) -> dict[str, torch.Tensor] | None:
         path = self.path / DECOYS
         return torch.load(path, weights_only=True) if path.exists() else None

@@ -144,12 +144,12 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
                 f"({options['confidence']:.0%} CI {_fmt(lo)} to {_fmt(hi)}, n={scores.n})")
     if runner_up is not None and intervals_overlap(top, runner_up, name):
         evidence += f"; {runner_up.attack} is within its interval"
-    if top.identifiable is not None and top.identifiable_n:
-        batch = options.get("batch_size", 1)
+    if top.identifiable is not None and top.identifiable_n and options.get("batch_size", 1) == 1:
         evidence += (f"; {top.identifiable:.0%} of its reconstructions are nearest their own original "
-                     f"(a guess: about {1 / top.identifiable_n:.0%})" if batch == 1 else "" if top.decoy_hits is None
-                     else f"; it names {top.decoy_hits} of its {top.identifiable_n} originals among decoys of their "
-                          f"classes (p = {top.decoy_p:.2g})")
+                     f"(a guess: about {1 / top.identifiable_n:.0%})")
+    elif top.decoy_hits is not None:
+        evidence += (f"; it names {top.decoy_hits} of its {top.identifiable_n} originals among decoys of their "
+                     f"classes (p = {top.decoy_p:.2g})")
     out = dict(setting=top.setting, defense=top.defense, checkpoint=top.checkpoint, attack=top.attack,
                score=scores.mean, ci=scores.ci, statistic=statistic, compared=value,
                threshold=None if threshold is None else threshold.value, accuracy=accuracy, min_accuracy=needed,
@@ -352,10 +352,10 @@ def named_share(distances: np.ndarray, batch: int) -> float | None:
 DECOYS_PER_IMAGE = 8
 
 
-def decoy_groups(labels: np.ndarray, decoy_labels: np.ndarray, taken: set[int]) -> list[list[int]]:
+def decoy_groups(labels: np.ndarray, decoy_labels: np.ndarray) -> list[list[int]]:
     """For each original of one update (``labels``), the indices of up to ``DECOYS_PER_IMAGE`` decoys of its
-    class, in the decoys' order, none given twice (``taken`` holds those given to earlier originals)."""
-    groups = []
+    class, in the decoys' order, none given to two originals."""
+    groups, taken = [], set()
     for label in labels.tolist():
         mine = [d for d in np.flatnonzero(decoy_labels == label).tolist() if d not in taken][:DECOYS_PER_IMAGE]
         taken.update(mine)

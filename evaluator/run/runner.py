@@ -106,7 +106,7 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     check_scenario(scenario)
     folder = RunFolder(out_dir, audit)
     folder.prepare(resume)
-    if folder.load_decoys() is None and (decoys := scenario.decoys()) is not None:
+    if not folder.has_decoys() and (decoys := scenario.decoys()) is not None:
         folder.save_decoys(*decoys)
     worker = AuditWorker(scenario, folder)
     notes: set[str] = set()

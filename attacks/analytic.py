@@ -43,6 +43,7 @@ class AnalyticInversion(Attack):
 
     name = "analytic"
     paper = "Geiping et al. 2020"
+    auto_params = {"cpu": {}}
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         """Why this attack cannot apply to the scenario, or None."""

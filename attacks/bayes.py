@@ -194,6 +194,7 @@ class BayesOptimal(LikelihoodAttack):
 
     name = "bayes"
     paper = "Balunovic et al. 2022"
+    auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 2000}}
     uses_defense = True
     uses_likelihood = True
     brings = "the defense's own likelihood p(g|x), the adversary that knows it"
@@ -237,6 +238,7 @@ class L2Matching(DistanceMatching):
 
     name = "l2"
     paper = "Balunovic et al. 2022"
+    auto_skip = "bayes runs the matching adversary: l2 is its form for Gaussian noise"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return sum(w * ((o - c) ** 2).sum() for w, o, c in zip(self.weights(observed), observed.tensors, candidate))
@@ -247,6 +249,7 @@ class L1Matching(DistanceMatching):
 
     name = "l1"
     paper = "Balunovic et al. 2022"
+    auto_skip = "bayes runs the matching adversary: l1 is its form for Laplacian noise"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return sum(w * (o - c).abs().sum() for w, o, c in zip(self.weights(observed), observed.tensors, candidate))
@@ -258,6 +261,7 @@ class CosineMatching(DistanceMatching):
 
     name = "cos"
     paper = "Balunovic et al. 2022"
+    auto_skip = "inverting_gradients runs the cosine match, with its image prior"
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         if self.layer_weights == "equal":

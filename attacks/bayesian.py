@@ -88,6 +88,7 @@ class BayesianExact(InvertingGradients):
 
     name = "bayesian_exact"
     paper = "Chen et al. 2024"
+    auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 4800}}
     uses_defense = True
     needs_defense = True
 
@@ -146,6 +147,7 @@ class BayesianNoiseKL(InvertingGradients):
 
     name = "bayesian_kl"
     paper = "Chen et al. 2024"
+    auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 4800}}
     params = {**InvertingGradients.params,
               "alpha_kl": Param(1e-2, float, min=0.0, help="weight of the noise's KL regulariser")}
     uses_defense = True

@@ -92,6 +92,7 @@ class CINet(Attack):
 
     name = "cinet"
     paper = "Zhang et al. 2023"
+    auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 2000}}
     brings = "a convolutional generator's prior shared by a large batch"
     params = {
         "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS,

@@ -260,6 +260,7 @@ class Spear(Attack):
 
     name = "spear"
     paper = "Dimitrov et al. 2024"
+    auto_params = {"cpu": {}}
     brings = "exact recovery of a batch from a fully connected first layer followed by ReLU"
     noise_free_only = True
     params = {
@@ -320,6 +321,7 @@ class CocktailParty(Attack):
 
     name = "cocktail_party"
     paper = "Kariyappa et al. 2023"
+    auto_params = {"cpu": {}}
     brings = "large batches and the mean of many clients unmixed at a fully connected first layer"
     params = {
         "iterations": Param(1000, int, min=1, max=100_000, help="FastICA's most iterations"),

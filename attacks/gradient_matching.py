@@ -70,6 +70,7 @@ class InvertingGradients(Attack):
 
     name = "inverting_gradients"
     paper = "Geiping et al. 2020"
+    auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 4800}}
     params = {
         "iterations": Param(4800, int, min=1, max=MAX_ITERATIONS, help="optimisation steps per restart"),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam step size"),
@@ -244,6 +245,7 @@ class DeepLeakage(Attack):
 
     name = "dlg"
     paper = "Zhu et al. 2019"
+    auto_skip = "inverting_gradients matches gradients more strongly (Geiping et al. 2020) and runs in its place"
     params = {
         "iterations": Param(300, int, min=1, max=MAX_ITERATIONS, help="L-BFGS steps per restart"),
         "lr": Param(1.0, float, min=0.0, exclusive_min=True, help="L-BFGS step size"),

@@ -68,6 +68,7 @@ class Imprint(Attack):
 
     name = "imprint"
     paper = "Fowl et al. 2022"
+    auto_params = {"cpu": {}}
     brings = "a malicious server's imprint block (model: imprint), where the threat model allows one"
     params = {"label_method": LABEL_METHOD}
 

@@ -39,6 +39,7 @@ class PrecodeSample(InvertingGradients):
 
     name = "precode_sample"
     paper = "Balunovic et al. 2022"
+    auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 4800}}
     uses_defense = True
     needs_defense = True
 

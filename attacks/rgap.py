@@ -80,6 +80,7 @@ class LayerwiseInversion(Attack):
 
     name = "rgap"
     paper = "Zhu & Blaschko 2021"
+    auto_params = {"cpu": {}}
     solves_linear_systems = True
     params = {
         "dense_limit": Param(60_000_000, int, min=1, help="largest system solved densely (entries); larger "
@@ -148,6 +149,9 @@ class HybridInversion(LayerwiseInversion):
 
     name = "hybrid"
     paper = "Chen & Campbell 2022"
+    auto_params = {}
+    auto_skip = ("at its defaults it is rgap, which runs; its correction is set per model "
+                 "(configs/linear_systems.yaml)")
     params = {
         **LayerwiseInversion.params,
         "iterations": _per_layer("iterations", "Adam steps of the correction", 1),

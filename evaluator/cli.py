@@ -211,6 +211,11 @@ def cmd_validate(args) -> int:
             else f"{' to '.join(map(str, (counts[0], counts[-1])))} target batches each, by the setting's clients")
     print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({each}): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
+    if audit.attack_choice:
+        print(f"  attacks: auto chose {len(audit.attacks)} of {len(audit.attack_choice)} registered attacks, at their "
+              f"budgets for {audit.torch_device().type} (list them under attacks: to pin the choice):")
+        for line in audit.attack_choice:
+            print(f"    {line}")
     function = getattr(audit.protocol, "function", None)
     factories = [s for s in (audit.data.factory, audit.model.name, function if isinstance(function, str)
                              else None, *(st.model.name for st in audit.settings if st.model)) if s and ":" in s]

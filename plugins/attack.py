@@ -185,6 +185,20 @@ class Attack:
     #: defense's "protects".
     noise_free_only: ClassVar[bool] = False
 
+    #: The parameters ``attacks: auto`` runs the attack with, by device type ("cpu", "cuda"; another type takes
+    #: "cpu"'s): budgets that fit the device. Empty: auto leaves the attack out, for the reason ``auto_skip`` gives.
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Why ``attacks: auto`` leaves the attack out where it declares no ``auto_params`` (another attack does its
+    #: work more strongly, say); ``leakaudit validate`` shows it.
+    auto_skip: ClassVar[str] = "it declares no auto_params"
+
+    @classmethod
+    def auto_settings(cls, device_type: str) -> dict[str, Any] | None:
+        """The parameters ``attacks: auto`` gives the attack on this device type; None where auto leaves it out."""
+        if not cls.auto_params:
+            return None
+        return dict(cls.auto_params.get(device_type, cls.auto_params.get("cpu", {})))
+
     @property
     def knows_defense(self) -> bool:
         """Whether this configured attack uses what the defense does (adaptive); sets its default report role."""

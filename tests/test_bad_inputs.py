@@ -146,7 +146,7 @@ CASES = [
     (_with("defenses.1", {**GAUSS, "model": {"name": "lenett"}}), "defenses[1].model.name: 'lenett'"),
     (_with("defenses.1", {"name": "soteria", "params": {"layer": "nope"}}), "defenses: soteria(layer=nope): "),
     # attacks
-    (_with("attacks", ...), "attacks: required parameter is missing"),
+    (_with("attacks", "every"), "attacks: expected auto or a list of {name: ...} entries, got 'every'"),
     (_with("attacks", []), "attacks: expected a non-empty list"),
     (_with("attacks.0", {"name": "inverting_gradient"}), "attacks[0].name: 'inverting_gradient' is not a registered "
                                                          "attack (did you mean 'inverting_gradients'?)"),
@@ -248,7 +248,7 @@ CASES = [
 
 #: Whole files: (text, the line's start after "<file>: ")
 TEXTS = [
-    ("", "the file is empty; an audit needs name, data, model, defenses and attacks"),
+    ("", "the file is empty; an audit needs name, data, model and defenses"),
     ("# only a comment\n", "the file is empty"),
     ("- name: a\n- name: b\n", "the file holds a list; an audit is a mapping"),
     ("just text\n", "the file holds a str; an audit is a mapping"),

@@ -49,7 +49,7 @@ def test_schema_is_draft_07_and_offline(registry):
     jsonschema.Draft7Validator.check_schema(schema)
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#" and "$id" not in schema
     assert schema["title"] and schema["description"]
-    assert {"name", "data", "model", "defenses", "attacks"} == set(schema["required"])
+    assert {"name", "data", "model", "defenses"} == set(schema["required"])  # attacks: auto when absent
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
@@ -78,9 +78,11 @@ REJECTED = [
     ("protocol setting of another protocol", _changed(protocol={"name": "fedsgd", "local_lr": 0.1}), ("protocol",)),
     ("step protocol without its settings", _changed(protocol="step"), ("protocol",)),
     ("leakage metric not measured", _changed(leakage_metric="lpips"), ()),
+    ("attacks as a word other than auto", _changed(attacks="all"), ("attacks",)),
     ("lpips on 16 px images", _changed(metrics=["psnr", "lpips"]), ("data", "image_size")),
 ]
 ACCEPTED = [
+    ("attacks left to auto", _changed(attacks="auto")),
     ("a chain", _changed(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}},
                                               {"name": "gaussian", "sweep": {"sigma": [0.01, 0.1]}}]}])),
     ("fedavg with local_epochs", _changed(protocol={"name": "fedavg", "local_epochs": 2})),

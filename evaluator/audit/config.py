@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import yaml
 
+from leakaudit.evaluator.audit.auto import AUTO, choose_attacks
 from leakaudit.evaluator.audit.checks import (
     IMPORT_USER_CODE,
     check_attack_scope,
@@ -92,12 +93,13 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     check_model(model, registry, into("model") if model_ok else [])
     protocol = check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
     settings = expand_defenses(top.get("defenses"), registry, into("defenses"), protocol, data if data_ok else None)
-    attacks = check_attacks(top.get("attacks"), registry, into("attacks"), model["checkpoints"] if model_ok else None)
+    value = top.get("attacks", AUTO)
+    auto = value == AUTO
+    if isinstance(value, str) and not auto:
+        into("attacks").append(f"attacks: expected auto or a list of {{name: ...}} entries, got {value!r}")
+    attacks = [] if isinstance(value, str) else check_attacks(value, registry, into("attacks"),
+                                                               model["checkpoints"] if model_ok else None)
     check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
-    settings = with_references(settings, attacks, registry)
-    problems += [f"defenses: the label {s.key!r} is the key of the undefended reference leakaudit adds to calibrate "
-                 "the verdicts; choose another label" for s in settings if s.added
-                 and any(t.key == s.key for t in settings if t is not s)]
     metrics = check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
     leakage = check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = check_device(top.get("device", "auto"), problems)
@@ -107,13 +109,21 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     executor = check_executor(top.get("executor", "local"), device, problems)
     if problems:
         raise ConfigError([f"{path}: {_strip_dot(p)}" for p in problems])
-    return Audit(path=path, text=text, name=top["name"], seed=top["seed"], device=device, workers=workers,
-                 plugins_dirs=dirs, data=DataSection(**data), model=ModelSection(**model), settings=settings,
-                 attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
-                 protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
-                 verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
-                 executor=executor,
-                 architecture=top["architecture"])
+    audit = Audit(path=path, text=text, name=top["name"], seed=top["seed"], device=device, workers=workers,
+                  plugins_dirs=dirs, data=DataSection(**data), model=ModelSection(**model), settings=settings,
+                  attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
+                  protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
+                  verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
+                  executor=executor, architecture=top["architecture"])
+    if auto:
+        audit.attacks, audit.attack_choice = choose_attacks(audit, IMPORT_USER_CODE.get())
+    audit.settings = with_references(settings, audit.attacks, registry)
+    taken = [f"{path}: defenses: the label {s.key!r} is the key of the undefended reference leakaudit adds to "
+             "calibrate the verdicts; choose another label" for s in audit.settings if s.added
+             and any(t.key == s.key for t in audit.settings if t is not s)]
+    if taken:
+        raise ConfigError(taken)
+    return audit
 
 
 def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str | Path] = (),

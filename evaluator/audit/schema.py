@@ -242,8 +242,10 @@ def audit_schema(registry: Registry) -> Schema:
                               "(checkpoints) it is attacked at", **_model_schema(MODEL, registry)},
         defenses={"description": "the defense settings audited", "type": "array", "minItems": 1,
                   "items": _defense_schema(registry)},
-        attacks={"description": "the attacks, each run on every setting (or on those its defenses: names)",
-                 "type": "array", "minItems": 1, "items": _attack_schema(registry)},
+        attacks={"description": "the attacks, each run on every setting (or on those its defenses: names); auto "
+                                "(the default): every registered attack that applies, at budgets for the device",
+                 "if": {"type": "string"}, "then": {"const": "auto"},
+                 "else": {"type": "array", "minItems": 1, "items": _attack_schema(registry)}},
         utility=_section(UTILITY),
         metrics={"type": "array", "minItems": 1, "items": {"enum": registry.names("metric")}},
         leakage_metric={"enum": registry.names("metric")},

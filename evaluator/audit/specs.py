@@ -41,7 +41,10 @@ TOP = {
     "data": Param(type=dict),
     "model": Param(type=dict),
     "defenses": Param(type=list),
-    "attacks": Param(type=list),
+    "attacks": Param("auto", (str, list),
+                     help="the attacks: a list of {name: ...} entries, or auto (the default: every registered "
+                          "attack that applies to the audit's models, defenses and batch sizes, at budgets for "
+                          "the device; leakaudit validate lists the choice)"),
     "utility": Param({}, dict),
     "metrics": Param(list(DEFAULT_METRICS), list),
     "leakage_metric": Param(None, str, help="the metric that ranks attacks and draws the privacy axis "
@@ -135,4 +138,4 @@ VERDICT = {
 THREAT = {"known_labels": Param(False, bool, help="the attacker is given the true labels")}
 
 #: What every audit file must hold, for the messages about a file that holds none of it.
-TOP_NEEDS = "name, data, model, defenses and attacks (see configs/quickstart.yaml)"
+TOP_NEEDS = "name, data, model and defenses (see configs/quickstart.yaml)"

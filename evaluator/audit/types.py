@@ -182,6 +182,8 @@ class AttackSpec:
     defenses: tuple[str, ...] | None = None  # None: every setting
     role: str = "naive"  # "adaptive": the attack uses what the defense does
     checkpoints: tuple[int, ...] | None = None  # None: every checkpoint of the model
+    #: Chosen by ``attacks: auto`` for these settings only (their identities), where it applies; None: all.
+    chosen_for: frozenset[str] | None = None
 
     @property
     def key(self) -> str:
@@ -204,7 +206,10 @@ class AttackSpec:
         return self.filters_in(setting)
 
     def filters_in(self, setting: DefenseSetting) -> bool:
-        """Whether ``defenses:`` lets the attack run on this setting (absent, or naming a member or its label)."""
+        """Whether ``defenses:`` lets the attack run on this setting (absent, or naming a member or its label),
+        and ``attacks: auto`` chose it there."""
+        if self.chosen_for is not None and setting.identity not in self.chosen_for:
+            return False
         return (self.defenses is None or setting.label in self.defenses
                 or any(n in self.defenses for n, _ in setting.members))
 
@@ -241,6 +246,8 @@ class Audit:
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     architecture: str | bool = "auto"  # the report's architecture analysis: auto, True or False
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
+    #: ``attacks: auto``'s account of its choice, one line per registered attack (empty: the file lists them).
+    attack_choice: tuple[str, ...] = ()
 
     @property
     def checkpoints(self) -> list[int]:

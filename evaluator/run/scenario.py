@@ -4,20 +4,19 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.attacks.vectorised import compile_steps, free_memory
+from leakaudit.attacks.vectorised import compile_steps
+from leakaudit.evaluator.audit.materials import check_data_memory, initial_model, load_data, model_section, one_line
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
-from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection, as_dict
-from leakaudit.evaluator.zoo.models import build_model
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection
 from leakaudit.plugins.attack import AuxiliaryData, ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
-from leakaudit.plugins.factories import call_with_accepted, import_factory
 from leakaudit.plugins.protocol import Protocol
 
 
@@ -81,13 +80,7 @@ class Scenario:
 
     @cached_property
     def data(self) -> ImageData:
-        section = self.audit.data
-        if section.factory is not None:
-            data = load_factory_data(section, self.audit.path)
-        else:
-            spec = self.audit.registry.get("dataset", section.dataset)
-            data = spec.load(image_size=section.image_size, root=section.root, download=section.download,
-                             **section.params)
+        data, section = load_data(self.audit), self.audit.data
         split = section.target_split
         available = len(data.test_x if split == "test" else data.train_x)
         if available < section.targets:
@@ -167,22 +160,13 @@ class Scenario:
 
     def model_section(self, setting: DefenseSetting | None = None) -> ModelSection:
         """The ``model:`` section a setting uses: its own, or the audit's."""
-        return self.audit.model if setting is None or setting.model is None else setting.model
+        return model_section(self.audit, setting)
 
     def fresh_model(self, defense: Defense, setting: DefenseSetting | None = None,
                     device: torch.device | None = None) -> nn.Module:
-        """The model at training step 0: the same initialisation for every defense setting, on ``device`` (the
-        audit's by default).
-
-        A setting with its own ``model:`` gets that model; otherwise the audit's.
-        """
-        m = self.model_section(setting)
-        spec = m.name if ":" in m.name else self.audit.registry.get("model", m.name)
-        model = build_model(spec, self.data.channels, self.data.num_classes, self.audit.data.image_size,
-                            m.params, derive_seed(self.audit.seed, "init"))
-        with torch.random.fork_rng(devices=[]):  # layers a defense adds are initialised from the audit seed
-            torch.manual_seed(derive_seed(self.audit.seed, "wrap"))
-            return defense.wrap_model(model).to(self.device if device is None else device)
+        """The model at training step 0 under ``defense`` (``initial_model``), on ``device`` (the audit's by
+        default)."""
+        return initial_model(self.audit, self.data, defense, setting, self.device if device is None else device)
 
     def threat(self, model: nn.Module, defense: Defense, labels: Tensor,
                setting: DefenseSetting | None = None) -> ThreatModel:
@@ -253,7 +237,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
     audit = scenario.audit
     if audit.data.factory is not None and not user_code:
         return
-    _check_data_memory(audit)
+    check_data_memory(audit)
     _load(scenario)
     problems = _tuning_images_problems(scenario)
     reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
@@ -269,7 +253,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
             continue
         except Exception as exc:  # the user's factory failed or returned something else
             where = "model" if setting.model is None else f"defenses: {setting.key}: model"
-            raise ConfigError([f"{audit.path}: {where}: {section.name}: {_one_line(exc)}"]) from None
+            raise ConfigError([f"{audit.path}: {where}: {section.name}: {one_line(exc)}"]) from None
         for i, spec in enumerate(audit.attacks):
             attack = scenario.attack(spec)
             why = spec.applies_to(setting) and (
@@ -301,47 +285,8 @@ def _tuning_images_problems(scenario: Scenario) -> list[str]:
     return out
 
 
-def _check_data_memory(audit: Audit) -> None:
-    """Refuse an ``image_size`` whose images would take more than half the available memory (estimated from
-    the images the loader keeps, as float32 at that size), before loading them. Made once, by the process that
-    checks the audit: a worker that loads the audit again later is not refused for memory the run now uses."""
-    section = audit.data
-    spec = None if section.factory else audit.registry.get("dataset", section.dataset)
-    if spec is None or spec.values is None:
-        return
-    need = 4 * spec.values(as_dict(section)) * section.image_size ** 2
-    limit = free_memory(torch.device("cpu")) // 2
-    if need > limit:
-        raise ConfigError([f"{audit.path}: data.image_size: {section.image_size} needs about {need / 2 ** 30:.1f} "
-                           f"GiB for the images of {section.dataset} at that size, more than half the available "
-                           f"memory ({limit / 2 ** 30:.1f} GiB); lower image_size or the images kept"])
-
-
 def _load(scenario: Scenario) -> None:
-    """Load the data (too few test images is a ConfigError); a loader's failure becomes one line."""
-    section = scenario.audit.data
-    try:
-        _ = scenario.target_indices
-    except ConfigError:
-        raise
-    except Exception as exc:
-        source = f"factory {section.factory}" if section.factory else f"dataset {section.dataset}"
-        root = f" from {section.root}" if section.root else ""
-        raise ConfigError([f"{scenario.audit.path}: data: {source} could not be loaded{root}: {_one_line(exc)}"]) from None
+    """Load the data (a loader's failure, or too few test images, is a ConfigError)."""
+    _ = scenario.target_indices
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def load_factory_data(section: dict[str, Any], audit_path: Path) -> ImageData:
-    """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
-    offered = {"image_size": section.image_size, "root": section.root, "download": section.download}
-    data = call_with_accepted(import_factory(section.factory), offered, section.params)
-    if not isinstance(data, ImageData):
-        raise ConfigError([f"{audit_path}: data.factory: {section.factory} returned {type(data).__name__}; "
-                           "return leakaudit.ImageData(name, train_x, train_y, test_x, test_y, num_classes) "
-                           "with images in [0, 1] as (N, C, H, W) float tensors"])
-    return data

@@ -254,6 +254,12 @@ def _solve_inputs(factor: Tensor, rows: Tensor, q: Tensor, bias_grad: Tensor, la
     return inputs, not bool((((pre > 0) == inactive) & clear).any())
 
 
+def expected_draws(count: int) -> float:
+    """About how many random row subsets SPEAR draws to find all ``count`` examples' directions: b 2^(b-2),
+    as measured here (262,144 draws for 16 digits, docs/results.md)."""
+    return count * 2.0 ** max(count - 2, 0)
+
+
 class Spear(Attack):
     """Exact batch recovery from a linear-then-ReLU first layer (Dimitrov et al. 2024): the sparse directions of
     the weight gradient's column space are the examples' output gradients, and the inputs follow from them."""
@@ -273,6 +279,10 @@ class Spear(Attack):
     }
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        need = expected_draws(batch_size)
+        if need > self.samples:
+            return (f"{self.name}: {batch_size} images per update take about {need:.2g} draws to find "
+                    f"(b 2^(b-2)), more than samples: {self.samples}; it reaches about 19 images at the default")
         return _one_step_problem(self.name, model, batch_size, protocol, needs_relu=True)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:

@@ -151,3 +151,15 @@ def test_the_cocktail_party_names_64_photos_from_the_mean_of_16_clients(write_au
     assigned = torch.as_tensor(linear_sum_assignment(error.numpy())[1])
     assert (error.argmin(dim=1) == assigned).sum() >= 24  # measured: 33 of 64 (55 of the training split's first 64)
     assert rows[("none", "cocktail_party")]["psnr"] > 15  # measured: 17.2 dB
+
+
+def test_spear_declares_the_batches_its_budget_reaches():
+    from leakaudit.evaluator.zoo.models import mlp
+    from leakaudit.plugins.protocol import FEDSGD
+
+    model = mlp(1, 10, 16)
+    assert Spear().unsupported(model, 19, FEDSGD) is None  # 19 * 2^17 = 2.5 million draws of the 4 million
+    assert Spear().unsupported(model, 20, FEDSGD) == (
+        "spear: 20 images per update take about 5.2e+06 draws to find (b 2^(b-2)), more than samples: 4000000; "
+        "it reaches about 19 images at the default")
+    assert Spear(samples=6_000_000).unsupported(model, 20, FEDSGD) is None

@@ -79,12 +79,22 @@ def inversion_network(inputs: int, width: int, outputs: int) -> nn.Sequential:
                          nn.Linear(width, outputs), nn.Sigmoid())
 
 
+def standard_deviations(inputs: Tensor) -> Tensor:
+    """Each coordinate's spread over the training updates, as the network's inputs are scaled by: a coordinate
+    that never moved there (a unit no image of the attacker's activated) is read as 0 (infinite spread), since a
+    target's value there would otherwise be scaled by a vanishing spread into the network's garbage; one that
+    barely moved is scaled as if it moved a hundredth of a typical coordinate."""
+    std = inputs.std(dim=0)
+    typical = std.mean()
+    return torch.where(std > 1e-6 * typical, std.clamp_min(0.01 * typical), torch.full_like(std, math.inf))
+
+
 def fit_inversion(inputs: Tensor, targets: Tensor, width: int, iterations: int, minibatch: int, lr: float,
                   generator: torch.Generator) -> tuple[nn.Sequential, Tensor, Tensor, list[float]]:
     """The network trained by Adam on the mean squared error from standardised ``inputs`` to ``targets`` (the
     step size falls tenfold at three quarters of the steps, as in the paper), the standardisation, and its
     training loss at ``TRACE_POINTS`` points."""
-    mean, std = inputs.mean(dim=0), inputs.std(dim=0).clamp_min(1e-12)
+    mean, std = inputs.mean(dim=0), standard_deviations(inputs)
     scaled = (inputs - mean) / std
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_from(generator))

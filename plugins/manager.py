@@ -228,6 +228,11 @@ def facts(entry: Entry) -> dict[str, str]:
                "naive: knows the model, not the defense"}
         if obj.needs_defense:
             out["calibration"] = "needs its defense in the model: not run on the undefended reference"
+        budgets = "; ".join(f"{device if len(obj.auto_params) > 1 else 'any device'}: "
+                            f"{', '.join(f'{k}={v}' for k, v in params.items()) or 'its defaults'}"
+                            for device, params in obj.auto_params.items())
+        out["auto"] = (f"run by attacks: auto where it applies, at {budgets}" if obj.auto_params
+                       else f"left out of attacks: auto ({obj.auto_skip})")
         return out
     if entry.kind == "metric":
         return {"leakage": "higher is more" if obj.higher_is_better else "lower is more", "scores": obj.on}

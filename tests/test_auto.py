@@ -112,3 +112,14 @@ def test_auto_validates_and_runs_on_every_shipped_configs_model(path, tmp_path):
         assert rec.images.shape == originals[0].shape, (spec.name, setting.key)
         assert torch.isfinite(rec.images).all() and 0 <= rec.images.min() <= rec.images.max() <= 1, spec.name
         assert len(rec.labels) == len(labels), spec.name
+
+
+def test_the_report_names_what_auto_chose(write_audit):
+    from leakaudit.evaluator.results.report import provenance
+
+    audit = load_audit(write_audit(MLP_AUDIT))
+    rows = dict(provenance(audit, {"attack_choice": list(audit.attack_choice)}))
+    assert rows["Attacks"] == ("attacks: auto chose bayes, cinet, cocktail_party, inverting_gradients, "
+                               "learning_to_invert, spear; the other 12 registered attacks do not apply here or "
+                               "another does their work (leakaudit validate says why)")
+    assert "Attacks" not in dict(provenance(audit, {}))  # a file that lists its attacks

@@ -272,3 +272,12 @@ def test_a_likelihood_with_its_minimum_at_the_truth_fails():
     with pytest.raises(AssertionError, match="not peaked at the true candidate along the update's own direction "
                                              "and 31 more"):
         check_defense(Upside(sigma=0.1))
+
+
+def test_an_auto_budget_the_attack_refuses_fails():
+    class Budgeted(Guess):
+        params = {"iterations": Param(10, int, min=1)}
+        auto_params = {"cpu": {"iterations": 0}}
+
+    with pytest.raises(AssertionError, match=r"auto_params\['cpu'\]: \{'iterations': 0\} is refused: .*iterations"):
+        check_attack(Budgeted())

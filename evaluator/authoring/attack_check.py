@@ -107,6 +107,18 @@ def check_attack(attack: Attack, model: nn.Module | None = None, batch: tuple[Te
     if first is not None and first[1] < check.noise_psnr + BEATS_NOISE_DB:
         check.problems.append(f"protocol {first[0]}: PSNR {first[1]:.1f} dB on an undefended image, not "
                               f"{BEATS_NOISE_DB:g} dB above random noise's {check.noise_psnr:.1f} dB")
+    check.problems += _auto_problems(type(attack))
     if check.problems:
         raise AssertionError("\n".join(f"{check.attack}: {p}" for p in check.problems))
     return check
+
+
+def _auto_problems(cls: type[Attack]) -> list[str]:
+    """What ``attacks: auto`` would refuse in the attack's declarations: budgets its parameters reject."""
+    out = []
+    for device, params in cls.auto_params.items():
+        try:
+            cls(**params)
+        except Exception as exc:
+            out.append(f"auto_params[{device!r}]: {params!r} is refused: {exc}")
+    return out

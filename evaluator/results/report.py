@@ -133,7 +133,16 @@ def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
         ("Started", sessions[0]["started"] if sessions else "not recorded"),
         ("Run time", f"{seconds / 60:.1f} min over {len(sessions)} session(s)" if sessions else "not recorded"),
         ("Audit file", run_info.get("audit_file", str(audit.path))),
-    ]
+    ] + _auto_row(run_info.get("attack_choice") or [])
+
+
+def _auto_row(choice: list[str]) -> list[tuple[str, str]]:
+    """The provenance row of ``attacks: auto``: what it chose when the run started (none: the file listed them)."""
+    if not choice:
+        return []
+    chosen = [line.split(": ", 1)[0] for line in choice if line.split(": ", 1)[1].startswith("chosen")]
+    return [("Attacks", f"attacks: auto chose {', '.join(chosen)}; the other {len(choice) - len(chosen)} registered "
+                        "attacks do not apply here or another does their work (leakaudit validate says why)")]
 
 
 def page_template(template: Path | None = None) -> jinja2.Template:

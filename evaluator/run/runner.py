@@ -66,7 +66,8 @@ def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict
             "audit_file": str(scenario.audit.path.resolve()),
             "num_classes": scenario.data.num_classes,
             "chance_accuracy": float(torch.bincount(labels).max()) / len(labels),
-            "untried_attacks": untried_attacks(scenario)}
+            "untried_attacks": untried_attacks(scenario),
+            "attack_choice": list(scenario.audit.attack_choice)}  # attacks: auto's, as this version chose
 
 
 def versions() -> dict[str, str]:

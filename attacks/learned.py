@@ -123,7 +123,7 @@ class LearningToInvert(Attack):
 
     name = "learning_to_invert"
     paper = "Wu et al. 2023"
-    auto_params = {"cpu": {"updates": 1024, "iterations": 1000, "width": 500}, "cuda": {}}
+    auto_params = {"cpu": {"updates": 2048, "iterations": 1500, "width": 500}, "cuda": {}}
     uses_defense = True
     brings = "a data prior learned from the attacker's own images, for trained models"
     params = {

@@ -174,7 +174,7 @@ def test_the_example_plugin_is_what_new_plugin_writes(tmp_path):
 
 def test_plugins_kind_name_says_what_attacks_auto_does_with_it(capsys):
     _, out, _ = _run(capsys, "plugins", "attack", "learning_to_invert")
-    assert ("  auto:   run by attacks: auto where it applies, at cpu: updates=1024, iterations=1000, width=500; "
+    assert ("  auto:   run by attacks: auto where it applies, at cpu: updates=2048, iterations=1500, width=500; "
             "cuda: its defaults") in out.splitlines()
     _, out, _ = _run(capsys, "plugins", "attack", "l2")
     assert "  auto:   left out of attacks: auto (bayes runs the matching adversary: l2 is its form for Gaussian noise)" \

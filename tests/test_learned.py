@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from leakaudit.attacks.learned import LearningToInvert, canonical_order
+from leakaudit.attacks.learned import LearningToInvert, canonical_order, standard_deviations
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.run.runner import run_audit
@@ -83,3 +84,12 @@ def test_it_beats_inverting_gradients_on_a_trained_cnn_under_noise(write_audit, 
     # measured: 14.1 dB against Inverting Gradients' 10.2 and the mean image's 13.3
     assert psnr["learning_to_invert"] > psnr["inverting_gradients"] + 2
     assert psnr["learning_to_invert"] > baselines["mean"]["psnr"]
+
+
+def test_a_coordinate_that_never_moved_is_read_as_zero_and_a_barely_moving_one_is_floored():
+    inputs = torch.tensor([[1.0, 0.0, 5.0], [3.0, 0.0, 5.001]])
+    std = standard_deviations(inputs)
+    typical = (2 ** 0.5 + 0.001 / 2 ** 0.5) / 3
+    assert std[0] == pytest.approx(2 ** 0.5) and std[1] == math.inf
+    assert std[2] == pytest.approx(0.01 * typical)  # moved 7e-4, under a hundredth of a typical coordinate
+    assert ((torch.tensor([2.0, 0.3, 5.0]) - inputs.mean(0)) / std)[1] == 0  # a target's value there is not read

@@ -142,21 +142,39 @@ def _reduced(audit: dict) -> dict:
     for entry in audit["defenses"]:
         if isinstance(entry.get("clients"), list):  # the first number of clients, as the first of a sweep
             entry["clients"] = entry["clients"][:1]
+        elif isinstance(entry.get("clients"), int):  # at most two clients, whose updates the targets fill
+            entry["clients"] = min(entry["clients"], 2)
+            audit["data"]["targets"] = max(audit["data"]["targets"], batch * entry["clients"])
         for member in [entry, *entry.get("chain", [])]:
             member["sweep"] = {k: v[:1] for k, v in member.get("sweep", {}).items()}
     registry = load_registry()
-    for attack in audit["attacks"]:
+    for attack in audit.get("attacks", []):  # none listed: attacks: auto, at token budgets (token_auto_budgets)
         attack.pop("checkpoints", None)
         params = attack.setdefault("params", {})
-        declared = registry.get("attack", attack["name"]).params
-        params.update({k: v for k, v in {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0,
-                                         "cg_iterations": 2, "updates": 16, "width": 16}.items() if k in declared})
+        params.update(token_budget(registry.get("attack", attack["name"])))
         if "tune" in attack:
             attack["tune"] = {**attack["tune"], "budget": 2}
             if "scan" in attack["tune"]:  # two scan values around the file's own, and one grid trial
                 scan = attack["tune"]["scan"]
                 attack["tune"].update(budget=4, scan={**scan, "low": scan["low"], "high": scan["low"] * 10})
     return audit
+
+
+#: The token budget of every attack parameter of that name.
+TOKEN = {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0, "cg_iterations": 2, "updates": 16, "width": 16}
+
+
+def token_budget(cls) -> dict:
+    """The token budget of the parameters ``cls`` declares."""
+    return {k: v for k, v in TOKEN.items() if k in cls.params}
+
+
+def token_auto_budgets(monkeypatch) -> None:
+    """Every registered attack's ``attacks: auto`` budget cut to the token budget, for an audit that lists none."""
+    for entry in load_registry().entries["attack"].values():
+        if entry.obj.auto_params:
+            monkeypatch.setattr(entry.obj, "auto_params", {device: {**params, **token_budget(entry.obj)}
+                                                           for device, params in entry.obj.auto_params.items()})
 
 
 STAND_INS = {"mnist": "mnist_samples", "cifar10": "cifar10_samples"}  # the foolbox wheel's real images
@@ -176,11 +194,12 @@ SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
 
 @pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE else [])
                                   for p in sorted((ROOT / "configs").glob("*.yaml"))])
-def test_every_shipped_audit_runs_to_its_report(name, tmp_path):
+def test_every_shipped_audit_runs_to_its_report(name, tmp_path, monkeypatch):
     """Each shipped file, reduced, runs from YAML to report.html and summary.json (no traceback after the work)."""
     import json
 
     source = ROOT / "configs" / f"{name}.yaml"
+    token_auto_budgets(monkeypatch)
     audit = _offline(_reduced(yaml.safe_load(source.read_text())), source)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(audit))

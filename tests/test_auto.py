@@ -82,7 +82,7 @@ HEAVY = {"cinet_batch64", "imprint", "bayesian_full_budget"}
 def _auto_version(path: Path, tmp_path: Path) -> Path:
     """The shipped config with its attacks left to auto, on offline data."""
     raw = yaml.safe_load(path.read_text())
-    raw.pop("attacks")
+    raw.pop("attacks", None)
     data = raw["data"]
     if data["dataset"] in OFFLINE:  # the samples hold 10 images: one target, loaded whole
         raw["data"] = {k: v for k, v in data.items() if k not in ("root", "download", "params")} | {

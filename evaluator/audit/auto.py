@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from leakaudit.evaluator.audit.materials import check_data_memory, initial_model, load_data, model_section
-from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, call_label, model_label
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, call_label
 from leakaudit.plugins.components import ImageData
 
 AUTO = "auto"
@@ -22,7 +22,7 @@ def choose_attacks(audit: Audit, user_code: bool = True) -> tuple[list[AttackSpe
     registered attack on what was chosen or why not. ``user_code=False`` calls no factory of the user's: the
     settings of a factory model (or of factory data) are then checked on their models when the audit runs."""
     data = _data(audit, user_code)
-    models: dict[tuple[str, str], nn.Module | None] = {}
+    models: dict[str, nn.Module | None] = {}
     chosen, lines = [], []
     for name, entry in sorted(audit.registry.entries["attack"].items()):
         params = entry.obj.auto_settings(torch.device(audit.device).type)
@@ -68,7 +68,7 @@ def _build(cls: type, name: str, params: dict, audit: Audit):
 
 
 def _why_not(attack, setting: DefenseSetting, audit: Audit, data: ImageData | None,
-             models: dict[tuple[str, str], nn.Module | None], user_code: bool) -> str | None:
+             models: dict[str, nn.Module | None], user_code: bool) -> str | None:
     """Why ``attack`` cannot run on ``setting``, in the attack's own words; None where it can (or where the
     setting's model is the user's and cannot be built yet)."""
     if attack.needs_defense and setting.is_baseline(audit.registry):
@@ -83,16 +83,16 @@ def _why_not(attack, setting: DefenseSetting, audit: Audit, data: ImageData | No
 
 
 def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | None,
-           models: dict[tuple[str, str], nn.Module | None], user_code: bool) -> nn.Module | None:
-    """The setting's model at step 0 on the CPU (its shape is what matters), built once per model and defense;
+           models: dict[str, nn.Module | None], user_code: bool) -> nn.Module | None:
+    """The setting's model at step 0 on the CPU (its shape is what matters), built once per setting;
     None where it cannot be built here (a factory not to be called, or a defense that does not fit it, which
     the audit's checks then report)."""
-    key = (model_label(setting.model), ">".join(call_label(n, p) for n, p in setting.members))
+    key = setting.identity
     if key not in models:
         models[key] = None
         if data is not None and (user_code or ":" not in model_section(audit, setting).name):
             try:
                 models[key] = initial_model(audit, data, defense, setting, torch.device("cpu"))
             except Exception:  # a defense that does not fit the model, or a factory that fails: check_scenario says it
-                models[key] = None
+                pass
     return models[key]

@@ -34,12 +34,14 @@ def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
     from leakaudit.evaluator.live.lightning import LeakAuditCallback
 
     from lightning_training import DigitsClassifier
+    from lightning.pytorch.loggers import CSVLogger
 
     data = load_data()
     loader = DataLoader(normalised(data), batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0))
     monitor = leakaudit.LeakMonitor(attacks=ATTACK, every=3, out=tmp_path / "run", mean=data.mean, std=data.std)
-    trainer = pl.Trainer(max_steps=4, callbacks=[LeakAuditCallback(monitor)], accelerator="cpu", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(max_steps=4, callbacks=[LeakAuditCallback(monitor)], accelerator="cpu",
+                         logger=CSVLogger(tmp_path / "logs", name="digits"), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(DigitsClassifier(), loader)
@@ -48,14 +50,26 @@ def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
     assert found[0]["psnr"] > baselines["random"]["psnr"] + 15
     assert (tmp_path / "run" / "report.html").is_file()  # written when training ended
+    logged = (tmp_path / "logs" / "digits" / "version_0" / "metrics.csv").read_text().splitlines()
+    columns = logged[0].split(",")  # the Trainer's logger holds each audited step's scalars
+    psnr = [line.split(",")[columns.index("leakaudit/psnr")] for line in logged[1:]]
+    steps = [line.split(",")[columns.index("step")] for line in logged[1:]]
+    assert [s for s, v in zip(steps, psnr) if v] == ["0", "3"]
+    assert float(psnr[0]) == pytest.approx(found[0]["psnr"], abs=1e-4)
 
 
 def test_the_examples_run(tmp_path):
     import lightning_training
     import monitored_training
 
-    plain = monitored_training.main(out=str(tmp_path / "plain"), steps=4, every=3)
+    plain = monitored_training.main(out=str(tmp_path / "plain"), steps=4, every=3, board=str(tmp_path / "board"))
     assert plain.checkpoints == [0, 3] and plain.worst_case[0].verdict == "leaks"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "board"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("leakaudit/psnr")] == [0, 3]
+    assert [e.value for e in events.Scalars("leakaudit/leaks")] == [1.0, 1.0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inside = lightning_training.main(out=str(tmp_path / "lightning"), steps=4, every=3)
@@ -201,3 +215,78 @@ def test_flower_simulation_audited_from_the_server(tmp_path, monkeypatch):
         assert summary.checkpoints == [1, 2] and summary.worst_case[0].verdict == "leaks"
     psnr = {name: s.worst_case[0].mean("psnr") for name, s in summaries.items()}
     assert psnr["aggregate"] < min(psnr[n] for n in "0123") - 2.0  # measured: 23.7 against 28.2 to 29.8 dB
+
+
+FLOWER_APP = Path(__file__).parents[1] / "examples" / "own_training" / "flower_app"
+
+
+def _flower_app(monkeypatch, tmp_path, images: int) -> None:
+    """The quickstart-shaped app importable, its partitions cut to ``images``, its attacks cheap."""
+    for name, value in (("FLOWER_APP_IMAGES", images), ("FLOWER_APP_ITERATIONS", 20),
+                        ("FLOWER_APP_RUNS", tmp_path / "runs")):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FLOWER_APP), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(str(FLOWER_APP))
+    for module in ("task", "client_app", "server_app", "simulate"):
+        sys.modules.pop(module, None)
+
+
+def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatch):
+    """LeakAuditMod around the quickstart's @app.train function: the update attacked is the message's arrays
+    minus the reply's, over the batches the app's own DataLoader gave."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for field in ("_run_id", "_node_id", "_task_id"):  # what a SuperNode sets before it runs the app
+        monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
+    _flower_app(monkeypatch, tmp_path, images=40)  # 32 training images: one round of one minibatch
+    import client_app
+    from leakaudit.evaluator.live.flower import LeakAuditMod
+    from task import Net
+
+    mod = LeakAuditMod(Net, **client_app.AUDIT)
+    start = Net()
+    message = Message(content=RecordDict({"arrays": ArrayRecord(start.state_dict()),
+                                  "config": ConfigRecord({"lr": 0.01, "server-round": 3})}),
+                      dst_node_id=7, message_type=MessageType.TRAIN)
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2},
+                      state=RecordDict(), run_config={})
+    reply = mod(message, context, client_app.train)
+    returned = reply.content["arrays"].to_torch_state_dict()
+    monitor = mod.monitors["0"]
+    assert monitor.audited_steps == [3]
+    expected = [start.state_dict()[n] - returned[n] for n, _ in start.named_parameters()]
+    assert all(torch.allclose(a, b) for a, b in zip(monitor.last_update, expected))
+    described = json.loads((tmp_path / "runs" / "clients" / "client-0" / "monitor.json").read_text())
+    assert described["rounds"]["3"] | {"optimizer": None} == {"local_epochs": 1, "local_batch_size": 32,
+                                                             "local_lr": 0.01, "clients": 1, "images": 32,
+                                                             "optimizer": None}
+    assert described["rounds"]["3"]["optimizer"] == "Adam()" and not described.get("sampled")
+
+
+def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkeypatch):
+    """Flower's current quickstart structure (ClientApp with @app.train, ServerApp with strategy.start), each
+    side audited with at most five added lines; clients of 96 images are attacked on a seeded sample."""
+    for side in ("client_app.py", "server_app.py"):
+        added = [line for line in (FLOWER_APP / side).read_text().splitlines()
+                 if "# leakaudit" in line and not line.startswith('"""')]  # code lines, not the docstring
+        assert 1 <= len(added) <= 5, side
+    _flower_app(monkeypatch, tmp_path, images=120)
+    import simulate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        simulate.main()
+    runs = tmp_path / "runs"
+    folders = [runs / "clients" / "client-0", runs / "clients" / "client-1", runs / "server" / "client-0",
+               runs / "server" / "client-1", runs / "server" / "aggregate"]
+    for folder in folders:
+        described = json.loads((folder / "monitor.json").read_text())
+        assert sorted(described["steps"]) == [1, 2], folder
+        images = 128 if folder.name == "aggregate" else 64
+        assert all(len(r["per_image"]["psnr"]) == images for r in rows(folder))
+        if folder.name != "aggregate":
+            assert described["sampled"]["1"].startswith(
+                "it trained on 96 images, more than max_images=64: attacked on a seeded sample, 2 of its 3 "
+                "minibatches (64 images)")
+        assert (folder / "report.html").is_file()

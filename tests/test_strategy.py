@@ -114,7 +114,7 @@ def test_a_round_the_config_cannot_describe_is_skipped_with_a_warning(tmp_path):
         manager.register(Proxy(str(i)))
     instructions = strategy.configure_fit(1, start, manager)
     results = [(p, FitRes(Status(Code.OK, ""), ins.parameters, 1, {})) for p, ins in instructions]
-    with pytest.warns(UserWarning, match="fit config has no 'lr'"):
+    with pytest.warns(UserWarning, match="its config has no 'lr'"):
         strategy.aggregate_fit(1, results, [])
     assert strategy.report() == {}
 

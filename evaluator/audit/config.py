@@ -149,11 +149,11 @@ def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str 
     attacks = check_attacks(described["attacks"], registry, problems, None)
     settings = with_references(settings, attacks, registry)
     metrics = check_metrics(described["metrics"], registry, problems, described["image_size"])
-    leakage = check_leakage_metric(None, metrics, registry, problems)
+    leakage = check_leakage_metric(described.get("leakage_metric"), metrics, registry, problems)
+    verdict = section(described.get("verdict") or {}, VERDICT, "verdict", problems)
     if problems:
         raise ConfigError([f"{path}: {_strip_dot(p)}" for p in problems])
     utility = {k: p.default for k, p in UTILITY.items()} | {"train_steps": 0, "delta": described["delta"]}
-    verdict = {k: p.default for k, p in VERDICT.items()}
     return Audit(path=path, text=yaml.safe_dump(described, sort_keys=True), name=described["name"],
                  seed=described["seed"], device=described["device"], workers=1, plugins_dirs=dirs,
                  data=DataSection(**data), model=ModelSection(**model), settings=settings, attacks=attacks,

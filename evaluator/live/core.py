@@ -3,20 +3,28 @@ at the weights it was computed at, beside the undefended reference that calibrat
 from __future__ import annotations
 
 import json
+import logging
+import random
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
+from leakaudit.evaluator.audit.checks import check_leakage_metric
 from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.api import Stats, attack_shared, channel_stats, pixels_of, prepare
-from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RunError, RunFolder
+from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RUN_INFO, RunError, RunFolder
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import guess_scores
@@ -24,11 +32,74 @@ from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, opacus_hooks_off, parameter_names, trainable
 
 
-RECORDED = ("steps", "fits", "rounds", "skipped", "undone")  # monitor.json's record of the run so far
-MAX_ROUND_IMAGES = 64  # a federated round over more images is not attacked
-MEAN_IMAGE_SAMPLE = 256  # dataset items averaged into the mean-image guess the verdict compares with
-CAPTURED = "cache/monitor"  # the mean image, kept for reports rebuilt without the dataset
+RECORDED = ("steps", "fits", "rounds", "skipped", "undone", "sampled")  # monitor.json's record of the run so far
+MAX_ROUND_IMAGES = 64  # a federated round over more images is attacked on a seeded sample of this many
+PRIOR_SAMPLE = 256  # items of the attacker's data averaged into the mean-image guess the verdict compares with
+CAPTURED = "cache/monitor"  # the attacker's sample, kept for reports rebuilt without the dataset
 ATTACKER_DEFAULTS = {"memory": True}  # the server keeps every update the client sent
+LOGGER = logging.getLogger("leakaudit.monitor")
+
+
+def monitor_logger() -> logging.Logger:
+    """The monitor's logger: the application's handlers where it configured logging, else a line on stderr
+    per message (as Lightning's ``lightning.pytorch`` logger does); ``setLevel(logging.WARNING)`` quiets it."""
+    if not LOGGER.handlers and not logging.getLogger().hasHandlers():
+        LOGGER.addHandler(logging.StreamHandler())
+        LOGGER.propagate = False
+    if LOGGER.level == logging.NOTSET:
+        LOGGER.setLevel(logging.INFO)
+    return LOGGER
+
+
+@contextmanager
+def own_random_state(device: torch.device) -> Iterator[None]:
+    """Run the block on forked random states (torch's CPU and ``device``'s, Python's, NumPy's): whatever an
+    attack or an evaluation draws, the training around it draws exactly what it would have unwatched."""
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+_OBSERVERS: dict[int, "MonitorCore"] = {}  # thread id -> the monitor told of every DataLoader batch it yields
+_OBSERVED = threading.Lock()
+_PLAIN_ITER = DataLoader.__iter__
+
+
+@contextmanager
+def loaders_observed(monitor: "MonitorCore") -> Iterator[None]:
+    """Inside the block, every DataLoader this thread iterates tells ``monitor`` each pass and batch (as
+    ``MonitoredLoader`` does for one loader): for training code that makes its loaders itself, a Flower
+    ``ClientApp``'s train function say. Other threads' loaders are left alone."""
+    thread = threading.get_ident()
+    with _OBSERVED:
+        if not _OBSERVERS:
+            DataLoader.__iter__ = _observed_iter
+        _OBSERVERS[thread] = monitor
+    try:
+        yield
+    finally:
+        with _OBSERVED:
+            _OBSERVERS.pop(thread, None)
+            if not _OBSERVERS:
+                DataLoader.__iter__ = _PLAIN_ITER
+
+
+def _observed_iter(loader: DataLoader) -> Iterator[Any]:
+    batches = _PLAIN_ITER(loader)
+    monitor = _OBSERVERS.get(threading.get_ident())
+    return batches if monitor is None else _told(monitor, loader, batches)
+
+
+def _told(monitor: "MonitorCore", loader: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    monitor.observe_pass(loader)
+    for batch in batches:
+        monitor.observe_batch(batch)
+        yield batch
 
 
 class MonitoredLoader:
@@ -39,7 +110,7 @@ class MonitoredLoader:
         self._monitor = monitor
 
     def __iter__(self) -> Iterator[Any]:
-        self._monitor.observe_pass()
+        self._monitor.observe_pass(self._loader)
         for batch in self._loader:
             self._monitor.observe_batch(batch)
             yield batch
@@ -62,11 +133,17 @@ class MonitorCore:
                  loss_fn: LossFn = F.cross_entropy, known_labels: bool = False,
                  metrics: Sequence[str] | None = None, seed: int = 0, delta: float = 1e-5,
                  name: str = "monitor", plugins_dirs: Sequence[str] = (),
-                 attacker: dict[str, Any] | None = None) -> None:
+                 attacker: dict[str, Any] | None = None, leakage_metric: str | None = None, prior: Any = None,
+                 eval_loader: Any = None, loggers: Sequence[Any] = ()) -> None:
         problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
         problems += [] if 0 < delta < 1 else [f"delta: {delta!r}; expected a number in (0, 1)"]
         self.attacker = {**ATTACKER_DEFAULTS, **(attacker if isinstance(attacker, dict) else {})}
         problems += _attacker_problems(attacker)
+        problems += [f"loggers[{i}]: a {type(sink).__name__}; expected a TensorBoard SummaryWriter (add_scalar), an "
+                     "object with log_metrics(metrics, step) (Lightning's loggers, the mlflow module) or a function "
+                     "(scalars, step)" for i, sink in enumerate(loggers) if _sink_kind(sink) is None]
+        problems += [] if eval_loader is None or hasattr(eval_loader, "__iter__") else [
+            f"eval_loader: a {type(eval_loader).__name__}; expected a loader of held-out (inputs, labels) batches"]
         if problems:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.defense = {"name": defense} if isinstance(defense, str) else defense
@@ -76,11 +153,17 @@ class MonitorCore:
         self.metrics = None if metrics is None else list(metrics)  # None: live_metrics, once the plugins load
         self.seed, self.delta, self.name = seed, delta, name
         self.plugins_dirs = list(plugins_dirs)
+        self.leakage_metric, self.prior, self.eval_loader = leakage_metric, prior, eval_loader
+        self.loggers = list(loggers)
+        self.log = monitor_logger()
+        warn_old_torch()
         self.steps_taken = 0
         #: The update attacked at the last audited step, ``(theta_before - theta_after) / lr`` per parameter.
         self.last_update: list[Tensor] | None = None
         self._batch: Any = None
         self._passes = 0
+        self._source: Any = None  # the loader of the last pass begun
+        self._physical: list[Any] = []  # the batches since the last optimizer step (StepMonitor)
         self._attack_seconds = 0.0  # this session's, for run.json
         self._round: LocalRound | None = None
         self.watched: Any = None  # the loader given to ``watch``
@@ -89,6 +172,7 @@ class MonitorCore:
         self._federated = False  # bound to federated rounds (RoundMonitor)
         self._folder: RunFolder | None = None  # once attached or bound
         self._pending: _Pending | None = None
+        self._accountant: Any = None  # Opacus's, when its PrivacyEngine made the optimizer
         self._handles: list[Any] = []
         self._model: nn.Module | None = None
         self._described: dict[str, Any] = {"steps": []}  # monitor.json, once attached
@@ -106,6 +190,10 @@ class MonitorCore:
                                      min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
                                      caller="LeakMonitor", scope=scope)
             self.metrics = [m.name for m in self._prepared.scorers]
+        if self.leakage_metric is not None:
+            check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong := [])
+            if wrong:
+                raise ConfigError([f"LeakMonitor: {line}" for line in wrong])
         if shape is not None:  # the first training input, to catch a wrong normalisation before any step
             pixels_of(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
                       caller="LeakMonitor")
@@ -138,9 +226,10 @@ class MonitorCore:
         """The batch the next optimizer step trains on (the loader wrapper calls this; a reference only)."""
         self._batch = batch
 
-    def observe_pass(self) -> None:
-        """A new pass over the loader begins (the loader wrapper calls this): FedAvg's local epochs."""
+    def observe_pass(self, loader: Any = None) -> None:
+        """A new pass over ``loader`` begins (the loader wrapper calls this): FedAvg's local epochs."""
         self._passes += 1
+        self._source = loader
 
 
     def _attack_at(self, step: int, before: list[Tensor], buffers: dict[str, Tensor], update: list[Tensor],
@@ -153,17 +242,31 @@ class MonitorCore:
             device = params[0].device
             inputs, labels = torch.as_tensor(inputs).to(device), torch.as_tensor(labels).to(device)
             if len(inputs) == 0:  # a Poisson-sampled batch can be empty: nothing to attack
+                self.skip(step, "its Poisson-sampled batch is empty: no image to rebuild")
                 return
             self.last_update = update
             after, now = model_state(plain)
             started = time.perf_counter()
             try:
-                load_model_state(plain, before, buffers)
-                self._attack(plain, step, update, inputs, labels, protocol)
+                with own_random_state(device):
+                    load_model_state(plain, before, buffers)
+                    self._attack(plain, step, update, inputs, labels, protocol)
+                    load_model_state(plain, after, now)
+                    self._after_audit(plain, step)
             finally:
                 load_model_state(plain, after, now)
             self._attack_seconds += time.perf_counter() - started
             self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
+
+    def skip(self, step: int, why: str) -> None:
+        """Record that step (or round) ``step`` is not attacked and why, in monitor.json and on the log."""
+        self._described.setdefault("skipped", {})[str(step)] = why
+        self._folder.write_json(MONITOR, self._described)
+        self.log.warning("LeakMonitor %s %d not attacked: %s", self._unit, step, why)
+
+    @property
+    def _unit(self) -> str:
+        return "round" if self._federated else "step"
 
     def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
                 protocol: Any) -> None:
@@ -180,6 +283,8 @@ class MonitorCore:
                 sent, public = defense.apply(update, share_gen)
                 observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
             epsilon = None if setting.calibrates is not None else self._epsilon()
+            self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step,
+                          "the undefended update" if setting.is_baseline else f"the update under {setting.key}", n, ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting)))
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
@@ -189,9 +294,65 @@ class MonitorCore:
                                                list(range(n)), epsilon)  # one update per step: no bound to test
                 self._folder.results.append(row)
                 self._folder.results_csv.append(row)
+                self.log.info("  %s: %s", spec.label, ", ".join(
+                    f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float)) + f" ({rec.seconds:.0f} s)")
         self._described["steps"].append(step)
         self._folder.write_json(MONITOR, self._described)
         self._write_baselines()
+
+    def _after_audit(self, plain: nn.Module, step: int) -> None:
+        """Once a step's rows are written: the held-out accuracy (``eval_loader``), the report rewritten, the
+        step's verdict on the log and its scalars sent to the loggers."""
+        if self.eval_loader is not None:
+            self._write_utility(plain, step)
+        summary = self.report()
+        verdict = next((v for v in summary.verdicts if v.checkpoint == step and v.setting == self._monitored), None)
+        if verdict is None:
+            self.log.info("LeakMonitor %s %d: not judged (no finite %s)", self._unit, step, summary.leakage_metric)
+            return
+        self.log.info("LeakMonitor %s %d: %s: %s", self._unit, step, verdict.verdict or "not judged", verdict.reason)
+        scalars = {f"leakaudit/{summary.leakage_metric}": verdict.score,
+                   **({"leakaudit/leak_threshold": verdict.threshold} if verdict.threshold is not None else {}),
+                   **({"leakaudit/leaks": float(verdict.verdict == "leaks")}
+                      if verdict.verdict in ("leaks", "protects") else {}),
+                   **({"leakaudit/accuracy": verdict.accuracy} if verdict.accuracy is not None else {})}
+        epsilon = summary.utility.get(self._monitored)
+        if epsilon is not None and epsilon.epsilon is not None:
+            scalars["leakaudit/epsilon"] = epsilon.epsilon
+        for sink in self.loggers:
+            send_scalars(sink, scalars, step)
+
+    @property
+    def _monitored(self) -> str:
+        """The key of the setting this monitor audits (the others are its undefended reference)."""
+        return self._folder.audit.settings[0].key  # the references are added after it
+
+    @torch.no_grad()
+    def _write_utility(self, plain: nn.Module, step: int) -> None:
+        """The model's accuracy on ``eval_loader`` now, kept per audited step in utility.jsonl: a model the
+        defense wrecked reads "unusable", not "protects"."""
+        was_training, device = plain.training, next(plain.parameters()).device
+        plain.eval()
+        right = total = 0
+        try:
+            for batch in self.eval_loader:
+                x, y = inputs_labels(batch)
+                y = torch.as_tensor(y).to(device).reshape(-1)
+                right += int((plain(torch.as_tensor(x).to(device)).argmax(dim=1) == y).sum())
+                total += len(y)
+        finally:
+            plain.train(was_training)
+        path = self._folder.utility.path
+        earlier = next(iter(self._folder.utility.read()), {}).get("checkpoint_accuracy") or {}
+        accuracy = right / max(total, 1)
+        if not earlier:  # the first measure: chance (the majority class's share), below which it is unusable
+            info = self._folder.read_json(RUN_INFO)
+            info["chance_accuracy"] = self._chance(device)
+            self._folder.write_json(RUN_INFO, info)
+        row = {"setting": self._monitored, "accuracy": accuracy, "train_steps": self.steps_taken,
+               "epsilon": self._epsilon(), "delta": self.delta, "model_changes": [],
+               "checkpoint_accuracy": {**earlier, str(step): accuracy}}
+        path.write_text(json.dumps(row) + "\n")
 
 
     def report(self) -> Summary:
@@ -204,37 +365,49 @@ class MonitorCore:
         return report_folder(self.out, plugins_dirs=self.plugins_dirs)
 
     def _write_baselines(self) -> None:
-        """Scores of guesses made without the update (noise, grey, the data's mean image) on every attacked
-        batch so far: the verdict's bar."""
+        """Scores of guesses made without the update (noise, grey, the mean image of the attacker's data less
+        the batch's own images) on every attacked batch so far: the verdict's bar."""
         folder, audit = self._folder, self._folder.audit
         records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
                    for step in self.audited_steps)
         batches = [(r["original"], r["labels"]) for r in records if r is not None]
+        prior = self._prior_pixels()
         folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
-                                                  self._mean_image(),
+                                                  lambda pixels: mean_without(prior, pixels),
                                                   generator(torch.device("cpu"), self.seed, "baseline")))
 
-    def _mean_image(self) -> Tensor | None:
-        """The mean pixel image of up to 256 seeded items of the training set, computed once and kept."""
-        path = self.out / CAPTURED / "mean_image.pt"
+    def _chance(self, device: torch.device) -> float:
+        """The majority class's share of ``eval_loader``'s labels."""
+        labels = torch.cat([torch.as_tensor(inputs_labels(b)[1]).reshape(-1).cpu() for b in self.eval_loader])
+        return float(labels.bincount().max()) / max(len(labels), 1)
+
+    def _prior_pixels(self) -> Tensor | None:
+        """Pixels of up to 256 seeded items of the data the attacker may hold (``prior``, else the training set),
+        drawn once and kept in the run folder; None without an indexable dataset."""
+        path = self.out / CAPTURED / "prior.pt"
         if path.exists():
             return torch.load(path, weights_only=True)
-        if self._dataset is None or not hasattr(self._dataset, "__len__"):
+        source = self.prior if self.prior is not None else self._dataset
+        source = getattr(source, "dataset", source)
+        if source is None or not hasattr(source, "__len__") or not hasattr(source, "__getitem__") or not len(source):
             return None
         gen = generator(torch.device("cpu"), self.seed, "mean_image")
-        picks = torch.randperm(len(self._dataset), generator=gen)[:MEAN_IMAGE_SAMPLE].tolist()
-        x = torch.stack([torch.as_tensor(inputs_labels(self._dataset[i], single=True)[0]).float().cpu()
-                         for i in picks])
+        picks = torch.randperm(len(source), generator=gen)[:PRIOR_SAMPLE].tolist()
+        x = torch.stack([torch.as_tensor(inputs_labels(source[i], single=True)[0]).float().cpu() for i in picks])
         mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
-        image = (x * std + mean).clamp(0, 1).mean(dim=0)
+        pixels = (x * std + mean).clamp(0, 1)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(image, path)
-        return image
-
+        torch.save(pixels, path)
+        return pixels
 
     def _epsilon(self) -> float | None:
-        """Epsilon at ``delta`` spent so far (this step included) under Opacus, from its RDP accountant."""
-        if self._dp is None or self._dp["sample_rate"] is None:
+        """Epsilon at ``delta`` spent so far (this step included) under Opacus: from the accountant its
+        PrivacyEngine was given (the figure it prints), else from an RDP accountant over the steps taken."""
+        if self._dp is None:
+            return None
+        if getattr(self, "_accountant", None) is not None:
+            return float(self._accountant.get_epsilon(self.delta))
+        if self._dp["sample_rate"] is None:
             return None
         defense = self._prepared.defenses[0][1]
         return defense.privacy_spent(self.steps_taken, self._dp["sample_rate"], self.delta)
@@ -276,6 +449,9 @@ class MonitorCore:
                 "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
                 "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
+                "leakage_metric": self.leakage_metric,
+                "dropout": sorted({float(m.p) for m in plain.modules()
+                                   if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0}),
                 "device": next(plain.parameters()).device.type, "dp": self._dp, "steps": []}
 
     def _open_folder(self) -> RunFolder:
@@ -303,6 +479,63 @@ class MonitorCore:
                               "device_type": device, "deterministic": True, "audit_file": str(saved),
                               "chance_accuracy": None})
         return folder
+
+
+def mean_without(prior: Tensor | None, pixels: Tensor) -> Tensor | None:
+    """The mean image of ``prior``'s items that are none of ``pixels``' images: a guess made without the update
+    must not be handed the very images it is scored against (a client of one image, say); None when none is left."""
+    if prior is None:
+        return None
+    keep = torch.ones(len(prior), dtype=torch.bool)
+    flat = prior.flatten(1)
+    for image in pixels.detach().cpu().flatten(1):
+        keep &= (flat - image).abs().amax(dim=1) > 1e-5
+    return prior[keep].mean(dim=0) if keep.any() else None
+
+
+def _sink_kind(sink: Any) -> str | None:
+    """How scalars reach ``sink``: TensorBoard's ``add_scalar``, a ``log_metrics`` (Lightning, MLflow), a call."""
+    if hasattr(sink, "add_scalar"):
+        return "add_scalar"
+    if hasattr(sink, "log_metrics"):
+        return "log_metrics"
+    return "call" if callable(sink) else None
+
+
+def send_scalars(sink: Any, scalars: dict[str, float], step: int) -> None:
+    """Send one audited step's scalars to a logger, each the way it takes them."""
+    kind = _sink_kind(sink)
+    if kind == "add_scalar":
+        for key, value in scalars.items():
+            sink.add_scalar(key, value, step)
+    elif kind == "log_metrics":
+        sink.log_metrics(scalars, step=step)
+    else:
+        sink(scalars, step)
+
+
+def warn_old_torch() -> None:
+    """Warn once when the installed torch is older than the one leakaudit declares (an app's pinned
+    dependencies, say): its numbers are not the tested ones."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        needed = next((r for r in requires("leakaudit") or [] if r.startswith("torch") and ">=" in r), None)
+    except PackageNotFoundError:
+        return
+    if needed is None:
+        return
+    wanted = needed.split(">=")[1].split(",")[0].split(";")[0].strip()
+    if _version(torch.__version__) < _version(wanted):
+        import warnings
+
+        warnings.warn(f"leakaudit: torch {torch.__version__} is installed; leakaudit supports torch >= {wanted} "
+                      "and its verdicts are tested there (an app's pinned dependencies may hold torch back)",
+                      stacklevel=3)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
 
 
 def _attacker_problems(attacker: Any) -> list[str]:
@@ -352,7 +585,10 @@ def _normalize_in(transform: Any, depth: int = 0) -> Any | None:
 
 
 def _same(a: Stats, b: Stats) -> bool:
+    """Whether two normalisation statistics agree, a single number standing for every channel."""
     x, y = torch.as_tensor(a, dtype=torch.float64).flatten(), torch.as_tensor(b, dtype=torch.float64).flatten()
+    if len(x) == 1 or len(y) == 1:
+        x, y = torch.broadcast_tensors(x, y)
     return x.shape == y.shape and bool(torch.allclose(x, y, atol=1e-6))
 
 

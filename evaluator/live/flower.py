@@ -1,14 +1,17 @@
 """LeakMonitor on a Flower client: each round's update attacked before it leaves (install ``leakaudit[flower]``).
 
-``LeakAuditClient`` wraps a ``NumPyClient``. Around the wrapped client's ``fit`` it watches every optimizer
-step on the model, whichever optimizer ``fit`` makes, and attacks the parameters ``fit`` returns as the
-round's FedAvg update over the batches the watched loader gave (``LeakMonitor.local_round``). Rounds are
-numbered by the ``server_round`` of the fit config when the strategy sends it, else by the client's own
-count of rounds it took part in, kept in its run folder.
+``LeakAuditMod`` is a client mod for Flower's Message API (``ClientApp(mods=[...])``, ``@app.train()``): around
+the app's train function it watches every optimizer step and the batches every DataLoader the function
+iterates yields, then attacks the arrays the reply returns as the round's FedAvg update from the arrays the
+message brought (``LeakMonitor.observe_round``). ``LeakAuditClient`` wraps an older app's ``NumPyClient`` the
+same way around its ``fit``, over the batches of the loader the monitor watches (``LeakMonitor.local_round``).
+Rounds are numbered by the round the server sends in the config (``server-round``, ``server_round``), else
+by the client's own count of rounds it took part in, kept in its run folder.
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from torch import nn
 
@@ -16,9 +19,61 @@ from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.monitor import MAX_ROUND_IMAGES, LeakMonitor
 
 try:
+    from flwr.app import Message, MessageType
     from flwr.client import NumPyClient
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("leakaudit's Flower client needs Flower: pip install 'leakaudit[flower]'") from exc
+
+ROUND_KEYS = ("server-round", "server_round")  # where strategies put the round's number in the config
+
+
+class LeakAuditMod:
+    """A Flower client mod: every ``every``-th round's update attacked before the reply leaves the client.
+
+    ``model`` makes the network the app trains (``Net``, say): the mod loads the message's arrays into it
+    to attack the round's update at the weights it was computed from. Each client writes
+    ``out/client-NAME``, NAME its ``client_key`` in the node config (Flower's ``partition-id`` in simulation),
+    else its node id. A round over more than ``max_images`` images is attacked on a seeded sample of its
+    minibatches. The remaining keywords configure each client's ``LeakMonitor`` (defense, attacks, mean, std,
+    metrics, leakage_metric, loggers, ...); they are checked now, one line per problem.
+    """
+
+    def __init__(self, model: Callable[[], nn.Module], *, out: str | Path = "runs/flower_clients", every: int = 1,
+                 client_key: str = "partition-id", max_images: int = MAX_ROUND_IMAGES, **monitor: Any) -> None:
+        problems = [] if callable(model) else [f"model: a {type(model).__name__}; expected what makes the network "
+                                               "the app trains (its class, say)"]
+        problems += [] if isinstance(max_images, int) and max_images >= 1 else [
+            f"max_images: {max_images!r}; expected a whole number >= 1"]
+        if problems:
+            raise ConfigError([f"LeakAuditMod: {p}" for p in problems])
+        LeakMonitor(**monitor, every=every, out=out)  # checks the settings now; writes nothing
+        self.model, self.out, self.every, self.client_key = model, Path(out), every, client_key
+        self.max_images, self._settings = max_images, monitor
+        self._fits: dict[str, int] = {}
+        #: Each client's monitor of its last audited round in this process, by name (``monitors["0"].report()``).
+        self.monitors: dict[str, LeakMonitor] = {}
+
+    def __call__(self, msg: Message, context: Any, call_next: Callable[[Message, Any], Message]) -> Message:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return call_next(msg, context)
+        name = str(context.node_config.get(self.client_key, context.node_id))
+        config = next(iter(msg.content.config_records.values()), {})
+        self._fits[name] = self._fits.get(name, 0) + 1
+        number = next((int(config[k]) for k in ROUND_KEYS if k in config), self._fits[name])
+        if (number - 1) % self.every:
+            return call_next(msg, context)
+        monitor = self.monitors[name] = LeakMonitor(**self._settings, every=self.every,
+                                                    out=self.out / f"client-{name}")
+        monitor.max_images = self.max_images
+        arrays = next(iter(msg.content.array_records.values()))
+        with monitor.observe_round(number) as local:
+            reply = call_next(msg, context)
+        if reply.has_error() or not reply.content.array_records:
+            return reply
+        model = self.model()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        monitor.finish_round(local, model, next(iter(reply.content.array_records.values())).to_numpy_ndarrays())
+        return reply
 
 
 class LeakAuditClient(NumPyClient):

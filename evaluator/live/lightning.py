@@ -1,7 +1,8 @@
 """LeakMonitor inside PyTorch Lightning's ``Trainer.fit``: a callback (install ``leakaudit[lightning]``).
 
 The callback binds the monitor to the LightningModule, its optimizer and its training set when training
-starts, hands it each batch, and writes the report when training ends. The module's ``forward`` must map
+starts, hands it each batch, sends each audited step's scalars to the Trainer's loggers (TensorBoard, CSV,
+MLflow, ...) beside the monitor's own, and writes the report when training ends. The module's ``forward`` must map
 images to logits: the attacks call it.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ class LeakAuditCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         loader = trainer.train_dataloader
         self.monitor.bind(pl_module, trainer.optimizers[0], getattr(loader, "dataset", None), loader)
+        self.monitor.loggers += [lg for lg in trainer.loggers if lg not in self.monitor.loggers]  # the Trainer's
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.monitor.observe_batch(batch)

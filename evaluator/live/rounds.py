@@ -12,7 +12,17 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, MonitorCore, MonitoredLoader, inputs_labels, model_state
+from leakaudit.evaluator.audit.seeds import generator
+from leakaudit.evaluator.live.core import (
+    MAX_ROUND_IMAGES,
+    MonitorCore,
+    MonitoredLoader,
+    inputs_labels,
+    load_model_state,
+    loaders_observed,
+    model_state,
+    own_random_state,
+)
 from leakaudit.evaluator.results.rundir import MONITOR, RunError
 from leakaudit.plugins.protocol import FedAvg, parameter_names, trainable
 
@@ -34,11 +44,13 @@ class LocalRound:
     model's own."""
 
     number: int
-    params: set[int]
+    params: set[int] | None  # the model's parameters (None: any optimizer's steps, the model not known yet)
     sent: Sequence[Any] | None = None
     before: list[Tensor] | None = None
     buffers: dict[str, Tensor] | None = None
     steps: list[_RoundStep] = field(default_factory=list)
+    loader: Any = None  # the loader of the first step's batch
+    device: torch.device | None = None  # where the first step's parameters live
 
 
 def _optimizer_text(optimizer: torch.optim.Optimizer) -> str:
@@ -65,6 +77,50 @@ def sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] |
     return [torch.as_tensor(a).to(device=p.device, dtype=p.dtype) for a, p in zip(sent, params)]
 
 
+def joined(batches: Sequence[tuple[Any, Any]]) -> tuple[Tensor, Tensor]:
+    """``(inputs, labels)`` batches as one batch, in order."""
+    return (torch.cat([torch.as_tensor(x) for x, _ in batches]),
+            torch.cat([torch.as_tensor(y).reshape(-1) for _, y in batches]))
+
+
+def sample_round(batches: Sequence[tuple[Any, Any]], protocol: FedAvg, max_images: int,
+                 gen: torch.Generator) -> tuple[tuple[Tensor, Tensor], FedAvg, str]:
+    """A round over more than ``max_images`` images, cut to a seeded sample the attacks can take: whole
+    minibatches (in training order) up to ``max_images`` images, or ``max_images`` images of one minibatch
+    when a minibatch alone is larger. Returns the sample, its FedAvg protocol and a line saying what was done."""
+    size = len(torch.as_tensor(batches[0][1]).reshape(-1))
+    total = sum(len(torch.as_tensor(y).reshape(-1)) for _, y in batches)
+    if size <= max_images:
+        full = [i for i, (_, y) in enumerate(batches) if len(torch.as_tensor(y).reshape(-1)) == size]
+        keep = sorted(full[i] for i in torch.randperm(len(full), generator=gen)[:max_images // size].tolist())
+        batch = joined([batches[i] for i in keep])
+        what = f"{len(keep)} of its {len(batches)} minibatches"
+    else:
+        x, y = joined([batches[int(torch.randint(len(batches), (1,), generator=gen))]])
+        pick = torch.randperm(len(y), generator=gen)[:max_images].sort().values
+        batch, size = (x[pick], y[pick]), max_images
+        what = f"{max_images} images of one minibatch"
+    sample = dataclasses.replace(protocol, local_batch_size=size)
+    return batch, sample, (f"it trained on {total} images, more than max_images={max_images}: attacked on a seeded "
+                           f"sample, {what} ({len(batch[1])} images), through the update they make from the round's "
+                           f"weights in {protocol.local_epochs} local epoch(s) at lr {protocol.local_lr:g}")
+
+
+def round_update(model: nn.Module, loss_fn: Any, before: list[Tensor], buffers: dict[str, Tensor],
+                 batch: tuple[Tensor, Tensor], protocol: FedAvg) -> list[Tensor]:
+    """``theta_before - theta_after`` of ``protocol``'s local training on ``batch`` from ``before``, computed
+    on ``model`` (whose own weights and random state are put back)."""
+    params = trainable(model)
+    device = params[0].device
+    after, now = model_state(model)
+    try:
+        with own_random_state(device):
+            load_model_state(model, before, buffers)
+            return protocol.client_update(model, loss_fn, batch[0].to(device), batch[1].to(device))
+    finally:
+        load_model_state(model, after, now)
+
+
 class RoundMonitor(MonitorCore):
     """A monitor bound to a federated client (``bind_rounds``, ``local_round``): every ``every``-th round's
     local training is attacked as FedAvg's update, over the batches the watched loader gave."""
@@ -78,7 +134,8 @@ class RoundMonitor(MonitorCore):
     def bind_rounds(self, model: nn.Module, loader: Any, max_images: int = MAX_ROUND_IMAGES) -> None:
         """``attach`` for federated clients, whose optimizer is made anew in each round: check the audit and
         open the run folder; ``local_round`` then audits each round's update. Raises ConfigError before any
-        work. ``max_images``: rounds that train on more images are not attacked (said in a warning)."""
+        work. ``max_images``: a round that trains on more images is attacked on a seeded sample of its
+        minibatches, through the update the sample makes from the round's weights (said on the log)."""
         self.detach()
         self._inner, self._dp, self.max_images, self._undo = None, None, max_images, False
         problems = ([f"model: an Opacus {type(model).__name__}; DP-SGD inside federated rounds is not audited "
@@ -119,21 +176,59 @@ class RoundMonitor(MonitorCore):
             self._audit_round(local)
         self._folder.write_json(MONITOR, self._described)
 
+    @contextmanager
+    def observe_round(self, number: int) -> Iterator[LocalRound]:
+        """Watch round ``number`` before the model is known (a Flower mod): every optimizer step in the block
+        and the batches every DataLoader iterated in this thread yields; ``finish_round`` then audits it."""
+        local = LocalRound(number, None)
+        self._batch, self._round = None, local
+        handle = register_optimizer_step_pre_hook(self._round_step)
+        try:
+            with loaders_observed(self):
+                yield local
+        finally:
+            handle.remove()
+            self._round = None
+
+    def finish_round(self, local: LocalRound, model: nn.Module, sent: Sequence[Any]) -> None:
+        """Audit a round watched by ``observe_round``: ``model`` is the network at the round's starting weights
+        (moved where training ran), ``sent`` the arrays the client returns. Binds the monitor to them first
+        (ConfigError, one line per problem); a round already in the run folder is not attacked again."""
+        if local.device is not None:
+            model.to(local.device)
+        if local.loader is None:
+            why = "no DataLoader batch reached an optimizer step in this thread; leakaudit audits the batches a " \
+                  "torch DataLoader gives"
+            self.bind_rounds(model, None, self.max_images)
+            self.skip(local.number, why)
+            return
+        self.bind_rounds(model, local.loader, self.max_images)
+        if local.number in self._described["steps"]:
+            return
+        self._described["fits"] += 1
+        local.before, local.buffers = model_state(model)
+        local.sent = sent
+        self._audit_round(local)
+        self._folder.write_json(MONITOR, self._described)
+
     def _round_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before each optimizer step in an audited round: the first keeps the weights; each keeps its batch."""
         local = self._round
         groups = optimizer.param_groups
-        if local is None or not any(id(p) in local.params for g in groups for p in g["params"]):
+        if local is None or (local.params is not None
+                             and not any(id(p) in local.params for g in groups for p in g["params"])):
             return
-        if local.before is None:
+        if local.before is None and local.params is not None:
             local.before, local.buffers = model_state(self._model)
+        if not local.steps:
+            local.loader, local.device = self._source, groups[0]["params"][0].device
         local.steps.append(_RoundStep(self._batch, self._passes, tuple(float(g["lr"]) for g in groups),
                                       _optimizer_text(optimizer)))
 
     def _audit_round(self, local: LocalRound) -> None:
         found = self._round_update(local)
         if isinstance(found, str):
-            self._described["skipped"][str(local.number)] = found
+            self.skip(local.number, found)
             warnings.warn(f"LeakMonitor: round {local.number} not attacked: {found}", stacklevel=3)
             return
         protocol, batch, update, optimizer = found
@@ -168,13 +263,20 @@ class RoundMonitor(MonitorCore):
         size = sizes[0][0]
         if any(n != size for n in sizes[0][:-1]) or sizes[0][-1] > size:
             return f"batch sizes {sizes[0]}: FedAvg's minibatches are all the same size but the last"
-        inputs = torch.cat([torch.as_tensor(x) for x, _ in passes[0]])
-        labels = torch.cat([torch.as_tensor(y).reshape(-1) for _, y in passes[0]])
-        if len(labels) > self.max_images:
-            return f"it trained on {len(labels)} images, more than max_images={self.max_images}"
+        protocol = FedAvg(local_epochs=len(passes), local_batch_size=size, local_lr=lrs.pop())
+        if sum(len(y) for _, y in passes[0]) > self.max_images:
+            batch, protocol, how = sample_round(passes[0], protocol, self.max_images,
+                                                generator(torch.device("cpu"), self.seed, "round-sample", local.number))
+            self.sampled(local.number, how)
+            return protocol, batch, round_update(self._model, self.loss_fn, local.before, local.buffers, batch,
+                                                 protocol), steps[0].optimizer
         after = sent_weights(self._model, local.sent)
         if isinstance(after, str):
             return after
         update = [b - a for b, a in zip(local.before, after)]
-        protocol = FedAvg(local_epochs=len(passes), local_batch_size=size, local_lr=lrs.pop())
-        return protocol, (inputs, labels), update, steps[0].optimizer
+        return protocol, joined(passes[0]), update, steps[0].optimizer
+
+    def sampled(self, number: int, how: str) -> None:
+        """Record (and log) that round ``number`` is attacked on a sample of its images, and how."""
+        self._described.setdefault("sampled", {})[str(number)] = how
+        self.log.info("LeakMonitor round %d: %s", number, how)

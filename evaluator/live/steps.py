@@ -2,6 +2,7 @@
 what Opacus's DPOptimizer makes of it."""
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from leakaudit.evaluator.live.core import MonitorCore, MonitoredLoader, model_state
+from leakaudit.evaluator.live.core import MonitorCore, MonitoredLoader, inputs_labels, model_state
 from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
 from leakaudit.evaluator.results.rundir import MONITOR
 from leakaudit.plugins.manager import load_registry
@@ -41,8 +42,10 @@ class StepMonitor(MonitorCore):
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, loader: Any = None) -> None:
         """``attach`` for loops that hand the monitor each batch themselves (``observe_batch``): Lightning."""
         self.detach()
+        self._physical = []
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
         self._dp = self._dp_settings(optimizer, loader)
+        self._accountant = opacus_accountant(optimizer)
         why = unsupported(self._inner)
         self._undo = self.attacker["memory"] and why is None
         problems = self._unoptimised(model)
@@ -58,16 +61,44 @@ class StepMonitor(MonitorCore):
             warnings.warn(f"LeakMonitor: attacker memory: {why}; the raw update is attacked", stacklevel=3)
         self._folder.write_json(MONITOR, self._described)
 
+    def observe_batch(self, batch: Any) -> None:
+        """A batch the next optimizer step trains on; under Opacus's ``BatchMemoryManager`` the physical batches
+        of one logical step, which together are its batch."""
+        super().observe_batch(batch)
+        self._physical.append(batch)
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step = self.steps_taken
-        if step % self.every or step in self._described["steps"] or self._batch is None:
+        if step % self.every or step in self._described["steps"]:
+            return
+        batch = self._step_batch(step)
+        if batch is None:
             return
         plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
         memory = remember(self._inner, trainable(plain)) if self._undo else None
-        self._pending = _Pending(step, *model_state(plain), self._batch, memory)
+        self._pending = _Pending(step, *model_state(plain), batch, memory)
+
+    def _step_batch(self, step: int) -> Any | None:
+        """The batch step ``step`` trained on: the physical batches since the last step together under Opacus
+        (virtual steps), the one batch otherwise; None, with the reason recorded, when it cannot be told."""
+        batches = self._physical
+        if not batches:
+            self.skip(step, "no batch was seen since the last step: train on the loader attach returned (under "
+                            "Opacus's BatchMemoryManager, on monitor.watch(memory_safe_loader))")
+            return None
+        if len(batches) == 1:
+            return batches[0]
+        if self._dp is None:
+            self.skip(step, f"the optimizer stepped once over {len(batches)} batches (gradient accumulation); "
+                            "the attacks take one batch's update")
+            return None
+        parts = [inputs_labels(b) for b in batches]
+        return (torch.cat([torch.as_tensor(x) for x, _ in parts]),
+                torch.cat([torch.as_tensor(y).reshape(-1) for _, y in parts]))
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
+        self._physical = []
         pending, self._pending = self._pending, None
         if pending is not None:
             self._audit(pending)
@@ -93,8 +124,10 @@ class StepMonitor(MonitorCore):
         rate = getattr(loader, "sample_rate", None)
         if rate is None and dataset is not None and hasattr(dataset, "__len__"):
             rate = optimizer.expected_batch_size / len(dataset)
+        accountant = opacus_accountant(optimizer)
         return {"noise_multiplier": float(optimizer.noise_multiplier), "max_grad_norm": float(optimizer.max_grad_norm),
-                "expected_batch_size": int(optimizer.expected_batch_size), "sample_rate": rate}
+                "expected_batch_size": int(optimizer.expected_batch_size), "sample_rate": rate,
+                "accountant": None if accountant is None else accountant.mechanism()}
 
     def _defense_entry(self, problems: list[str]) -> str | dict[str, Any]:
         """The defense as an audit entry: the user's, or ``dpsgd`` with Opacus's settings under a DPOptimizer."""
@@ -121,3 +154,15 @@ class StepMonitor(MonitorCore):
     @staticmethod
     def _batch_size(optimizer: Any, loader: Any) -> int:
         return int(getattr(optimizer, "expected_batch_size", None) or getattr(loader, "batch_size", None) or 1)
+
+
+def opacus_accountant(optimizer: Any) -> Any | None:
+    """The accountant Opacus's ``PrivacyEngine`` attached to its ``DPOptimizer`` (its step hook is the
+    accountant's), so that epsilon is the figure ``privacy_engine.get_epsilon`` prints; None without one."""
+    hook = getattr(optimizer, "step_hook", None)
+    if hook is None:
+        return None
+    from opacus.accountants import IAccountant
+
+    found = inspect.getclosurevars(hook).nonlocals.get("self")
+    return found if isinstance(found, IAccountant) else None

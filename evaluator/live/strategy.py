@@ -23,18 +23,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import ConcatDataset, DataLoader
 
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, inputs_labels, load_model_state, model_state
 from leakaudit.evaluator.live.monitor import LeakMonitor
-from leakaudit.evaluator.live.rounds import sent_weights
+from leakaudit.evaluator.audit.seeds import generator
+from leakaudit.evaluator.live.rounds import joined, round_update, sample_round, sent_weights
 from leakaudit.plugins.protocol import FedAvg
 
 try:
     from flwr.common import parameters_to_ndarrays
     from flwr.server.strategy import Strategy
+    from flwr.serverapp.strategy import Strategy as MessageStrategy
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("leakaudit's Flower strategy needs Flower: pip install 'leakaudit[flower]'") from exc
 
@@ -51,31 +54,43 @@ class ClientRound:
     update: list[Tensor]
     loader: Any
     protocol: FedAvg
+    sampled: str | None = None  # how the round was cut to a sample the attacks can take
 
 
-class LeakAuditStrategy(Strategy):
+class LeakAuditStrategy(Strategy, MessageStrategy):
     """``strategy``, with the updates it aggregates attacked every ``every``-th round (rounds 1, 1 + every, ...).
 
+    ``strategy`` is a current Flower strategy (``flwr.serverapp.strategy``, run by ``strategy.start`` in a
+    ``ServerApp``'s main) or an older one (``flwr.server.strategy``, run by ``ServerAppComponents``): each of
+    its methods is called as that API calls it, and only the training rounds' replies are read.
     ``model`` is the network the federation trains (its weights are replaced by each round's global ones);
     ``client_loader(name)`` gives the loader a client trains on, where ``name`` is the value of ``client_key``
-    in the metrics its ``fit`` returns (its partition id, say) or else Flower's node id. ``lr_key`` and
-    ``epochs_key`` name the fit config entries the clients train with (an absent ``epochs_key`` is one epoch).
-    ``aggregate``: also attack the mean of the round's updates. The remaining keywords configure each client's
-    ``LeakMonitor`` (defense, attacks, metrics, mean, std, known_labels, seed, ...).
+    in the metrics its training returns (its partition id, say) or else Flower's node id. ``lr_key`` and
+    ``epochs_key`` name the config entries the clients train with; an absent ``epochs_key`` is ``local_epochs``
+    (one, unless given). ``aggregate``: also attack the mean of the round's updates. A client that trains on
+    more than ``max_images`` images is attacked on a seeded sample of its minibatches, through the update the
+    sample makes from the round's weights (said in its monitor.json and on the log). The remaining keywords
+    configure each client's ``LeakMonitor`` (defense, attacks, metrics, mean, std, known_labels, seed, ...).
     """
 
-    def __init__(self, strategy: Strategy, model: nn.Module, client_loader: Callable[[str], Any], *,
-                 out: str | Path = "runs/flower_server", every: int = 1, lr_key: str = "lr",
-                 epochs_key: str = "local_epochs", client_key: str = "partition", aggregate: bool = True,
-                 max_images: int = MAX_ROUND_IMAGES, **monitor: Any) -> None:
+    def __init__(self, strategy: Strategy | MessageStrategy, model: nn.Module, client_loader: Callable[[str], Any],
+                 *, out: str | Path = "runs/flower_server", every: int = 1, lr_key: str = "lr",
+                 epochs_key: str = "local_epochs", local_epochs: int = 1, client_key: str = "partition",
+                 aggregate: bool = True, max_images: int = MAX_ROUND_IMAGES, **monitor: Any) -> None:
         problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
         problems += [] if callable(client_loader) else ["client_loader: expected a function of a client's name"]
+        problems += [] if isinstance(strategy, (Strategy, MessageStrategy)) else [
+            f"strategy: a {type(strategy).__name__}; expected a Flower Strategy (flwr.serverapp.strategy or "
+            "flwr.server.strategy)"]
+        problems += [] if isinstance(local_epochs, int) and local_epochs >= 1 else [
+            f"local_epochs: {local_epochs!r}; expected a whole number >= 1"]
         if problems:
             raise ConfigError([f"LeakAuditStrategy: {p}" for p in problems])
         LeakMonitor(**monitor, out=Path(out) / AGGREGATE)  # the monitor's settings, checked before any round
         self.strategy, self.model, self.client_loader = strategy, copy.deepcopy(model), client_loader
         self.out, self.every, self.aggregate, self.max_images = Path(out), every, aggregate, max_images
         self.lr_key, self.epochs_key, self.client_key = lr_key, epochs_key, client_key
+        self.local_epochs = local_epochs
         self._settings = monitor
         self._monitors: dict[str, LeakMonitor] = {}
         self._sent: dict[int, list[Any]] = {}
@@ -99,17 +114,41 @@ class LeakAuditStrategy(Strategy):
         """The wrapped strategy's aggregate, unchanged; then, in an audited round, each update attacked."""
         aggregated = self.strategy.aggregate_fit(server_round, results, failures)
         if server_round in self._sent:
-            self._audit(server_round, results)
+            self._audit(server_round, [(proxy.cid, res.metrics, res.num_examples, parameters_to_ndarrays(res.parameters))
+                                       for proxy, res in results])
         return aggregated
 
-    def configure_evaluate(self, server_round, parameters, client_manager):
-        return self.strategy.configure_evaluate(server_round, parameters, client_manager)
+    def configure_train(self, server_round, arrays, config, grid):
+        """The wrapped strategy's training messages (Flower's Message API); the global arrays and each node's
+        config are kept to audit."""
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self._audited(server_round):
+            self._sent[server_round] = arrays.to_numpy_ndarrays()
+            self._configs[server_round] = {m.metadata.dst_node_id: dict(m.content.config_records.get(
+                "config", next(iter(m.content.config_records.values()), {}))) for m in messages}
+        return messages
 
-    def aggregate_evaluate(self, server_round, results, failures):
-        return self.strategy.aggregate_evaluate(server_round, results, failures)
+    def aggregate_train(self, server_round, replies):
+        """The wrapped strategy's aggregate of the replies, unchanged; then, in an audited round, each update
+        attacked."""
+        replies = list(replies)
+        aggregated = self.strategy.aggregate_train(server_round, replies)
+        if server_round in self._sent:
+            self._audit(server_round, [(reply.metadata.src_node_id, *_trained(reply)) for reply in replies
+                                       if not reply.has_error()])
+        return aggregated
+
+    def configure_evaluate(self, server_round, *args):
+        return self.strategy.configure_evaluate(server_round, *args)
+
+    def aggregate_evaluate(self, server_round, *args):
+        return self.strategy.aggregate_evaluate(server_round, *args)
 
     def evaluate(self, server_round, parameters):
         return self.strategy.evaluate(server_round, parameters)
+
+    def summary(self) -> None:
+        self.strategy.summary()
 
     def report(self) -> dict[str, Any]:
         """Each run folder's report.html and summary.json: the typed summaries by folder name."""
@@ -118,16 +157,16 @@ class LeakAuditStrategy(Strategy):
     def _audited(self, server_round: int) -> bool:
         return (server_round - 1) % self.every == 0
 
-    def _audit(self, server_round: int, results: list) -> None:
-        """Attack each client's update and the mean of those that can be attacked together."""
+    def _audit(self, server_round: int, results: list[tuple[Any, dict, int, list]]) -> None:
+        """Attack each client's update and the mean of those that can be attacked together; ``results``: each
+        client's (id, metrics, examples, returned arrays)."""
         sent, configs = self._sent.pop(server_round), self._configs.pop(server_round)
         before, buffers = self._global_state(sent)
         rounds = []
-        named = sorted(((str(res.metrics.get(self.client_key, proxy.cid)), proxy, res) for proxy, res in results),
-                       key=lambda item: item[0])
-        for name, proxy, res in named:
-            found = self._client_round(name, res.num_examples, configs.get(proxy.cid, {}), before,
-                                       parameters_to_ndarrays(res.parameters))
+        named = sorted(((str(metrics.get(self.client_key, cid)), cid, examples, arrays)
+                        for cid, metrics, examples, arrays in results), key=lambda item: item[0])
+        for name, cid, examples, arrays in named:
+            found = self._client_round(server_round, name, examples, configs.get(cid, {}), before, buffers, arrays)
             if isinstance(found, str):
                 warnings.warn(f"LeakAuditStrategy: round {server_round}, client {name} not attacked: {found}",
                               stacklevel=3)
@@ -137,8 +176,10 @@ class LeakAuditStrategy(Strategy):
             return
         population = _population(rounds)
         for r in rounds:
-            self._monitor(r.name, population).attack_round(server_round, before, buffers, r.update, r.batch,
-                                                           r.protocol)
+            monitor = self._monitor(r.name, population)
+            if r.sampled:
+                monitor.sampled(server_round, r.sampled)
+            monitor.attack_round(server_round, before, buffers, r.update, r.batch, r.protocol)
         if self.aggregate and len(rounds) > 1:
             self._attack_mean(server_round, before, buffers, rounds, population)
 
@@ -154,25 +195,30 @@ class LeakAuditStrategy(Strategy):
         load_model_state(self.model, weights, dict(self.model.named_buffers()))
         return model_state(self.model)
 
-    def _client_round(self, name: str, examples: int, config: dict[str, Any], before: list[Tensor],
-                      returned: list[Any]) -> ClientRound | str:
-        """One client's round as FedAvg describes it, or why it cannot."""
+    def _client_round(self, server_round: int, name: str, examples: int, config: dict[str, Any],
+                      before: list[Tensor], buffers: dict[str, Tensor], returned: list[Any]) -> ClientRound | str:
+        """One client's round as FedAvg describes it (on a seeded sample of its minibatches past
+        ``max_images``), or why it cannot."""
         if self.lr_key not in config:
-            return f"its fit config has no {self.lr_key!r} (the learning rate FedAvg's attacker unrolls)"
+            return f"its config has no {self.lr_key!r} (the learning rate FedAvg's attacker unrolls)"
         loader = self.client_loader(name)
         batches = [inputs_labels(b) for b in loader]
         if not batches:
             return "its loader gives no batch"
-        inputs = torch.cat([torch.as_tensor(x) for x, _ in batches])
-        labels = torch.cat([torch.as_tensor(y).reshape(-1) for _, y in batches])
-        if len(labels) > self.max_images:
-            return f"it trains on {len(labels)} images, more than max_images={self.max_images}"
         after = sent_weights(self.model, returned)
         if isinstance(after, str):
             return after
-        protocol = FedAvg(local_epochs=int(config.get(self.epochs_key, 1)), local_batch_size=len(batches[0][1]),
-                          local_lr=float(config[self.lr_key]))
-        return ClientRound(name, examples, (inputs, labels), [b - a for b, a in zip(before, after)], loader, protocol)
+        protocol = FedAvg(local_epochs=int(config.get(self.epochs_key, self.local_epochs)),
+                          local_batch_size=len(batches[0][1]), local_lr=float(config[self.lr_key]))
+        batch = joined(batches)
+        if len(batch[1]) <= self.max_images:
+            return ClientRound(name, examples, batch, [b - a for b, a in zip(before, after)], loader, protocol)
+        seed = self._settings.get("seed", 0)
+        batch, protocol, how = sample_round(batches, protocol, self.max_images,
+                                            generator(torch.device("cpu"), seed, "round-sample", server_round, name))
+        update = round_update(self.model, self._settings.get("loss_fn", F.cross_entropy), before, buffers, batch,
+                              protocol)
+        return ClientRound(name, examples, batch, update, loader, protocol, how)
 
     def _monitor(self, name: str, loader: Any) -> LeakMonitor:
         """The monitor writing ``out/client-NAME`` (or ``out/aggregate``), bound to the model on first use with
@@ -199,6 +245,14 @@ class LeakAuditStrategy(Strategy):
         batch = (torch.cat([r.batch[0] for r in rounds]), torch.cat([r.batch[1] for r in rounds]))
         joint = dataclasses.replace(protocols.pop(), clients=len(rounds))
         self._monitor(AGGREGATE, population).attack_round(server_round, before, buffers, mean, batch, joint)
+
+
+def _trained(reply: Any) -> tuple[dict[str, Any], int, list[Any]]:
+    """A Message-API training reply's metrics, number of examples and returned arrays."""
+    content = reply.content
+    metrics = dict(next(iter(content.metric_records.values()), {}))
+    arrays = next(iter(content.array_records.values())).to_numpy_ndarrays()
+    return metrics, int(metrics.get("num-examples", 0)), arrays
 
 
 def _population(rounds: list[ClientRound]) -> Any:

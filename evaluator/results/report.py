@@ -96,6 +96,9 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
         _targets(audit),
         *([] if audit.live is None else [("Server's memory", audit.live.get("undone") or
                                           "none: each update is attacked alone (attacker: {memory: false})")]),
+        *([("Dropout", f"the client's masks (p = {', '.join(map(str, audit.live['dropout']))}) are not known to the "
+                       "attacker: each attack draws masks of its own, as the model runs in train mode")]
+          if audit.live and audit.live.get("dropout") and audit.live.get("mode") == "train" else []),
     ]
 
 

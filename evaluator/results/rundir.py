@@ -20,7 +20,7 @@ from leakaudit.evaluator.audit.config import load_audit, monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.types import Audit, DefenseSetting
-from leakaudit.evaluator.audit.yamlfile import AuditLoader
+from leakaudit.evaluator.audit.yamlfile import AuditLoader, read_yaml
 from leakaudit.evaluator.results.verdict import late_gain
 from leakaudit.plugins.spec import one_line
 
@@ -308,6 +308,22 @@ class Outbox(RunFolder):
         return kept
 
 
+MONITOR_JUDGING = ("name", "leakage_metric", "verdict")  # what --config may set on a LeakMonitor's folder
+
+
+def monitor_judging(config: Path, folder: Path) -> dict[str, Any]:
+    """What ``report --config`` changes in how a LeakMonitor's folder is judged: its name, leakage_metric and
+    verdict: section; any other key is refused in one line (the monitor's training is not an audit file's)."""
+    text, raw = read_yaml(config)
+    if not isinstance(raw, dict):
+        raise RunError(f"--config: {config}: expected a mapping with {', '.join(MONITOR_JUDGING)}")
+    other = [k for k in raw if k not in MONITOR_JUDGING]
+    if other:
+        raise RunError(f"--config: {config}: {other[0]}: {folder} was written by a LeakMonitor, judged again only by "
+                       f"{', '.join(MONITOR_JUDGING)}; leave {other[0]} out")
+    return raw
+
+
 def read_json(path: Path) -> Any | None:
     """A run folder's JSON file (None where it is absent); a RunError, one line, where it is damaged."""
     if not path.exists():
@@ -326,9 +342,10 @@ def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[st
     if not path.is_dir():
         raise RunError(f"{path}: no such folder; give a run's --out folder")
     if (path / MONITOR).is_file():
+        described = read_json(path / MONITOR)
         if config is not None:
-            raise RunError(f"--config: {path} was written by a LeakMonitor, not by an audit file; leave --config out")
-        return monitor_audit(read_json(path / MONITOR), path / MONITOR, list(plugins_dirs))
+            described = {**described, **monitor_judging(Path(config), path)}
+        return monitor_audit(described, path / MONITOR, list(plugins_dirs))
     saved = path / AUDIT_COPY
     if not saved.is_file():
         raise RunError(f"{path}: not a leakaudit run folder (no {AUDIT_COPY}); give a run's --out folder")

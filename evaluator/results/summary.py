@@ -76,7 +76,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
     options = {**as_dict(audit.verdict),
-               **({"no_utility": "a monitored training measures no test accuracy"} if audit.live else {})}
+               **({"no_utility": "give the monitor an eval_loader of held-out batches"} if audit.live else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}

@@ -6,7 +6,7 @@ import pickle
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -183,15 +183,18 @@ def score(metrics: list[Metric], rec_images: Tensor, orig: Tensor, rec_labels: T
     return Scores(values, per_image, notes, order)
 
 
-def guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]], mean_image: Tensor | None,
+def guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]],
+                 mean_image: Tensor | Callable[[Tensor], Tensor | None] | None,
                  generator: torch.Generator) -> dict[str, dict[str, float | None]]:
     """Mean scores over ``batches`` of ``(pixels, labels)`` of guesses made without the update: uniform noise
-    (drawn from ``generator``), a flat grey image, and ``mean_image`` when given."""
+    (drawn from ``generator``), a flat grey image, and ``mean_image`` when given (or ``mean_image(pixels)``, a
+    batch's own, where it is not None)."""
     out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
     for pixels, labels in batches:
+        average = mean_image(pixels) if callable(mean_image) else mean_image
         guesses = {"random": torch.rand(pixels.shape, generator=generator, device=pixels.device),
                    "grey": torch.full_like(pixels, 0.5),
-                   **({"mean": mean_image.to(pixels.device).expand_as(pixels)} if mean_image is not None else {})}
+                   **({"mean": average.to(pixels.device).expand_as(pixels)} if average is not None else {})}
         for name, guess in guesses.items():
             for m, v in score(metrics, guess, pixels, labels, labels).values.items():
                 out[name].setdefault(m, []).append(v)

@@ -1,0 +1,51 @@
+"""The quickstart's ClientApp, audited on the client: the lines marked ``# leakaudit`` are all that is added.
+
+Each round's update is attacked before the reply leaves the client (``LeakAuditMod``), into
+``runs/flower_app/clients/client-N``; a round over more than 64 images is attacked on a seeded sample of
+its minibatches.
+"""
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from leakaudit.evaluator.live.flower import LeakAuditMod  # leakaudit
+from task import IMAGES, ITERATIONS, RUNS, Net, load_data
+from task import test as test_fn
+from task import train as train_fn
+
+AUDIT = {"attacks": [{"name": "inverting_gradients", "params": {"iterations": ITERATIONS}}],  # leakaudit
+         "mean": 0.5, "std": 0.5, "out": f"{RUNS}/clients"}                                   # leakaudit
+
+app = ClientApp(mods=[LeakAuditMod(Net, **AUDIT)])  # leakaudit: the quickstart's `app = ClientApp()`
+
+
+@app.train()
+def train(msg: Message, context: Context):
+    """Train the model on local data."""
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    partition_id = context.node_config["partition-id"]
+    num_partitions = context.node_config["num-partitions"]
+    trainloader, _ = load_data(partition_id, num_partitions, IMAGES)
+    train_loss = train_fn(model, trainloader, context.run_config.get("local-epochs", 1),
+                          msg.content["config"]["lr"], device)
+    model_record = ArrayRecord(model.state_dict())
+    metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset),
+               "partition": partition_id}  # leakaudit: names the client to the server's audit
+    content = RecordDict({"arrays": model_record, "metrics": MetricRecord(metrics)})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context):
+    """Evaluate the model on local data."""
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    _, valloader = load_data(context.node_config["partition-id"], context.node_config["num-partitions"], IMAGES)
+    eval_loss, eval_acc = test_fn(model, valloader, device)
+    metrics = {"eval_loss": eval_loss, "eval_acc": eval_acc, "num-examples": len(valloader.dataset)}
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -188,6 +188,9 @@ def test_flower_client_refuses_before_any_round(tmp_path):
             pass
 
 
+# slow: the older NumPyClient path in Flower's simulation; in-process tests cover LeakAuditClient and the
+# Message-API app runs in the simulation by default
+@pytest.mark.slow
 def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):
     import flower_training
 

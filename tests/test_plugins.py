@@ -97,6 +97,8 @@ def template_env(tmp_path_factory):
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
+# slow: the template's own suite in a subprocess; the template is found and run by the tests below
+@pytest.mark.slow
 def test_template_passes_its_own_tests(template_env, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TEMPLATE / "tests")],
                           env=template_env, capture_output=True, text=True, cwd=tmp_path)

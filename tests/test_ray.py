@@ -122,6 +122,8 @@ def test_ray_task_that_runs_out_of_retries_names_its_cell_and_resume_finishes(tm
     assert rows(tmp_path / "out") == local_rows
 
 
+# slow: a two-node Ray cluster; the Ray executor's rows and resume are tested on one node by default
+@pytest.mark.slow
 def test_a_second_node_takes_work(tmp_path):
     from ray.cluster_utils import Cluster
 

@@ -140,6 +140,9 @@ def test_resume_refuses_a_changed_audit(write_audit, tmp_path):
         run_audit(changed, out, resume=True, progress=False)
 
 
+# slow: a kill and resume through the CLI; test_a_worker_killed_by_the_system_is_one_line_and_resumable
+# covers resuming by default
+@pytest.mark.slow
 def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
     audit = small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 150}}],
                         data={"dataset": "digits", "image_size": 16, "targets": 3, "batch_size": 1})

@@ -191,9 +191,13 @@ def _offline(audit: dict, path) -> dict:
 #: The heaviest files even reduced: eight architectures' dense rank computations (about 4 minutes), Soteria's
 #: per-step feature scores over its training, the Bayesian network at its full budget.
 SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
+# slow to run even reduced; covered by default by their twins (table1_resnet20, ats_training) and, for
+# adaptive_defenses, by tests/test_adaptive_defenses.py's end-to-end audit
+SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE else [])
+@pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE | SLOW_TO_RUN
+                                                else [])
                                   for p in sorted((ROOT / "configs").glob("*.yaml"))])
 def test_every_shipped_audit_runs_to_its_report(name, tmp_path, monkeypatch):
     """Each shipped file, reduced, runs from YAML to report.html and summary.json (no traceback after the work)."""

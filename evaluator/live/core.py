@@ -24,8 +24,18 @@ from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.api import Stats, attack_shared, channel_stats, pixels_of, prepare
-from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, MONITOR, RUN_INFO, RunError, RunFolder
+from leakaudit.evaluator.results.report import judged
+from leakaudit.evaluator.results.rundir import (
+    ARCHITECTURE,
+    BASELINES,
+    MONITOR,
+    RUN_INFO,
+    RunError,
+    RunFolder,
+    saved_audit,
+)
 from leakaudit.evaluator.results.types import Summary
+from leakaudit.evaluator.run.runner import warn_old_torch
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import guess_scores
 from leakaudit.plugins.defense import SharedUpdate
@@ -301,11 +311,14 @@ class MonitorCore:
         self._write_baselines()
 
     def _after_audit(self, plain: nn.Module, step: int) -> None:
-        """Once a step's rows are written: the held-out accuracy (``eval_loader``), the report rewritten, the
-        step's verdict on the log and its scalars sent to the loggers."""
+        """Once a step's rows are written: the held-out accuracy (``eval_loader``), the step's verdict on the log
+        and its scalars sent to the loggers; a federated round's report rewritten (no call ends a client's
+        training), a step's at ``report()``."""
         if self.eval_loader is not None:
             self._write_utility(plain, step)
-        summary = self.report()
+        folder = RunFolder(self.out, saved_audit(self.out, None, self.plugins_dirs))  # its steps so far
+        summary = self.report() if self._federated else judged(
+            folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES), folder.read_json(RUN_INFO))
         verdict = next((v for v in summary.verdicts if v.checkpoint == step and v.setting == self._monitored), None)
         if verdict is None:
             self.log.info("LeakMonitor %s %d: not judged (no finite %s)", self._unit, step, summary.leakage_metric)
@@ -512,30 +525,6 @@ def send_scalars(sink: Any, scalars: dict[str, float], step: int) -> None:
         sink.log_metrics(scalars, step=step)
     else:
         sink(scalars, step)
-
-
-def warn_old_torch() -> None:
-    """Warn once when the installed torch is older than the one leakaudit declares (an app's pinned
-    dependencies, say): its numbers are not the tested ones."""
-    from importlib.metadata import PackageNotFoundError, requires
-
-    try:
-        needed = next((r for r in requires("leakaudit") or [] if r.startswith("torch") and ">=" in r), None)
-    except PackageNotFoundError:
-        return
-    if needed is None:
-        return
-    wanted = needed.split(">=")[1].split(",")[0].split(";")[0].strip()
-    if _version(torch.__version__) < _version(wanted):
-        import warnings
-
-        warnings.warn(f"leakaudit: torch {torch.__version__} is installed; leakaudit supports torch >= {wanted} "
-                      "and its verdicts are tested there (an app's pinned dependencies may hold torch back)",
-                      stacklevel=3)
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
 
 
 def _attacker_problems(attacker: Any) -> list[str]:

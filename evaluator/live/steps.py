@@ -65,7 +65,8 @@ class StepMonitor(MonitorCore):
         """A batch the next optimizer step trains on; under Opacus's ``BatchMemoryManager`` the physical batches
         of one logical step, which together are its batch."""
         super().observe_batch(batch)
-        self._physical.append(batch)
+        if self._handles:  # hooked to an optimizer: its next step takes these batches
+            self._physical.append(batch)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step = self.steps_taken

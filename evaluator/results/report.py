@@ -159,6 +159,13 @@ def page_template(template: Path | None = None) -> jinja2.Template:
     return env.get_template(TEMPLATE) if template is None else env.from_string(template.read_text())
 
 
+def judged(folder: RunFolder, rows: list[dict], utility: list[dict], baselines: dict[str, dict[str, float | None]],
+           run_info: dict[str, Any]) -> Summary:
+    """The summary of a folder's rows, every verdict judged, with nothing written (a monitor's step verdict)."""
+    notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
+    return summarise(folder.audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
+
+
 def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
                  baselines: dict[str, dict[str, float | None]], tuning: list[dict],
                  architecture: list[dict[str, Any]], run_info: dict[str, Any] | None = None,
@@ -169,8 +176,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     """
     audit, out_dir = folder.audit, folder.path
     run_info = run_info or {}
-    notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
-    summary = summarise(audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
+    summary = judged(folder, rows, utility, baselines, run_info)
     summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
     summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
     by_key = {row_key(r): r for r in rows}

@@ -89,9 +89,34 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def warn_old_torch() -> None:
+    """Warn once when the installed torch is older than the one leakaudit declares (an app's pinned
+    dependencies, say): its numbers are not the tested ones."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        needed = next((r for r in requires("leakaudit") or [] if r.startswith("torch") and ">=" in r), None)
+    except PackageNotFoundError:
+        return
+    if needed is None:
+        return
+    wanted = needed.split(">=")[1].split(",")[0].split(";")[0].strip()
+    if _release(torch.__version__) < _release(wanted):
+        import warnings
+
+        warnings.warn(f"leakaudit: torch {torch.__version__} is installed; leakaudit supports torch >= {wanted} "
+                      "and its verdicts are tested there (an app's pinned dependencies may hold torch back)",
+                      stacklevel=3)
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+
+
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
               workers: int | None = None, template: Path | None = None) -> Summary:
     """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
+    warn_old_torch()
     restore = process_flags(audit)
     try:
         return _run(audit, out_dir, resume, progress, workers, template)

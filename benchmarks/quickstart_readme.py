@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 COMMAND = "$ leakaudit run configs/quickstart.yaml --out runs/quickstart"
-TIME = re.compile(r"\((?:under\s+a\s+minute|about\s+\d+\s+s)\s+on\s+2\s+CPU\s+cores[^)]*\)")
+TIME = re.compile(r"\((?:under\s+a\s+minute|about\s+\d+\s+s)\s+on\s+\d+\s+CPU\s+cores.*?measured\s+by\s+"
+                  r"benchmarks/quickstart_readme\.py\)", re.S)
 
 
 def run_quickstart() -> tuple[list[str], float]:
@@ -33,7 +34,16 @@ def run_quickstart() -> tuple[list[str], float]:
                                "--out", out, "--no-progress"], capture_output=True, text=True, check=True,
                               env={**os.environ, "LEAKAUDIT_CACHE": cache})
         seconds = time.perf_counter() - start
-    return [line for line in done.stdout.splitlines() if line.startswith("  ")], seconds
+    return [line for line in done.stdout.splitlines() if line.startswith("  ")], seconds  # verdicts, reasons
+
+
+def machine() -> str:
+    """The CPU that produced the figures, and the kernels torch chose on it (another CPU's may round otherwise)."""
+    import torch
+
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
+    return f"{names[0] if names else 'unknown CPU'} ({torch.backends.cpu.get_cpu_capability()} kernels)"
 
 
 def readme_block(text: str) -> list[str]:
@@ -50,7 +60,8 @@ def rewrite(text: str, verdicts: list[str], seconds: float) -> str:
     start = lines.index(COMMAND) + 1
     end = lines.index("```", start)
     lines[start:end] = verdicts
-    stated = f"(about {round(seconds)} s on 2 CPU cores, measured by benchmarks/quickstart_readme.py)"
+    stated = (f"(about {round(seconds)} s on {os.cpu_count()} CPU cores of an {machine()}, measured by "
+              "benchmarks/quickstart_readme.py)")
     return TIME.sub(stated, "\n".join(lines) + "\n", count=1)
 
 

@@ -173,8 +173,13 @@ def cmd_init(args) -> int:
 
     if args.file is not None and args.file.exists() and not args.force:
         return _fail([f"init: {args.file} exists; pass --force to overwrite it"])
+    if len(args.plugins_dir) > 1:
+        return _fail([f"init: --plugins-dir given {len(args.plugins_dir)} times; an audit file names one "
+                      "plugins_dir: put the plugins in one folder"])
     name = args.name or (args.file.stem if args.file is not None else "my-audit")
-    text = starter_audit(load_registry(args.plugins_dir), args.defense, args.attack, name)
+    beside = (args.file.parent if args.file is not None else Path.cwd()).resolve()
+    plugins_dir = os.path.relpath(Path(args.plugins_dir[0]).resolve(), beside) if args.plugins_dir else None
+    text = starter_audit(load_registry(args.plugins_dir), args.defense, args.attack, name, plugins_dir)
     write_starter(args.file, text, args.plugins_dir)
     if args.file is not None:
         print(f"wrote {args.file}: check it with `leakaudit validate {args.file}`, run it with "
@@ -186,7 +191,8 @@ def cmd_new_plugin(args) -> int:
     from leakaudit.evaluator.authoring.scaffold import write_plugin
 
     folder = write_plugin(args.name, args.dir)
-    print(f"wrote {folder}: pip install -e {folder} && pytest {folder}", file=sys.stderr)
+    print(f"wrote {folder}: in the environment that holds leakaudit, pip install --no-build-isolation -e "
+          f"'{folder}[test]' && pytest {folder}", file=sys.stderr)
     return 0
 
 
@@ -319,10 +325,12 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     width = min(40, max(len(w.setting) for w in summary.worst_case)) if summary.worst_case else 10
     for w in judged:
         print(_verdict_line(w, summary.leakage_metric, width))
+        print(f"    why: {w.reason}")
     if added:
         print("  reference (the undefended update, added to calibrate the verdicts; not gated):")
         for w in added:
             print(_verdict_line(w, summary.leakage_metric, width))
+            print(f"    why: {w.reason}")
     for line in summary.bound_violations:
         print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)
     if not args.fail_on_leak:

@@ -28,7 +28,7 @@ from leakaudit.evaluator.authoring.attack_check import AttackCheck, check_attack
 from leakaudit.evaluator.authoring.cases import tiny_case
 from leakaudit.evaluator.authoring.defense_check import DefenseCheck, check_defense
 from leakaudit.evaluator.results.types import Summary
-from leakaudit.evaluator.results.verdict import INCONCLUSIVE, LEAKS, gate_failures
+from leakaudit.evaluator.results.verdict import gate_failures
 
 __all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",
            "load_summary"]
@@ -57,21 +57,15 @@ def assert_protects(run: str | Path | Summary | dict[str, Any], settings: Iterab
     defense entry marked ``must_protect: true``, as ``leakaudit run --fail-on-leak`` checks.
     """
     summary = load_summary(run)
-    if settings is None:
-        if not any(w.must_protect for w in summary.worst_case):
-            raise AssertionError("no defense entry of this audit is marked must_protect: true; mark one, or "
-                                 "name the settings to check")
-        failures = [f"{kind}: {line}" for kind, line in gate_failures(summary, allow_inconclusive)]
-    else:
-        wanted = list(settings)
-        known = {w.setting: w for w in summary.worst_case}
-        missing = [s for s in wanted if s not in known]
+    if settings is None and not any(w.must_protect for w in summary.worst_case):
+        raise AssertionError("no defense entry of this audit is marked must_protect: true; mark one, or "
+                             "name the settings to check")
+    if settings is not None:
+        settings = list(settings)
+        known = [w.setting for w in summary.worst_case]
+        missing = [s for s in settings if s not in known]
         if missing:
             raise AssertionError(f"not settings of this run: {', '.join(missing)}; settings: {', '.join(known)}")
-        failing = (LEAKS,) if allow_inconclusive else (LEAKS, INCONCLUSIVE)
-        failures = [f"{s} {'leaks' if known[s].verdict == LEAKS else 'is inconclusive'} at step "
-                    f"{known[s].verdict_checkpoint}: {known[s].reason}"
-                    for s in wanted if known[s].verdict in failing]
-        failures += [f"bound: {line}" for line in summary.bound_violations]
+    failures = [f"{kind}: {line}" for kind, line in gate_failures(summary, allow_inconclusive, settings)]
     if failures:
         raise AssertionError("\n".join(failures))

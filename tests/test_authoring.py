@@ -94,6 +94,24 @@ def test_init_writes_the_file_and_refuses_to_overwrite_it(capsys, tmp_path):
     assert code == 2 and err.strip() == f"leakaudit: error: init: {path} exists; pass --force to overwrite it"
 
 
+def test_init_writes_the_plugins_dir_it_was_given_so_that_validate_finds_the_plugin(capsys, tmp_path):
+    """``init --plugins-dir DIR`` names DIR in the file (relative to it): the suggested ``validate FILE``
+    then finds the drop-in defense with no option."""
+    folder = tmp_path / "my_plugins"
+    folder.mkdir()
+    template = Path(__file__).parents[1] / "examples" / "plugin-template" / "src" / "leakaudit_logistic"
+    (folder / "logistic.py").write_text((template / "__init__.py").read_text())
+    path = tmp_path / "audits" / "plug.yaml"
+    path.parent.mkdir()
+    code, _, err = _run(capsys, "init", str(path), "--defense", "logistic", "--plugins-dir", str(folder))
+    assert code == 0 and f"`leakaudit validate {path}`" in err
+    assert "plugins_dir: ../my_plugins" in path.read_text()
+    assert main(["validate", str(path)]) == 0
+    code, _, err = _run(capsys, "init", "--plugins-dir", str(folder), "--plugins-dir", str(tmp_path))
+    assert code == 2 and err.strip() == ("leakaudit: error: init: --plugins-dir given 2 times; an audit file names "
+                                         "one plugins_dir: put the plugins in one folder")
+
+
 @pytest.mark.parametrize("option, name, start", [
     ("--defense", "gausian", "init: --defense 'gausian' is not a registered defense (did you mean 'gaussian'?); "
                              "choices: ats, bayesian,"),
@@ -137,13 +155,15 @@ def _env_beside_this_one(folder: Path) -> Path:
 
 @pytest.mark.slow
 def test_new_plugin_installs_is_listed_and_passes_its_own_tests(capsys, tmp_path):
-    code, _, _ = _run(capsys, "new-plugin", "soft_noise", "--dir", str(tmp_path))
+    code, _, err = _run(capsys, "new-plugin", "soft_noise", "--dir", str(tmp_path))
     folder = tmp_path / "leakaudit-soft-noise"
     assert code == 0 and (folder / "src" / "leakaudit_soft_noise" / "__init__.py").is_file()
+    assert f"pip install --no-build-isolation -e '{folder}[test]'" in err
     python = _env_beside_this_one(tmp_path / "env")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([python, "-m", "pip", "install", "--quiet", "-e", str(folder), "--no-deps", "--no-build-isolation",
-                    "--no-index"], check=True, capture_output=True, env=env)
+    # as the message says, offline: its dependencies (leakaudit, pytest) are the environment's own
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-index", "-e",
+                    f"{folder}[test]"], check=True, capture_output=True, env=env)
     listed = subprocess.run([python, "-m", "leakaudit", "plugins", "defense"], capture_output=True, text=True,
                             check=True, env=env).stdout
     assert any(line.split()[:3] == ["defense", "soft_noise", "entrypoint:soft_noise"] for line in listed.splitlines())

@@ -507,3 +507,12 @@ def test_compile_without_a_cpp_compiler_is_one_line_before_any_work(write_audit,
     path = write_audit(_with("compile", True) | {"device": "cpu"})
     assert main(["validate", str(path)]) == 2
     assert _one_line(capsys, path).startswith("compile: true needs a C++ compiler on a CPU")
+
+
+def test_an_out_folder_name_too_long_is_one_line_naming_out(write_audit, tmp_path, capsys):
+    path = write_audit(small_audit(defenses=[{"name": "none"}]))
+    long = tmp_path / ("r" * 300)
+    assert main(["run", str(path), "--out", str(long), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"leakaudit: error: --out: {'r' * 40}...: a folder name of 300 bytes, over the 255 a file system "
+                   "allows; choose a shorter --out"]

@@ -38,13 +38,16 @@ def test_quickstart_end_to_end(tmp_path):
     worst = {w["setting"]: w for w in json.loads((out / "summary.json").read_text())["worst_case"]}
     # the verdicts a team reads first, in the terminal and the summary
     assert worst["none"]["verdict"] == "leaks" and worst["gaussian(sigma=1.0)"]["verdict"] == "protects but unusable"
-    terminal = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("  ")}
+    lines = done.stdout.splitlines()
+    terminal = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.startswith("    ")}
     assert " LEAKS " in terminal["none"] and " PROTECTS BUT UNUSABLE " in terminal["gaussian(sigma=1.0)"]
+    reasons = [line for line in lines if line.startswith("    why: ")]  # each verdict carries its reason
+    assert len(reasons) == len(terminal) and reasons[0].startswith("    why: inverting_gradients reaches psnr")
     # README.md shows what this run prints (benchmarks/quickstart_readme.py writes it from a run)
     readme = (ROOT / "README.md").read_text().splitlines()
     start = readme.index("$ leakaudit run configs/quickstart.yaml --out runs/quickstart") + 1
     shown = readme[start:readme.index("```", start)]
-    printed = [line for line in done.stdout.splitlines() if line.startswith("  ")]
+    printed = [line for line in lines if line.startswith("  ") and not line.startswith("    ")]  # the verdicts
     assert len(shown) == len(printed), "README.md's quickstart block drifted: python benchmarks/quickstart_readme.py"
     for readme_line, line in zip(shown, printed):
         _same_within_tolerance(readme_line, line)

@@ -125,7 +125,7 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     assert none.worst_image == WorstImage(attack="inverting_gradients", checkpoint=0, score=22.0, target=1, index=0)
     assert summary.min_accuracy == pytest.approx(0.15)
     assert_protects(summary)  # the marked setting does not leak
-    with pytest.raises(AssertionError, match=r"^none leaks at step 0: inverting_gradients reaches psnr 21"):
+    with pytest.raises(AssertionError, match=r"^leak: none leaks at step 0: inverting_gradients reaches psnr 21"):
         assert_protects(summary, ["none"])
     # every reconstruction of the marked setting diverged: it is listed as not judged, and the gate fails closed
     diverged = [{**r, "psnr": float("nan"), "per_image": {"psnr": [float("nan")]}} if r["defense"] == "gaussian"
@@ -135,6 +135,9 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     assert noisy.verdict is None and noisy.reason.startswith("not judged: no attack scored a finite psnr")
     with pytest.raises(AssertionError, match=r"gaussian\(sigma=1.0\) \(must_protect\) could not be judged"):
         assert_protects(summary)
+    # named settings go through the same gate: an unjudged one fails it too
+    with pytest.raises(AssertionError, match=r"^unjudged: gaussian\(sigma=1.0\) could not be judged: not judged"):
+        assert_protects(summary, ["gaussian(sigma=1.0)"])
 
 
 # --- a real run: verdicts, the gate both ways, the rebuild, a template --------------------------
@@ -188,6 +191,8 @@ def test_verdicts_in_the_terminal_summary_json_and_report(finished):
     for text in ("protects but unusable", "Threat model: what the attacker knows", "Provenance", "no guarantee",
                  "<h3>Step 0</h3>", "The most leaking reconstruction of each setting"):
         assert text in page, text
+    for w in summary["worst_case"]:  # accuracies side by side in one format: 0.100 beside 0.903, never 0.1
+        assert f'<td class="num">{w["accuracy"]:.3f}</td>' in page
 
 
 def test_report_rebuilds_the_same_page_from_the_folder(finished):

@@ -68,8 +68,11 @@ def test_worker_processes_give_the_same_numbers(write_audit, tmp_path):
 def test_existing_results_are_never_overwritten(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}])))
     run_audit(audit, tmp_path / "out", progress=False)
-    with pytest.raises(RunError, match="already holds a run; pass --resume"):
+    with pytest.raises(RunError) as refused:
         run_audit(audit, tmp_path / "out", progress=False)
+    out = tmp_path / "out"  # the one line says both ways on: resume, or start over
+    assert str(refused.value) == (f"--out: {out} already holds a run; pass --resume to continue it (a finished run "
+                                  f"only rewrites its report), or start over: choose another --out or delete {out}")
 
 
 def test_a_run_killed_before_its_first_row_is_not_restarted_over_with_an_edited_audit(write_audit, tmp_path):

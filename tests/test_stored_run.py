@@ -5,13 +5,11 @@ The stored copy is tests/data/stored_run/. Timings and the run's provenance (ver
 out of the comparison, and numbers compare to 1e-4 relative or 1e-5 absolute (another CPU's kernels may round
 differently: measured up to 1.2e-3 relative, 2.1e-6 absolute, on late_gain, a difference of two scores);
 everything else must match exactly. After a change meant to alter results, rewrite the copy with
-``LEAKAUDIT_STORE_RUN=1 python -m pytest tests/test_stored_run.py`` and say why in the commit.
+``python tests/store_run.py`` and say why in the commit.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -72,9 +70,5 @@ def _same(got, want, where: str = "") -> None:
 def test_a_small_audit_gives_the_stored_results(write_audit, tmp_path):
     out = tmp_path / "out"
     run_audit(load_audit(write_audit(AUDIT)), out, progress=False)
-    if os.environ.get("LEAKAUDIT_STORE_RUN"):
-        STORED.mkdir(parents=True, exist_ok=True)
-        for name in FILES:
-            shutil.copyfile(out / name, STORED / name)
     for name in FILES:
         _same(_read(out, name), _read(STORED, name), name)

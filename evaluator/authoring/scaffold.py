@@ -20,6 +20,8 @@ name = "leakaudit-{dist}"
 version = "0.1.0"
 description = "A leakaudit defense plugin: {name} (logistic noise on the shared update, with its likelihood)."
 requires-python = ">=3.10"
+# leakaudit is on no package index: install this into the environment that holds leakaudit (installed from its
+# checkout or its wheel) with --no-build-isolation, and pip finds it there
 dependencies = ["leakaudit"]
 
 [project.optional-dependencies]
@@ -121,11 +123,15 @@ def test_an_audit_file_uses_it(tmp_path):
 README = '''\
 # leakaudit-{dist}
 
-A [leakaudit](https://pypi.org/project/leakaudit/) plugin: the `{name}` defense (logistic noise on the shared
-update, with its log-likelihood, so that the Bayes-optimal attacker can use it).
+A leakaudit plugin: the `{name}` defense (logistic noise on the shared update, with its log-likelihood, so
+that the Bayes-optimal attacker can use it).
+
+leakaudit is on no package index: install this package into the environment that holds leakaudit (installed
+from its checkout, `pip install -e path/to/leakaudit`, or from its wheel), without build isolation, so that
+pip uses that leakaudit and looks for none elsewhere:
 
 ```bash
-pip install -e '.[test]'            # registers the entry point
+pip install --no-build-isolation -e '.[test]'   # registers the entry point
 leakaudit plugins defense {name}     # its parameters, paper and origin
 pytest                              # check_defense: share() against log_likelihood()
 leakaudit init audit.yaml --defense {name} && leakaudit run audit.yaml --out runs/{name}

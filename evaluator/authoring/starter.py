@@ -91,10 +91,11 @@ def _default_attacks(registry: Registry, defenses: list[str]) -> list[tuple[str,
 
 
 def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Sequence[str] = (),
-                  name: str = "my-audit") -> str:
+                  name: str = "my-audit", plugins_dir: str | None = None) -> str:
     """The text of a commented audit: the undefended reference, ``defenses`` (default: gaussian) at their
     parameters' examples, and ``attacks`` (default: the classic attack, the Bayes adversary where a defense
-    declares a likelihood, and the attacks built on each defense that declares none)."""
+    declares a likelihood, and the attacks built on each defense that declares none); ``plugins_dir`` (relative
+    to the file) where the defenses or attacks named come from a drop-in folder."""
     baseline = [n for n in registry.names("defense") if registry.get("defense", n).baseline]
     chosen = _checked_names(registry, "defense", [*baseline[:1], *(defenses or DEFAULT_DEFENSES)], "--defense")
     named = _checked_names(registry, "attack", attacks, "--attack")
@@ -105,6 +106,7 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
         "#   leakaudit run FILE --out DIR       runs it and writes DIR/report.html",
         "# Every key and its choices: `leakaudit schema`; a plugin's parameters: `leakaudit plugins KIND NAME`.",
         f"name: {_value(name)}",
+        *([_line(f"plugins_dir: {_value(plugins_dir)}", TOP["plugins_dir"].help)] if plugins_dir else []),
         _line("seed: 0", TOP["seed"].help),
         _line("device: auto", "auto | cpu | cuda"),
         "data:",

@@ -81,8 +81,7 @@ class LeakAuditClient(NumPyClient):
 
     Build ``client`` on ``monitor.watch(trainloader)`` so the monitor sees the batches it trains on; ``model``
     is the ``nn.Module`` it trains. Checks the audit and opens the run folder now (ConfigError, one line per
-    problem); ``max_images`` caps the images of a round the attacks take on (rounds over it are skipped,
-    with a warning).
+    problem); a round over ``max_images`` images is attacked on a seeded sample of its minibatches.
     """
 
     def __init__(self, client: NumPyClient, monitor: LeakMonitor, model: nn.Module,

@@ -34,6 +34,11 @@ TEMPLATES = Path(__file__).parent / "templates"
 TEMPLATE = "report.html.j2"
 
 
+def _accuracy(v: float | None) -> str:
+    """An accuracy in a column of accuracies: three decimals always (0.100 beside 0.903, not 0.1)."""
+    return "" if v is None else f"{v:.3f}"
+
+
 def _num(v: Any, digits: int = 4) -> str:
     """A table cell: floats to ``digits`` significant figures, mappings as parameters, None blank."""
     if isinstance(v, bool) or v is None:
@@ -155,7 +160,8 @@ def page_template(template: Path | None = None) -> jinja2.Template:
     folders = [str(TEMPLATES)] + ([] if template is None else [str(template.parent)])
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(folders), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(num=_num, interval=_interval, epsilon=_epsilon, percent=_percent, params=params_text)
+    env.filters.update(num=_num, interval=_interval, epsilon=_epsilon, percent=_percent, params=params_text,
+                       accuracy=_accuracy)
     return env.get_template(TEMPLATE) if template is None else env.from_string(template.read_text())
 
 

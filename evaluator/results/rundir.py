@@ -171,11 +171,15 @@ class RunFolder:
     def prepare(self, resume: bool) -> None:
         """Refuse to start over a run (without ``resume``) or to resume a changed audit; save the audit file."""
         saved = self.path / AUDIT_COPY
+        too_long = next((part for part in self.path.parts if len(part.encode()) > 255), None)
+        if too_long is not None:
+            raise RunError(f"--out: {too_long[:40]}...: a folder name of {len(too_long.encode())} bytes, over the "
+                           "255 a file system allows; choose a shorter --out")
         if self.path.exists() and not self.path.is_dir():
             raise RunError(f"--out: {self.path} is a file, not a folder; choose a folder")
         if not resume and (saved.exists() or self.results.path.exists()):
-            raise RunError(f"--out: {self.path} already holds a run; pass --resume to continue it, "
-                           "or choose another --out")
+            raise RunError(f"--out: {self.path} already holds a run; pass --resume to continue it (a finished run "
+                           f"only rewrites its report), or start over: choose another --out or delete {self.path}")
         if resume and saved.exists() and not same_audit(saved.read_text(), self.audit.text):
             raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
                            f"(saved as {saved}); choose another --out")

@@ -389,19 +389,22 @@ def decoy_test(own: list[np.ndarray], decoys: list[np.ndarray], groups: list[lis
     return hits, len(chances), float(min(1.0, tail[hits:].sum()))
 
 
-def gate_failures(summary: Summary, allow_inconclusive: bool = False) -> list[tuple[str, str]]:
-    """``(kind, line)`` for each reason the gate fails: a setting marked ``must_protect`` that leaks ("leak"),
-    could not be judged ("unjudged") or is inconclusive ("inconclusive", unless allowed), and any setting whose
-    attacks beat the bound its privacy guarantee puts on them ("bound": the defense or its accounting is wrong).
-    The gate fails closed: a setting it cannot vouch for is not passed."""
+def gate_failures(summary: Summary, allow_inconclusive: bool = False,
+                  settings: Iterable[str] | None = None) -> list[tuple[str, str]]:
+    """``(kind, line)`` for each reason the gate fails: a checked setting (those marked ``must_protect``, or the
+    ``settings`` named) that leaks ("leak"), could not be judged ("unjudged") or is inconclusive ("inconclusive",
+    unless allowed), and any setting whose attacks beat the bound its privacy guarantee puts on them ("bound":
+    the defense or its accounting is wrong). The gate fails closed: a setting it cannot vouch for is not passed."""
+    named = None if settings is None else set(settings)
     lines = []
     for w in summary.worst_case:
-        where = f"{w.setting} (must_protect)"
-        if w.must_protect and w.verdict == LEAKS:
+        checked = w.must_protect if named is None else w.setting in named
+        where = f"{w.setting} (must_protect)" if named is None else w.setting
+        if checked and w.verdict == LEAKS:
             lines.append(("leak", f"{where} leaks at step {w.verdict_checkpoint}: {w.reason}"))
-        elif w.must_protect and w.verdict is None:
+        elif checked and w.verdict is None:
             lines.append(("unjudged", f"{where} could not be judged: {w.reason}"))
-        elif w.must_protect and w.verdict == INCONCLUSIVE and not allow_inconclusive:
+        elif checked and w.verdict == INCONCLUSIVE and not allow_inconclusive:
             lines.append(("inconclusive", f"{where} is inconclusive at step {w.verdict_checkpoint}: {w.reason}"))
     lines += [("bound", line) for line in summary.bound_violations]
     return lines

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.slow
 
 #: How far another CPU's kernels move the quickstart's printed numbers (README.md states them): measured 0.006
 #: in accuracy undefended and 0.025 under noise of sigma 0.1 (its training sees other noise), 0.6 dB in PSNR and
-#: 2.0 dB in an interval's bound, between two Intel Xeon machines.
-TOLERANCE = {"accuracy": 0.05, "psnr": 1.0, "bound": 2.5}
+#: 2.0 dB in an interval's bound, between two Intel Xeon machines; 0.070 in accuracy under sigma 0.1 between
+#: AVX-512 and AVX2 kernels (ATEN_CPU_CAPABILITY=avx2): 200 noisy SGD steps amplify the kernels' rounding.
+#: The verdicts, settings, attacks and steps must match exactly.
+TOLERANCE = {"accuracy": 0.1, "psnr": 1.0, "bound": 2.5}
 NUMBERS = re.compile(r"accuracy ([\d.]+)  psnr ([\d.]+) \[([\d.]+), ([\d.]+)\]")
 
 

@@ -22,6 +22,9 @@ from conftest import small_audit
 STORED = Path(__file__).parent / "data" / "stored_run"
 FILES = ("results.jsonl", "summary.json")
 VOLATILE = {"seconds", "search_seconds", "run"}  # wall times and provenance: differ on every run
+#: late_gain is the last fifth's gain of a 20-iteration trace, a difference of two near-equal scores: AVX2's
+#: kernels move it by 5.4e-4 from AVX-512's (measured with ATEN_CPU_CAPABILITY=avx2)
+LATE_GAIN = 2e-3
 
 
 def _volatile(key: str) -> bool:
@@ -54,7 +57,8 @@ def _same(got, want, where: str = "") -> None:
     """Exact equality but for floats (1e-4 relative, or 1e-5 absolute: a difference of two near-equal scores, such
     as late_gain, keeps no relative digits across CPUs); the first difference is named by its path."""
     if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-5, nan_ok=True), where
+        slack = LATE_GAIN if where.endswith("late_gain") else 1e-5
+        assert got == pytest.approx(want, rel=1e-4, abs=slack, nan_ok=True), where
     elif isinstance(want, dict) and isinstance(got, dict):
         assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
         for key in want:

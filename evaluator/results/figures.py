@@ -113,6 +113,15 @@ def _mark_leaks(ax, points: list[WorstCase], x: str, y: str) -> None:
                    edgecolors="firebrick", linewidths=1.6, zorder=4, label="verdict: leaks")
 
 
+def _inside(ax, texts: list) -> None:
+    """Labels of points in the right fifth of the axis written to their left, so that none crosses the axis."""
+    left, right = ax.get_xlim()
+    for text in texts:
+        if text.xy[0] > left + 0.8 * (right - left):
+            text.set_horizontalalignment("right")
+            text.set_position((-5, 2))
+
+
 def plot_privacy_utility(summary: Summary, path: Path, registry: Registry) -> bool:
     """Accuracy against the strongest attack's leakage (with its interval), one line per defense, beside the
     leak threshold and chance accuracy. False when there is no utility to plot."""
@@ -127,19 +136,20 @@ def plot_privacy_utility(summary: Summary, path: Path, registry: Registry) -> bo
     for w in points:
         by_defense[w.defense].append(w)
     for ax, metric in zip(axes[0], panels):
+        texts = []
         for defense, ws in by_defense.items():
             ws = sorted((w for w in ws if w.mean(metric) is not None), key=lambda w: w.accuracy)
             if not ws:
                 continue
             xs, ys = [w.accuracy for w in ws], [w.mean(metric) for w in ws]
-            if all(w.baseline for w in ws):  # hollow and beneath: a defense's point at the same place shows
-                ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=15, markerfacecolor="none",
-                            color="black", zorder=1, label="no defense")
+            if all(w.baseline for w in ws):  # hollow and on top: a defense's point at the same place shows through
+                ax.errorbar(xs, ys, yerr=_yerr(ws, metric), fmt="*", markersize=17, markerfacecolor="none",
+                            markeredgewidth=1.6, color="black", zorder=5, label="no defense")
                 continue
             ax.errorbar(xs, ys, yerr=_yerr(ws, metric), marker="o", capsize=3, label=_line_label(defense, ws))
-            for w in ws:
-                ax.annotate(_point_text(w, ws), (w.accuracy, w.mean(metric)), fontsize=7,
-                            textcoords="offset points", xytext=(5, 2))
+            texts += [ax.annotate(_point_text(w, ws), (w.accuracy, w.mean(metric)), fontsize=7,
+                                  textcoords="offset points", xytext=(5, 2)) for w in ws]
+        _inside(ax, texts)
         _mark_leaks(ax, points, "accuracy", metric)
         ax.set_title(f"privacy against utility ({metric})", fontsize=11)
         _threshold_line(ax, summary, metric)

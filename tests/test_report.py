@@ -146,7 +146,10 @@ def _audit(**changes) -> dict:
     audit = small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}}],
                         attacks=[{"name": "inverting_gradients", "params": {"iterations": 100, "lr": 0.1,
                                                                            "priors": {"tv": 0.01}}}],
-                        utility={"train_steps": 40, "batch_size": 16, "lr": 0.5})
+                        utility={"train_steps": 40, "batch_size": 16, "lr": 0.5},
+                        # sigma 1.0 trains to 0.13 to 0.17 (AVX-512 against AVX2 kernels): usable from chance + 0.1,
+                        # not chance + 0.05, keeps its "unusable" off the knife's edge on every CPU
+                        verdict={"utility_margin": 0.1})
     audit.update(changes)
     return audit
 

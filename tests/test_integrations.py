@@ -72,8 +72,12 @@ def test_the_examples_run(tmp_path):
     assert [e.value for e in events.Scalars("leakaudit/leaks")] == [1.0, 1.0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        inside = lightning_training.main(out=str(tmp_path / "lightning"), steps=4, every=3)
+        inside = lightning_training.main(out=str(tmp_path / "lightning"), steps=4, every=3,
+                                         board=str(tmp_path / "lightning_board"))
     assert inside.checkpoints == [0, 3] and inside.worst_case[0].verdict == "leaks"
+    events = EventAccumulator(str(tmp_path / "lightning_board" / "lightning_training" / "version_0"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("leakaudit/psnr")] == [0, 3]
 
 
 # --- Flower -----------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """Audit a PyTorch Lightning training as it runs: the LeakAuditCallback in Trainer.fit (leakaudit[lightning]).
+Each audited step's verdict is logged, and its scalars reach the Trainer's TensorBoard logger
+(``tensorboard --logdir runs/tensorboard``).
 
     python examples/own_training/lightning_training.py
 """
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -33,7 +36,8 @@ class DigitsClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-def main(out: str = "runs/lightning_training", steps: int = 201, every: int = 50) -> dict:
+def main(out: str = "runs/lightning_training", steps: int = 201, every: int = 50,
+         board: str = "runs/tensorboard") -> dict:
     data = load_data()
     mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
     loader = DataLoader(TensorDataset((data.train_x - mean) / std, data.train_y), batch_size=1, shuffle=True,
@@ -41,7 +45,8 @@ def main(out: str = "runs/lightning_training", steps: int = 201, every: int = 50
     monitor = LeakMonitor(attacks=[{"name": "inverting_gradients", "params": {"iterations": 300}}], every=every,
                           out=out, mean=data.mean, std=data.std)
     trainer = pl.Trainer(max_steps=steps, callbacks=[LeakAuditCallback(monitor)], accelerator="auto",
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+                         logger=TensorBoardLogger(board, name="lightning_training"),  # gets each audited step's scalars
+                         enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(DigitsClassifier(), loader)   # the callback writes the report when training ends
     print(f"report: {out}/report.html")
     return monitor.report()

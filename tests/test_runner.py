@@ -309,7 +309,7 @@ def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_aud
     epsilon is not claimed; the attacked update is still defended."""
     audit = small_audit(defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}},
                                   {"name": "dpsgd", "params": {"noise_multiplier": 1.0}}],
-                        model={"name": "lenet_zhu", "checkpoints": [0, 5]},
+                        model={"name": "lenet_zhu", "checkpoints": [0]},
                         attacks=[{"name": "inverting_gradients", "params": {"iterations": 150, "lr": 0.1,
                                                                            "priors": {"tv": 0.01}}}],
                         utility={"train_steps": 5, "batch_size": 8, "train_defended": False})
@@ -319,7 +319,9 @@ def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_aud
     assert len(accuracies) == 1 and all(u.epsilon is None for u in utility.values())
     rows = {(r["setting"], r["checkpoint"]): r["psnr"] for r in _rows(tmp_path / "out") if r["target"] == 0}
     assert rows[("gaussian(sigma=1.0)", 0)] < rows[("none", 0)] - 3.0  # the shared update is still noised
-    defended = run_audit(load_audit(write_audit({**audit, "utility": {**audit["utility"], "train_defended": True}},
+    quick = [{**audit["attacks"][0], "params": {"iterations": 5}}]  # only its training is asserted on
+    defended = run_audit(load_audit(write_audit({**audit, "attacks": quick,
+                                                 "utility": {**audit["utility"], "train_defended": True}},
                                                 "defended.yaml")), tmp_path / "defended", progress=False)
     assert len({u.accuracy for u in defended.utility.values()}) > 1  # trained under the defenses: they differ
     assert defended.utility["dpsgd(noise_multiplier=1.0)"].epsilon > 0

@@ -257,14 +257,13 @@ class MonitorCore:
             self.last_update = update
             after, now = model_state(plain)
             started = time.perf_counter()
-            try:
-                with own_random_state(device):
+            with own_random_state(device):
+                try:
                     load_model_state(plain, before, buffers)
                     self._attack(plain, step, update, inputs, labels, protocol)
+                finally:
                     load_model_state(plain, after, now)
-                    self._after_audit(plain, step)
-            finally:
-                load_model_state(plain, after, now)
+                self._after_audit(plain, step)
             self._attack_seconds += time.perf_counter() - started
             self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
 
@@ -293,8 +292,9 @@ class MonitorCore:
                 sent, public = defense.apply(update, share_gen)
                 observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
             epsilon = None if setting.calibrates is not None else self._epsilon()
-            self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step,
-                          "the undefended update" if setting.is_baseline else f"the update under {setting.key}", n, ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting)))
+            what = "the undefended update" if setting.is_baseline else f"the update under {setting.key}"
+            attacks = ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting))
+            self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step, what, n, attacks)
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
@@ -304,8 +304,8 @@ class MonitorCore:
                                                list(range(n)), epsilon)  # one update per step: no bound to test
                 self._folder.results.append(row)
                 self._folder.results_csv.append(row)
-                self.log.info("  %s: %s", spec.label, ", ".join(
-                    f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float)) + f" ({rec.seconds:.0f} s)")
+                shown = ", ".join(f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float))
+                self.log.info("  %s: %s (%.0f s)", spec.label, shown, rec.seconds)
         self._described["steps"].append(step)
         self._folder.write_json(MONITOR, self._described)
         self._write_baselines()
@@ -316,9 +316,7 @@ class MonitorCore:
         training), a step's at ``report()``."""
         if self.eval_loader is not None:
             self._write_utility(plain, step)
-        folder = RunFolder(self.out, saved_audit(self.out, None, self.plugins_dirs))  # its steps so far
-        summary = self.report() if self._federated else judged(
-            folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES), folder.read_json(RUN_INFO))
+        summary = self.report() if self._federated else self._judged()
         verdict = next((v for v in summary.verdicts if v.checkpoint == step and v.setting == self._monitored), None)
         if verdict is None:
             self.log.info("LeakMonitor %s %d: not judged (no finite %s)", self._unit, step, summary.leakage_metric)
@@ -335,6 +333,12 @@ class MonitorCore:
         for sink in self.loggers:
             send_scalars(sink, scalars, step)
 
+    def _judged(self) -> Summary:
+        """The run folder's summary with every step so far judged, no report drawn."""
+        folder = RunFolder(self.out, saved_audit(self.out, None, self.plugins_dirs))  # the audit of its steps so far
+        return judged(folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES),
+                      folder.read_json(RUN_INFO))
+
     @property
     def _monitored(self) -> str:
         """The key of the setting this monitor audits (the others are its undefended reference)."""
@@ -346,21 +350,22 @@ class MonitorCore:
         defense wrecked reads "unusable", not "protects"."""
         was_training, device = plain.training, next(plain.parameters()).device
         plain.eval()
-        right = total = 0
+        right, seen = 0, []
         try:
             for batch in self.eval_loader:
                 x, y = inputs_labels(batch)
                 y = torch.as_tensor(y).to(device).reshape(-1)
                 right += int((plain(torch.as_tensor(x).to(device)).argmax(dim=1) == y).sum())
-                total += len(y)
+                seen.append(y)
         finally:
             plain.train(was_training)
+        labels = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.long)
         path = self._folder.utility.path
         earlier = next(iter(self._folder.utility.read()), {}).get("checkpoint_accuracy") or {}
-        accuracy = right / max(total, 1)
+        accuracy = right / max(len(labels), 1)
         if not earlier:  # the first measure: chance (the majority class's share), below which it is unusable
             info = self._folder.read_json(RUN_INFO)
-            info["chance_accuracy"] = self._chance(device)
+            info["chance_accuracy"] = float(labels.bincount().max()) / len(labels) if len(labels) else None
             self._folder.write_json(RUN_INFO, info)
         row = {"setting": self._monitored, "accuracy": accuracy, "train_steps": self.steps_taken,
                "epsilon": self._epsilon(), "delta": self.delta, "model_changes": [],
@@ -389,11 +394,6 @@ class MonitorCore:
                                                   lambda pixels: mean_without(prior, pixels),
                                                   generator(torch.device("cpu"), self.seed, "baseline")))
 
-    def _chance(self, device: torch.device) -> float:
-        """The majority class's share of ``eval_loader``'s labels."""
-        labels = torch.cat([torch.as_tensor(inputs_labels(b)[1]).reshape(-1).cpu() for b in self.eval_loader])
-        return float(labels.bincount().max()) / max(len(labels), 1)
-
     def _prior_pixels(self) -> Tensor | None:
         """Pixels of up to 256 seeded items of the data the attacker may hold (``prior``, else the training set),
         drawn once and kept in the run folder; None without an indexable dataset."""
@@ -418,7 +418,7 @@ class MonitorCore:
         PrivacyEngine was given (the figure it prints), else from an RDP accountant over the steps taken."""
         if self._dp is None:
             return None
-        if getattr(self, "_accountant", None) is not None:
+        if self._accountant is not None:
             return float(self._accountant.get_epsilon(self.delta))
         if self._dp["sample_rate"] is None:
             return None
@@ -590,6 +590,12 @@ def inputs_labels(batch: Any, single: bool = False) -> tuple[Any, Any]:
         raise ConfigError([f"LeakMonitor: loader: a {'dataset item' if single else 'batch'} is a "
                            f"{type(batch).__name__}; expected (inputs, labels)"])
     return batch[0], batch[1]
+
+
+def joined(batches: Sequence[tuple[Any, Any]]) -> tuple[Tensor, Tensor]:
+    """``(inputs, labels)`` batches as one batch, in order."""
+    return (torch.cat([torch.as_tensor(x) for x, _ in batches]),
+            torch.cat([torch.as_tensor(y).reshape(-1) for _, y in batches]))
 
 
 def model_state(model: nn.Module) -> tuple[list[Tensor], dict[str, Tensor]]:

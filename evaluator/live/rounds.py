@@ -18,6 +18,7 @@ from leakaudit.evaluator.live.core import (
     MonitorCore,
     MonitoredLoader,
     inputs_labels,
+    joined,
     load_model_state,
     loaders_observed,
     model_state,
@@ -77,17 +78,13 @@ def sent_weights(model: nn.Module, sent: Sequence[Any] | None) -> list[Tensor] |
     return [torch.as_tensor(a).to(device=p.device, dtype=p.dtype) for a, p in zip(sent, params)]
 
 
-def joined(batches: Sequence[tuple[Any, Any]]) -> tuple[Tensor, Tensor]:
-    """``(inputs, labels)`` batches as one batch, in order."""
-    return (torch.cat([torch.as_tensor(x) for x, _ in batches]),
-            torch.cat([torch.as_tensor(y).reshape(-1) for _, y in batches]))
-
-
-def sample_round(batches: Sequence[tuple[Any, Any]], protocol: FedAvg, max_images: int,
-                 gen: torch.Generator) -> tuple[tuple[Tensor, Tensor], FedAvg, str]:
+def sample_round(model: nn.Module, loss_fn: Any, before: list[Tensor], buffers: dict[str, Tensor],
+                 batches: Sequence[tuple[Any, Any]], protocol: FedAvg, max_images: int,
+                 gen: torch.Generator) -> tuple[tuple[Tensor, Tensor], FedAvg, list[Tensor], str]:
     """A round over more than ``max_images`` images, cut to a seeded sample the attacks can take: whole
     minibatches (in training order) up to ``max_images`` images, or ``max_images`` images of one minibatch
-    when a minibatch alone is larger. Returns the sample, its FedAvg protocol and a line saying what was done."""
+    when a minibatch alone is larger. Returns the sample, its FedAvg protocol, the update it makes from
+    ``before`` (``round_update``) and a line saying what was done."""
     size = len(torch.as_tensor(batches[0][1]).reshape(-1))
     total = sum(len(torch.as_tensor(y).reshape(-1)) for _, y in batches)
     if size <= max_images:
@@ -101,9 +98,10 @@ def sample_round(batches: Sequence[tuple[Any, Any]], protocol: FedAvg, max_image
         batch, size = (x[pick], y[pick]), max_images
         what = f"{max_images} images of one minibatch"
     sample = dataclasses.replace(protocol, local_batch_size=size)
-    return batch, sample, (f"it trained on {total} images, more than max_images={max_images}: attacked on a seeded "
-                           f"sample, {what} ({len(batch[1])} images), through the update they make from the round's "
-                           f"weights in {protocol.local_epochs} local epoch(s) at lr {protocol.local_lr:g}")
+    how = (f"it trained on {total} images, more than max_images={max_images}: attacked on a seeded sample, {what} "
+           f"({len(batch[1])} images), through the update they make from the round's weights in "
+           f"{protocol.local_epochs} local epoch(s) at lr {protocol.local_lr:g}")
+    return batch, sample, round_update(model, loss_fn, before, buffers, batch, sample), how
 
 
 def round_update(model: nn.Module, loss_fn: Any, before: list[Tensor], buffers: dict[str, Tensor],
@@ -265,11 +263,11 @@ class RoundMonitor(MonitorCore):
             return f"batch sizes {sizes[0]}: FedAvg's minibatches are all the same size but the last"
         protocol = FedAvg(local_epochs=len(passes), local_batch_size=size, local_lr=lrs.pop())
         if sum(len(y) for _, y in passes[0]) > self.max_images:
-            batch, protocol, how = sample_round(passes[0], protocol, self.max_images,
-                                                generator(torch.device("cpu"), self.seed, "round-sample", local.number))
+            batch, protocol, update, how = sample_round(
+                self._model, self.loss_fn, local.before, local.buffers, passes[0], protocol, self.max_images,
+                generator(torch.device("cpu"), self.seed, "round-sample", local.number))
             self.sampled(local.number, how)
-            return protocol, batch, round_update(self._model, self.loss_fn, local.before, local.buffers, batch,
-                                                 protocol), steps[0].optimizer
+            return protocol, batch, update, steps[0].optimizer
         after = sent_weights(self._model, local.sent)
         if isinstance(after, str):
             return after

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from leakaudit.evaluator.live.core import MonitorCore, MonitoredLoader, inputs_labels, model_state
+from leakaudit.evaluator.live.core import MonitorCore, MonitoredLoader, inputs_labels, joined, model_state
 from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
 from leakaudit.evaluator.results.rundir import MONITOR
 from leakaudit.plugins.manager import load_registry
@@ -44,8 +44,8 @@ class StepMonitor(MonitorCore):
         self.detach()
         self._physical = []
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
-        self._dp = self._dp_settings(optimizer, loader)
         self._accountant = opacus_accountant(optimizer)
+        self._dp = self._dp_settings(optimizer, loader)
         why = unsupported(self._inner)
         self._undo = self.attacker["memory"] and why is None
         problems = self._unoptimised(model)
@@ -93,9 +93,7 @@ class StepMonitor(MonitorCore):
             self.skip(step, f"the optimizer stepped once over {len(batches)} batches (gradient accumulation); "
                             "the attacks take one batch's update")
             return None
-        parts = [inputs_labels(b) for b in batches]
-        return (torch.cat([torch.as_tensor(x) for x, _ in parts]),
-                torch.cat([torch.as_tensor(y).reshape(-1) for _, y in parts]))
+        return joined([inputs_labels(b) for b in batches])
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
@@ -125,10 +123,9 @@ class StepMonitor(MonitorCore):
         rate = getattr(loader, "sample_rate", None)
         if rate is None and dataset is not None and hasattr(dataset, "__len__"):
             rate = optimizer.expected_batch_size / len(dataset)
-        accountant = opacus_accountant(optimizer)
         return {"noise_multiplier": float(optimizer.noise_multiplier), "max_grad_norm": float(optimizer.max_grad_norm),
                 "expected_batch_size": int(optimizer.expected_batch_size), "sample_rate": rate,
-                "accountant": None if accountant is None else accountant.mechanism()}
+                "accountant": None if self._accountant is None else self._accountant.mechanism()}
 
     def _defense_entry(self, problems: list[str]) -> str | dict[str, Any]:
         """The defense as an audit entry: the user's, or ``dpsgd`` with Opacus's settings under a DPOptimizer."""

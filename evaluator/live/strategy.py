@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import ConcatDataset, DataLoader
 
-from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, inputs_labels, load_model_state, model_state
-from leakaudit.evaluator.live.monitor import LeakMonitor
 from leakaudit.evaluator.audit.seeds import generator
-from leakaudit.evaluator.live.rounds import joined, round_update, sample_round, sent_weights
+from leakaudit.evaluator.audit.types import ConfigError
+from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, inputs_labels, joined, load_model_state, model_state
+from leakaudit.evaluator.live.monitor import LeakMonitor
+from leakaudit.evaluator.live.rounds import sample_round, sent_weights
 from leakaudit.plugins.protocol import FedAvg
 
 try:
@@ -114,8 +114,8 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         """The wrapped strategy's aggregate, unchanged; then, in an audited round, each update attacked."""
         aggregated = self.strategy.aggregate_fit(server_round, results, failures)
         if server_round in self._sent:
-            self._audit(server_round, [(proxy.cid, res.metrics, res.num_examples, parameters_to_ndarrays(res.parameters))
-                                       for proxy, res in results])
+            self._audit(server_round, [(proxy.cid, res.metrics, res.num_examples,
+                                        parameters_to_ndarrays(res.parameters)) for proxy, res in results])
         return aggregated
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -213,11 +213,10 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         batch = joined(batches)
         if len(batch[1]) <= self.max_images:
             return ClientRound(name, examples, batch, [b - a for b, a in zip(before, after)], loader, protocol)
-        seed = self._settings.get("seed", 0)
-        batch, protocol, how = sample_round(batches, protocol, self.max_images,
-                                            generator(torch.device("cpu"), seed, "round-sample", server_round, name))
-        update = round_update(self.model, self._settings.get("loss_fn", F.cross_entropy), before, buffers, batch,
-                              protocol)
+        batch, protocol, update, how = sample_round(
+            self.model, self._settings.get("loss_fn", F.cross_entropy), before, buffers, batches, protocol,
+            self.max_images, generator(torch.device("cpu"), self._settings.get("seed", 0), "round-sample",
+                                       server_round, name))
         return ClientRound(name, examples, batch, update, loader, protocol, how)
 
     def _monitor(self, name: str, loader: Any) -> LeakMonitor:
@@ -257,7 +256,7 @@ def _trained(reply: Any) -> tuple[dict[str, Any], int, list[Any]]:
 
 def _population(rounds: list[ClientRound]) -> Any:
     """The clients' images of a round together, as one loader: the data an attacker's guess without the update
-    draws its mean image from (a client's own few images would hand the guess the very target)."""
+    draws its mean image from (less the attacked batch's own images, ``core.mean_without``)."""
     loaders = [r.loader for r in rounds]
     datasets = [getattr(loader, "dataset", None) for loader in loaders]
     if any(d is None for d in datasets):

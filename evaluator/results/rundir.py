@@ -318,7 +318,7 @@ MONITOR_JUDGING = ("name", "leakage_metric", "verdict")  # what --config may set
 def monitor_judging(config: Path, folder: Path) -> dict[str, Any]:
     """What ``report --config`` changes in how a LeakMonitor's folder is judged: its name, leakage_metric and
     verdict: section; any other key is refused in one line (the monitor's training is not an audit file's)."""
-    text, raw = read_yaml(config)
+    _, raw = read_yaml(config)
     if not isinstance(raw, dict):
         raise RunError(f"--config: {config}: expected a mapping with {', '.join(MONITOR_JUDGING)}")
     other = [k for k in raw if k not in MONITOR_JUDGING]

@@ -94,6 +94,8 @@ def warn_old_torch() -> None:
     dependencies, say): its numbers are not the tested ones."""
     from importlib.metadata import PackageNotFoundError, requires
 
+    from torch.torch_version import TorchVersion
+
     try:
         needed = next((r for r in requires("leakaudit") or [] if r.startswith("torch") and ">=" in r), None)
     except PackageNotFoundError:
@@ -101,16 +103,12 @@ def warn_old_torch() -> None:
     if needed is None:
         return
     wanted = needed.split(">=")[1].split(",")[0].split(";")[0].strip()
-    if _release(torch.__version__) < _release(wanted):
+    if TorchVersion(torch.__version__) < wanted:  # torch's own version ordering (2.8.0 < 2.11, 2.11.0a0 < 2.11)
         import warnings
 
         warnings.warn(f"leakaudit: torch {torch.__version__} is installed; leakaudit supports torch >= {wanted} "
                       "and its verdicts are tested there (an app's pinned dependencies may hold torch back)",
                       stacklevel=3)
-
-
-def _release(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
 
 
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,

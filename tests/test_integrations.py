@@ -271,6 +271,18 @@ def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatc
     assert described["rounds"]["3"]["optimizer"] == "Adam()" and not described.get("sampled")
 
 
+def test_flower_mod_refuses_bad_settings_before_any_round(tmp_path):
+    from leakaudit.evaluator.live.flower import LeakAuditMod
+
+    with pytest.raises(leakaudit.ConfigError) as info:
+        LeakAuditMod("Net", max_images=0, out=tmp_path / "runs")
+    assert info.value.lines == ["LeakAuditMod: model: a str; expected what makes the network the app trains (its "
+                                "class, say)", "LeakAuditMod: max_images: 0; expected a whole number >= 1"]
+    with pytest.raises(leakaudit.ConfigError, match=r"^LeakMonitor: every: 0; expected a whole number >= 1$"):
+        LeakAuditMod(torch.nn.Linear, every=0, out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
 def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkeypatch):
     """Flower's current quickstart structure (ClientApp with @app.train, ServerApp with strategy.start), each
     side audited with at most five added lines; clients of 96 images are attacked on a seeded sample."""

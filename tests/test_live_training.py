@@ -133,12 +133,19 @@ def test_verdict_lines_and_scalars_reach_the_log_and_the_loggers(digits, tmp_pat
     assert [step for step, _ in called] == [0, 2] and "leakaudit/psnr" in called[0][1]
 
 
-def test_bad_logger_is_one_line(digits):
+@pytest.mark.parametrize("given, line", [
+    ({"loggers": [42]}, "LeakMonitor: loggers[0]: a int; expected a TensorBoard SummaryWriter (add_scalar), an object "
+                        "with log_metrics(metrics, step) (Lightning's loggers, the mlflow module) or a function "
+                        "(scalars, step)"),
+    ({"eval_loader": 3.5}, "LeakMonitor: eval_loader: a float; expected a loader of held-out (inputs, labels) "
+                           "batches"),
+    ({"prior": "digits"}, "LeakMonitor: prior: a str; expected a dataset (or a loader over one) of the attacker's own "
+                          "(inputs, labels) items"),
+])
+def test_bad_new_arguments_are_one_line_each(given, line):
     with pytest.raises(leakaudit.ConfigError) as info:
-        leakaudit.LeakMonitor(attacks=QUICK, loggers=[42])
-    assert info.value.lines == ["LeakMonitor: loggers[0]: a int; expected a TensorBoard SummaryWriter (add_scalar), an "
-                                "object with log_metrics(metrics, step) (Lightning's loggers, the mlflow module) or a "
-                                "function (scalars, step)"]
+        leakaudit.LeakMonitor(attacks=QUICK, **given)
+    assert info.value.lines == [line]
 
 
 def test_a_wrecked_model_reads_unusable_not_protects(digits, tmp_path):

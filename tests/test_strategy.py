@@ -126,3 +126,8 @@ def test_bad_settings_are_one_line_each_before_any_round():
         LeakAuditStrategy(FedAvg(), _model(), "not a function", every=0)
     assert info.value.lines == ["LeakAuditStrategy: every: 0; expected a whole number >= 1",
                                 "LeakAuditStrategy: client_loader: expected a function of a client's name"]
+    with pytest.raises(ConfigError) as info:
+        LeakAuditStrategy("FedAvg", _model(), lambda name: None, local_epochs=0)
+    assert info.value.lines == ["LeakAuditStrategy: strategy: a str; expected a Flower Strategy "
+                                "(flwr.serverapp.strategy or flwr.server.strategy)",
+                                "LeakAuditStrategy: local_epochs: 0; expected a whole number >= 1"]

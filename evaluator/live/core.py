@@ -154,6 +154,11 @@ class MonitorCore:
                      "(scalars, step)" for i, sink in enumerate(loggers) if _sink_kind(sink) is None]
         problems += [] if eval_loader is None or hasattr(eval_loader, "__iter__") else [
             f"eval_loader: a {type(eval_loader).__name__}; expected a loader of held-out (inputs, labels) batches"]
+        items = getattr(prior, "dataset", prior)
+        indexable = hasattr(items, "__getitem__") and hasattr(items, "__len__") and not isinstance(items, (str, bytes))
+        problems += [] if prior is None or indexable else [
+            f"prior: a {type(prior).__name__}; expected a dataset (or a loader over one) of the attacker's own "
+            "(inputs, labels) items"]
         if problems:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.defense = {"name": defense} if isinstance(defense, str) else defense

@@ -1,4 +1,5 @@
-"""Run the quickstart as a new user does and write what it printed, and how long it took, into README.md.
+"""Run the quickstart as a new user does and write what it printed, and how long it took, into README.md and
+docs/results.md.
 
     python benchmarks/quickstart_readme.py            # rewrites README.md's quickstart block and its time
     python benchmarks/quickstart_readme.py --check    # only prints them
@@ -10,6 +11,7 @@ workers, from a fresh folder and an empty analysis cache, as a new user's first 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -18,32 +20,35 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from stamp import ROOT, machine, measured_on, write_block
+
 README = ROOT / "README.md"
 COMMAND = "$ leakaudit run configs/quickstart.yaml --out runs/quickstart"
 TIME = re.compile(r"\((?:under\s+a\s+minute|about\s+\d+\s+s)\s+on\s+\d+\s+CPU\s+cores.*?measured\s+by\s+"
                   r"benchmarks/quickstart_readme\.py\)", re.S)
 
 
-def run_quickstart() -> tuple[list[str], float]:
-    """The verdict lines the quickstart prints, and its wall seconds, as on a fresh install (an empty analysis
-    cache)."""
+def run_quickstart() -> tuple[list[str], list[dict], float]:
+    """The verdict lines the quickstart prints, its summary's worst cases, and its wall seconds, as on a fresh
+    install (an empty analysis cache)."""
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "leakaudit", "run", str(ROOT / "configs" / "quickstart.yaml"),
                                "--out", out, "--no-progress"], capture_output=True, text=True, check=True,
                               env={**os.environ, "LEAKAUDIT_CACHE": cache})
         seconds = time.perf_counter() - start
-    return [line for line in done.stdout.splitlines() if line.startswith("  ")], seconds  # verdicts, reasons
+        worst = json.loads((Path(out) / "summary.json").read_text())["worst_case"]
+    shown = [line for line in done.stdout.splitlines() if line.startswith(("  ", "decision:", "frontier "))]
+    return shown, worst, seconds  # each verdict with its reason, then the decision
 
 
-def machine() -> str:
-    """The CPU that produced the figures, and the kernels torch chose on it (another CPU's may round otherwise)."""
-    import torch
-
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
-    return f"{names[0] if names else 'unknown CPU'} ({torch.backends.cpu.get_cpu_capability()} kernels)"
+def results_block(worst: list[dict], seconds: float) -> str:
+    """docs/results.md's quickstart table and time: the same run as README.md's block."""
+    rows = [f"| {w['setting']} | {w['accuracy']:.3f} | {w['psnr']:.3g} [{w['psnr_ci'][0]:.3g}, {w['psnr_ci'][1]:.3g}]"
+            f" | {w['verdict']} |" for w in worst]
+    return "\n".join([f"{round(seconds)} s of wall time on {measured_on()}, on a fresh install (an empty analysis cache).",
+                      "Worst-case PSNR as the run prints it (README.md shows the same lines):", "",
+                      "| setting | test accuracy | PSNR (dB) [95% CI] | verdict |", "| --- | --- | --- | --- |", *rows])
 
 
 def readme_block(text: str) -> list[str]:
@@ -69,12 +74,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="print, do not write")
     check = parser.parse_args().check
-    verdicts, seconds = run_quickstart()
+    verdicts, worst, seconds = run_quickstart()
     print("\n".join(verdicts))
-    print(f"quickstart: {seconds:.1f} s wall")
+    print(f"quickstart: {seconds:.1f} s wall on {measured_on()}")
     if not check:
         README.write_text(rewrite(README.read_text(), verdicts, seconds))
-        print(f"wrote {README}")
+        write_block(ROOT / "docs" / "results.md", "benchmarks/quickstart_readme.py", results_block(worst, seconds))
+        print(f"wrote {README} and docs/results.md")
 
 
 if __name__ == "__main__":

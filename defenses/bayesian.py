@@ -195,7 +195,7 @@ class Bayesian(Defense):
                                                  "of Linear and Conv2d layers"),
         "prior_sigma": Param(1.0, float, min=0.0, exclusive_min=True, help="std of the N(0, s^2) weight prior"),
         "init_scale": Param(0.05, float, min=0.0, exclusive_min=True, help="initial std of every weight"),
-        "kl_weight": Param(1e-4, float, min=0.0, help="weight of the KL term in the client's loss"),
+        "kl_weight": Param(1e-4, float, min=0.0, protects="higher", help="weight of the KL term in the client's loss"),
         "noise": Param("per_pass", str, choices=NOISE, help="one weight draw per forward pass, or per example"),
         "share_scales": Param(True, bool, help="share the scales' gradients beside the means' (false: the "
                                                "scales stay at init_scale, known to the server)"),

@@ -66,7 +66,7 @@ class QSGD(Defense):
     name = "qsgd"
     paper = "Alistarh et al. 2017"
     bounded_support = True
-    params = {"levels": Param(4, int, min=1, help="quantisation levels s per sign: 2s + 1 values a coordinate")}
+    params = {"levels": Param(4, int, min=1, protects="lower", help="quantisation levels s per sign: 2s + 1 values a coordinate")}
 
     def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:
         norms = [t.norm() for t in update]

@@ -46,7 +46,7 @@ class DPSGD(Defense):
     paper = "Abadi et al. 2016"
     mirrors_dp_optimizer = True
     params = {
-        "noise_multiplier": Param(1.0, float, min=0.0, help="noise std as a multiple of max_grad_norm"),
+        "noise_multiplier": Param(1.0, float, min=0.0, protects="higher", help="noise std as a multiple of max_grad_norm"),
         "max_grad_norm": Param(1.0, float, min=0.0, exclusive_min=True, help="per-example clipping norm C"),
         "target_epsilon": Param(None, float, min=0.0, exclusive_min=True,
                                 help="solve noise_multiplier for this epsilon (needs steps and sample_rate)"),

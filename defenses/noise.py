@@ -65,7 +65,7 @@ class GaussianNoise(AdditiveNoise):
     name = "gaussian"
     paper = "Balunovic et al. 2022"
     noise, scale_param = "gaussian", "sigma"
-    params = {"sigma": Param(type=float, min=0.0, exclusive_min=True, help="noise standard deviation",
+    params = {"sigma": Param(type=float, min=0.0, exclusive_min=True, protects="higher", help="noise standard deviation",
                              example=0.1)}
 
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile | None:
@@ -83,7 +83,7 @@ class LaplaceNoise(AdditiveNoise):
     name = "laplace"
     paper = "Balunovic et al. 2022"
     noise, scale_param = "laplace", "scale"
-    params = {"scale": Param(type=float, min=0.0, exclusive_min=True, help="Laplace scale b", example=0.05)}
+    params = {"scale": Param(type=float, min=0.0, exclusive_min=True, protects="higher", help="Laplace scale b", example=0.05)}
 
 
 @hookimpl

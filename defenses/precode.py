@@ -78,7 +78,7 @@ class Precode(Defense):
     paper = "Scheliga et al. 2022"
     params = {
         "size": Param(256, int, min=1, help="bottleneck size K"),
-        "kl_weight": Param(1e-3, float, min=0.0, help="weight beta of the KL term in the client's loss"),
+        "kl_weight": Param(1e-3, float, min=0.0, protects="higher", help="weight beta of the KL term in the client's loss"),
         "position": Param("last", str, help="the fully connected layer the bottleneck goes before: "
                                             "a module name, or 'last'"),
     }

@@ -24,9 +24,9 @@ class RandomPrune(Defense):
     name = "prune"
     paper = "Balunovic et al. 2022"
     params = {
-        "fraction": Param(0.5, float, min=0.0, max=0.99, help="share of coordinates zeroed"),
+        "fraction": Param(0.5, float, min=0.0, max=0.99, protects="higher", help="share of coordinates zeroed"),
         "noise": Param("none", str, choices=("none", "gaussian", "laplace"), help="noise added after pruning"),
-        "scale": Param(0.0, float, min=0.0, help="noise scale (sigma for gaussian, b for laplace)"),
+        "scale": Param(0.0, float, min=0.0, protects="higher", help="noise scale (sigma for gaussian, b for laplace)"),
         "mask": Param("per_round", str, choices=("per_round", "fixed")),
         "mask_seed": Param(0, int, min=0, help="seed of the fixed mask"),
         "attacker_knows_mask": Param(False, bool, help="the mask is sent with the update"),
@@ -85,7 +85,7 @@ class TopK(DeterministicDefense):
 
     name = "topk"
     paper = "Zhu et al. 2019"
-    params = {"fraction": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True, help="share of coordinates kept")}
+    params = {"fraction": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True, protects="lower", help="share of coordinates kept")}
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return [g * m for g, m in zip(update, top_k_masks(update, self.fraction))]

@@ -71,7 +71,7 @@ class Soteria(Defense):
     deterministic = True
     params = {
         "layer": Param("largest", str, help="defended fully connected layer: a module name, or 'largest'"),
-        "fraction": Param(0.8, float, min=0.0, max=1.0, help="pruning rate: share of the layer's input "
+        "fraction": Param(0.8, float, min=0.0, max=1.0, protects="higher", help="pruning rate: share of the layer's input "
                                                               "features whose gradient columns are zeroed"),
     }
 

@@ -206,6 +206,7 @@ def cmd_schema(args) -> int:
 
 def cmd_validate(args) -> int:
     from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.audit.frontier import most_probes
     from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     audit = load_audit(args.config, args.plugins_dir, import_user_code=args.import_code)
@@ -230,6 +231,13 @@ def cmd_validate(args) -> int:
                "found on the import path, not imported: `validate --import` imports them and checks the names")
         print(f"  user code {how}: {', '.join(dict.fromkeys(factories))} (run calls them and checks what they "
               "return before any work)")
+    for spec in audit.frontiers:
+        probes = most_probes(spec)
+        per = sum(j.setting.key == spec.setting(spec.strong).key for j in jobs_of(audit))
+        print(f"  frontier {spec.where}: {spec.name} {spec.knob} in [{spec.low:g}, {spec.high:g}] ({spec.protects} "
+              f"protects), to within a factor {spec.tolerance:g}: at most {probes} probes, both ends counted above; "
+              f"up to {probes - 2} more, one after another, each {audit.utility.train_steps} training steps and "
+              f"{per} attack jobs: up to {(probes - 2) * per} more jobs")
     added = [s.key for s in audit.settings if s.added]
     if added:
         print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "
@@ -314,6 +322,26 @@ def cmd_report(args) -> int:
     return _conclude(summary, Path(args.folder), args)
 
 
+def frontier_lines(summary) -> list[str]:
+    """The terminal's last lines: each frontier search's answer, then the audit's decision."""
+    lines = []
+    for f in summary.frontier:
+        if f.protecting_setting is None:
+            found = "no protecting setting found"
+        else:
+            ci = "" if f.accuracy_ci is None else f" [{f.accuracy_ci[0]:.3f}, {f.accuracy_ci[1]:.3f}]"
+            margin = "" if f.margin is None else f", {f.margin:.3g} under the leak threshold"
+            found = (f"weakest protecting {f.protecting_setting} (accuracy "
+                     f"{'unknown' if f.accuracy is None else f'{f.accuracy:.3f}'}{ci}{margin})")
+        bracket = "" if f.leaking_setting is None else f"; strongest leaking {f.leaking_setting}"
+        lines.append(f"frontier {f.defense} {f.knob}: {found}{bracket}; {f.status}")
+    if summary.decision is not None:
+        d = summary.decision
+        lines.append(f"decision: ship {d.setting}: {d.reason}" if d.setting else
+                     f"decision: none to ship ({d.binds} binds): {d.reason}")
+    return lines
+
+
 def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     """What was written, then a verdict per setting (the undefended reference apart); with the gate, status 3
     and a line per setting that fails it."""
@@ -331,6 +359,8 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
         for w in added:
             print(_verdict_line(w, summary.leakage_metric, width))
             print(f"    why: {w.reason}")
+    for line in frontier_lines(summary):
+        print(line)
     for line in summary.bound_violations:
         print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)
     if not args.fail_on_leak:

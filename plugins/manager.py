@@ -201,7 +201,7 @@ def param_rows(params: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"name": key, "describe": p.describe(), "help": p.help, "type": p.type_name,
                      "required": p.required, "default": None if p.required else p.default, "example": p.example,
                      "min": p.min, "max": p.max, "exclusive_min": p.exclusive_min, "choices": p.choices,
-                     "nullable": p.nullable, "items": p.items})
+                     "nullable": p.nullable, "items": p.items, "protects": p.protects})
     return rows
 
 

@@ -28,6 +28,13 @@ class Param:
     nullable: bool = False  # YAML's null is accepted (always so where the default is None: "not set")
     items: int | None = None  # also accepted: a list of exactly this many values, each checked as one value
     example: Any = None  # a typical value of a required parameter: what `leakaudit init` writes for it
+    #: The parameter is a monotone privacy knob: "higher" (larger values protect more) or "lower"; a
+    #: ``frontier:`` search bisects on it for the weakest setting that protects. None: not a knob.
+    protects: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.protects not in (None, "higher", "lower"):
+            raise ValueError(f"Param: protects is {self.protects!r}; choices: higher, lower (or None)")
 
     @property
     def required(self) -> bool:
@@ -82,6 +89,8 @@ class Param:
             parts.append(" ".join(x for x in (lo, hi) if x))
         if self.choices:
             parts.append("one of " + "|".join(map(str, self.choices)))
+        if self.protects:
+            parts.append(f"protects more the {self.protects} it is (a frontier: knob)")
         return ", ".join(parts)
 
 

@@ -283,6 +283,7 @@ def test_flower_mod_refuses_bad_settings_before_any_round(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+@pytest.mark.slow  # 45 s of Flower's simulation; the mod's exactness around the app's own train stays in the default tier
 def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkeypatch):
     """Flower's current quickstart structure (ClientApp with @app.train, ServerApp with strategy.start), each
     side audited with at most five added lines; clients of 96 images are attacked on a seeded sample."""

@@ -48,11 +48,15 @@ def test_quickstart_end_to_end(tmp_path):
     # README.md shows what this run prints (benchmarks/quickstart_readme.py writes it from a run)
     readme = (ROOT / "README.md").read_text().splitlines()
     start = readme.index("$ leakaudit run configs/quickstart.yaml --out runs/quickstart") + 1
-    shown = [line for line in readme[start:readme.index("```", start)] if not line.startswith("    ")]  # verdicts
+    block = readme[start:readme.index("```", start)]
+    shown = [line for line in block if line.startswith("  ") and not line.startswith("    ")]  # verdicts
     printed = [line for line in lines if line.startswith("  ") and not line.startswith("    ")]  # the verdicts
     assert len(shown) == len(printed), "README.md's quickstart block drifted: python benchmarks/quickstart_readme.py"
     for readme_line, line in zip(shown, printed):
         _same_within_tolerance(readme_line, line)
+    # the decision closes both, and what it decides (the setting to ship, or what binds) is the same
+    decided = [line.split(":")[:2] for line in (block[-1], lines[-1])]
+    assert decided[0] == decided[1] and decided[1] == ["decision", " none to ship (utility binds)"], decided
     undefended = worst["none"]["psnr"]
     assert undefended >= 18.0  # Geiping et al. 2020 Table 1: 18.00 dB for this attack on this untrained network
     assert worst["gaussian(sigma=1.0)"]["psnr"] <= undefended - 6.0

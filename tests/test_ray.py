@@ -163,3 +163,20 @@ def test_executor_mistakes_are_one_line_errors_before_any_work(tmp_path):
     assert done.returncode == 2  # argparse quotes the choices on some Pythons only
     assert re.search(r"--executor: invalid choice: 'dask' \(choose from '?local'?, '?ray'?\)", done.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cluster_address_where_nothing_listens_is_one_line_said_at_once(tmp_path, capfd):
+    """A closed port: one RunError naming executor.address, before Ray's client retries it (aloud) for minutes."""
+    import socket
+
+    from leakaudit.evaluator.results.rundir import RunError
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.shutdown()
+    with pytest.raises(RunError, match=rf"^executor: cannot join the Ray cluster at 127\.0\.0\.1:{port}: nothing answers "
+                                       rf"at 127\.0\.0\.1:{port} \(Connection refused\); start it .* executor\.address$"):
+        run_audit(load_audit(audit_file(tmp_path, executor={"address": f"127.0.0.1:{port}"})), tmp_path / "out",
+                  progress=False)
+    assert capfd.readouterr().err == ""

@@ -318,6 +318,6 @@ def test_a_defense_whose_settings_name_different_parameters_draws_its_line(tmp_p
               for key, params, acc in [("signsgd", {}, 0.8), ("signsgd(scaled=False)", {"scaled": False}, 0.1)]]
     summary = SimpleNamespace(worst_case=points, leakage_metric="psnr", higher_is_more_leakage=True,
                               leak_threshold=LeakThreshold(value=14.0, guess="mean", guess_score=13.0, margin=1.0),
-                              chance_accuracy=0.1, min_accuracy=0.15)
+                              chance_accuracy=0.1, min_accuracy=0.15, frontier=[])
     assert plot_privacy_utility(summary, tmp_path / "pu.png", load_registry(entry_points=False))
     assert (tmp_path / "pu.png").stat().st_size > 0

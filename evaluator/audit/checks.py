@@ -13,12 +13,15 @@ from typing import Any
 
 import torch
 
-from leakaudit.evaluator.audit.specs import ATTACK, DEFAULT_LEAKAGE_METRIC, DEFENSE, EXECUTOR, MAX_STEPS, MEMBER, SETTING_MODEL
+from leakaudit.evaluator.audit.specs import (
+    ATTACK, DEFAULT_LEAKAGE_METRIC, DEFENSE, EXECUTOR, FRONTIER, MAX_STEPS, MEMBER, SETTING_MODEL,
+)
 from leakaudit.evaluator.audit.tuning import check_tune
 from leakaudit.evaluator.audit.types import (
     AttackSpec,
     DefenseSetting,
     ExecutorSection,
+    FrontierSpec,
     ModelSection,
     with_clients,
     world,
@@ -150,13 +153,27 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
     return [(f"{what}[{i}]", item) for i, item in enumerate(value)]
 
 
-def expand_defenses(value: Any, registry: Registry, problems: list[str],
-                     protocol: Protocol = FEDSGD, data: dict | None = None) -> list[DefenseSetting]:
-    """Every setting the ``defenses:`` entries expand to (sweeps, chains, own models, numbers of clients)."""
+def expand_defenses(value: Any, registry: Registry, problems: list[str], protocol: Protocol = FEDSGD,
+                    data: dict | None = None, frontiers: list[FrontierSpec] | None = None) -> list[DefenseSetting]:
+    """Every setting the ``defenses:`` entries expand to (sweeps, chains, own models, numbers of clients, the
+    ends of each ``frontier:`` search, whose specs go to ``frontiers``)."""
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
         item, ok = checked_section(item, DEFENSE, where, problems)
         if not ok:
+            continue
+        if item["frontier"] is not None:
+            found = len(problems)
+            spec = _frontier(item, registry, where, problems)
+            if spec is None:
+                continue
+            item = {**item, "frontier": None, "sweep": {spec.knob: [spec.low, spec.high]}, "label": None}
+            ends = expand_defenses([item], registry, problems, protocol, data)
+            if len(problems) == found:
+                spec = dataclasses.replace(spec, model=ends[0].model, clients=ends[0].clients, label=None)
+                settings.extend(spec.setting(v) for v in (spec.low, spec.high))
+                if frontiers is not None:
+                    frontiers.append(spec)
             continue
         if item.get("chain") is not None:
             if item.get("name") or item["params"] or item["sweep"]:
@@ -203,6 +220,47 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str],
                 problems.append(f"{where}: setting {setting.key} appears twice")
             settings.append(setting)
     return settings
+
+
+def _frontier(item: dict, registry: Registry, where: str, problems: list[str]) -> FrontierSpec | None:
+    """A ``frontier:`` entry's search, checked: one defense, a declared monotone knob, a range in its bounds."""
+    path = f"{where}.frontier"
+    given = item["frontier"]
+    clash = [k for k in ("sweep", "chain", "label") if item.get(k)] + (["must_protect"] if item["must_protect"] else [])
+    if clash:
+        problems.append(f"{where}: give frontier or {clash[0]}, not both (the search names its settings and "
+                        "decides which protects)")
+        return None
+    if isinstance(item.get("clients"), list):
+        problems.append(f"{where}.clients: one number of clients with frontier:, not a list")
+        return None
+    cls = None if item.get("name") is None else _lookup(registry, "defense", item["name"], f"{where}.name", problems)
+    if cls is None:
+        if item.get("name") is None:
+            problems.append(f"{where}: name is required with frontier:")
+        return None
+    spec, ok = checked_section(given, FRONTIER, path, problems)
+    if not ok:
+        return None
+    knobs = sorted(k for k, p in cls.params.items() if p.protects)
+    knob = cls.params.get(spec["param"])
+    if knob is None or not knob.protects:
+        what = "not a monotone knob of" if knob is not None else "unknown parameter of"
+        problems.append(f"{path}.param: {spec['param']!r} is {what} {item['name']}; choices: "
+                        f"{', '.join(knobs) or '(none: it declares no parameter with protects)'}")
+        return None
+    bounds = spec["range"]
+    if (len(bounds) != 2 or any(knob.problem(v) for v in bounds) or not all(v > 0 for v in bounds)
+            or not bounds[0] < bounds[1]):
+        why = next((knob.problem(v) for v in bounds if knob.problem(v)), None) if len(bounds) == 2 else None
+        problems.append(f"{path}.range: {bounds!r}: expected [low, high] with 0 < low < high"
+                        f"{f' ({why})' if why else ''}; {spec['param']}: {knob.describe()}")
+        return None
+    if spec["param"] in item["params"]:
+        problems.append(f"{where}.params.{spec['param']}: the frontier's knob; leave it out of params")
+        return None
+    return FrontierSpec(where, item["name"], dict(item["params"]), spec["param"], bounds[0], bounds[1],
+                        spec["tolerance"], spec["probes"], knob.protects, knob.type is int)
 
 
 def _client_counts(value: Any, protocol: Protocol, data: dict | None, path: str,

@@ -92,7 +92,9 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     check_data(data, registry, into("data") if data_ok else [])
     check_model(model, registry, into("model") if model_ok else [])
     protocol = check_protocol(top.get("protocol", "fedsgd"), data, into("protocol", "data"))
-    settings = expand_defenses(top.get("defenses"), registry, into("defenses"), protocol, data if data_ok else None)
+    frontiers: list = []
+    settings = expand_defenses(top.get("defenses"), registry, into("defenses"), protocol, data if data_ok else None,
+                               frontiers)
     value = top.get("attacks", AUTO)
     auto = value == AUTO
     if isinstance(value, str) and not auto:
@@ -114,7 +116,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
                   attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
                   protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
                   verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
-                  executor=executor, architecture=top["architecture"])
+                  executor=executor, architecture=top["architecture"], frontiers=frontiers)
     if auto:
         audit.attacks, audit.attack_choice = choose_attacks(audit, IMPORT_USER_CODE.get())
     audit.settings = with_references(settings, audit.attacks, registry)

@@ -16,6 +16,7 @@ from leakaudit.evaluator.audit.specs import (
     DEFAULT_METRICS,
     DEFENSE,
     EXECUTOR,
+    FRONTIER,
     MAX_STEPS,
     MEMBER,
     MODEL,
@@ -119,10 +120,14 @@ def _swept(spec: Mapping[str, Param]) -> Schema:
     for key, p in spec.items():
         fixed = {"required": ["params"], "properties": {"params": {"required": [key]}}}
         varied = {"required": ["sweep"], "properties": {"sweep": {"required": [key]}}}
+        searched = {"required": ["frontier"], "properties": {"frontier": {"properties": {"param": {"const": key}}}}}
         rules.append({"not": {"allOf": [fixed, varied]}})
         if p.required:
-            rules.append({"anyOf": [fixed, varied]})
-    return {"properties": {"params": params, "sweep": sweep}, **({"allOf": rules} if rules else {})}
+            rules.append({"anyOf": [fixed, varied, searched]})
+    knobs = [k for k, p in spec.items() if p.protects]
+    frontier = {"properties": {"param": {"enum": knobs}}} if knobs else {"not": {}}  # no knob: no search
+    return {"properties": {"params": params, "sweep": sweep, "frontier": frontier},
+            **({"allOf": rules} if rules else {})}
 
 
 def _tuned(spec: Mapping[str, Param]) -> Schema:
@@ -169,8 +174,10 @@ def _defense_schema(registry: Registry) -> Schema:
     names = registry.names("defense")
     member = _section(MEMBER, name={"enum": names}, params=OBJECT, sweep=OBJECT)
     member["allOf"] = _cases(registry, "defense", "name", _swept)
+    bounds = {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "number", "exclusiveMinimum": 0}}
     entry = _section(DEFENSE, name={"anyOf": [{"enum": names}, {"const": ""}]}, params=OBJECT, sweep=OBJECT,
-                     chain={"type": "array", "items": member}, model=_model_schema(SETTING_MODEL, registry))
+                     chain={"type": "array", "items": member}, model=_model_schema(SETTING_MODEL, registry),
+                     frontier=_section(FRONTIER, range=bounds))
     chained = {"required": ["chain"], "properties": {"chain": {"type": "array"}}}
     entry["allOf"] = [*_cases(registry, "defense", "name", _swept), {
         "if": chained,

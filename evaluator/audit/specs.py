@@ -94,7 +94,15 @@ DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({
                                                     "clients' updates (a list: one setting each), each client holding "
                                                     "data.batch_size / protocol.clients images (protocol fedavg)"),
            "must_protect": Param(False, bool, help="run --fail-on-leak exits with status 3 when a setting of this "
-                                                   "entry leaks")}
+                                                   "entry leaks"),
+           "frontier": Param(None, dict, help="search, instead of a sweep, for the weakest setting that protects: "
+                                              "{param, range: [low, high], tolerance, probes}")}
+FRONTIER = {"param": Param(type=str, help="the defense's monotone knob (a parameter declared with protects)"),
+            "range": Param(type=list, help="[low, high]: the values searched between, both ends probed"),
+            "tolerance": Param(1.25, float, min=1.0, exclusive_min=True,
+                               help="stop once the weakest protecting value and the strongest leaking one are "
+                                    "within this factor"),
+            "probes": Param(8, int, min=2, max=64, help="the most settings the search judges, both ends included")}
 SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}
 MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
 ROLES = ("naive", "adaptive")

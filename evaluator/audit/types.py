@@ -174,6 +174,49 @@ class DefenseSetting:
 
 
 @dataclass(frozen=True)
+class FrontierSpec:
+    """A ``frontier:`` entry: one defense whose monotone knob is bisected, in log space on the verdict, for the
+    weakest setting that protects; every probe is a setting judged like any other."""
+
+    where: str  # the entry, for messages: "defenses[1]"
+    name: str
+    params: dict[str, Any]  # the defense's other parameters, fixed
+    knob: str
+    low: float
+    high: float
+    tolerance: float
+    probes: int
+    protects: str  # "higher": larger values protect more; "lower"
+    integer: bool
+    label: str | None = None
+    model: ModelSection | None = None
+    clients: int | None = None
+
+    def setting(self, value: float) -> DefenseSetting:
+        """The setting of the defense at one value of the knob."""
+        label = None if self.label is None else f"{self.label} {self.knob}={value:g}"
+        return DefenseSetting(((self.name, {**self.params, self.knob: value}),), label, self.model, clients=self.clients)
+
+    @property
+    def strong(self) -> float:
+        """The end of the range that protects most."""
+        return self.high if self.protects == "higher" else self.low
+
+    @property
+    def weak(self) -> float:
+        return self.low if self.protects == "higher" else self.high
+
+    def value_of(self, setting: DefenseSetting) -> float | None:
+        """The knob's value where ``setting`` is one of this search's probes, else None."""
+        if len(setting.members) != 1 or (setting.model, setting.clients) != (self.model, self.clients):
+            return None
+        name, params = setting.members[0]
+        if name != self.name or self.knob not in params:
+            return None
+        return params[self.knob] if {k: v for k, v in params.items() if k != self.knob} == self.params else None
+
+
+@dataclass(frozen=True)
 class AttackSpec:
     name: str
     params: dict[str, Any]
@@ -248,6 +291,20 @@ class Audit:
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
     #: ``attacks: auto``'s account of its choice, one line per registered attack (empty: the file lists them).
     attack_choice: tuple[str, ...] = ()
+    #: ``frontier:`` entries: each one's ends are settings from the start, its bisection adds the rest.
+    frontiers: list[FrontierSpec] = field(default_factory=list)
+
+    def add_probe(self, spec: FrontierSpec, value: float) -> DefenseSetting:
+        """The setting of a frontier search at ``value``, added to the audit (with the attacks that ``attacks:
+        auto`` chose for its ends) where it is not there yet."""
+        setting = spec.setting(value)
+        if any(s.key == setting.key for s in self.settings):
+            return next(s for s in self.settings if s.key == setting.key)
+        end = spec.setting(spec.strong).identity
+        self.attacks = [dataclasses.replace(a, chosen_for=a.chosen_for | {setting.identity})
+                        if a.chosen_for is not None and end in a.chosen_for else a for a in self.attacks]
+        self.settings.append(setting)
+        return setting
 
     @property
     def checkpoints(self) -> list[int]:

@@ -269,7 +269,11 @@ class MonitorCore:
                 finally:
                     load_model_state(plain, after, now)
                 self._after_audit(plain, step)
-            self._attack_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            if not self._attack_seconds:  # the first audit: what each later one will cost the training
+                self.log.info("LeakMonitor: auditing %s %d took %.0f s; each audited %s (every %d) costs about as "
+                              "much", self._unit, step, seconds, self._unit, self.every)
+            self._attack_seconds += seconds
             self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
 
     def skip(self, step: int, why: str) -> None:

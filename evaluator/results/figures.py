@@ -151,12 +151,35 @@ def plot_privacy_utility(summary: Summary, path: Path, registry: Registry) -> bo
                                   textcoords="offset points", xytext=(5, 2)) for w in ws]
         _inside(ax, texts)
         _mark_leaks(ax, points, "accuracy", metric)
+        _pareto_front(ax, summary, points, metric, registry.get("metric", metric).higher_is_better)
         ax.set_title(f"privacy against utility ({metric})", fontsize=11)
         _threshold_line(ax, summary, metric)
         _chance_line(ax, summary)
         _style(ax, "test accuracy under the defense (utility)", _axis_label(metric, registry.get("metric", metric).higher_is_better))
     _save(fig, path)
     return True
+
+
+def pareto_front(points: list[WorstCase], metric: str, higher_leaks: bool) -> list[WorstCase]:
+    """The defended settings no other beats on both axes (more accurate and leaking less), by accuracy."""
+    sign = 1 if higher_leaks else -1
+    mine = [w for w in points if not w.baseline and w.mean(metric) is not None]
+    return sorted((w for w in mine if not any(
+        o.accuracy >= w.accuracy and sign * o.mean(metric) <= sign * w.mean(metric)
+        and (o.accuracy, o.mean(metric)) != (w.accuracy, w.mean(metric)) for o in mine)), key=lambda w: w.accuracy)
+
+
+def _pareto_front(ax, summary: Summary, points: list[WorstCase], metric: str, higher_leaks: bool) -> None:
+    """The Pareto front across every defense, and rings on the frontier searches' weakest protecting settings."""
+    front = pareto_front(points, metric, higher_leaks)
+    if len(front) > 1:
+        ax.plot([w.accuracy for w in front], [w.mean(metric) for w in front], ls="--", color="0.35", lw=1.2,
+                zorder=1, label="Pareto front (all defenses)")
+    found = {f.protecting_setting for f in summary.frontier if f.protecting_setting}
+    ringed = [w for w in points if w.setting in found and w.mean(metric) is not None]
+    if ringed:
+        ax.scatter([w.accuracy for w in ringed], [w.mean(metric) for w in ringed], s=260, facecolors="none",
+                   edgecolors="tab:green", linewidths=2, zorder=6, label="weakest protecting (frontier)")
 
 
 def _strongest_by_step(summary: Summary) -> dict[str, dict[int, CellResult]]:

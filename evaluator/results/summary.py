@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
 from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best, value_at, winners
-from leakaudit.evaluator.audit.types import Audit, as_dict
+from leakaudit.evaluator.audit.frontier import search
+from leakaudit.evaluator.audit.types import Audit, FrontierSpec, as_dict
 from leakaudit.evaluator.results.types import (
     CellResult,
+    Decision,
+    FrontierProbe,
+    FrontierResult,
+    LeakThreshold,
     NaiveVsAdaptive,
     Privacy,
     Scores,
@@ -110,6 +116,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
                                       acc.get(s.key, {})))
     violations = [f"{c.setting}, {c.attack}, step {c.checkpoint}: {c.bound_violated}"
                   for c in cells if c.bound_violated]
+    confidence = options["confidence"]
     return Summary(
         audit=audit.name, leakage_metric=leakage.name, higher_is_more_leakage=leakage.higher_is_better,
         dataset=audit.data.dataset or audit.data.factory, model=audit.model.name, device=audit.device,
@@ -118,7 +125,80 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         utility={u["setting"]: SettingUtility(**{k: u.get(k) for k in (
             "accuracy", "train_steps", "epsilon", "delta", "model_changes", "checkpoint_accuracy")}) for u in utility},
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
-        naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes)
+        naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes,
+        frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence) for spec in audit.frontiers],
+        decision=decide(worst_case, acc, needed, confidence))
+
+
+def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
+    """The Wilson interval of a setting's test accuracy over its test split (None where the row does not say
+    how many test images it counted)."""
+    n, p = utility.get("test_images"), utility.get("accuracy")
+    if not n or p is None:
+        return None
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, leakage: Metric,
+                    threshold: LeakThreshold | None, confidence: float) -> FrontierResult:
+    """A frontier search replayed on the summary's verdicts (the run judged each probe the same way): its
+    bracket, the protecting setting's accuracy and its margin under the leak threshold, every probe."""
+    by_key = {w.setting: w for w in worst_case}
+    found = search(spec, lambda v: getattr(by_key.get(spec.setting(v).key), "verdict", None))
+    keys = {v: spec.setting(v).key for v, _ in found.probes}
+    top = None if found.protecting is None else by_key.get(keys[found.protecting])
+    score = None if top is None else top.mean(leakage.name)
+    margin = None if score is None or threshold is None else (
+        threshold.value - score if leakage.higher_is_better else score - threshold.value)
+    return FrontierResult(
+        entry=spec.where, defense=spec.name, knob=spec.knob, protects=spec.protects, range=[spec.low, spec.high],
+        tolerance=spec.tolerance, max_probes=spec.probes,
+        probes=[FrontierProbe(v, keys[v], verdict, acc.get(keys[v], {}).get("accuracy")) for v, verdict in found.probes],
+        protecting=found.protecting, protecting_setting=None if top is None else top.setting,
+        leaking=found.leaking, leaking_setting=None if found.leaking is None else keys[found.leaking],
+        accuracy=None if top is None else top.accuracy,
+        accuracy_ci=None if top is None else accuracy_interval(acc.get(top.setting, {}), confidence),
+        margin=margin, status=found.status)
+
+
+def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float) -> Decision | None:
+    """The setting to ship: the one that protects at the highest accuracy; where none does, which constraint
+    binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement."""
+    defended = [w for w in worst_case if not w.baseline]
+    if not defended:
+        return None
+    protecting = [w for w in defended if w.verdict == "protects"]
+    if protecting:
+        best = max(protecting, key=lambda w: -1.0 if w.accuracy is None else w.accuracy)
+        return Decision(best.setting, best.verdict, best.accuracy, accuracy_interval(acc.get(best.setting, {}),
+                        confidence), None, f"of the {len(protecting)} protecting, it keeps the highest "
+                        f"test accuracy ({_acc(best.accuracy)}); {best.reason}")
+    unusable = [w for w in defended if w.verdict == "protects but unusable"]
+    if unusable:
+        best = max(unusable, key=lambda w: -1.0 if w.accuracy is None else w.accuracy)
+        return Decision(None, None, best.accuracy, accuracy_interval(acc.get(best.setting, {}), confidence), "utility",
+                        f"no setting protects while usable: {_protecting(len(unusable))} stays under the "
+                        f"accuracy a usable model needs ({_acc(needed)}); the most accurate of them, {best.setting}, "
+                        f"reaches {_acc(best.accuracy)}. Search between it and the strongest setting that leaks "
+                        "(frontier:), or try a defense that costs less accuracy")
+    leaking = [w for w in defended if w.verdict == "leaks"]
+    if leaking:
+        return Decision(None, None, None, None, "privacy",
+                        f"no setting protects: all {len(leaking)} judged defended settings leak"
+                        f"{'' if len(leaking) == len(defended) else ' (the rest could not be judged)'}; "
+                        "try stronger settings")
+    return Decision(None, None, None, None, "judgement", "no defended setting could be judged (inconclusive or "
+                    "not judged: see each setting's reason); the audit cannot say which setting to ship")
+
+
+def _protecting(n: int) -> str:
+    return "the one setting that protects" if n == 1 else f"each of the {n} settings that protect"
+
+
+def _acc(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.3f}"
 
 
 def _calibrates(audit: Audit, attack, setting) -> bool:
@@ -204,7 +284,8 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving,
-        settling_iterations=final.settling_iterations, privacy=_privacy(profile, mine, audit.batch_size_of(s), utility),
+        settling_iterations=final.settling_iterations,
+        privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, [r for r in rows if r["setting"] == s.key]),
         worst_image=_worst_image([r for r in rows if r["setting"] == s.key], leakage))
 
 
@@ -215,17 +296,28 @@ def _setting_fields(setting, audit: Audit) -> dict[str, Any]:
                 added=setting.added, must_protect=setting.must_protect, clients=setting.clients)
 
 
-def _privacy(profile, mine: list[CellResult], batch: int, utility: dict) -> Privacy | None:
+def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: list[dict]) -> Privacy | None:
     """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any of its
-    attacks named (and whether some cell beat the bound), and what the training's epsilon bounds."""
+    attacks named (and whether some cell beat the bound), what the training's epsilon bounds, and the prior-free
+    PSNR and MSE bounds (the rows' ``prior_free``) with any attack whose mean PSNR got past them."""
     if profile is None:
         return None
     top = max(mine, key=lambda c: -1 if c.named is None else c.named)
     chance = batch / top.identifiable_n
+    first = next((r for r in rows if r.get("prior_free")), None)
+    corridor = [r["prior_free"] for r in rows if r.get("prior_free") and (r["attack"], r["checkpoint"]) == (
+        first["attack"], first["checkpoint"])] if first else []  # one cell's rows: each target once
+    psnr = float(np.mean([c["psnr"] for c in corridor])) if corridor else None
+    past = [(c.mean("psnr") - psnr, c) for c in mine if psnr is not None and (c.mean("psnr") or -math.inf) > psnr]
+    gap, over = max(past, key=lambda p: p[0]) if past else (None, None)
     return Privacy(mu=profile.mu, mechanism=profile.mechanism, bound=top.rero_bound, identified=top.named,
                    identified_by=top.attack, identified_n=top.identifiable_n, chance=chance,
                    violated=any(bool(c.bound_violated) for c in mine),
-                   training_bound=training_bound(utility.get("epsilon"), utility.get("delta"), chance))
+                   training_bound=training_bound(utility.get("epsilon"), utility.get("delta"), chance),
+                   prior_free_psnr=psnr, prior_free_mse=float(np.mean([c["mse"] for c in corridor])) if corridor else None,
+                   past_prior_free="" if over is None else (
+                       f"{over.attack} reaches psnr {over.mean('psnr'):.3g} at step {over.checkpoint}, {gap:.2g} dB past "
+                       "the prior-free bound: its data prior (or image priors) can do that"))
 
 
 def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> WorstCase:

@@ -161,7 +161,8 @@ class StepVerdict:
 @dataclass(frozen=True)
 class Privacy:
     """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any attack
-    named (whether a cell beat the bound), and what the training's epsilon bounds."""
+    named (whether a cell beat the bound), what the training's epsilon bounds, and the bound on the PSNR of an
+    attacker without a data prior: with the identification bound, the risk corridor."""
 
     mu: float | None
     mechanism: str
@@ -172,6 +173,12 @@ class Privacy:
     chance: float
     violated: bool
     training_bound: float | None
+    #: The prior-free side of the risk corridor (Riess et al. 2024), averaged over the targets: the PSNR an
+    #: attacker without a data prior exceeds with probability at most 1 - confidence, and its expected MSE.
+    prior_free_psnr: float | None = None
+    prior_free_mse: float | None = None
+    #: Where a measured attack got past that PSNR (a data prior can): which, and by how much; else "".
+    past_prior_free: str = ""
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,58 @@ class SettingUtility:
     delta: float | None
     model_changes: list[str]
     checkpoint_accuracy: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class FrontierProbe:
+    """One setting a frontier search judged: the knob's value, the setting's name, its verdict and accuracy."""
+
+    value: float
+    setting: str
+    verdict: str | None
+    accuracy: float | None
+
+
+@dataclass(frozen=True)
+class FrontierResult:
+    """One ``frontier:`` search: the weakest setting found to protect and the strongest found to leak (its
+    bracket), the protecting setting's accuracy with its interval and its margin under the leak threshold (in the
+    leakage metric's units), every probe, and why the search stopped."""
+
+    entry: str
+    defense: str
+    knob: str
+    protects: str
+    range: list[float]
+    tolerance: float
+    max_probes: int
+    probes: list[FrontierProbe]
+    protecting: float | None
+    protecting_setting: str | None
+    leaking: float | None
+    leaking_setting: str | None
+    accuracy: float | None
+    accuracy_ci: list[float] | None
+    margin: float | None
+    status: str
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> FrontierResult:
+        return cls(**{**_known(cls, record), "probes": [FrontierProbe(**p) for p in record["probes"]]})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The audit's answer: the setting that protects at the highest accuracy (``setting``), or, where none does,
+    None and the constraint that binds: "privacy" (no setting protects), "utility" (every one that protects is
+    unusable) or "judgement" (no verdict could be reached)."""
+
+    setting: str | None
+    verdict: str | None
+    accuracy: float | None
+    accuracy_ci: list[float] | None
+    binds: str | None
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -302,6 +361,9 @@ class Summary:
     #: the run's provenance: versions, device, seeds, wall time (from the report)
     run: dict[str, Any] = field(default_factory=dict)
     figures: list[str] = field(default_factory=list)
+    #: each ``frontier:`` search's outcome, and the audit's decision: what to ship, or what binds
+    frontier: list[FrontierResult] = field(default_factory=list)
+    decision: Decision | None = None
     version: int = SUMMARY_VERSION
 
     def cell(self, setting: str, attack: str, checkpoint: int) -> CellResult | None:
@@ -317,9 +379,9 @@ class Summary:
         record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         record.update(verdict_options=dataclasses.asdict(self.verdict_options),
                       leak_threshold=_record(self.leak_threshold),
-                      utility={k: _record(u) for k, u in self.utility.items()},
+                      utility={k: _record(u) for k, u in self.utility.items()}, decision=_record(self.decision),
                       **{k: [x.to_json() if hasattr(x, "to_json") else _record(x) for x in getattr(self, k)]
-                         for k in ("cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning")})
+                         for k in ("cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "frontier")})
         return record
 
     @classmethod
@@ -338,7 +400,9 @@ class Summary:
                    worst_case=[WorstCase.from_json(w) for w in record["worst_case"]],
                    verdicts=[StepVerdict.from_json(v) for v in record["verdicts"]],
                    naive_vs_adaptive=[NaiveVsAdaptive(**n) for n in record.get("naive_vs_adaptive", [])],
-                   tuning=[TuningResult(**_known(TuningResult, t)) for t in record.get("tuning", [])])
+                   tuning=[TuningResult(**_known(TuningResult, t)) for t in record.get("tuning", [])],
+                   frontier=[FrontierResult.from_json(f) for f in record.get("frontier", [])],
+                   decision=Decision(**record["decision"]) if record.get("decision") else None)
 
 
 def _fields(record, *leave_out: str) -> dict[str, Any]:
@@ -357,7 +421,7 @@ def _image(record: dict[str, Any] | None) -> WorstImage | None:
 
 #: Fields that from_json builds itself, beside the ones copied from the record.
 _BUILT = {"scores", "worst_image", "privacy", "verdict_options", "leak_threshold", "utility", "cells", "worst_case",
-          "verdicts", "naive_vs_adaptive", "tuning", "version"}
+          "verdicts", "naive_vs_adaptive", "tuning", "version", "frontier", "probes", "decision"}
 
 
 def _known(cls, record: dict[str, Any]) -> dict[str, Any]:

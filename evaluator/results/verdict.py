@@ -309,6 +309,23 @@ def identification_bound(profile: PrivacyProfile | None, batch: int, n: int) -> 
     return None if profile is None or n <= batch else profile.reconstruction_bound(batch / n)
 
 
+def prior_free_bound(mu: float | None, pixels: np.ndarray, confidence: float) -> dict[str, float] | None:
+    """What an attacker without a data prior can reach on these images (pixels in [0, 1], one image per row of
+    ``pixels``) from one ``mu``-GDP update (Riess et al. 2024): its best reconstruction is the image plus
+    N(0, ||x||^2 / mu^2) noise per pixel, so its MSE is (||x||^2 / (mu^2 N)) chi^2_N. Returns, averaged over the
+    images, the expected MSE (``mse``, its floor on average) and the PSNR it exceeds with probability at most
+    ``1 - confidence`` (``psnr``, its ceiling); None without a mu."""
+    from scipy.special import gammaincinv
+
+    if mu is None or not mu > 0 or math.isinf(mu):
+        return None
+    flat = pixels.reshape(len(pixels), -1).astype(np.float64)
+    n = flat.shape[1]
+    spread = (flat ** 2).sum(axis=1) / mu ** 2  # ||x||^2 / mu^2: each pixel's noise variance
+    lucky_mse = spread * 2 * gammaincinv(n / 2, 1 - confidence) / n  # the (1 - confidence) quantile of the MSE
+    return {"mse": float(spread.mean()), "psnr": float(np.mean(-10 * np.log10(lucky_mse)))}
+
+
 def overall(verdicts: list[StepVerdict]) -> StepVerdict | None:
     """A setting's verdict over its checkpoints: the worst one (a leak at any step is a leak)."""
     judged = [v for v in verdicts if v.verdict is not None]

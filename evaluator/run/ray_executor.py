@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable, Iterable
+import socket
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -51,6 +55,41 @@ def run_job(spec: dict[str, Any], data: list, method: str, item: Any, states: li
     return result, worker.folder.take()
 
 
+def _unreachable(address: str) -> str | None:
+    """Why nothing listens at a ``host:port`` (or ``ray://host:port``) address, found by one TCP connection with a
+    5 s timeout; None where something answers or the address names no port ("auto", "local")."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+@contextmanager
+def _stderr_kept_back(active: bool) -> Iterator[bytearray]:
+    """Hold back what is written to file descriptor 2 inside the block (Ray's C++ core writes there, past Python's
+    sys.stderr), and give it to the caller, who shows it or drops it; only while joining an existing cluster,
+    whose daemons are not this process's children and so cannot inherit the redirection."""
+    kept = bytearray()
+    if not active:
+        yield kept
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield kept
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept.extend(held.read())
+
+
 class RayPool:
     """``WorkerPool``'s interface on a Ray cluster: joined (or started) on entering, each item a task."""
 
@@ -65,12 +104,20 @@ class RayPool:
         ex, audit = self.executor, self.worker.scenario.audit
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network but the cluster's own
+            joining = bool(ex.address or os.environ.get("RAY_ADDRESS"))
+            refused = _unreachable(ex.address or os.environ.get("RAY_ADDRESS", ""))
+            if refused:  # said at once: Ray's own client would retry a closed port for minutes
+                raise RunError(f"executor: cannot join the Ray cluster at {ex.address or 'RAY_ADDRESS'}: {refused}; "
+                               "start it (ray start --head) or fix executor.address")
             try:
-                ray.init(address=ex.address, include_dashboard=False, logging_level="warning")
+                with _stderr_kept_back(joining) as kept:  # Ray's core retries aloud, a line a second
+                    ray.init(address=ex.address, include_dashboard=False, logging_level="warning")
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
                 raise RunError(f"executor: cannot join the Ray cluster at {ex.address or 'RAY_ADDRESS'}: "
                                f"{one_line(exc)[:300]}; start it (ray start --head) or fix "
                                "executor.address") from None
+            if kept:  # joined: what Ray said on the way is worth reading
+                os.write(2, kept)
             self._started = True
         resources = ray.cluster_resources()
         slots = resources.get("CPU", 1) // ex.num_cpus

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from tqdm import tqdm
@@ -14,9 +14,10 @@ from tqdm import tqdm
 from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, row_key, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
-from leakaudit.evaluator.audit.types import Audit
-from leakaudit.evaluator.results.report import write_report
-from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, RESULTS, RUN_INFO, RunError, RunFolder
+from leakaudit.evaluator.audit.frontier import most_probes, search
+from leakaudit.evaluator.audit.types import Audit, FrontierSpec
+from leakaudit.evaluator.results.report import judged, write_report
+from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, FRONTIER, RESULTS, RUN_INFO, RunError, RunFolder
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
@@ -143,25 +144,17 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
-    trained = folder.trained_settings()
-    untrained = [s for s in audit.settings if s.key not in trained]
     trials = folder.tuning.read()
-    finished = {row_key(r) for r in folder.results.read()}  # only the attack phase below adds rows
+    finished = {row_key(r) for r in folder.results.read()}  # only the attack phase adds rows
+    untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
         workers = pool.workers
         folder.start_session(run_info(scenario, workers, pool.where))
-        pool.run("train", untrained, "training", progress, lambda s, row: folder.utility.append(row))
+        _work(audit, folder, pool, progress, on_rows)
+        if audit.frontiers:
+            _search_frontiers(scenario, folder, pool, progress, on_rows)
 
-        for stage in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
-            tried = {trial_key(r) for r in trials}
-            pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], workers),
-                     "tuning" if stage == "scan" else "tuning, refined", progress,
-                     lambda cell, rows: [folder.tuning.append(row) for row in rows])
-            trials = folder.tuning.read()
-
-        pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
-        pool.run("attack", cells_of(pending, workers), "attacks", progress, on_rows)
-
+    trials = folder.tuning.read()
     rows = _in_job_order(audit, folder.results.read())
     folder.results_csv.rewrite(rows)
     baselines = baseline_scores(scenario)
@@ -169,6 +162,57 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     analysis = architecture(scenario, folder)
     info = folder.finish_session(time.perf_counter() - started)
     return write_report(folder, rows, folder.utility.read(), baselines, trials, analysis, info, template)
+
+
+def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable, stage: str = "") -> None:
+    """Whatever the run folder lacks of the audit's settings as they stand: train, tune, attack (``stage``
+    prefixes the progress bars)."""
+    trained = folder.trained_settings()
+    pool.run("train", [s for s in audit.settings if s.key not in trained], f"{stage}training", progress,
+             lambda s, row: folder.utility.append(row))
+    trials = folder.tuning.read()
+    for step in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
+        tried = {trial_key(r) for r in trials}
+        pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], pool.workers),
+                 f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined", progress,
+                 lambda cell, rows: [folder.tuning.append(row) for row in rows])
+        trials = folder.tuning.read()
+    finished = {row_key(r) for r in folder.results.read()}
+    pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
+    pool.run("attack", cells_of(pending, pool.workers), f"{stage}attacks", progress, on_rows)
+
+
+def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable) -> None:
+    """Each ``frontier:`` search, its probes judged one after the other (each needs the last one's verdict);
+    a probe's setting joins the audit, and frontier.json lists every probe so that a report rebuilt from the
+    folder finds them. A rerun replays the search on the rows it has and continues where it stopped."""
+    audit = scenario.audit
+    baselines = baseline_scores(scenario)
+    probes: dict[str, list[float]] = {}
+
+    def verdict_of(spec: FrontierSpec, value: float) -> str | None:
+        setting = audit.add_probe(spec, value)
+        probes.setdefault(spec.where, []).append(value)
+        folder.write_json(FRONTIER, probes)
+        _work(audit, folder, pool, progress, on_rows,
+              f"frontier probe {len(probes[spec.where])} of at most {most_probes(spec)}, {setting.key}: ")
+        rows = _in_job_order(audit, folder.results.read())
+        worst = judged(folder, rows, folder.utility.read(), baselines, {}).worst(setting.key)
+        if progress:
+            tqdm.write(f"frontier probe {len(probes[spec.where])}, {setting.key}: "
+                       f"{getattr(worst, 'verdict', None) or 'not judged'}", file=sys.stderr)
+        return None if worst is None else worst.verdict
+
+    for spec in audit.frontiers:
+        search(spec, lambda value: verdict_of(spec, value))
+
+
+def add_probes(audit: Audit, folder: RunFolder) -> None:
+    """The settings the folder's frontier searches judged (frontier.json), added to the audit read from it."""
+    probes = folder.read_json(FRONTIER) if (folder.path / FRONTIER).exists() else {}
+    for spec in audit.frontiers:
+        for value in probes.get(spec.where, []):
+            audit.add_probe(spec, value)
 
 
 def _pending_attacks(audit: Audit, trials: list[dict], finished: set[tuple]) -> list:
@@ -183,6 +227,7 @@ def _pending_attacks(audit: Audit, trials: list[dict], finished: set[tuple]) -> 
 def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     """Write the report of a finished run again from its folder, with no training or attack; returns the summary."""
     audit = folder.audit
+    add_probes(audit, folder)
     missing = [name for name in (BASELINES, ARCHITECTURE, RUN_INFO) if not (folder.path / name).exists()]
     if missing or not folder.results.path.exists():
         raise RunError(f"{folder.path}: no finished run to report on (missing {', '.join(missing or [RESULTS])}); "

@@ -85,4 +85,4 @@ def train_under_defense(scenario: Scenario, setting: DefenseSetting) -> dict[str
             "epsilon": privacy_spent(scenario, defense), "delta": cfg.delta,
             "model_changes": defense.model_changes,
             "checkpoint_accuracy": {str(k): accuracies[k] for k in audit.checkpoints},
-            "seconds": time.perf_counter() - start, "states": states}
+            "test_images": len(scenario.data.test_x), "seconds": time.perf_counter() - start, "states": states}

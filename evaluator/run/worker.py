@@ -14,7 +14,7 @@ from torch import Tensor
 from leakaudit.evaluator.audit.jobs import AttackJob, Cell
 from leakaudit.evaluator.audit.types import Audit
 from leakaudit.evaluator.results.rundir import AttackFailed, RunFolder
-from leakaudit.evaluator.results.verdict import identification_bound
+from leakaudit.evaluator.results.verdict import identification_bound, prior_free_bound
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn, round_generators
 from leakaudit.evaluator.run.utility import privacy_spent, train_under_defense
 from leakaudit.evaluator.zoo.metrics import score
@@ -32,6 +32,7 @@ class AuditWorker:
         self._states: dict[str, dict[int, dict]] = {}
         self._epsilon: dict[str, float | None] = {}
         self._bound: dict[str, float | None] = {}
+        self._profile: dict[str, Any] = {}
 
     def train(self, setting) -> dict[str, Any]:
         """Train under one defense setting; save its checkpoints; return its utility row."""
@@ -57,13 +58,19 @@ class AuditWorker:
             self._epsilon[setting.key] = privacy_spent(self.scenario, self.scenario.defense(setting))
         return self._epsilon[setting.key]
 
+    def profile(self, setting):
+        """The setting's privacy guarantee for one update (None without one)."""
+        if setting.key not in self._profile:
+            self._profile[setting.key] = self.scenario.defense(setting).privacy_profile()
+        return self._profile[setting.key]
+
     def bound(self, setting) -> float | None:
         """The most any attack can identify of the audit's targets (a guess names an update's images: batch size
         in the number of targets) under the setting's privacy guarantee for one update; None where it gives none."""
         if setting.key not in self._bound:
             audit = self.scenario.audit
-            self._bound[setting.key] = identification_bound(self.scenario.defense(setting).privacy_profile(),
-                                                            audit.batch_size_of(setting), audit.data.targets)
+            self._bound[setting.key] = identification_bound(self.profile(setting), audit.batch_size_of(setting),
+                                                            audit.data.targets)
         return self._bound[setting.key]
 
     def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
@@ -133,6 +140,11 @@ class AuditWorker:
         images = self.scenario.target_ids(job.target, job.setting).tolist()
         row = self.folder.save_result(job, pixels, labels, rec, scores, images, self.epsilon(job.setting),
                                       self.bound(job.setting))
+        profile = self.profile(job.setting)
+        corridor = prior_free_bound(None if profile is None else profile.mu, pixels.detach().cpu().numpy(),
+                                    self.scenario.audit.verdict.confidence)  # once per row, after the attack
+        if corridor is not None:
+            row["prior_free"] = corridor
         return row, scores.notes
 
 

@@ -34,7 +34,9 @@ def main(out: str = "runs/monitored_training", steps: int = 201, every: int = 50
                           loggers=[writer])                        # each audited step's scalars
     model, optimizer, loader = monitor.attach(model, optimizer, loader)
 
-    print(f"training {steps} steps; the monitor attacks steps 0, {every}, {2 * every}, ...", flush=True)
+    audits = len(range(0, steps, every))
+    print(f"training {steps} steps; the monitor attacks steps 0, {every}, {2 * every}, ... ({audits} audits; "
+          "its log says how long the first took, and each costs about as much)", flush=True)
     for step, (x, y) in enumerate(loader):                           # the loop, unchanged
         if step == steps:
             break

@@ -23,38 +23,8 @@ from pathlib import Path
 
 from stamp import ROOT, measured_on, write_block
 
-PLUGIN = '''"""Logistic noise on every coordinate of the shared update, with its exact log-density."""
-import torch
-import torch.nn.functional as F
-
-from leakaudit import Defense, Param, hookimpl
-
-
-class LogisticDefense(Defense):
-    """Adds i.i.d. Logistic(0, scale) noise to every coordinate of the shared update."""
-
-    name = "logistic"
-    params = {"scale": Param(type=float, min=0.0, exclusive_min=True, example=0.1, help="noise scale")}
-
-    def perturb(self, update, generator):
-        out = []
-        for g in update:
-            u = torch.rand(g.shape, generator=generator, device=g.device, dtype=g.dtype).clamp(1e-7, 1 - 1e-7)
-            out.append(g + self.scale * (torch.log(u) - torch.log1p(-u)))
-        return out
-
-    def log_likelihood(self, observed, candidate):
-        total = 0.0
-        for o, c in zip(observed.tensors, candidate):
-            z = (o - c) / self.scale
-            total = total + (-z - 2 * F.softplus(-z)).sum()
-        return total
-
-
-@hookimpl
-def register_defenses():
-    return [LogisticDefense]
-'''
+#: The drop-in plugin: the plugin template's logistic defense, as `leakaudit new-plugin` writes it.
+PLUGIN = ROOT / "examples" / "plugin-template" / "src" / "leakaudit_logistic" / "__init__.py"
 #: The plugin audit of the report that asked for this benchmark: 2 targets, 300 iterations, 100 training steps.
 PLUGIN_AUDIT = """name: plug
 plugins_dir: plug
@@ -139,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "plug").mkdir()
-        (tmp / "plug" / "logistic.py").write_text(PLUGIN)
+        (tmp / "plug" / "logistic.py").write_text(PLUGIN.read_text())
         (tmp / "plug.yaml").write_text(PLUGIN_AUDIT)
         times = {}
         for name, audit in {"quickstart": ROOT / "configs" / "quickstart.yaml",

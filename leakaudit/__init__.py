@@ -21,9 +21,37 @@ Plugin authors need only the names below; the rooms under ``leakaudit.plugins``,
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 from leakaudit.plugins import Param, PluginError, hookimpl
 from leakaudit.plugins.manager import load_registry
+
+if TYPE_CHECKING:  # what a type checker sees (each name re-exported): the modules _LAZY imports from at run time
+    from leakaudit.evaluator.audit.config import Audit as Audit, ConfigError as ConfigError, load_audit as load_audit
+    from leakaudit.evaluator.live.api import BatchAudit as BatchAudit, audit_batch as audit_batch
+    from leakaudit.evaluator.live.monitor import LeakMonitor as LeakMonitor
+    from leakaudit.evaluator.results.types import (
+        CellResult as CellResult, StepVerdict as StepVerdict, Summary as Summary, WorstCase as WorstCase,
+    )
+    from leakaudit.evaluator.run.runner import (
+        RunError as RunError, report_folder as report_folder, run_audit as run_audit,
+    )
+    from leakaudit.plugins.attack import (
+        Attack as Attack, Problem as Problem, Reconstruction as Reconstruction, ThreatModel as ThreatModel,
+    )
+    from leakaudit.plugins.components import (
+        DatasetSpec as DatasetSpec, ImageData as ImageData, Metric as Metric, MetricUnavailable as MetricUnavailable,
+        ModelSpec as ModelSpec,
+    )
+    from leakaudit.plugins.defense import (
+        Defense as Defense, DeterministicDefense as DeterministicDefense, PrivacyProfile as PrivacyProfile,
+        SharedUpdate as SharedUpdate,
+    )
+    from leakaudit.plugins.protocol import (
+        ClientStep as ClientStep, FedAvg as FedAvg, FedSGD as FedSGD, LossFn as LossFn, OwnStep as OwnStep,
+        Protocol as Protocol, TrainingRun as TrainingRun,
+    )
+    from leakaudit.plugins.stochastic import StochasticModule as StochasticModule
 
 try:
     __version__ = _version("leakaudit")
@@ -37,7 +65,9 @@ _LAZY = {
     **dict.fromkeys(("DatasetSpec", "ImageData", "Metric", "MetricUnavailable", "ModelSpec"),
                     "leakaudit.plugins.components"),
     **dict.fromkeys(("Defense", "DeterministicDefense", "PrivacyProfile", "SharedUpdate"), "leakaudit.plugins.defense"),
-    **dict.fromkeys(("ClientStep", "FedAvg", "FedSGD", "OwnStep", "Protocol"), "leakaudit.plugins.protocol"),
+    **dict.fromkeys(("ClientStep", "FedAvg", "FedSGD", "LossFn", "OwnStep", "Protocol", "TrainingRun"),
+                    "leakaudit.plugins.protocol"),
+    "StochasticModule": "leakaudit.plugins.stochastic",
     **dict.fromkeys(("audit_batch", "BatchAudit"), "leakaudit.evaluator.live.api"),
     "LeakMonitor": "leakaudit.evaluator.live.monitor",
     **dict.fromkeys(("run_audit", "RunError", "report_folder"), "leakaudit.evaluator.run.runner"),

@@ -90,7 +90,7 @@ class Param:
         if self.choices:
             parts.append("one of " + "|".join(map(str, self.choices)))
         if self.protects:
-            parts.append(f"protects more the {self.protects} it is (a frontier: knob)")
+            parts.append(f"{self.protects} protects more: a frontier knob")
         return ", ".join(parts)
 
 

@@ -28,8 +28,9 @@ def test_plugins_kind_name_shows_parameters_paper_and_origin(capsys):
     assert code == 0 and lines[0].startswith("defense prune: Zeroes a random fraction of coordinates")
     assert "  paper:      Balunovic et al. 2022 (references: docs/references.md)" in lines
     assert "  origin:     builtin:leakaudit.defenses.pruning" in lines
-    assert any(line.split() == ["fraction", "float,", "default", "0.5,", ">=0.0", "<=0.99", "share", "of",
-                                "coordinates", "zeroed"] for line in lines)
+    assert any(line.split() == ["fraction", "float,", "default", "0.5,", ">=0.0", "<=0.99,", "higher", "protects",
+                                "more:", "a", "frontier", "knob", "share", "of", "coordinates", "zeroed"]
+               for line in lines)
     assert any("noise" in line and "one of none|gaussian|laplace" in line for line in lines)
     assert "likelihood is the per-coordinate mixture" in out  # the docstring beyond its summary
 
@@ -65,7 +66,8 @@ def test_plugins_typos_are_one_line(capsys, argv, line):
 def test_init_prints_a_commented_audit_that_validates(capsys, tmp_path):
     code, out, _ = _run(capsys, "init", "--defense", "gaussian", "--defense", "precode")
     assert code == 0
-    assert "      sigma: 0.1            # noise standard deviation (float, required, e.g. 0.1, >0.0)" in out
+    assert ("      sigma: 0.1            # noise standard deviation (float, required, e.g. 0.1, >0.0, higher protects "
+            "more: a frontier knob)") in out
     assert "      # size: 256           # bottleneck size K (int, default 256, >=1)" in out
     audit = load_audit(tmp_path / "starter.yaml", text=out)
     check_scenario(Scenario(audit), user_code=False)

@@ -72,7 +72,7 @@ def test_the_ends_are_settings_from_the_start(tmp_path):
     (spec,) = audit.frontiers
     assert (spec.knob, spec.strong, spec.weak, spec.tolerance, spec.probes) == ("sigma", 1.0, 0.01, 1.25, 8)
     added = audit.add_probe(spec, 0.1)
-    assert added.key == "gaussian(sigma=0.1)" and audit.settings[-1] is added and spec.value_of(added) == 0.1
+    assert added.key == "gaussian(sigma=0.1)" and audit.settings[-1] is added
 
 
 @pytest.mark.parametrize("entry, message", [

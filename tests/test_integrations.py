@@ -31,7 +31,7 @@ def normalised(data) -> TensorDataset:
 def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
     import lightning.pytorch as pl
 
-    from leakaudit.evaluator.live.lightning import LeakAuditCallback
+    from leakaudit.lightning import LeakAuditCallback
 
     from lightning_training import DigitsClassifier
     from lightning.pytorch.loggers import CSVLogger
@@ -85,7 +85,7 @@ def test_the_examples_run(tmp_path):
 
 def flower_client(tmp_path, every=1, seed=0, **monitor_args):
     """The example's Flower client on 4 digits, wrapped; with the loader's batch order it will draw."""
-    from leakaudit.evaluator.live.flower import LeakAuditClient
+    from leakaudit.flower import LeakAuditClient
 
     import flower_training
     from digits_client import build_model
@@ -169,7 +169,7 @@ def test_flower_round_that_fedavg_cannot_describe_is_skipped_with_a_warning(tmp_
 def test_flower_client_refuses_before_any_round(tmp_path):
     from opacus import GradSampleModule
 
-    from leakaudit.evaluator.live.flower import LeakAuditClient
+    from leakaudit.flower import LeakAuditClient
 
     import flower_training
     from digits_client import build_model
@@ -248,7 +248,7 @@ def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatc
         monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
     _flower_app(monkeypatch, tmp_path, images=40)  # 32 training images: one round of one minibatch
     import client_app
-    from leakaudit.evaluator.live.flower import LeakAuditMod
+    from leakaudit.flower import LeakAuditMod
     from task import Net
 
     mod = LeakAuditMod(Net, **client_app.AUDIT)
@@ -272,7 +272,7 @@ def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatc
 
 
 def test_flower_mod_refuses_bad_settings_before_any_round(tmp_path):
-    from leakaudit.evaluator.live.flower import LeakAuditMod
+    from leakaudit.flower import LeakAuditMod
 
     with pytest.raises(leakaudit.ConfigError) as info:
         LeakAuditMod("Net", max_images=0, out=tmp_path / "runs")

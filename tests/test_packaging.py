@@ -97,3 +97,16 @@ def test_import_leakaudit_gives_the_public_api():
                  "print(all(hasattr(leakaudit, n) for n in leakaudit.__all__))"])
     version, complete = proc.stdout.split()
     assert version == leakaudit.__version__ != "0+unknown" and complete == "True"
+
+
+def test_type_checkers_see_every_public_name_where_it_is_imported_from():
+    """The facade's TYPE_CHECKING imports name each lazily imported name from its own module (a checker then sees
+    leakaudit.Defense as the class, not Any), and the package ships py.typed (PEP 561)."""
+    import ast
+
+    tree = ast.parse((ROOT / "leakaudit" / "__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    seen = {alias.name: node.module for node in guarded.body for alias in node.names}
+    assert seen == leakaudit._LAZY
+    assert all(alias.asname == alias.name for node in guarded.body for alias in node.names)  # re-exported
+    assert (ROOT / "leakaudit" / "py.typed").exists()

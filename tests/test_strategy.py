@@ -17,7 +17,7 @@ from flwr.server.client_manager import SimpleClientManager  # noqa: E402
 from flwr.server.client_proxy import ClientProxy  # noqa: E402
 from flwr.server.strategy import FedAvg  # noqa: E402
 
-from leakaudit.evaluator.live.strategy import LeakAuditStrategy  # noqa: E402
+from leakaudit.flower import LeakAuditStrategy  # noqa: E402
 from leakaudit.plugins.manager import load_registry  # noqa: E402
 
 CLIENTS, LR = 4, 0.1

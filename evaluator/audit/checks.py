@@ -170,7 +170,7 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str], protoco
             item = {**item, "frontier": None, "sweep": {spec.knob: [spec.low, spec.high]}, "label": None}
             ends = expand_defenses([item], registry, problems, protocol, data)
             if len(problems) == found:
-                spec = dataclasses.replace(spec, model=ends[0].model, clients=ends[0].clients, label=None)
+                spec = dataclasses.replace(spec, model=ends[0].model, clients=ends[0].clients)
                 settings.extend(spec.setting(v) for v in (spec.low, spec.high))
                 if frontiers is not None:
                     frontiers.append(spec)

@@ -27,17 +27,6 @@ class FrontierSearch:
     leaking: float | None = None
     status: str = ""
 
-    def to_json(self) -> dict:
-        return {"entry": self.spec.where, "defense": self.spec.name, "knob": self.spec.knob,
-                "protects": self.spec.protects, "range": [self.spec.low, self.spec.high],
-                "tolerance": self.spec.tolerance, "max_probes": self.spec.probes,
-                "probes": [{"value": v, "setting": self.spec.setting(v).key, "verdict": verdict}
-                           for v, verdict in self.probes],
-                "protecting": self.protecting, "leaking": self.leaking,
-                "protecting_setting": None if self.protecting is None else self.spec.setting(self.protecting).key,
-                "leaking_setting": None if self.leaking is None else self.spec.setting(self.leaking).key,
-                "status": self.status}
-
 
 def factor(a: float, b: float) -> float:
     """How far apart two positive values are, as a ratio >= 1."""

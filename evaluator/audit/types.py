@@ -188,14 +188,12 @@ class FrontierSpec:
     probes: int
     protects: str  # "higher": larger values protect more; "lower"
     integer: bool
-    label: str | None = None
     model: ModelSection | None = None
     clients: int | None = None
 
     def setting(self, value: float) -> DefenseSetting:
-        """The setting of the defense at one value of the knob."""
-        label = None if self.label is None else f"{self.label} {self.knob}={value:g}"
-        return DefenseSetting(((self.name, {**self.params, self.knob: value}),), label, self.model, clients=self.clients)
+        """The setting of the defense at one value of the knob (named by its identity: the search names it)."""
+        return DefenseSetting(((self.name, {**self.params, self.knob: value}),), None, self.model, clients=self.clients)
 
     @property
     def strong(self) -> float:
@@ -205,15 +203,6 @@ class FrontierSpec:
     @property
     def weak(self) -> float:
         return self.low if self.protects == "higher" else self.high
-
-    def value_of(self, setting: DefenseSetting) -> float | None:
-        """The knob's value where ``setting`` is one of this search's probes, else None."""
-        if len(setting.members) != 1 or (setting.model, setting.clients) != (self.model, self.clients):
-            return None
-        name, params = setting.members[0]
-        if name != self.name or self.knob not in params:
-            return None
-        return params[self.knob] if {k: v for k, v in params.items() if k != self.knob} == self.params else None
 
 
 @dataclass(frozen=True)

@@ -180,13 +180,13 @@ class MonitorCore:
         self._source: Any = None  # the loader of the last pass begun
         self._physical: list[Any] = []  # the batches since the last optimizer step (StepMonitor)
         self._attack_seconds = 0.0  # this session's, for run.json
-        self._round: LocalRound | None = None
+        self._round: Any = None  # the local round being watched (rounds.LocalRound)
         self.watched: Any = None  # the loader given to ``watch``
         self.max_images = MAX_ROUND_IMAGES
         self._inner: torch.optim.Optimizer | None = None  # the hooked optimizer (StepMonitor)
         self._federated = False  # bound to federated rounds (RoundMonitor)
         self._folder: RunFolder | None = None  # once attached or bound
-        self._pending: _Pending | None = None
+        self._pending: Any = None  # the step whose update is awaited (steps.py's record)
         self._accountant: Any = None  # Opacus's, when its PrivacyEngine made the optimizer
         self._handles: list[Any] = []
         self._model: nn.Module | None = None

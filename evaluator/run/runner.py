@@ -197,7 +197,8 @@ def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress
         _work(audit, folder, pool, progress, on_rows,
               f"frontier probe {len(probes[spec.where])} of at most {most_probes(spec)}, {setting.key}: ")
         rows = _in_job_order(audit, folder.results.read())
-        worst = judged(folder, rows, folder.utility.read(), baselines, {}).worst(setting.key)
+        info = folder.read_json(RUN_INFO)  # chance accuracy, the attacks not run: what the final verdicts use
+        worst = judged(folder, rows, folder.utility.read(), baselines, info).worst(setting.key)
         if progress:
             tqdm.write(f"frontier probe {len(probes[spec.where])}, {setting.key}: "
                        f"{getattr(worst, 'verdict', None) or 'not judged'}", file=sys.stderr)
@@ -209,7 +210,7 @@ def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress
 
 def add_probes(audit: Audit, folder: RunFolder) -> None:
     """The settings the folder's frontier searches judged (frontier.json), added to the audit read from it."""
-    probes = folder.read_json(FRONTIER) if (folder.path / FRONTIER).exists() else {}
+    probes = folder.read_json(FRONTIER) or {}
     for spec in audit.frontiers:
         for value in probes.get(spec.where, []):
             audit.add_probe(spec, value)

@@ -23,7 +23,7 @@ from flwr.server.strategy import FedAvg
 from flwr.simulation import run_simulation
 from torch.utils.data import DataLoader, TensorDataset
 
-from leakaudit.evaluator.live.strategy import LeakAuditStrategy
+from leakaudit.flower import LeakAuditStrategy
 
 from digits_client import build_model, load_data
 from flower_training import get_weights, set_weights

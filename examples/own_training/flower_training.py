@@ -24,7 +24,7 @@ from flwr.simulation import run_simulation
 from torch.utils.data import DataLoader, TensorDataset
 
 from leakaudit import LeakMonitor, report_folder
-from leakaudit.evaluator.live.flower import LeakAuditClient
+from leakaudit.flower import LeakAuditClient
 
 from digits_client import build_model, load_data
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from leakaudit import LeakMonitor
-from leakaudit.evaluator.live.lightning import LeakAuditCallback
+from leakaudit.lightning import LeakAuditCallback
 
 from digits_client import build_model, load_data
 

@@ -8,7 +8,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from leakaudit.evaluator.live.flower import LeakAuditMod  # leakaudit
+from leakaudit.flower import LeakAuditMod  # leakaudit
 from task import IMAGES, ITERATIONS, RUNS, Net, load_data
 from task import test as test_fn
 from task import train as train_fn

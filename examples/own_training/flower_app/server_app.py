@@ -8,7 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from leakaudit.evaluator.live.strategy import LeakAuditStrategy  # leakaudit
+from leakaudit.flower import LeakAuditStrategy  # leakaudit
 from task import IMAGES, ITERATIONS, RUNS, Net, load_data
 
 AUDIT = {"attacks": [{"name": "inverting_gradients", "params": {"iterations": ITERATIONS}}],  # leakaudit

@@ -74,6 +74,15 @@ class LikelihoodAttack(Attack):
                                           "that a likelihood's steep or flat stretches do not scale"),
         "label_method": LABEL_METHOD,
     }
+    iterations: int
+    lr: float
+    lr_decay: float
+    priors: dict[str, Any]
+    samples: int
+    radius: float
+    warmup: int
+    signed: bool
+    label_method: str
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
@@ -228,6 +237,7 @@ class DistanceMatching(LikelihoodAttack):
     params = {**LikelihoodAttack.params,
               "layer_weights": Param("equal", str, choices=LAYER_WEIGHTS,
                                      help="equal, or exp: tensor i of the update weighted e^-i (Geiping et al. 2020)")}
+    layer_weights: str
 
     def weights(self, observed: SharedUpdate) -> list[float]:
         return layer_weights(self.layer_weights, len(observed.tensors))

@@ -150,6 +150,7 @@ class BayesianNoiseKL(InvertingGradients):
     auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 4800}}
     params = {**InvertingGradients.params,
               "alpha_kl": Param(1e-2, float, min=0.0, help="weight of the noise's KL regulariser")}
+    alpha_kl: float
     uses_defense = True
     needs_defense = True
 

@@ -103,6 +103,11 @@ class CINet(Attack):
                                               f"generator has at most {PARAMETERS_PER_VALUE}·B·H·W parameters)"),
         "label_method": LABEL_METHOD,
     }
+    iterations: int
+    lr: float
+    latent: int
+    width: int | None
+    label_method: str
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         labels = recover_labels(observed, threat, self.label_method, generator)

@@ -277,6 +277,10 @@ class Spear(Attack):
                            help="an entry counts as zero below this share of its column's largest"),
         "label_method": LABEL_METHOD,
     }
+    samples: int
+    chunk: int
+    tolerance: float
+    label_method: str
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         need = expected_draws(batch_size)
@@ -340,6 +344,10 @@ class CocktailParty(Attack):
                           help="FastICA's measure of non-Gaussianity (scikit-learn's fun)"),
         "label_method": LABEL_METHOD,
     }
+    iterations: int
+    tolerance: float
+    contrast: str
+    label_method: str
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if batch_size < 2:

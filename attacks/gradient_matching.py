@@ -81,6 +81,13 @@ class InvertingGradients(Attack):
         "drop_defended": Param(False, bool, help="leave out of the match the tensors the defense declares "
                                                  "rewritten (Soteria's layer: the attack of Balunovic et al. 2022, Sec. 5)"),
     }
+    iterations: int
+    lr: float
+    priors: dict[str, Any]
+    restarts: int
+    signed: bool
+    label_method: str
+    drop_defended: bool
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
@@ -253,6 +260,11 @@ class DeepLeakage(Attack):
         "line_search": Param(True, bool, help="strong-Wolfe line search (off: fixed steps, as the DLG code)"),
         "priors": Param({}, dict, help=PRIOR_WEIGHTS),
     }
+    iterations: int
+    lr: float
+    restarts: int
+    line_search: bool
+    priors: dict[str, Any]
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
@@ -402,6 +414,7 @@ class ImprovedDeepLeakage(DeepLeakage):
     name = "idlg"
     paper = "Zhao et al. 2020"
     params = {**DeepLeakage.params, "label_method": LABEL_METHOD}
+    label_method: str
 
     def _labels(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor:
         return recover_labels(observed, threat, self.label_method, generator)

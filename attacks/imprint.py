@@ -71,6 +71,7 @@ class Imprint(Attack):
     auto_params = {"cpu": {}}
     brings = "a malicious server's imprint block (model: imprint), where the threat model allows one"
     params = {"label_method": LABEL_METHOD}
+    label_method: str
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if imprint_block(model) is None:

@@ -137,6 +137,13 @@ class LearningToInvert(Attack):
         "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="Adam's step size (a tenth from 3/4 of the steps)"),
         "label_method": LABEL_METHOD,
     }
+    updates: int
+    coordinates: int
+    width: int
+    iterations: int
+    minibatch: int
+    lr: float
+    label_method: str
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         return self.reconstruct_all([Problem(observed, threat, generator, self)])[0]

@@ -87,6 +87,8 @@ class LayerwiseInversion(Attack):
                                                           "ones by conjugate gradients, matrix-free"),
         "cg_iterations": Param(3000, int, min=1, help="conjugate-gradient steps for systems beyond dense_limit"),
     }
+    dense_limit: int
+    cg_iterations: int
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if batch_size != 1 or not protocol.sends_gradient:
@@ -163,6 +165,12 @@ class HybridInversion(LayerwiseInversion):
                         help="per_tensor: each tensor's cosine distance, summed (Chen & Campbell 2022); joint: "
                              "all tensors as one vector"),
     }
+    iterations: int | list[int]
+    lr: float
+    cosine_weight: float | list[float]
+    system_weight: float | list[float]
+    tv: float | list[float]
+    cosine: str
 
     def setting(self, name: str, conv: int) -> int | float:
         """The value of a per-layer setting at the ``conv``-th convolution from the input (0: the first)."""

@@ -131,6 +131,9 @@ class ATS(Defense):
                                                    "(0: no crop)"),
         "flip": Param(True, bool, help="random horizontal flip"),
     }
+    policy: str
+    crop_padding: int
+    flip: bool
 
     def __init__(self, **settings) -> None:
         super().__init__(**settings)

@@ -200,6 +200,12 @@ class Bayesian(Defense):
         "share_scales": Param(True, bool, help="share the scales' gradients beside the means' (false: the "
                                                "scales stay at init_scale, known to the server)"),
     }
+    layers: str | list[Any]
+    prior_sigma: float
+    init_scale: float
+    kl_weight: float
+    noise: str
+    share_scales: bool
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)

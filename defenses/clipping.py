@@ -24,6 +24,7 @@ class Clip(DeterministicDefense):
     paper = "Abadi et al. 2016"
     params = {"max_norm": Param(type=float, min=0.0, exclusive_min=True, help="largest L2 norm sent",
                                  example=1.0)}
+    max_norm: float
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return clip_total_norm(update, self.max_norm)

@@ -31,6 +31,7 @@ class SignSGD(DeterministicDefense):
     name = "signsgd"
     paper = "Bernstein et al. 2018"
     params = {"scaled": Param(True, bool, help="multiply each tensor's signs by its mean absolute value")}
+    scaled: bool
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return [t.sign() * (t.abs().mean() if self.scaled else 1) for t in update]
@@ -67,6 +68,7 @@ class QSGD(Defense):
     paper = "Alistarh et al. 2017"
     bounded_support = True
     params = {"levels": Param(4, int, min=1, protects="lower", help="quantisation levels s per sign: 2s + 1 values a coordinate")}
+    levels: int
 
     def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:
         norms = [t.norm() for t in update]

@@ -56,6 +56,13 @@ class DPSGD(Defense):
                              help="batch size / training set size, for target_epsilon"),
         "accountant": Param("rdp", str, choices=ACCOUNTANTS, help="Opacus accountant for epsilon"),
     }
+    noise_multiplier: float
+    max_grad_norm: float
+    target_epsilon: float | None
+    delta: float
+    steps: int | None
+    sample_rate: float | None
+    accountant: str
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)

@@ -67,6 +67,7 @@ class GaussianNoise(AdditiveNoise):
     noise, scale_param = "gaussian", "sigma"
     params = {"sigma": Param(type=float, min=0.0, exclusive_min=True, protects="higher", help="noise standard deviation",
                              example=0.1)}
+    sigma: float
 
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile | None:
         """The Gaussian mechanism: an update of norm at most ``radius`` beside the noise alone is
@@ -84,6 +85,7 @@ class LaplaceNoise(AdditiveNoise):
     paper = "Balunovic et al. 2022"
     noise, scale_param = "laplace", "scale"
     params = {"scale": Param(type=float, min=0.0, exclusive_min=True, protects="higher", help="Laplace scale b", example=0.05)}
+    scale: float
 
 
 @hookimpl

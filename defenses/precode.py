@@ -82,6 +82,9 @@ class Precode(Defense):
         "position": Param("last", str, help="the fully connected layer the bottleneck goes before: "
                                             "a module name, or 'last'"),
     }
+    size: int
+    kl_weight: float
+    position: str
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         name = fully_connected_layer(model, self.position, "precode", "position", "last")

@@ -31,6 +31,12 @@ class RandomPrune(Defense):
         "mask_seed": Param(0, int, min=0, help="seed of the fixed mask"),
         "attacker_knows_mask": Param(False, bool, help="the mask is sent with the update"),
     }
+    fraction: float
+    noise: str
+    scale: float
+    mask: str
+    mask_seed: int
+    attacker_knows_mask: bool
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
@@ -86,6 +92,7 @@ class TopK(DeterministicDefense):
     name = "topk"
     paper = "Zhu et al. 2019"
     params = {"fraction": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True, protects="lower", help="share of coordinates kept")}
+    fraction: float
 
     def transform(self, update: Sequence[Tensor]) -> list[Tensor]:
         return [g * m for g, m in zip(update, top_k_masks(update, self.fraction))]

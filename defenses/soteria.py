@@ -74,6 +74,8 @@ class Soteria(Defense):
         "fraction": Param(0.8, float, min=0.0, max=1.0, protects="higher", help="pruning rate: share of the layer's input "
                                                               "features whose gradient columns are zeroed"),
     }
+    layer: str
+    fraction: float
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)

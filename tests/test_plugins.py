@@ -131,3 +131,30 @@ def test_dropin_named_in_the_file_and_on_the_command_line_reaches_worker_process
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["setting"] != "none"]  # the added reference
     assert sorted(r["target"] for r in rows) == [0, 1] and all(r["setting"] == "logistic(scale=0.01)" for r in rows)
+
+
+def _origins(hint) -> set:
+    """The runtime types a hint accepts at its top level: ``float | None`` -> {float, NoneType}."""
+    import types
+    import typing
+
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return {typing.get_origin(a) or a for a in args}
+
+
+def test_every_plugin_setting_is_a_typed_attribute(registry):
+    """What ``params`` declares, the class annotates with the same type (None where it may be unset): a plugin
+    author's checker and editor then know ``self.sigma`` is a float, as Opacus's and torchmetrics' attributes are."""
+    import typing
+
+    for kind in ("defense", "attack"):
+        for name, entry in registry.entries[kind].items():
+            hints = typing.get_type_hints(entry.obj)
+            for key, param in entry.obj.params.items():
+                assert key in hints, f"{kind} {name}: {key} is a parameter with no annotation on the class"
+                declared = set(param.type if isinstance(param.type, tuple) else (param.type,))
+                if param.items is not None:
+                    declared.add(list)
+                if param.nullable or (not param.required and param.default is None):
+                    declared.add(type(None))
+                assert _origins(hints[key]) == declared, f"{kind} {name}: {key}: {hints[key]} against {declared}"

@@ -28,6 +28,7 @@ from leakaudit.evaluator.results.identify import identifiability
 from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
+from leakaudit.evaluator.results.verdict import rule_text
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -211,6 +212,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         threat=threat_model(audit), provenance=provenance(audit, run_info), clients=leakage_by_clients(audit, summary),
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
-        trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None)
+        trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None,
+        rule=rule_text(summary, audit.data.targets))
     folder.write_text(REPORT, page)
     return summary

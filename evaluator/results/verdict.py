@@ -1,19 +1,10 @@
 """Judging an audit: confidence intervals, who attacks strongest, and a verdict per setting and checkpoint.
 
-A setting **leaks** where its strongest attack beats the best guess made without the gradient (random
-noise, flat grey or the training split's mean image, whichever scores best) by the leakage metric's
-margin, or where an attack's reconstructions identify their originals: with one image per update, a share at
-least ``identifiable`` of them is nearest its own original among all targets, beyond chance; with a batch, a
-share at least ``identifiable`` of its originals is named among decoys of their own classes, beyond what the
-classes explain (``decoy_test``). It **protects but is
-unusable** where it does not leak and its test accuracy stays under chance plus a margin; otherwise it
-**protects**. The thresholds and the statistic compared are the audit's ``verdict:`` section.
-
-A "protects" is only as strong as the attacks behind it, so every step is calibrated: the same attacks run on
-the undefended update of the same model (the audit's undefended setting, or one added as the reference), and
-where none of them leaks there, a "protects" at that step is **inconclusive** (the attacks did not break even the
-undefended update at this budget). Where a defense guarantees differential privacy, the share of identified
-images is held to the bound that guarantee puts on any reconstruction attack (``PrivacyProfile``).
+The rule is ``judge`` (leaks, protects, protects but unusable, against the better guess made without the gradient
+and the test accuracy a usable model needs) and ``calibrate`` (inconclusive, where the same attacks did not break
+the undefended reference); ``rule_text`` states it with an audit's own thresholds for the report, and
+docs/verdicts.md explains it. Where a defense guarantees differential privacy, the share of identified images is
+held to the bound that guarantee puts on any reconstruction attack (``PrivacyProfile``).
 """
 from __future__ import annotations
 
@@ -34,6 +25,35 @@ VERDICTS = (LEAKS, INCONCLUSIVE, UNUSABLE, PROTECTS)  # worst first
 STILL_IMPROVING = 0.01
 #: How much larger a budget a still-improving attack is advised to rerun with.
 BUDGET_FACTOR = 2.5
+
+
+def rule_text(summary: Summary, targets: int) -> str:
+    """The verdict rule with this audit's own thresholds, as the report states it under its verdicts (the rule
+    itself: ``judge`` and ``calibrate``; in prose: docs/verdicts.md)."""
+    o, t = summary.verdict_options, summary.leak_threshold
+    beats = (f"beats {t.value:.4g}: the best guess made without the gradient ({t.guess}, {t.guess_score:.4g}) "
+             f"{'plus' if summary.higher_is_more_leakage else 'minus'} a margin of {t.margin:.3g}" if t else
+             "beats the guesses made without the gradient")
+    identifies = "" if o.identifiable is None else (
+        f", or when an attack identifies at least {o.identifiable:.0%} of the images more than chance explains (one "
+        "image per update: each reconstruction nearest its own original among all targets; several: each original "
+        "named, among up to 8 images of its class that no update holds, by the reconstruction nearest it, beyond "
+        "what the classes alone explain)")
+    usable = "chance plus the margin" if summary.min_accuracy is None else f"{summary.min_accuracy:.3g}"
+    chance = "" if summary.chance_accuracy is None else (
+        f" (chance: {summary.chance_accuracy:.3g}, the majority class's share of the test split)")
+    named = "" if targets < 2 else (
+        f' "Identifiable": the share of reconstructions whose nearest original among the audit\'s targets, by '
+        f"{summary.identifiable_by}, is their own (a guess scores about 1 in {targets}).")
+    return (f"A setting leaks when its strongest attack's {o.statistic.replace('_', ' ')} {beats}{identifies}, at any "
+            f"audited step. Otherwise it protects, or protects but is unusable when its test accuracy stays under "
+            f"{usable}{chance}. A \"protects\" is inconclusive where the same attacks, at the same step, budget and "
+            "tuning, did not leak on the undefended update either (the reference): they may be too weak to break "
+            "anything, so the verdict says nothing until they do (more iterations, a tuned search, another attack). "
+            "A verdict whose strongest attack's loss was still falling over the last fifth of its iterations says so, "
+            f"with the budget to rerun at. Intervals are percentile bootstrap intervals of the mean over images "
+            f"({o.bootstrap} resamples); with few targets they are wide, and the strongest attack is chosen by its "
+            f"mean, which favours an attack that got lucky.{named} Thresholds: the audit's verdict: section.")
 
 
 def finite(values: Iterable[float | None]) -> list[float]:

@@ -189,6 +189,8 @@ def test_each_typed_section_has_the_keys_and_defaults_of_its_spec_table(section,
     """The Param tables stay the one source of validation: each typed section declares exactly their keys, with
     their defaults (a key added to a table but not to its type, or a default changed in one place, fails)."""
     import dataclasses
+    import types as types_
+    import typing
 
     from leakaudit.evaluator.audit import specs, types
 
@@ -197,6 +199,14 @@ def test_each_typed_section_has_the_keys_and_defaults_of_its_spec_table(section,
     assert set(fields) == set(table)
     made = cls()
     assert {k: getattr(made, k) for k in table} == {k: p.default for k, p in table.items()}
+    hints = typing.get_type_hints(cls)  # and the type each key's Param checks, None where it may be unset
+    for key, param in table.items():
+        declared = set(param.type if isinstance(param.type, tuple) else (param.type,))
+        if param.nullable or param.default is None:
+            declared.add(type(None))
+        args = typing.get_args(hints[key]) if typing.get_origin(hints[key]) in (typing.Union, types_.UnionType) \
+            else (hints[key],)
+        assert {typing.get_origin(a) or a for a in args} >= declared, f"{section}.{key}: {hints[key]} against {declared}"
 
 
 def test_a_loaded_audit_holds_typed_sections_and_no_mapping(write_audit):

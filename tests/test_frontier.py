@@ -81,11 +81,13 @@ def test_the_ends_are_settings_from_the_start(tmp_path):
     ({"name": "clip", "params": {"max_norm": 1.0}, "frontier": {"param": "max_norm", "range": [0.1, 1]}},
      r"defenses\[1\]\.frontier\.param: 'max_norm' is not a monotone knob of clip; choices: \(none"),
     ({"name": "prune", "frontier": {"param": "fraktion", "range": [0.1, 0.9]}},
-     r"defenses\[1\]\.frontier\.param: 'fraktion' is unknown parameter of prune; choices: fraction, scale"),
+     r"defenses\[1\]\.frontier\.param: 'fraktion' is not a parameter of prune \(did you mean 'fraction'\?\); "
+     r"choices: fraction, scale"),
     ({"name": "gaussian", "frontier": {"param": "sigma", "range": [1.0, 0.1]}},
      r"defenses\[1\]\.frontier\.range: \[1\.0, 0\.1\]: expected \[low, high\] with 0 < low < high"),
     ({"name": "prune", "frontier": {"param": "fraction", "range": [0.5, 1.5]}},
-     r"frontier\.range: \[0\.5, 1\.5\]: expected \[low, high\] with 0 < low < high \(1\.5 is above the maximum 0\.99\)"),
+     r"frontier\.range: \[0\.5, 1\.5\]: expected \[low, high\] with 0 < low < high "
+     r"\(1\.5 is above the maximum 0\.99\)"),
     ({"name": "gaussian", "params": {"sigma": 0.1}, "frontier": {"param": "sigma", "range": [0.01, 1]}},
      r"defenses\[1\]\.params\.sigma: the frontier's knob; leave it out of params"),
     ({"name": "gaussian", "frontier": {"param": "sigma", "range": [0.01, 1], "tolerance": 1.0}},
@@ -180,3 +182,31 @@ def test_the_pareto_front_keeps_the_settings_no_other_beats_on_both_axes():
               point("prune-a", 0.92, 12.0), point("prune-b", 0.6, 7.0), point("prune-c", 0.4, 9.0)]
     # noise-a is beaten by prune-a (more accurate, leaks less); noise-b and prune-c by prune-b
     assert [w.setting for w in pareto_front(points, "psnr", higher_leaks=True)] == ["prune-b", "prune-a"]
+
+
+def test_the_accuracy_interval_is_wilsons():
+    from leakaudit.evaluator.results.summary import accuracy_interval
+
+    low, high = accuracy_interval({"test_images": 100, "accuracy": 0.5}, 0.95)  # the textbook case: 0.404 to 0.596
+    assert low == pytest.approx(0.4038, abs=1e-4) and high == pytest.approx(0.5962, abs=1e-4)
+    assert accuracy_interval({"accuracy": 0.5}, 0.95) is None  # a row that does not say how many images it counted
+
+
+def test_the_decision_ships_the_most_accurate_protecting_setting_or_names_what_binds():
+    from types import SimpleNamespace
+
+    from leakaudit.evaluator.results.summary import decide
+
+    def case(setting, verdict, accuracy, baseline=False):
+        return SimpleNamespace(setting=setting, verdict=verdict, accuracy=accuracy, baseline=baseline, reason="r")
+
+    none = case("none", "leaks", 0.9, baseline=True)
+    shipped = decide([none, case("a", "protects", 0.7), case("b", "protects", 0.8), case("c", "leaks", 0.85)], {},
+                     0.16, 0.95)
+    assert (shipped.setting, shipped.binds, shipped.accuracy) == ("b", None, 0.8)
+    utility = decide([none, case("a", "protects but unusable", 0.1), case("c", "leaks", 0.85)], {}, 0.16, 0.95)
+    assert (utility.setting, utility.binds) == (None, "utility") and "0.160" in utility.reason
+    privacy = decide([none, case("c", "leaks", 0.85), case("d", "inconclusive", 0.8)], {}, 0.16, 0.95)
+    assert (privacy.setting, privacy.binds) == (None, "privacy") and "could not be judged" in privacy.reason
+    judgement = decide([none, case("d", "inconclusive", 0.8)], {}, 0.16, 0.95)
+    assert judgement.binds == "judgement" and decide([none], {}, 0.16, 0.95) is None

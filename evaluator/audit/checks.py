@@ -245,8 +245,9 @@ def _frontier(item: dict, registry: Registry, where: str, problems: list[str]) -
     knobs = sorted(k for k, p in cls.params.items() if p.protects)
     knob = cls.params.get(spec["param"])
     if knob is None or not knob.protects:
-        what = "not a monotone knob of" if knob is not None else "unknown parameter of"
-        problems.append(f"{path}.param: {spec['param']!r} is {what} {item['name']}; choices: "
+        what = "not a monotone knob of" if knob is not None else "not a parameter of"
+        problems.append(f"{path}.param: {spec['param']!r} is {what} {item['name']}"
+                        f"{did_you_mean(spec['param'], knobs)}; choices: "
                         f"{', '.join(knobs) or '(none: it declares no parameter with protects)'}")
         return None
     bounds = spec["range"]

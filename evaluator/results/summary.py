@@ -137,7 +137,8 @@ def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
     if not n or p is None:
         return None
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    scale = 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / scale, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / scale
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
@@ -155,7 +156,8 @@ def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, 
     return FrontierResult(
         entry=spec.where, defense=spec.name, knob=spec.knob, protects=spec.protects, range=[spec.low, spec.high],
         tolerance=spec.tolerance, max_probes=spec.probes,
-        probes=[FrontierProbe(v, keys[v], verdict, acc.get(keys[v], {}).get("accuracy")) for v, verdict in found.probes],
+        probes=[FrontierProbe(v, keys[v], verdict, acc.get(keys[v], {}).get("accuracy"))
+                for v, verdict in found.probes],
         protecting=found.protecting, protecting_setting=None if top is None else top.setting,
         leaking=found.leaking, leaking_setting=None if found.leaking is None else keys[found.leaking],
         accuracy=None if top is None else top.accuracy,

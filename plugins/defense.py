@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -239,17 +239,17 @@ class DeterministicDefense(Defense):
 
 def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
     """Sum over all tensors of the squared Euclidean distance."""
-    return sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate))
+    return cast(Tensor, sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate)))
 
 
 def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
     """1 - cosine similarity of the whole updates, all layers jointly (Geiping et al. 2020, Eq. 4)."""
-    dot = sum((o * c).sum() for o, c in zip(observed, candidate))
-    norm_o = sum((o * o).sum() for o in observed).sqrt()
-    norm_c = sum((c * c).sum() for c in candidate).sqrt()
+    dot = cast(Tensor, sum((o * c).sum() for o, c in zip(observed, candidate)))
+    norm_o = cast(Tensor, sum((o * o).sum() for o in observed)).sqrt()
+    norm_c = cast(Tensor, sum((c * c).sum() for c in candidate)).sqrt()
     return 1 - dot / (norm_o * norm_c).clamp_min(1e-12)
 
 
 def per_tensor_cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
     """Sum over tensors of each tensor's own 1 - cosine similarity (Chen & Campbell 2022's hybrid)."""
-    return sum(cosine_distance([o], [c]) for o, c in zip(observed, candidate))
+    return cast(Tensor, sum(cosine_distance([o], [c]) for o, c in zip(observed, candidate)))

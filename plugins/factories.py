@@ -34,17 +34,18 @@ def locate_factory(path: str) -> str:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
-    spec, parts = None, module_name.split(".")
+    origin, search, parts = None, None, module_name.split(".")
     for i, part in enumerate(parts):
         try:
             spec = (importlib.util.find_spec(part) if i == 0 else
-                    importlib.machinery.PathFinder.find_spec(part, spec.submodule_search_locations))
+                    importlib.machinery.PathFinder.find_spec(part, search))
         except (ImportError, ValueError):
             spec = None
         if spec is None or (i < len(parts) - 1 and not spec.submodule_search_locations):
             raise ValueError(f"cannot import module {module_name!r}: {'.'.join(parts[:i + 1])!r} is not found on "
                              "the import path (the audit file's folder is on it)")
-    return spec.origin or module_name
+        origin, search = spec.origin, spec.submodule_search_locations
+    return origin or module_name
 
 
 def call_with_accepted(factory: Callable[..., Any], offered: dict[str, Any], params: dict[str, Any]) -> Any:

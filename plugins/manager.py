@@ -99,6 +99,8 @@ def _load_folder(pm: pluggy.PluginManager, folder: Path) -> None:
             continue
         modname = f"leakaudit_dropin_{path.stem}"
         spec = importlib.util.spec_from_file_location(modname, path)
+        if spec is None or spec.loader is None:
+            raise PluginError(f"plugin file {path} cannot be loaded as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[modname] = module
         try:

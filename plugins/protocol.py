@@ -159,9 +159,15 @@ class OwnStep(Protocol):
 
     def step_function(self) -> StepFn:
         """The user's step callable (imported from ``package.module:function`` when given as text)."""
-        return self.function if callable(self.function) else import_factory(self.function)
+        if callable(self.function):
+            return self.function
+        if self.function is None:
+            raise ValueError("protocol step: function is required ('package.module:train_step' or a callable)")
+        return import_factory(self.function)
 
     def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor) -> list[Tensor]:
+        if self.lr is None:
+            raise ValueError("protocol step: lr is required (the SGD step size of your step function)")
         return captured_update(model, self.step_function(), inputs, labels, self.lr)
 
 
@@ -186,8 +192,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     For models leakaudit builds; a user's live model goes through ``opacus_hooks_off``.
     """
     if _opacus_wrapped(model):
-        model._close()
-        return model._module
+        wrapped: Any = model  # a GradSampleModule
+        wrapped._close()
+        return wrapped._module
     return model
 
 
@@ -206,15 +213,16 @@ def opacus_hooks_off(model: nn.Module) -> Iterator[nn.Module]:
     if not _opacus_wrapped(model):
         yield model
         return
-    was_enabled = model.hooks_enabled
-    model.remove_hooks()
+    wrapped: Any = model  # a GradSampleModule
+    was_enabled = wrapped.hooks_enabled
+    wrapped.remove_hooks()
     try:
-        yield model._module
+        yield wrapped._module
     finally:
-        model.add_hooks(loss_reduction=model.loss_reduction, batch_first=model.batch_first,
-                        force_functorch=model.force_functorch)
+        wrapped.add_hooks(loss_reduction=wrapped.loss_reduction, batch_first=wrapped.batch_first,
+                          force_functorch=wrapped.force_functorch)
         if not was_enabled:
-            model.disable_hooks()
+            wrapped.disable_hooks()
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -241,7 +249,7 @@ def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
                   create_graph: bool = False) -> list[Tensor]:
     """``theta_before - theta_after`` of local SGD, unrolled so it can stay differentiable in ``inputs``."""
     names = parameter_names(model)
-    start = dict(zip(names, trainable(model)))
+    start: dict[str, Tensor] = dict(zip(names, trainable(model)))
     current = dict(start)
     b = protocol.local_batch_size or len(inputs)
     for _ in range(protocol.local_epochs):

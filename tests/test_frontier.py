@@ -115,16 +115,17 @@ def _search_audit(tmp_path, **changes) -> str:
     return str(path)
 
 
-def test_a_search_runs_resumes_and_is_reported_from_its_folder(tmp_path):
+def test_a_search_runs_resumes_and_is_reported_from_its_folder(tmp_path, capsys):
     """The run judges the ends, bisects, and ends with the search's line and the decision; a rerun with --resume
     adds no row; a report rebuilt from the folder finds every probe (frontier.json)."""
-    import subprocess
+    from leakaudit.evaluator.cli import main
 
-    from conftest import LEAKAUDIT
+    def cli(*args: str) -> list[str]:
+        assert main([*args]) == 0
+        return capsys.readouterr().out.splitlines()
 
     path, out = _search_audit(tmp_path), tmp_path / "out"
-    done = subprocess.run([*LEAKAUDIT, "run", path, "--out", str(out), "--no-progress"], capture_output=True,
-                          text=True, check=True)
+    lines = cli("run", path, "--out", str(out), "--no-progress")
     summary = json.loads((out / "summary.json").read_text())
     (found,) = summary["frontier"]
     probes = [p["value"] for p in found["probes"]]
@@ -135,15 +136,12 @@ def test_a_search_runs_resumes_and_is_reported_from_its_folder(tmp_path):
     assert found["leaking"] < found["protecting"] and found["protecting"] / found["leaking"] <= 10
     assert {p["setting"] for p in found["probes"]} <= {r["setting"] for r in map(
         json.loads, (out / "results.jsonl").read_text().splitlines())}
-    lines = done.stdout.splitlines()
     assert lines[-2].startswith(f"frontier gaussian sigma: weakest protecting {found['protecting_setting']} (accuracy ")
     assert lines[-1].startswith("decision: ") and summary["decision"]["reason"] in lines[-1]
     rows = (out / "results.jsonl").read_text()
-    again = subprocess.run([*LEAKAUDIT, "run", path, "--out", str(out), "--no-progress", "--resume"],
-                           capture_output=True, text=True, check=True)
-    assert (out / "results.jsonl").read_text() == rows and again.stdout.splitlines()[-2:] == lines[-2:]
-    rebuilt = subprocess.run([*LEAKAUDIT, "report", str(out)], capture_output=True, text=True, check=True)
-    assert rebuilt.stdout.splitlines()[-2:] == lines[-2:]
+    again = cli("run", path, "--out", str(out), "--no-progress", "--resume")
+    assert (out / "results.jsonl").read_text() == rows and again[-2:] == lines[-2:]
+    assert cli("report", str(out))[-2:] == lines[-2:]
     assert json.loads((out / "summary.json").read_text())["frontier"] == summary["frontier"]
     page = (out / "report.html").read_text()
     assert page.index("<h2>Decision</h2>") < page.index("<h2>Verdicts</h2>") and found["protecting_setting"] in page

@@ -156,7 +156,8 @@ class ATS(Defense):
             if self.crop_padding or self.flip:
                 img = random_crop_flip(img, self.crop_padding, dy, dx, bool(flip) and self.flip)
             for k, op in enumerate(self.alternatives[which]):
-                img = apply_operation(img, *OPERATIONS[op], signs[i][k])
+                operation, magnitude = OPERATIONS[op]
+                img = apply_operation(img, operation, magnitude, signs[i][k])
             out.append(img)
         return torch.stack(out)
 

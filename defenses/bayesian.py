@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ class BayesianLayer(StochasticModule):
         self.bias_mu = None if bias is None else nn.Parameter(bias.detach().clone())
         self.prior_sigma = prior_sigma
         self.per_example = per_example
-        self.given_noise: tuple[Tensor, Tensor | None] | None = None  # (eps_weight, eps_bias) to use, not draw
+        self.given_noise: tuple[Tensor, ...] | None = None  # (eps_weight[, eps_bias]) to use, not draw
 
     @property
     def weight(self) -> Tensor:
@@ -63,10 +63,10 @@ class BayesianLayer(StochasticModule):
     def bias(self) -> Tensor | None:
         return self.bias_mu
 
-    def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    def pairs(self) -> list[tuple[Tensor, Tensor]]:
         """(mean, scale parameter) of the weight and of the bias."""
-        out = [(self.weight_mu, self.weight_rho)]
-        return out if self.bias_mu is None else out + [(self.bias_mu, self.bias_rho)]
+        out: list[tuple[Tensor, Tensor]] = [(self.weight_mu, self.weight_rho)]
+        return out if self.bias_mu is None else out + [(self.bias_mu, cast(Tensor, self.bias_rho))]
 
     def noise_shapes(self, batch: int) -> list[tuple[int, ...]]:
         """Shapes of the draws one forward pass of ``batch`` examples makes (weight, then bias)."""
@@ -79,15 +79,15 @@ class BayesianLayer(StochasticModule):
         Of the layer's own parameters, or of ``pairs`` (those a forward pass under
         ``functional_call`` used).
         """
-        total = 0.0
+        total: Tensor | float = 0.0
         for mu, rho in self.pairs() if pairs is None else pairs:
             s = F.softplus(rho)
             total = total + (math.log(self.prior_sigma) - s.log()
                              + (s ** 2 + mu ** 2) / (2 * self.prior_sigma ** 2) - 0.5).sum()
-        return total
+        return cast(Tensor, total)  # a layer has a weight at least
 
     def forward(self, x: Tensor) -> Tensor:
-        noise = self.given_noise
+        noise: Sequence[Tensor] | None = self.given_noise
         if noise is None:
             noise = [self.standard_normal(shape, x) for shape in self.noise_shapes(len(x))]
         pairs = self.pairs()
@@ -135,9 +135,9 @@ class BayesianConv2d(BayesianLayer):
 
 def _with_weights(layer: nn.Module, weight: Tensor, bias: Tensor | None) -> nn.Module:
     with torch.no_grad():
-        layer.weight.copy_(weight)
+        cast(Tensor, layer.weight).copy_(weight)
         if bias is not None:
-            layer.bias.copy_(bias)
+            cast(Tensor, layer.bias).copy_(bias)
     return layer
 
 
@@ -157,7 +157,8 @@ def to_bayesian(model: nn.Module, names: Sequence[str], init_scale: float, prior
         if isinstance(layer, nn.Conv2d):
             new: BayesianLayer = BayesianConv2d(layer, init_scale, prior_sigma, per_example)
         else:
-            new = BayesianLinear(layer.weight, layer.bias, init_scale, prior_sigma, per_example)
+            linear = cast(nn.Linear, layer)  # convertible() lists Linear and Conv2d layers only
+            new = BayesianLinear(linear.weight, linear.bias, init_scale, prior_sigma, per_example)
         model.set_submodule(name, new)
     return model
 
@@ -248,7 +249,7 @@ class Bayesian(Defense):
         layers = bayesian_layers(model)
         if self.kl_weight == 0 or len(layers) != len(stochastic_modules(model)):
             return None
-        return self.kl_weight * sum(layer.kl_divergence() for layer in layers.values())
+        return self.kl_weight * cast(Tensor, sum(layer.kl_divergence() for layer in layers.values()))
 
 
 @hookimpl

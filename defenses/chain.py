@@ -1,12 +1,12 @@
 """Chains of defenses applied in order (``clip`` then ``gaussian``), with the chain's own likelihood."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.defense import Defense, DeterministicDefense, SharedUpdate
 
 
 class Chain(Defense):
@@ -65,8 +65,8 @@ class Chain(Defense):
         return update, public
 
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
-        for m in self.members[:-1]:
-            candidate = m.transform(candidate)
+        for m in self.members[:-1]:  # deterministic members: a chain's check made sure
+            candidate = cast(DeterministicDefense, m).transform(candidate)
         return self.members[-1].log_likelihood(observed, candidate)
 
     def has_likelihood(self) -> bool:

@@ -1,7 +1,7 @@
 """Norm clipping of the whole update."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import Tensor
@@ -12,7 +12,7 @@ from leakaudit.plugins.defense import DeterministicDefense
 
 def clip_total_norm(update: Sequence[Tensor], max_norm: float) -> list[Tensor]:
     """Scale the update so that its L2 norm over all tensors is at most ``max_norm`` (differentiable)."""
-    norm = torch.sqrt(sum((g ** 2).sum() for g in update))
+    norm = torch.sqrt(cast(Tensor, sum((g ** 2).sum() for g in update)))
     factor = torch.clamp(max_norm / (norm + 1e-12), max=1.0)
     return [g * factor for g in update]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -175,7 +175,7 @@ def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Ten
         with quiet_hooks():
             loss_fn(wrapped(inputs), labels).backward()
         optimiser.pre_step()
-        sent = [p.grad.detach().clone() for p in params]
+        sent = [cast(Tensor, p.grad).detach().clone() for p in params]  # pre_step set every noisy gradient
         optimiser.zero_grad(set_to_none=True)
     finally:
         wrapped._close()
@@ -188,7 +188,7 @@ def clipped_mean_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Ten
                           max_grad_norm: float) -> list[Tensor]:
     """Mean over the batch of each example's gradient scaled by min(1, C / ||g_i||); torch.func, differentiable."""
     names = parameter_names(model)
-    params = dict(zip(names, trainable(model)))
+    params: dict[str, Tensor] = dict(zip(names, trainable(model)))
     frozen = {k: v for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
               if k not in params}
 
@@ -198,7 +198,7 @@ def clipped_mean_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Ten
 
     per_example = vmap(grad(example_loss), in_dims=(None, 0, 0))(params, inputs, labels)
     grads = [per_example[n] for n in names]
-    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))
+    norms = torch.sqrt(cast(Tensor, sum(g.flatten(1).pow(2).sum(1) for g in grads)))
     factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     return [(g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for g in grads]
 

@@ -1,7 +1,7 @@
 """Additive-noise defenses (Gaussian, Laplacian) and the undefended baseline."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import Tensor
@@ -56,7 +56,7 @@ class AdditiveNoise(Defense):
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
         """Sum of the noise's log-densities at the residuals, up to a constant."""
         density, scale = NOISE[self.noise][1], self.settings[self.scale_param]
-        return sum(density(o - c, scale).sum() for o, c in zip(observed.tensors, candidate))
+        return cast(Tensor, sum(density(o - c, scale).sum() for o, c in zip(observed.tensors, candidate)))
 
 
 class GaussianNoise(AdditiveNoise):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -48,10 +48,11 @@ class VariationalBottleneck(StochasticModule):
 
     def forward(self, x: Tensor) -> Tensor:
         mu, scale = self.statistics(x)
-        if self.pinned is None:
+        pinned = cast("Tensor | None", self.pinned)  # a buffer: Module's attribute typing cannot say so
+        if pinned is None:
             eps = self.standard_normal(tuple(mu.shape), mu)
         else:
-            eps = ((self.pinned - mu) / scale).detach()
+            eps = ((pinned - mu) / scale).detach()
         self._kl_term = lambda: 0.5 * (mu ** 2 + scale ** 2 - 2 * scale.log() - 1).sum(dim=1).mean()
         return self.decoder(mu + scale * eps).view(x.shape)
 
@@ -64,11 +65,13 @@ def bottleneck_of(model: nn.Module) -> VariationalBottleneck | None:
 def pinned_sample(model: nn.Module, sample: Tensor) -> Iterator[None]:
     """Inside the block the model's bottleneck uses ``sample`` as its draw (and stays differentiable)."""
     block = bottleneck_of(model)
+    if block is None:
+        raise ValueError("pinned_sample: the model has no PRECODE bottleneck (defense precode)")
     block.pinned = sample
     try:
         yield
     finally:
-        block.pinned = None
+        setattr(block, "pinned", None)  # the buffer emptied (Module's typing takes only tensors and modules)
 
 
 class Precode(Defense):
@@ -88,7 +91,7 @@ class Precode(Defense):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         name = fully_connected_layer(model, self.position, "precode", "position", "last")
-        layer = model.get_submodule(name)
+        layer = cast(nn.Linear, model.get_submodule(name))  # fully_connected_layer found a Linear
         block = VariationalBottleneck(layer.in_features, self.size).to(layer.weight.device)
         model.set_submodule(name, nn.Sequential(OrderedDict(bottleneck=block, layer=layer)))
         self.model_changes = [f"{name}: variational bottleneck of size {self.size} inserted before it "

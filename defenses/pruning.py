@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -73,7 +73,7 @@ class RandomPrune(Defense):
                 pruned = math.log(self.fraction) + density(o, self.scale) if self.fraction > 0 else None
                 kept = math.log1p(-self.fraction) + density(o - c, self.scale)
                 total = total + (kept if pruned is None else torch.logaddexp(pruned, kept)).sum()
-        return total
+        return cast(Tensor, total)  # every update holds a tensor
 
 
 def top_k_masks(update: Sequence[Tensor], fraction: float) -> list[Tensor]:
@@ -111,7 +111,7 @@ class TopK(DeterministicDefense):
             threshold = torch.where(kept.any(), smallest, torch.zeros_like(smallest))
             total = total - 0.5 * (((o - c) ** 2) * kept).sum()
             total = total - 0.5 * (((c.abs() - threshold).clamp_min(0) ** 2) * ~kept).sum()
-        return total
+        return cast(Tensor, total)  # every update holds a tensor
 
 
 @hookimpl

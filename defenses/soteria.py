@@ -9,7 +9,7 @@ the informed attacker drops the defended layer and matches the rest (Balunovic e
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -94,7 +94,7 @@ class Soteria(Defense):
     def share(self, step: ClientStep) -> SharedUpdate:
         if self.layer_name is None:
             self.wrap_model(step.model)
-        layer = step.model.get_submodule(self.layer_name)
+        layer = step.model.get_submodule(cast(str, self.layer_name))  # wrap_model named it
         mask = pruning_mask(feature_scores(step.model, layer, step.inputs), self.fraction)
         names = parameter_names(step.model)
         update = step.clean_update()
@@ -108,8 +108,8 @@ class Soteria(Defense):
     def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
         """Zero-noise Gaussian on every tensor but the defended layer's weight (Balunovic et al. 2022, Eq. 6)."""
         dropped = self.defended_tensors(observed.names)
-        return -0.5 * sum(((o - c) ** 2).sum() for n, o, c in zip(observed.names, observed.tensors, candidate)
-                          if n not in dropped)
+        return -0.5 * cast(Tensor, sum(((o - c) ** 2).sum() for n, o, c in
+                                       zip(observed.names, observed.tensors, candidate) if n not in dropped))
 
 
 @hookimpl

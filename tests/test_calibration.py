@@ -222,6 +222,7 @@ def test_a_filtered_attack_calibrates_on_the_reference_where_it_can_run_undefend
     assert audit.reference_of(audit.settings[0]) is reference
 
 
+@pytest.mark.slow  # 19 s; the default tier calibrates through the report's and the gate's tests
 def test_the_undefended_lenet_is_inconclusive_at_200_iterations_and_leaks_at_1000(write_audit, tmp_path):
     """The case that once read "protects": Inverting Gradients on the untrained sigmoid LeNet, four digits at 32 px,
     judged by the score alone, reaches 12.0 dB at 200 iterations against the mean image's 13.2 + 1 dB. (At 400

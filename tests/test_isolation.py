@@ -238,8 +238,10 @@ def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
 
 
 @pytest.mark.parametrize("attack,known", [(DeepLeakage(iterations=6, restarts=2), False),
-                                          (ImprovedDeepLeakage(iterations=6), False),
-                                          (DeepLeakage(iterations=6, line_search=False), True)])
+                                          pytest.param(ImprovedDeepLeakage(iterations=6), False,
+                                                       marks=pytest.mark.slow),
+                                          pytest.param(DeepLeakage(iterations=6, line_search=False), True,
+                                                       marks=pytest.mark.slow)])
 def test_dlg_problems_solved_together_follow_their_own_lbfgs_path(attack, known):
     """Each problem keeps its own L-BFGS iterate and line search; evaluations and two-loop recursions are batched."""
     torch.manual_seed(0)

@@ -259,7 +259,7 @@ def _running_with_two_workers(write_audit, tmp_path) -> tuple[subprocess.Popen, 
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
     proc, workers = _running_with_two_workers(write_audit, tmp_path)
     proc.send_signal(sig)

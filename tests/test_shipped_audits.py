@@ -111,6 +111,7 @@ def test_every_attack_leaks_less_as_pruning_noise_grows(tmp_path):
         assert weak > strong + 3.0, attack
 
 
+@pytest.mark.slow  # 20 s; DP-SGD's leakage, epsilon and accuracy against noise stay in tests/test_dpsgd.py
 def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_path):
     summary = _run(tmp_path, "dpsgd_curve", **{
         "data.targets": 2, "data.batch_size": 1, "model.checkpoints": [0],
@@ -191,9 +192,9 @@ def _offline(audit: dict, path) -> dict:
 #: The heaviest files even reduced: eight architectures' dense rank computations (about 4 minutes), Soteria's
 #: per-step feature scores over its training, the Bayesian network at its full budget.
 SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
-# slow to run even reduced; covered by default by their twins (table1_resnet20, ats_training) and, for
+# slow to run even reduced; covered by default by their twins (table1_resnet20, ats_training, cinet_cpu) and, for
 # adaptive_defenses, by tests/test_adaptive_defenses.py's end-to-end audit
-SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper"}
+SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper", "cinet_batch64"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE | SLOW_TO_RUN

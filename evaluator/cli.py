@@ -216,7 +216,8 @@ def cmd_validate(args) -> int:
     counts = sorted({audit.num_batches_of(s) for s in audit.settings}) or [audit.num_batches]
     each = (f"{counts[0]} target batches each" if len(counts) == 1
             else f"{' to '.join(map(str, (counts[0], counts[-1])))} target batches each, by the setting's clients")
-    print(f"{args.config}: valid: {len(jobs_of(audit))} attack jobs ({each}): "
+    jobs = jobs_of(audit)
+    print(f"{args.config}: valid: {len(jobs)} attack jobs ({each}): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
     if audit.attack_choice:
         print(f"  attacks: auto chose {len(audit.attacks)} of {len(audit.attack_choice)} registered attacks, at their "
@@ -233,7 +234,7 @@ def cmd_validate(args) -> int:
               "return before any work)")
     for spec in audit.frontiers:
         probes = most_probes(spec)
-        per = sum(j.setting.key == spec.setting(spec.strong).key for j in jobs_of(audit))
+        per = sum(j.setting.key == spec.setting(spec.strong).key for j in jobs)
         print(f"  frontier {spec.where}: {spec.name} {spec.knob} in [{spec.low:g}, {spec.high:g}] ({spec.protects} "
               f"protects), to within a factor {spec.tolerance:g}: at most {probes} probes, both ends counted above; "
               f"up to {probes - 2} more, one after another, each {audit.utility.train_steps} training steps and "
@@ -353,12 +354,10 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     width = min(40, max(len(w.setting) for w in summary.worst_case)) if summary.worst_case else 10
     for w in judged:
         print(_verdict_line(w, summary.leakage_metric, width))
-        print(f"    why: {w.reason}")
     if added:
         print("  reference (the undefended update, added to calibrate the verdicts; not gated):")
         for w in added:
             print(_verdict_line(w, summary.leakage_metric, width))
-            print(f"    why: {w.reason}")
     for line in frontier_lines(summary):
         print(line)
     for line in summary.bound_violations:
@@ -374,12 +373,14 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
 
 
 def _verdict_line(w, leak: str, width: int) -> str:
-    """One setting's verdict in the terminal: its accuracy, and its strongest attack's score and interval."""
+    """One setting's verdict in the terminal: its accuracy, its strongest attack's score and interval, and on the
+    next line why."""
     acc = "n/a" if w.accuracy is None else f"{w.accuracy:.3f}"
     mean, ci = w.mean(leak), w.ci(leak)
     score = (f"{leak} {mean:.3g} [{ci[0]:.3g}, {ci[1]:.3g}] ({w.attack}, step {w.checkpoint})") if mean is not None \
         else f"no finite {leak}"
-    return f"  {w.setting:<{width}}  {(w.verdict or 'not judged').upper():<22} accuracy {acc:>5}  {score}"
+    return (f"  {w.setting:<{width}}  {(w.verdict or 'not judged').upper():<22} accuracy {acc:>5}  {score}\n"
+            f"    why: {w.reason}")
 
 
 def main(argv: list[str] | None = None) -> int:

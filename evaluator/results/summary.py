@@ -171,16 +171,19 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
     defended = [w for w in worst_case if not w.baseline]
     if not defended:
         return None
+    def most_accurate(settings: list[WorstCase]) -> tuple[WorstCase, list[float] | None]:
+        best = max(settings, key=lambda w: -1.0 if w.accuracy is None else w.accuracy)
+        return best, accuracy_interval(acc.get(best.setting, {}), confidence)
+
     protecting = [w for w in defended if w.verdict == "protects"]
     if protecting:
-        best = max(protecting, key=lambda w: -1.0 if w.accuracy is None else w.accuracy)
-        return Decision(best.setting, best.verdict, best.accuracy, accuracy_interval(acc.get(best.setting, {}),
-                        confidence), None, f"of the {len(protecting)} protecting, it keeps the highest "
-                        f"test accuracy ({_acc(best.accuracy)}); {best.reason}")
+        best, interval = most_accurate(protecting)
+        return Decision(best.setting, best.verdict, best.accuracy, interval, None, f"of the {len(protecting)} "
+                        f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}); {best.reason}")
     unusable = [w for w in defended if w.verdict == "protects but unusable"]
     if unusable:
-        best = max(unusable, key=lambda w: -1.0 if w.accuracy is None else w.accuracy)
-        return Decision(None, None, best.accuracy, accuracy_interval(acc.get(best.setting, {}), confidence), "utility",
+        best, interval = most_accurate(unusable)
+        return Decision(None, None, best.accuracy, interval, "utility",
                         f"no setting protects while usable: {_protecting(len(unusable))} stays under the "
                         f"accuracy a usable model needs ({_acc(needed)}); the most accurate of them, {best.setting}, "
                         f"reaches {_acc(best.accuracy)}. Search between it and the strongest setting that leaks "
@@ -280,6 +283,7 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
     where it has a privacy guarantee the bound beside the measured identification."""
     top, _ = strongest(mine, leakage)
     views = second_views(audit.registry)
+    own_rows = [r for r in rows if r["setting"] == s.key]
     return WorstCase(
         **_setting_fields(s, audit), accuracy=top.accuracy, epsilon=top.epsilon, identifiable=top.identifiable,
         attack=top.attack, checkpoint=top.checkpoint,
@@ -287,8 +291,8 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving,
         settling_iterations=final.settling_iterations,
-        privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, [r for r in rows if r["setting"] == s.key]),
-        worst_image=_worst_image([r for r in rows if r["setting"] == s.key], leakage))
+        privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
+        worst_image=_worst_image(own_rows, leakage))
 
 
 def _setting_fields(setting, audit: Audit) -> dict[str, Any]:

@@ -104,18 +104,20 @@ class RayPool:
         ex, audit = self.executor, self.worker.scenario.audit
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network but the cluster's own
-            joining = bool(ex.address or os.environ.get("RAY_ADDRESS"))
-            refused = _unreachable(ex.address or os.environ.get("RAY_ADDRESS", ""))
+            address = ex.address or os.environ.get("RAY_ADDRESS", "")
+
+            def cannot_join(why: str) -> RunError:
+                return RunError(f"executor: cannot join the Ray cluster at {ex.address or 'RAY_ADDRESS'}: {why}; "
+                                "start it (ray start --head) or fix executor.address")
+
+            refused = _unreachable(address)
             if refused:  # said at once: Ray's own client would retry a closed port for minutes
-                raise RunError(f"executor: cannot join the Ray cluster at {ex.address or 'RAY_ADDRESS'}: {refused}; "
-                               "start it (ray start --head) or fix executor.address")
+                raise cannot_join(refused)
             try:
-                with _stderr_kept_back(joining) as kept:  # Ray's core retries aloud, a line a second
+                with _stderr_kept_back(bool(address)) as kept:  # Ray's core retries aloud, a line a second
                     ray.init(address=ex.address, include_dashboard=False, logging_level="warning")
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
-                raise RunError(f"executor: cannot join the Ray cluster at {ex.address or 'RAY_ADDRESS'}: "
-                               f"{one_line(exc)[:300]}; start it (ray start --head) or fix "
-                               "executor.address") from None
+                raise cannot_join(one_line(exc)[:300]) from None
             if kept:  # joined: what Ray said on the way is worth reading
                 os.write(2, kept)
             self._started = True

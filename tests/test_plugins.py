@@ -158,3 +158,12 @@ def test_every_plugin_setting_is_a_typed_attribute(registry):
                 if param.nullable or (not param.required and param.default is None):
                     declared.add(type(None))
                 assert _origins(hints[key]) == declared, f"{kind} {name}: {key}: {hints[key]} against {declared}"
+
+
+def test_a_knob_declares_which_way_it_protects_in_one_of_two_words():
+    """``Param(protects=...)`` takes "higher" or "lower" (what a frontier: search bisects on), and says so."""
+    from leakaudit.plugins.spec import Param
+
+    assert Param(0.1, float, protects="lower").protects == "lower"
+    with pytest.raises(ValueError, match=r"^Param: protects is 'up'; choices: higher, lower \(or None\)$"):
+        Param(0.1, float, protects="up")

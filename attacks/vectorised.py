@@ -34,21 +34,25 @@ MEMORY_SHARE = 0.5  # of the free device memory that ``max_problems: auto`` lets
 #: faster for lenet_zhu (14k: 2.2x at K = 8, 5.4x at K = 64), cnn_bayes (0.25M: 1.15x) and resnet20 (0.27M:
 #: 1.2x), slower for the 0.85M-parameter mlp (0.5x) and the 2.9M-parameter convnet (docs/results.md, Speed).
 CPU_MAX_PARAMETERS = 300_000
-#: Whether ``batched`` steps go through torch.compile (an audit's ``compile: true``; set by ``compile_steps``).
+#: Whether ``optimise``'s iterations go through torch.compile (an audit's ``compile: true``; set by ``compile_steps``).
 _COMPILE = False
-#: Compilations torch keeps for one function before it runs it eagerly: every vectorised step is one function to
-#: torch (vmap's wrapper), and each attack, model shape and chunk size is a compilation of it (torch's default: 8).
+#: Whether compiled iterations are captured as CUDA graphs and replayed (torch.compile's "reduce-overhead" mode): set
+#: by ``compile_steps`` for an audit that compiles on CUDA, where an eager iteration is bound by its kernel launches.
+_CUDA_GRAPHS = False
+#: Compilations torch keeps for one function before it runs it eagerly: every vectorised iteration is one function
+#: to torch (``_iteration``'s), and each attack, model shape and chunk size is a compilation of it (torch's default: 8).
 RECOMPILE_LIMIT = 256
 
 
-def compile_steps(enabled: bool) -> Callable[[], None]:
-    """Compile every vectorised step from now on (or not), in this process; returns what restores the setting.
+def compile_steps(enabled: bool, cuda_graphs: bool = False) -> Callable[[], None]:
+    """Compile every vectorised iteration from now on (or not), in this process, with ``cuda_graphs`` captured and
+    replayed as CUDA graphs; returns what restores the setting.
 
     torch.compile caches what it builds by code and input shapes, so chunks of one model shape, attack and chunk
     size compile once per process, and its disk cache serves later runs. All steps share torch's per-function limit
     on compilations, raised to ``RECOMPILE_LIMIT`` while compiling is on."""
-    global _COMPILE
-    before, _COMPILE = _COMPILE, enabled
+    global _COMPILE, _CUDA_GRAPHS
+    before, _COMPILE, _CUDA_GRAPHS = (_COMPILE, _CUDA_GRAPHS), enabled, enabled and cuda_graphs
     if enabled:  # torch._dynamo is imported only where compiling is asked for (it costs most of a second)
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
@@ -62,8 +66,8 @@ def compile_steps(enabled: bool) -> Callable[[], None]:
             inductor_config.cpp.simdlen = 1
 
     def restore() -> None:
-        global _COMPILE
-        _COMPILE = before
+        global _COMPILE, _CUDA_GRAPHS
+        _COMPILE, _CUDA_GRAPHS = before
         if enabled:
             dynamo_config.recompile_limit = limit
             inductor_config.cpp.simdlen = simdlen
@@ -286,8 +290,7 @@ def batched(objective: Callable[..., Tensor], extra_dims: tuple = (), with_grad:
     def joint(variables, labels, targets, metadata, hyper, *extras):
         return objective(variables[0], labels, targets, metadata, hyper, variables[1], *extras)
 
-    fn = vmap(grad_and_value(joint) if with_grad else joint, in_dims=(0, 0, 0, 0, 0, *extra_dims))
-    return torch.compile(fn, dynamic=False) if _COMPILE and with_grad else fn  # a value alone is one call: eager
+    return vmap(grad_and_value(joint) if with_grad else joint, in_dims=(0, 0, 0, 0, 0, *extra_dims))
 
 
 def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int, lr_factor: Callable[[int], Tensor],
@@ -300,43 +303,71 @@ def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
     images alone kept in the box. ``per_step(it)`` supplies the iteration's extra inputs as
     ``(value, in_dim)`` pairs (Monte Carlo draws, one per problem; a warm-up weight, shared). Returns
     the final images and unknowns, and the trace (iterations, K). The update is torch.optim.Adam's,
-    so one problem alone follows Adam's path.
+    so one problem alone follows Adam's path. One iteration (the gradient, Adam's step, the box) is one
+    function: under ``compile: true`` it compiles whole, and on CUDA it is captured once and replayed.
     """
-    lo, hi = box
     names = [(n, i) for n, vs in batch.unknowns.items() for i in range(len(vs))]
     xs = [batch.starts.clone(), *(batch.unknowns[n][i].clone() for n, i in names)]
     ms, vs_ = [torch.zeros_like(x) for x in xs], [torch.zeros_like(x) for x in xs]
-    beta1, beta2 = ADAM_BETAS
     trace = torch.empty(iterations, len(xs[0]), device=xs[0].device)
-    step = None  # the vmapped gradient, built once: the extras' in_dims are the same every iteration
-
-    def as_variables(flat: list[Tensor]) -> tuple[Tensor, dict[str, list[Tensor]]]:
-        unknowns: dict[str, list[Tensor]] = {n: [] for n in batch.unknowns}
-        for (n, _), x in zip(names, flat[1:]):
-            unknowns[n].append(x)
-        return flat[0], unknowns
+    # Adam's bias corrections, made once on the device: a compiled iteration takes its own as an input
+    corrections = torch.tensor([[1 - ADAM_BETAS[0] ** t, math.sqrt(1 - ADAM_BETAS[1] ** t)]
+                                for t in range(1, iterations + 1)], dtype=xs[0].dtype).to(xs[0].device)
+    iteration = None  # built once: the extras' in_dims are the same every iteration
 
     for it in range(iterations):
         extra = per_step(it)
-        step = step or batched(objective, tuple(d for _, d in extra))
+        iteration = iteration or _iteration(objective, names, list(batch.unknowns), signed, box,
+                                            tuple(d for _, d in extra))
+        lr = batch.hyper["lr"] * lr_factor(it)
         with torch.no_grad():  # torch.func's grad inside still differentiates; outside, nothing records a graph
-            grads, loss = step(as_variables(xs), batch.labels, batch.targets, batch.metadata, batch.hyper,
-                               *(e for e, _ in extra))
-        # a defense's candidate update may use the model's own parameters (requires_grad): without the
-        # no_grad above, each step's gradient would carry their graph and every later iterate would chain it
-        flat = [grads[0].detach(), *(grads[1][n][i].detach() for n, i in names)]
-        t = it + 1
-        lr = batch.hyper["lr"] * lr_factor(it) / (1 - beta1 ** t)
-        for j, (x, g, m, v) in enumerate(zip(xs, flat, ms, vs_)):
-            g = g.sign() if signed else g
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(ADAM_EPS)
-            xs[j] = x - lr.view((-1,) + (1,) * (x.dim() - 1)) * (m / denom)
-        xs[0] = torch.maximum(torch.minimum(xs[0], hi), lo)
+            # a defense's candidate update may use the model's own parameters (requires_grad): without the
+            # no_grad, each step's gradient would carry their graph and every later iterate would chain it
+            xs, ms, vs_, loss = iteration(xs, ms, vs_, lr, corrections[it], batch.labels, batch.targets,
+                                          batch.metadata, batch.hyper, *(e for e, _ in extra))
+        if _CUDA_GRAPHS:  # a replay's outputs live in the graph's memory, which the next replay overwrites
+            xs, ms, vs_ = ([t.clone() for t in ts] for ts in (xs, ms, vs_))
         trace[it] = loss.detach()
-    images, unknowns = as_variables(xs)
+    images, unknowns = _as_variables(xs, names, list(batch.unknowns))
     return images, unknowns, trace
+
+
+def _as_variables(flat: list[Tensor], names: list[tuple[str, int]],
+                  groups: list[str]) -> tuple[Tensor, dict[str, list[Tensor]]]:
+    """The images and the unknowns by name from the flat list of optimised variables."""
+    unknowns: dict[str, list[Tensor]] = {n: [] for n in groups}
+    for (n, _), x in zip(names, flat[1:]):
+        unknowns[n].append(x)
+    return flat[0], unknowns
+
+
+def _iteration(objective: Callable[..., Tensor], names: list[tuple[str, int]], groups: list[str], signed: bool,
+               box: tuple[Tensor, Tensor], extra_dims: tuple) -> Callable:
+    """One Adam iteration on K problems: ``(xs, ms, vs, lr, corrections, *inputs) -> (xs, ms, vs, loss)``, a pure
+    function (new tensors, inputs untouched) so that torch.compile can take it whole and CUDA graphs replay it."""
+    step = batched(objective, extra_dims)
+    beta1, beta2 = ADAM_BETAS
+    lo, hi = box
+
+    def iteration(xs, ms, vs, lr, corrections, labels, targets, metadata, hyper, *extras):
+        grads, loss = step(_as_variables(xs, names, groups), labels, targets, metadata, hyper, *extras)
+        flat = [grads[0].detach(), *(grads[1][n][i].detach() for n, i in names)]
+        lr = lr / corrections[0]
+        new_xs, new_ms, new_vs = [], [], []
+        for x, g, m, v in zip(xs, flat, ms, vs):
+            g = g.sign() if signed else g
+            m = (m * beta1).add_(g, alpha=1 - beta1)
+            v = (v * beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / corrections[1]).add_(ADAM_EPS)
+            new_xs.append(x - lr.view((-1,) + (1,) * (x.dim() - 1)) * (m / denom))
+            new_ms.append(m)
+            new_vs.append(v)
+        new_xs[0] = torch.maximum(torch.minimum(new_xs[0], hi), lo)
+        return new_xs, new_ms, new_vs, loss
+
+    if not _COMPILE:
+        return iteration
+    return torch.compile(iteration, dynamic=False, mode="reduce-overhead" if _CUDA_GRAPHS else None)
 
 
 def one_at_a_time(cls: type, problems: list[Problem]) -> list[Reconstruction]:
@@ -360,7 +391,8 @@ def solve_all(cls: type, problems: list[Problem], max_problems: int | None, *, k
 
     ``images(p)`` and ``rows(p)`` scale one problem's footprint and count within its group (Monte Carlo
     points, restarts). Groups that cannot be vectorised, and chunks of one problem, are solved one at a
-    time by ``cls.reconstruct``. ``cap`` bounds a chunk whatever memory allows.
+    time by ``cls.reconstruct``, unless iterations are replayed as CUDA graphs. ``cap`` bounds a chunk whatever
+    memory allows.
     """
     def solve_group(group: list[Problem]) -> list[Reconstruction]:
         threat, n = group[0].threat, rows(group[0])
@@ -368,7 +400,9 @@ def solve_all(cls: type, problems: list[Problem], max_problems: int | None, *, k
             return one_at_a_time(cls, group)
         per_chunk = max(1, chunk_size(max_problems, threat, threat.batch_size * images(group[0]), len(group) * n) // n)
         per_chunk = min(per_chunk, cap or per_chunk)
-        return one_at_a_time(cls, group) if per_chunk == 1 else run_chunks(group, build, per_chunk)
+        if per_chunk == 1 and not _CUDA_GRAPHS:  # one replayed graph beats one problem's eager launches
+            return one_at_a_time(cls, group)
+        return run_chunks(group, build, per_chunk)
 
     return solve_grouped(problems, key, solve_group)
 

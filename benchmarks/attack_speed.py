@@ -5,7 +5,8 @@ Case: inverting_gradients on the untrained lenet_zhu (32x32 digits, batch 1, no 
 are K different target images, each with its own start. "one at a time" runs ``attack(...)`` per
 problem (the path a plugin attack written for one problem takes); "vectorised" runs
 ``InvertingGradients.reconstruct_all`` on all K (torch.func: functional_call, grad, vmap); with
-``--compile``, also through torch.compile (an audit's ``compile: true``), its first compilation timed apart.
+``--compile``, also through torch.compile (an audit's ``compile: true``: on CUDA, whole iterations captured as CUDA
+graphs and replayed, K = 1 included), its first compilation timed apart.
 
     python benchmarks/attack_speed.py [--iterations 200] [--device cpu] [--ks 1,8,64] [--compile] [--quickstart]
 """
@@ -87,7 +88,7 @@ def vectorised_against_one_at_a_time(device: str, ks: list[int], iterations: int
         vector, _ = _vectorised_rate(device, k, iterations)
         line = f"  {k:6d}  {serial:14.0f}  {vector:12.0f}  {vector / serial:7.1f}x"
         if compiled:
-            restore = compile_steps(True)
+            restore = compile_steps(True, cuda_graphs=device == "cuda")  # as an audit that compiles on CUDA
             try:
                 fast, warm_up = _vectorised_rate(device, k, iterations)
             finally:

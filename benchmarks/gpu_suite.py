@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py --out runs/gpu_suite              # on a GPU of about 80 GB: within 25 minutes
     python benchmarks/gpu_suite.py --smoke --device cpu --out DIR    # every code path at toy sizes (the tests run it)
+    python benchmarks/gpu_suite.py --compile --only throughput_lenet --ks 1,64,4096   # as audits with compile: true
 
 Writes ``DIR/gpu_suite.json`` (every figure, with the machine and versions) and ``DIR/gpu_suite.md`` (the tables
 for docs/results.md), each section as soon as it is measured, so a run cut short keeps what it measured:
@@ -74,8 +75,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def throughput(device: str, ks: list[int], iterations: int, model: str, image_size: int) -> list[dict[str, Any]]:
-    """Image-iterations per second of vectorised ``inverting_gradients`` on K problems (one target each)."""
+def throughput(device: str, ks: list[int], iterations: int, model: str, image_size: int,
+               compiled: bool = False) -> list[dict[str, Any]]:
+    """Image-iterations per second of vectorised ``inverting_gradients`` on K problems (one target each); ``compiled``:
+    as an audit with ``compile: true`` runs them (on CUDA, whole iterations replayed as CUDA graphs)."""
+    from leakaudit.attacks.vectorised import compile_steps
     from leakaudit.attacks.gradient_matching import InvertingGradients
     from leakaudit.defenses.noise import NoDefense
     from leakaudit.evaluator.run.scenario import loss_fn
@@ -90,8 +94,8 @@ def throughput(device: str, ks: list[int], iterations: int, model: str, image_si
     torch.manual_seed(0)
     net = build_model(registry.get("model", model), data.channels, data.num_classes, image_size, {}, 0).to(device)
     mean, std = data.mean.view(-1, 1, 1).to(device), data.std.view(-1, 1, 1).to(device)
-    rows, base = [], None
-    for run, k in enumerate([ks[0], *ks]):  # the first size twice: its first run pays one-time costs (kernels)
+
+    def make(k: int, budget: int) -> list[Problem]:
         problems = []
         for i in range(k):
             pixels = data.train_x[i % len(data.train_x)][None].to(device)
@@ -100,23 +104,33 @@ def throughput(device: str, ks: list[int], iterations: int, model: str, image_si
             observed = NoDefense().share(ClientStep(net, loss_fn, (pixels - mean) / std, label, gen))
             threat = ThreatModel(net, loss_fn, tuple(pixels.shape[1:]), mean, std, data.num_classes, 1, NoDefense(),
                                  labels=label, device=torch.device(device))
-            problems.append(Problem(observed, threat, gen, InvertingGradients(iterations=iterations)))
-        _sync(device)
-        started = time.perf_counter()
-        InvertingGradients.reconstruct_all(problems)
-        _sync(device)
-        rate = k * iterations / (time.perf_counter() - started)
-        if run == 0:
-            continue
-        base = base or rate
-        rows.append({"model": model, "image_size": image_size, "K": k, "iterations": iterations,
-                     "image_iterations_per_s": round(rate, 1), "ratio_to_K1": round(rate / base, 2)})
+            problems.append(Problem(observed, threat, gen, InvertingGradients(iterations=budget)))
+        return problems
+
+    rows, base = [], None
+    restore = compile_steps(compiled, cuda_graphs=device.startswith("cuda"))
+    try:
+        for k in ks:
+            InvertingGradients.reconstruct_all(make(k, 3))  # one-time costs (kernels, compilation) before the clock
+            problems = make(k, iterations)
+            _sync(device)
+            started = time.perf_counter()
+            InvertingGradients.reconstruct_all(problems)
+            _sync(device)
+            rate = k * iterations / (time.perf_counter() - started)
+            base = base or rate
+            rows.append({"model": model, "image_size": image_size, "K": k, "iterations": iterations,
+                         "compiled": compiled, "image_iterations_per_s": round(rate, 1),
+                         "ratio_to_K1": round(rate / base, 2)})
+    finally:
+        restore()
     return rows
 
 
-def quickstart(device: str, smoke: bool) -> list[dict[str, Any]]:
+def quickstart(device: str, smoke: bool, compiled: bool = False) -> list[dict[str, Any]]:
     """The quickstart on ``device`` (and the CPU beside it, and with ``deterministic: false`` on CUDA)."""
     small = {"data.targets": 1, "attacks.0.params.iterations": 2, "utility.train_steps": 2} if smoke else {}
+    small = {**small, "compile": compiled}
     variants = [(device, True)] + ([("cpu", True), (device, False)] if device != "cpu" else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,9 +187,9 @@ PAPER_CASES: dict[str, tuple[str, dict, dict, str, str, str]] = {
 PAPER_BUDGET = {"bayesian_kl": 13000}
 
 
-def paper_case(name: str, device: str, smoke: bool) -> dict[str, Any]:
+def paper_case(name: str, device: str, smoke: bool, compiled: bool = False) -> dict[str, Any]:
     config, full, toy, metric, paper, budget = PAPER_CASES[name]
-    audit = audit_dict(config, {**(toy if smoke else full), "device": device})
+    audit = audit_dict(config, {**(toy if smoke else full), "device": device, "compile": compiled})
     with tempfile.TemporaryDirectory() as tmp:
         summary, seconds = run_case(audit, Path(tmp))
     cells = {c.attack: round(c.mean(metric), 3) for c in summary.cells if c.mean(metric) is not None}
@@ -186,15 +200,15 @@ def paper_case(name: str, device: str, smoke: bool) -> dict[str, Any]:
             "attack_s_per_image_at_paper_budget": per_image, "paper": paper}
 
 
-def sections(device: str, smoke: bool) -> dict[str, Callable[[], Any]]:
-    """Each section of the suite, at full or toy size."""
-    ks = [1, 2] if smoke else [1, 64, 512, 4096]
+def sections(device: str, smoke: bool, compiled: bool = False, ks: list[int] | None = None) -> dict[str, Callable[[], Any]]:
+    """Each section of the suite, at full or toy size, eager or ``compiled``; ``ks``: LeNet's numbers of targets."""
+    ks = ks or ([1, 2] if smoke else [1, 64, 512, 4096])
     return {
-        "throughput_lenet": lambda: throughput(device, ks, 2 if smoke else 100, "lenet_zhu", 32),
+        "throughput_lenet": lambda: throughput(device, ks, 2 if smoke else 100, "lenet_zhu", 32, compiled),
         "throughput_resnet18_224": lambda: throughput(device, [1, 2] if smoke else [1, 8], 1 if smoke else 20,
-                                                      "resnet18", 64 if smoke else 224),
-        "quickstart": lambda: quickstart(device, smoke),
-        **{f"paper_{name}": (lambda name=name: paper_case(name, device, smoke)) for name in PAPER_CASES},
+                                                      "resnet18", 64 if smoke else 224, compiled),
+        "quickstart": lambda: quickstart(device, smoke, compiled),
+        **{f"paper_{name}": (lambda name=name: paper_case(name, device, smoke, compiled)) for name in PAPER_CASES},
     }
 
 
@@ -202,6 +216,7 @@ def markdown(results: dict[str, Any]) -> str:
     """The results as tables, one per section."""
     lines = [f"# GPU suite: {results['machine']['device']}", "",
              f"torch {results['machine']['torch']}, {results['machine']['when']}" +
+             (", compile: true" if results["machine"].get("compile") else "") +
              (" (smoke: toy sizes, not figures)" if results["smoke"] else ""), ""]
     for name, rows in results["sections"].items():
         lines += [f"## {name}", ""]
@@ -219,14 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_suite"))
     parser.add_argument("--smoke", action="store_true", help="every code path at toy sizes (CPU, seconds)")
     parser.add_argument("--only", nargs="+", help="run only these sections")
+    parser.add_argument("--ks", type=lambda text: [int(k) for k in text.split(",")],
+                        help="LeNet's numbers of targets solved together, comma-separated (default 1,64,512,4096)")
+    parser.add_argument("--compile", action="store_true",
+                        help="as audits with compile: true (on CUDA, iterations replayed as CUDA graphs)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor() or "cpu"
     results: dict[str, Any] = {"smoke": args.smoke, "sections": {}, "failed": {},
                                "machine": {"device": f"{args.device}: {name}", "torch": torch.__version__,
-                                           "python": sys.version.split()[0],
+                                           "python": sys.version.split()[0], "compile": args.compile,
                                            "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
-    for section, measure in sections(args.device, args.smoke).items():
+    for section, measure in sections(args.device, args.smoke, args.compile, args.ks).items():
         if args.only and section not in args.only:
             continue
         started = time.perf_counter()

@@ -12,8 +12,8 @@ from leakaudit.evaluator.zoo.models import lenet_zhu
 from test_isolation import problems_on
 
 
-def _solve(model: torch.nn.Module, compiled: bool) -> list[torch.Tensor]:
-    restore = compile_steps(compiled)
+def _solve(model: torch.nn.Module, compiled: bool, cuda_graphs: bool = False) -> list[torch.Tensor]:
+    restore = compile_steps(compiled, cuda_graphs)
     try:
         # plain Adam: a near-zero gradient's sign, which another kernel's rounding can flip, would part the two
         # optimisations by a whole step
@@ -51,3 +51,29 @@ def test_compiling_raises_torchs_limit_on_compilations_and_restores_it():
     assert dynamo_config.recompile_limit == max(limit, RECOMPILE_LIMIT)
     restore()
     assert dynamo_config.recompile_limit == limit
+
+
+def test_the_cuda_graph_path_compiles_whole_iterations_in_reduce_overhead_mode_and_follows_eager(monkeypatch):
+    """On CUDA a compiled iteration is captured as a CUDA graph (torch.compile's "reduce-overhead") and its outputs
+    are copied out of the graph's memory before the next replay. On a CPU the mode compiles without graphs, so the
+    same code path runs here and must give the eager numbers."""
+    from leakaudit.attacks import vectorised
+
+    modes = []
+    compile_ = torch.compile
+
+    def recording(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(vectorised.torch, "compile", recording)
+    torch.manual_seed(0)
+    model = lenet_zhu(1, 10, 16)
+    eager = _solve(model, False)
+    assert modes == []
+    graphed = _solve(model, True, cuda_graphs=True)
+    assert modes == ["reduce-overhead"]
+    _solve(model, True)
+    assert modes == ["reduce-overhead", None]  # compiled without graphs elsewhere
+    for a, b in zip(eager, graphed):
+        assert (a - b).abs().max() < 1e-3, float((a - b).abs().max())

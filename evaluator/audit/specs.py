@@ -25,10 +25,10 @@ TOP = {
     "device": Param("auto", str, choices=("auto", "cpu", "cuda")),
     "deterministic": Param(True, bool, help="on CUDA, deterministic kernels: the same numbers on every run, "
                                             "several times slower (false: faster, reruns differ slightly)"),
-    "compile": Param(False, bool, help="run the attacks' vectorised steps through torch.compile: about 1.6x faster "
-                                       "at 64 targets on a CPU, after a first compilation of about 20 s per model "
-                                       "shape, attack and chunk size (3 s once in torch's disk cache); a CPU needs "
-                                       "a C++ compiler"),
+    "compile": Param(False, bool, help="run the attacks' vectorised iterations through torch.compile, on CUDA "
+                                       "replayed as CUDA graphs: faster once a first compilation per model shape, "
+                                       "attack and chunk size is paid (docs/results.md, Speed); a CPU needs a C++ "
+                                       "compiler"),
     "workers": Param(None, int, min=1, help="worker processes (default: auto: one per visible GPU on CUDA; on the "
                                             "CPU, one per core, but no more than the settings and cells to run "
                                             "nor than their work pays process starts for: a small audit runs in "

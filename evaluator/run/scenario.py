@@ -44,13 +44,14 @@ def process_flags(audit: Audit) -> Callable[[], None]:
     ``deterministic: true`` on CUDA: deterministic cuDNN and cuBLAS kernels (cuBLAS reads its workspace setting
     once), so the same file gives the same numbers. Without them two runs of one audit on an H100 differed by up
     to 0.8 dB per image; with them, not at all, at several times the run time (docs/results.md). A CPU is
-    deterministic either way. ``compile: true``: the attacks' vectorised steps through torch.compile, its disk
-    cache kept beside the architecture analyses (``$LEAKAUDIT_CACHE/inductor``)."""
+    deterministic either way; ``deterministic: false`` on CUDA lets cuDNN time its algorithms and keep the fastest.
+    ``compile: true``: the attacks' vectorised iterations through torch.compile, on CUDA captured as CUDA graphs and
+    replayed, its disk cache kept beside the architecture analyses (``$LEAKAUDIT_CACHE/inductor``)."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     if audit.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-    restore_compile = compile_steps(audit.compile)
+    restore_compile = compile_steps(audit.compile, cuda_graphs=audit.device == "cuda")
 
     def restore() -> None:
         """Put the process's flags back as they were (a caller's own code is not left in deterministic mode)."""
@@ -63,6 +64,8 @@ def process_flags(audit: Audit) -> Callable[[], None]:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True, warn_only=True)
+    elif audit.device == "cuda":  # cuDNN times its algorithms on the first call of each shape and keeps the fastest
+        torch.backends.cudnn.benchmark = True
     return restore
 
 

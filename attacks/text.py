@@ -1,0 +1,153 @@
+"""Attacks on the updates of language models: the tokens from the embedding's gradient, and DAGER's exact
+recovery of whole sequences from the span of the first attention layers' gradients (Petrov et al. 2024)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import Protocol, not_one_step
+from leakaudit.plugins.spec import Param
+from leakaudit.plugins.text import TokenModel
+
+#: Sequences whose second-layer inputs are computed at once while growing prefixes (bounds the memory).
+CHUNK = 4096
+#: The least drop between consecutive singular values that separates a gradient's span from its rounding.
+GAP = 10.0
+#: Rows of the room left in the span below the width: a gradient of rank within this of the width spans
+#: (nearly) every vector, and its filters pass anything (DAGER caps its rank at the width less 20 for GPT-2's 768).
+RANK_MARGIN = 4
+
+
+def gradient_of(observed: SharedUpdate, name: str) -> Tensor:
+    """The shared tensor of parameter ``name``; a clear error where the update lacks it."""
+    if name not in observed.names:
+        raise ValueError(f"the update has no gradient of {name!r} (it shares {len(observed.names)} tensors)")
+    return observed.tensors[observed.names.index(name)]
+
+
+def token_set(observed: SharedUpdate, model: TokenModel, tolerance: float = 0.0) -> Tensor:
+    """The ids whose embedding row has a gradient: exactly the batch's tokens where the embedding is its own
+    (untied) and the update is exact. Rows are compared with ``tolerance`` times the largest row's norm."""
+    norms = gradient_of(observed, model.embedding_name()).double().norm(dim=1)
+    return torch.nonzero(norms > tolerance * norms.max()).flatten()
+
+
+def span_basis(gradient: Tensor, floor: float) -> Tensor:
+    """An orthonormal basis ``(rank, width)`` of the row space of a weight's gradient ``(outputs, width)``: its
+    right singular vectors above the spectrum's largest gap (a drop of ten or more from one singular value to
+    the next, among those above ``floor`` times the largest: below is rounding); all of them where none is."""
+    _, s, vh = torch.linalg.svd(gradient.double(), full_matrices=False)
+    s = s[s > floor * s[0]]
+    drops = s[:-1] / s[1:]
+    rank = len(s) if len(drops) == 0 or drops.max() < GAP else int(drops.argmax()) + 1
+    return vh[:rank]
+
+
+def span_distance(vectors: Tensor, basis: Tensor) -> Tensor:
+    """How far each vector ``(..., width)``, scaled to unit length, lies from the span: its residual's norm."""
+    v = vectors.double()
+    v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return (v - (v @ basis.T) @ basis).norm(dim=-1)
+
+
+class Dager(Attack):
+    """DAGER (Petrov et al. 2024) for causal models: the tokens whose first-layer input lies in the span of the
+    first attention weight's gradient, at each position; then sequences grown token by token, keeping each
+    prefix whose second-layer input lies in the second layer's span. Exact while the batch's tokens are fewer
+    than the width; where they are not, it says "rank condition not met" and returns the token set instead."""
+
+    name = "dager"
+    paper = "Petrov et al. 2024"
+    params: ClassVar[dict[str, Param]] = {
+        "first_tolerance": Param(1e-3, float, min=0.0, help="span distance below which a token passes at a "
+                                 "position (first layer; vectors of unit length)"),
+        "second_tolerance": Param(1e-3, float, min=0.0, help="span distance below which a prefix's last "
+                                  "position passes (second layer)"),
+        "rank_floor": Param(1e-7, float, min=0.0, help="singular values below this share of the largest are "
+                            "rounding (a float32 update's), whatever the spectrum's gaps"),
+        "max_prefixes": Param(2_000, int, min=1, help="prefixes kept per step (the closest first)"),
+    }
+    brings: ClassVar[str] = "exact sequences from the span of attention gradients"
+    noise_free_only: ClassVar[bool] = True
+
+    first_tolerance: float
+    second_tolerance: float
+    rank_floor: float
+    max_prefixes: int
+
+    def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if not isinstance(model, TokenModel):
+            return "dager reads a transformer's layers: the model is not a TokenModel (leakaudit.plugins.text)"
+        if not model.causal:
+            return "dager here searches causal models only; the encoders' exhaustive search is not built"
+        if model.depth < 3:
+            # the last layer's gradient reaches each sequence through its one read position: its span is
+            # too narrow to hold every position's input
+            return f"dager reads the second layer's span, which needs a layer after it: the model has {model.depth}"
+        return not_one_step(protocol, batch_size, "dager")
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        model: Any = threat.model
+        length, batch = threat.input_shape[0], observed.batch_size
+        first = span_basis(gradient_of(observed, model.attention_name(0)), self.rank_floor)
+        second = span_basis(gradient_of(observed, model.attention_name(1)), self.rank_floor)
+        extras: dict[str, Any] = {"rank": [len(first), len(second)], "width": model.width}
+        with torch.no_grad():
+            if max(len(first), len(second)) > model.width - RANK_MARGIN:
+                extras["note"] = (f"rank condition not met: the attention gradients have rank {len(first)} and "
+                                  f"{len(second)} of width {model.width} (the batch's tokens are not fewer than the "
+                                  "width), so their span holds any sequence; the token set is returned")
+                rows = self._token_rows(observed, model, batch, length, threat.device)
+            else:
+                candidates = self._candidates(model, first, length, threat.device)
+                rows = self._grow(model, second, candidates, batch, length, threat.device)
+        labels = threat.labels if threat.labels is not None else torch.zeros(batch, dtype=torch.long)
+        return Reconstruction(rows, labels, [], 0.0, extras)
+
+    def _candidates(self, model: Any, basis: Tensor, length: int, device: torch.device) -> list[Tensor]:
+        """Per position, the ids whose first-layer input there lies in the span (closest first)."""
+        ids = torch.arange(model.vocab_size, device=device)[:, None].expand(model.vocab_size, length)
+        distance = span_distance(model.layer_inputs(ids, 0), basis.to(device))  # (vocab, length)
+        out = []
+        for p in range(length):
+            passing = torch.nonzero(distance[:, p] < self.first_tolerance).flatten()
+            out.append(passing[distance[passing, p].argsort()])
+        return out
+
+    def _grow(self, model: Any, basis: Tensor, candidates: list[Tensor], batch: int, length: int,
+              device: torch.device) -> Tensor:
+        """Sequences grown position by position: a prefix extended by each candidate whose second-layer input
+        lies in the span; a prefix that no candidate extends is a finished sequence."""
+        basis = basis.to(device)
+        prefixes, finished = candidates[0][:, None], []
+        for p in range(1, length):
+            if len(prefixes) == 0 or len(candidates[p]) == 0:
+                break
+            grown = torch.cat([prefixes.repeat_interleave(len(candidates[p]), 0),
+                               candidates[p].repeat(len(prefixes))[:, None]], dim=1)
+            distance = torch.cat([span_distance(model.layer_inputs(part, 1)[:, -1], basis)
+                                  for part in grown.split(CHUNK)])
+            keep = distance < self.second_tolerance
+            extended = torch.zeros(len(prefixes), dtype=torch.bool, device=device)
+            extended[torch.div(torch.nonzero(keep).flatten(), len(candidates[p]), rounding_mode="floor")] = True
+            finished.extend(prefixes[~extended])
+            order = distance[keep].argsort()[: self.max_prefixes]
+            prefixes = grown[keep][order]
+        finished.extend(prefixes)
+        rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
+        for i, seq in enumerate(sorted(finished, key=len, reverse=True)[:batch]):
+            rows[i, : len(seq)] = seq
+        return rows
+
+    def _token_rows(self, observed: SharedUpdate, model: Any, batch: int, length: int,
+                    device: torch.device) -> Tensor:
+        """The token set, unordered, in every row: what the embedding's gradient gives without the span."""
+        tokens = token_set(observed, model)
+        tokens = tokens[tokens != model.pad_id][:length].to(device)
+        rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
+        rows[:, : len(tokens)] = tokens
+        return rows

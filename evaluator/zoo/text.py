@@ -1,0 +1,165 @@
+"""Text for audits, offline: sentences with personal data a client would type, a word tokenizer, and small
+transformers of GPT-2's (causal) and BERT's (bidirectional) architecture, sized by their params."""
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leakaudit.plugins.text import TokenData
+
+PAD, UNK = "<pad>", "<unk>"
+
+# Made-up values from short lists, so that every word of a test sentence is in the training vocabulary; the
+# numbers are drawn digit by digit and tokenized one digit a token, as GPT-2's tokenizer splits most numbers.
+FIRST = ("maria", "james", "aisha", "wei", "olga", "pedro", "fatima", "liam", "yuki", "noah", "sara", "omar",
+         "elena", "david", "priya", "lucas", "mei", "ahmed", "anna", "tom")
+LAST = ("lopez", "smith", "khan", "chen", "ivanova", "garcia", "ali", "murphy", "tanaka", "brown", "rossi",
+        "haddad", "novak", "cohen", "patel", "silva", "wong", "hassan", "berg", "clark")
+STREETS = ("oak", "maple", "station", "mill", "church", "park", "river", "hill", "king", "market")
+CITIES = ("leeds", "porto", "lyon", "graz", "malmo", "turin", "ghent", "cork", "bergen", "brno")
+
+#: Intent classes and their sentence templates ({first} {last} {phone} {card} {account} {number} {street} {city}).
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "payment": ("please charge my card {card} thanks", "my card number is {card}",
+                "use card {card} for the order"),
+    "contact": ("call me at {phone} ask for {first}", "this is {first} {last} my number is {phone}",
+                "text {first} on {phone} please"),
+    "address": ("ship it to {number} {street} street {city}", "i live at {number} {street} road in {city}",
+                "send the parcel to {first} {last} {number} {street} street"),
+    "banking": ("move the rent to account {account}", "my account is {account} under {first} {last}",
+                "pay {first} into account {account}"),
+}
+
+
+def _digits(rng: random.Random, count: int) -> str:
+    return " ".join(str(rng.randrange(10)) for _ in range(count))
+
+
+def pii_sentence(rng: random.Random) -> tuple[str, int, list[str]]:
+    """One sentence, its intent class and the personal values in it (as they read in the tokenized sentence)."""
+    label = rng.randrange(len(TEMPLATES))
+    template = rng.choice(TEMPLATES[list(TEMPLATES)[label]])
+    values = {"first": rng.choice(FIRST), "last": rng.choice(LAST), "phone": _digits(rng, 7),
+              "card": _digits(rng, 8), "account": _digits(rng, 6), "number": str(rng.randrange(1, 100)),
+              "street": rng.choice(STREETS), "city": rng.choice(CITIES)}
+    used = re.findall(r"{(\w+)}", template)
+    personal = [" ".join(tokenize(values[k])) for k in used
+                if k in ("first", "last", "phone", "card", "account", "number")]
+    return template.format(**values), label, personal
+
+
+def tokenize(sentence: str) -> list[str]:
+    """Lower-case words, digits one by one, punctuation apart."""
+    return re.findall(r"[a-z]+|\d|[^\sa-z\d]", sentence.lower())
+
+
+def vocabulary(sentences: list[str]) -> list[str]:
+    """The padding and unknown tokens, then every word of ``sentences`` by first appearance."""
+    words = dict.fromkeys([PAD, UNK, *(w for s in sentences for w in tokenize(s))])
+    return list(words)
+
+
+def encode(sentences: list[str], words: list[str], length: int) -> Tensor:
+    """Token ids ``(N, length)``: each sentence cut to ``length`` tokens and padded at its end."""
+    index = {w: i for i, w in enumerate(words)}
+    out = torch.zeros(len(sentences), length, dtype=torch.long)  # PAD is id 0
+    for row, s in enumerate(sentences):
+        ids = [index.get(w, 1) for w in tokenize(s)][:length]
+        out[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
+
+
+def load_pii_sentences(length: int = 24, train: int = 2000, test: int = 200, seed: int = 0) -> TokenData:
+    """Sentences a client would type to an assistant (payments, contacts, addresses, banking), made up from a
+    seeded generator (no real person's data), tokenized by a vocabulary built from the training split."""
+    rng = random.Random(seed)
+    rows = [pii_sentence(rng) for _ in range(train + test)]
+    sentences = [s for s, _, _ in rows]
+    words = vocabulary(sentences[:train])
+    x = encode(sentences, words, length)
+    y = torch.tensor([label for _, label, _ in rows], dtype=torch.long)
+    pii = [p for _, _, p in rows]
+    return TokenData("pii_sentences", x[:train], y[:train], x[train:], y[train:], len(TEMPLATES), words,
+                     train_pii=pii[:train], test_pii=pii[train:])
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block (GPT-2's order): attention with one fused query-key-value projection, then
+    an MLP four times the width."""
+
+    def __init__(self, width: int, heads: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def attend(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        if mask is not None:  # padding keys are not attended to
+            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.attend(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyTransformer(nn.Module):
+    """A small sequence classifier of GPT-2's architecture (``causal``: the last real token's state is read) or
+    BERT's (bidirectional, padding masked, the first token's state is read). Takes token ids ``(B, T)``, or
+    embeddings ``(B, T, width)`` for attacks that optimise them (no padding then)."""
+
+    def __init__(self, vocab_size: int, num_classes: int, length: int, width: int = 128, layers: int = 4,
+                 heads: int = 4, causal: bool = True, pad_id: int = 0):
+        super().__init__()
+        self.width, self.vocab_size, self.depth, self.causal, self.pad_id = width, vocab_size, layers, causal, pad_id
+        self.wte, self.wpe = nn.Embedding(vocab_size, width), nn.Embedding(length, width)
+        self.blocks = nn.ModuleList(Block(width, heads, causal) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, num_classes)
+        for p in self.parameters():  # GPT-2's initialisation
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def _embed(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        positions = self.wpe.weight[: x.shape[1]]
+        if x.dtype == torch.long:
+            return self.wte(x) + positions, x != self.pad_id
+        return x + positions, None
+
+    def layer_inputs(self, ids: Tensor, layer: int) -> Tensor:
+        """What block ``layer``'s query-key-value projection reads at each position (``TokenModel``)."""
+        h, mask = self._embed(ids)
+        for block in self.blocks[:layer]:
+            h = block(h, None if self.causal else mask)
+        return self.blocks[layer].ln_1(h)
+
+    def attention_name(self, layer: int) -> str:
+        return f"blocks.{layer}.qkv.weight"
+
+    def embedding_name(self) -> str:
+        return "wte.weight"
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, mask = self._embed(x)
+        for block in self.blocks:
+            h = block(h, None if self.causal else mask)
+        h = self.ln_f(h)
+        if not self.causal:
+            return self.head(h[:, 0])
+        last = (mask.sum(1) - 1).clamp_min(0) if mask is not None else torch.full((len(h),), h.shape[1] - 1)
+        return self.head(h[torch.arange(len(h), device=h.device), last.to(h.device)])
+
+
+def classification_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Softmax cross-entropy of the sequence's class."""
+    return F.cross_entropy(logits, labels)

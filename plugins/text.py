@@ -1,0 +1,70 @@
+"""Token sequences: what a text dataset holds, and what a language model shows the attacks that read its layers.
+
+A text example is a row of token ids, padded at its end with ``pad_id``; its label is a class (sequence
+classification, the setting of Deng et al. 2021, Balunovic et al. 2022 and Petrov et al. 2024). Attacks that
+read a transformer's layers (DAGER's span filters) reach it through ``TokenModel``, so they work on any model
+that names its embedding and attention weights and computes its layers' inputs, the zoo's or a user's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+#: The modalities an example can have; a dataset, model, metric or attack declares the one it applies to.
+MODALITIES = ("image", "text")
+
+
+@dataclass
+class TokenData:
+    """Train and test splits of token sequences ``(N, length)`` with class labels, the vocabulary that decodes
+    them, and, per example, the personal values its sentence holds (``pii``: what PII recall counts)."""
+
+    name: str
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    num_classes: int
+    vocabulary: list[str]
+    pad_id: int = 0
+    train_pii: list[list[str]] = field(default_factory=list)
+    test_pii: list[list[str]] = field(default_factory=list)
+
+    modality = "text"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocabulary)
+
+    @property
+    def length(self) -> int:
+        """Tokens per sequence, padding included."""
+        return self.train_x.shape[1]
+
+    def decode(self, ids: Tensor) -> str:
+        """One sequence's text: its tokens joined by spaces, the padding left out."""
+        return " ".join(self.vocabulary[int(i)] for i in ids if int(i) != self.pad_id)
+
+
+@runtime_checkable
+class TokenModel(Protocol):
+    """A transformer over token ids whose first layers an attack can read.
+
+    ``layer_inputs(ids, layer)`` is what layer ``layer``'s attention projections read for each position, shape
+    ``(B, T, width)``: after the embeddings (and the layers before it) and the layer's own normalisation. The
+    gradient of ``attention_name(layer)``'s weight, ``(outputs, width)`` as ``nn.Linear`` keeps it, is a sum of
+    outer products of those inputs, so its row space holds them (Petrov et al. 2024)."""
+
+    width: int
+    vocab_size: int
+    depth: int
+    causal: bool
+    pad_id: int
+
+    def layer_inputs(self, ids: Tensor, layer: int) -> Tensor: ...
+
+    def attention_name(self, layer: int) -> str: ...
+
+    def embedding_name(self) -> str: ...

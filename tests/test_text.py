@@ -1,0 +1,120 @@
+"""Text: the offline PII sentences and their tokenizer, the zoo's small transformers, and the attacks that read a
+language model's update (the token set from the embedding's gradient; DAGER, Petrov et al. 2024)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leakaudit.attacks.text import Dager, span_basis, span_distance, token_set
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, load_pii_sentences, tokenize)
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
+from leakaudit.plugins.protocol import FEDSGD
+from leakaudit.plugins.text import TokenModel
+
+LENGTH = 16
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_pii_sentences(length=LENGTH)
+
+
+def _update(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> SharedUpdate:
+    """The client's exact FedSGD update of the trainable parameters, by name."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(classification_loss(model(x), y), [p for _, p in named])
+    return SharedUpdate(list(grads), [n for n, _ in named], len(x))
+
+
+def _attack(data, batch: int) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=128)
+    x, y = data.test_x[:batch], data.test_y[:batch]
+    threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
+                         batch, NoDefense(), labels=y)
+    rec = Dager()(_update(model, x, y), threat, torch.Generator())
+    return rec.images, rec.extras
+
+
+def test_the_pii_sentences_are_seeded_tokenized_whole_and_hold_their_personal_values(data):
+    again = load_pii_sentences(length=LENGTH)
+    assert torch.equal(data.train_x, again.train_x) and data.test_pii == again.test_pii
+    assert not torch.equal(data.train_x, load_pii_sentences(length=LENGTH, seed=1).train_x)
+    assert data.vocabulary.index(UNK) not in data.test_x.tolist()  # every test word is in the vocabulary
+    whole = load_pii_sentences(length=40)  # long enough that no sentence is cut
+    assert (whole.test_x[:, -1] == whole.pad_id).all()
+    for ids, personal in zip(whole.test_x[:50], whole.test_pii[:50]):
+        text = whole.decode(ids)
+        assert text == " ".join(tokenize(text)) and personal
+        assert all(value in text for value in personal)
+    assert sorted(set(data.train_y.tolist())) == list(range(data.num_classes))
+
+
+def test_the_causal_model_reads_each_position_from_the_ones_before_and_ignores_padding(data):
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH).eval()
+    assert isinstance(model, TokenModel)
+    x = data.test_x[:4].clone()
+    changed = x.clone()
+    changed[:, 5] = (changed[:, 5] + 1) % data.vocab_size
+    with torch.no_grad():
+        a, b = model.layer_inputs(x, 2), model.layer_inputs(changed, 2)
+        assert torch.allclose(a[:, :5], b[:, :5]) and not torch.allclose(a[:, 5], b[:, 5])
+        first = model.blocks[0].ln_1(model.wte(x) + model.wpe.weight[:LENGTH])
+        assert torch.allclose(model.layer_inputs(x, 0), first)
+        real = int((x[0] != 0).sum())
+        assert real < LENGTH  # the padded sentence reads as the sentence alone
+        assert torch.allclose(model(x[:1]), model(x[:1, :real]), atol=1e-6)
+    assert model(x).shape == (4, data.num_classes)
+    encoder = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, causal=False).eval()
+    with torch.no_grad():  # bidirectional: an earlier position sees a later token
+        assert not torch.allclose(encoder.layer_inputs(x, 1)[:, 2], encoder.layer_inputs(changed, 1)[:, 2])
+
+
+def test_the_token_set_is_exact_on_an_untied_embedding_and_freezing_it_leaves_nothing_to_read(data):
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH)
+    x, y = data.test_x[:8], data.test_y[:8]
+    assert set(token_set(_update(model, x, y), model).tolist()) == set(x[x != 0].tolist())
+    model.wte.weight.requires_grad_(False)  # frozen embeddings (Gupta et al. 2022): their rows are not shared
+    with pytest.raises(ValueError, match="no gradient of 'wte.weight'"):
+        token_set(_update(model, x, y), model)
+
+
+def test_dager_recovers_a_batch_of_eight_sequences_exactly_while_its_tokens_are_fewer_than_the_width(data):
+    rows, extras = _attack(data, 8)
+    original = data.test_x[:8]
+    assert int((original != 0).sum()) < 128
+    assert sorted(data.decode(r) for r in rows) == sorted(data.decode(r) for r in original)
+    assert "note" not in extras and max(extras["rank"]) < 128
+
+
+def test_dager_says_the_rank_condition_is_not_met_and_falls_back_to_the_token_set(data):
+    rows, extras = _attack(data, 16)
+    original = data.test_x[:16]
+    assert int((original != 0).sum()) > 128
+    assert extras["note"].startswith("rank condition not met")
+    assert set(rows[0][rows[0] != 0].tolist()) <= set(original[original != 0].tolist())
+
+
+def test_the_span_distance_is_zero_inside_the_span_and_one_orthogonal_to_it():
+    torch.manual_seed(0)
+    inputs = torch.randn(5, 16, dtype=torch.float64)
+    gradient = torch.randn(7, 5, dtype=torch.float64) @ inputs  # a sum of outer products: its rows span the inputs
+    basis = span_basis(gradient, 1e-12)
+    assert len(basis) == 5
+    assert span_distance(inputs, basis).max() < 1e-10
+    outside = torch.linalg.svd(inputs, full_matrices=True)[2][-1]  # orthogonal to every input
+    assert span_distance(outside, basis).item() == pytest.approx(1.0, abs=1e-10)
+
+
+def test_dager_says_which_models_it_cannot_read(data):
+    attack = Dager()
+    assert "not a TokenModel" in attack.unsupported(torch.nn.Linear(2, 2), 1, FEDSGD)
+    encoder = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, causal=False)
+    assert "causal models only" in attack.unsupported(encoder, 1, FEDSGD)
+    shallow = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
+    assert "the model has 2" in attack.unsupported(shallow, 1, FEDSGD)
+    assert attack.unsupported(TinyTransformer(data.vocab_size, data.num_classes, LENGTH), 1, FEDSGD) is None

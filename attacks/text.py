@@ -36,6 +36,15 @@ def token_set(observed: SharedUpdate, model: TokenModel, tolerance: float = 0.0)
     return torch.nonzero(norms > tolerance * norms.max()).flatten()
 
 
+def sequence_length(observed: SharedUpdate, model: TokenModel, longest: int) -> int:
+    """The positions that reach the loss: the rows of the position embedding's gradient that are not zero (a
+    causal model's positions past the last token it reads get none); ``longest`` where the update lacks it."""
+    if model.position_name() not in observed.names:
+        return longest
+    rows = torch.nonzero(gradient_of(observed, model.position_name()).norm(dim=1)).flatten()
+    return int(rows.max()) + 1 if len(rows) else longest
+
+
 def span_basis(gradient: Tensor, floor: float) -> Tensor:
     """An orthonormal basis ``(rank, width)`` of the row space of a weight's gradient ``(outputs, width)``: its
     right singular vectors above the spectrum's largest gap (a drop of ten or more from one singular value to
@@ -151,3 +160,63 @@ class Dager(Attack):
         rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
         rows[:, : len(tokens)] = tokens
         return rows
+
+
+class Tag(Attack):
+    """TAG (Deng et al. 2021): continuous input embeddings optimised so that their update matches the observed
+    one in squared distance plus ``l1_weight`` times the absolute distance (the embedding's own gradient left
+    out: the candidate feeds embeddings, not ids), then each position read as its nearest token by cosine. Where
+    the update shares the embedding's gradient, the readout keeps to the token set it reveals (as LAMP can)."""
+
+    name = "tag"
+    paper = "Deng et al. 2021"
+    params: ClassVar[dict[str, Param]] = {
+        "iterations": Param(2500, int, min=1, help="Adam steps on the embeddings"),
+        "lr": Param(0.01, float, min=0.0, help="Adam's step size"),
+        "l1_weight": Param(0.01, float, min=0.0, help="weight of the absolute distance beside the squared one"),
+        "use_token_set": Param(True, bool, help="read tokens only from the set the embedding's gradient reveals"),
+    }
+    brings: ClassVar[str] = "sentences from relaxed token embeddings"
+
+    iterations: int
+    lr: float
+    l1_weight: float
+    use_token_set: bool
+
+    def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if not isinstance(model, TokenModel):
+            return "tag feeds embeddings to a transformer: the model is not a TokenModel (leakaudit.plugins.text)"
+        return None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        model: Any = threat.model
+        embedding = dict(model.named_parameters())[model.embedding_name()]
+        named = [(n, p) for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
+        targets = [gradient_of(observed, n).to(threat.device) for n, _ in named]
+        labels = threat.labels if threat.labels is not None else torch.zeros(observed.batch_size, dtype=torch.long)
+        labels = labels.to(threat.device)
+        scale = embedding.detach().norm(dim=1).mean()
+        length = sequence_length(observed, model, threat.input_shape[0])
+        start = torch.randn((observed.batch_size, length, model.width), generator=generator,
+                            device=generator.device).to(threat.device)
+        x = (start * scale / start.norm(dim=-1, keepdim=True)).requires_grad_(True)
+        optimiser = torch.optim.Adam([x], lr=self.lr)
+        trace = []
+        for _ in range(self.iterations):
+            optimiser.zero_grad()
+            grads = torch.autograd.grad(threat.loss_fn(model(x), labels), [p for _, p in named], create_graph=True)
+            loss = sum(((g - t) ** 2).sum() + self.l1_weight * (g - t).abs().sum() for g, t in zip(grads, targets))
+            x.grad, = torch.autograd.grad(loss, [x])
+            optimiser.step()
+            trace.append(loss.detach())
+        allowed = (token_set(observed, model) if self.use_token_set and model.embedding_name() in observed.names
+                   else torch.arange(model.vocab_size)).to(threat.device)
+        rows = torch.full((observed.batch_size, threat.input_shape[0]), model.pad_id, dtype=torch.long,
+                          device=threat.device)
+        rows[:, :length] = allowed[nearest_tokens(x.detach(), embedding.detach()[allowed])]
+        return Reconstruction(rows, labels, torch.stack(trace).tolist() if trace else [], 0.0)
+
+
+def nearest_tokens(x: Tensor, table: Tensor) -> Tensor:
+    """For each vector of ``x`` ``(..., width)``, the row of ``table`` ``(tokens, width)`` of highest cosine."""
+    return (torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(table, dim=-1).T).argmax(-1)

@@ -55,7 +55,8 @@ class TokenModel(Protocol):
     ``layer_inputs(ids, layer)`` is what layer ``layer``'s attention projections read for each position, shape
     ``(B, T, width)``: after the embeddings (and the layers before it) and the layer's own normalisation. The
     gradient of ``attention_name(layer)``'s weight, ``(outputs, width)`` as ``nn.Linear`` keeps it, is a sum of
-    outer products of those inputs, so its row space holds them (Petrov et al. 2024)."""
+    outer products of those inputs, so its row space holds them (Petrov et al. 2024). ``embedding_name()`` and
+    ``position_name()`` name the token and the learned position embeddings."""
 
     width: int
     vocab_size: int
@@ -68,3 +69,5 @@ class TokenModel(Protocol):
     def attention_name(self, layer: int) -> str: ...
 
     def embedding_name(self) -> str: ...
+
+    def position_name(self) -> str: ...

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leakaudit.attacks.text import Dager, span_basis, span_distance, token_set
+from leakaudit.attacks.text import Dager, Tag, sequence_length, span_basis, span_distance, token_set
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, load_pii_sentences, tokenize)
+from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, exact_sequence,
+                                          load_pii_sentences, pii_recall, rouge, text_assignment, token_accuracy,
+                                          tokenize)
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD
@@ -118,3 +120,52 @@ def test_dager_says_which_models_it_cannot_read(data):
     shallow = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
     assert "the model has 2" in attack.unsupported(shallow, 1, FEDSGD)
     assert attack.unsupported(TinyTransformer(data.vocab_size, data.num_classes, LENGTH), 1, FEDSGD) is None
+
+
+def test_the_text_metrics_give_their_exact_values():
+    orig = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 0, 0, 0]])
+    rec = torch.tensor([[9, 10, 12, 0, 0, 0], [5, 6, 8, 7, 0, 0]])  # out of order, as a batch comes back
+    order = text_assignment(rec, orig)
+    assert order.tolist() == [1, 0]
+    rec = rec[order]
+    assert rouge(rec, orig, "rouge1").tolist() == pytest.approx([1.0, 2 / 3], abs=1e-6)
+    assert rouge(rec, orig, "rouge2").tolist() == pytest.approx([1 / 3, 1 / 2], abs=1e-6)  # bigrams 1 of 3; 1 of 2
+    assert rouge(rec, orig, "rougeL").tolist() == pytest.approx([3 / 4, 2 / 3], abs=1e-6)  # common subsequences
+    assert token_accuracy(rec, orig).tolist() == pytest.approx([2 / 4, 2 / 3])
+    assert exact_sequence(rec, orig).tolist() == [0.0, 0.0] and exact_sequence(orig, orig).tolist() == [1.0, 1.0]
+    assert pii_recall(["my card is 1 2 3", "call tom"], [["1 2 3"], ["tom", "5 5"]]) == pytest.approx(2 / 3)
+    assert pii_recall(["nothing"], [[]]) == 0.0
+
+
+def _sentence(data, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = next(i for i in range(len(data.test_x)) if int((data.test_x[i] != 0).sum()) == tokens)
+    return data.test_x[index:index + 1], data.test_y[index:index + 1]
+
+
+def _tag(data, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, **settings) -> torch.Tensor:
+    threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 1,
+                         NoDefense(), labels=y)
+    return Tag(**settings)(_update(model, x, y), threat, torch.Generator().manual_seed(0)).images
+
+
+def test_tag_reads_a_sentence_back_from_a_small_models_update(data):
+    x, y = _sentence(data, 14)
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
+    assert sequence_length(_update(model, x, y), model, LENGTH) == 14  # positions past the last token: no gradient
+    rows = _tag(data, model, x, y, iterations=300)
+    assert rouge(rows, x, "rouge1").item() >= 0.8
+    assert (rows[0, 14:] == data.pad_id).all()
+    shuffled = _tag(data, model, x, y, iterations=1)  # the start alone: far from the sentence
+    assert rouge(shuffled, x, "rouge2").item() < 0.3
+
+
+@pytest.mark.slow
+def test_tag_reaches_breachings_rouge_on_the_zoo_model(data):
+    """The zoo's causal model at its default size, one 14-token sentence (the generator's longest): breaching's
+    notebook reports ROUGE-1 0.80 for TAG on one 16-token sentence of its 3-layer transformer."""
+    x, y = _sentence(data, 14)
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH)
+    rows = _tag(data, model, x, y, iterations=500)
+    assert rouge(rows, x, "rouge1").item() >= 0.8

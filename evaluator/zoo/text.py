@@ -149,6 +149,9 @@ class TinyTransformer(nn.Module):
     def embedding_name(self) -> str:
         return "wte.weight"
 
+    def position_name(self) -> str:
+        return "wpe.weight"
+
     def forward(self, x: Tensor) -> Tensor:
         h, mask = self._embed(x)
         for block in self.blocks:
@@ -158,6 +161,54 @@ class TinyTransformer(nn.Module):
             return self.head(h[:, 0])
         last = (mask.sum(1) - 1).clamp_min(0) if mask is not None else torch.full((len(h),), h.shape[1] - 1)
         return self.head(h[torch.arange(len(h), device=h.device), last.to(h.device)])
+
+
+def _words(ids: Tensor, pad_id: int) -> str:
+    """A sequence of ids as text a ROUGE scorer splits into the same tokens: the ids themselves, padding left out."""
+    return " ".join(str(int(i)) for i in ids if int(i) != pad_id)
+
+
+def rouge(rec: Tensor, orig: Tensor, key: str = "rouge1", pad_id: int = 0) -> Tensor:
+    """ROUGE F-measure (Lin 2004; torchmetrics' offline scorer) per sequence, ``key`` one of rouge1, rouge2,
+    rougeL: the unigram, bigram or longest-common-subsequence overlap of each recovered sequence with its
+    original, on token ids (so on the tokenizer's tokens)."""
+    from torchmetrics.functional.text.rouge import rouge_score
+
+    return torch.tensor([float(rouge_score(_words(r, pad_id), _words(o, pad_id), rouge_keys=key)[f"{key}_fmeasure"])
+                         for r, o in zip(rec, orig)])
+
+
+def token_accuracy(rec: Tensor, orig: Tensor, pad_id: int = 0) -> Tensor:
+    """The share of each original's tokens recovered at their position (padding left out)."""
+    real = orig != pad_id
+    return ((rec == orig) & real).sum(1) / real.sum(1).clamp_min(1)
+
+
+def exact_sequence(rec: Tensor, orig: Tensor) -> Tensor:
+    """1 where the whole sequence came back, padding included, else 0."""
+    return (rec == orig).all(1).float()
+
+
+def pii_recall(recovered: list[str], personal: list[list[str]]) -> float:
+    """The share of the personal values in the clients' sentences that come back verbatim in the recovered
+    sentence of the same client (1: every name and number leaked; 0: none)."""
+    total = sum(len(values) for values in personal)
+    found = sum(value in text for text, values in zip(recovered, personal) for value in values)
+    return found / total if total else 0.0
+
+
+def text_assignment(rec: Tensor, orig: Tensor, pad_id: int = 0) -> Tensor:
+    """Permutation ``p`` so that ``rec[p]`` lines up with ``orig`` at the highest total ROUGE-1 (the order DAGER and
+    LAMP score in: a batch's sequences come back unordered)."""
+    from scipy.optimize import linear_sum_assignment
+
+    if len(rec) == 1:
+        return torch.zeros(1, dtype=torch.long)
+    score = torch.stack([rouge(r.expand_as(orig), orig, "rouge1", pad_id) for r in rec])  # (rec, orig)
+    rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
+    order = torch.empty(len(orig), dtype=torch.long)
+    order[torch.as_tensor(cols)] = torch.as_tensor(rows)
+    return order
 
 
 def classification_loss(logits: Tensor, labels: Tensor) -> Tensor:

@@ -1,6 +1,8 @@
 """Analytic inversion of a fully connected input layer (Geiping et al. 2020, Prop. 3.1 and its supplement)."""
 from __future__ import annotations
 
+from typing import Callable, cast
+
 import torch
 from torch import Tensor, nn
 
@@ -83,7 +85,7 @@ class AnalyticInversion(Attack):
         if isinstance(act, nn.LeakyReLU):
             slope = torch.where(a > 0, torch.ones_like(a), torch.full_like(a, act.negative_slope))
         else:
-            slope = DERIVATIVE_FROM_OUTPUT[type(act)](a)
+            slope = cast(Callable[[Tensor], Tensor], DERIVATIVE_FROM_OUTPUT[type(act)])(a)
         return (slope * (nxt.weight.detach().double().T @ g_next_b.double())).to(g_next_w.dtype)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+from typing_extensions import Self
 
 from leakaudit.attacks.gradient_matching import LABEL_METHOD, PRIOR_WEIGHTS, random_images
 from leakaudit.attacks.labels import recover_labels
@@ -93,7 +94,7 @@ class LikelihoodAttack(Attack):
         raise NotImplementedError
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Problems with like settings optimised together, ``max_problems`` at a time (Monte Carlo draws and
         starts from each problem's own generator)."""
         if any(getattr(cls, n) is not getattr(LikelihoodAttack, n) for n in ("reconstruct", "_objective")):
@@ -109,7 +110,7 @@ class LikelihoodAttack(Attack):
                 getattr(a, "layer_weights", None))
 
     @classmethod
-    def _batch(cls, problems: list[Problem]) -> tuple[Batch, Any]:
+    def _batch(cls, problems: list[Problem[Self]]) -> tuple[Batch | None, Any]:
         threat = problems[0].threat
         updates = [p.observed for p in problems]
         split = split_metadata(updates)
@@ -189,7 +190,7 @@ class LikelihoodAttack(Attack):
         return Reconstruction(threat.to_pixels(images.detach()), labels, trace.tolist(), 0.0)
 
     def _objective(self, images, labels, observed, threat, weight, generator, lo, hi) -> Tensor:
-        total = 0.0
+        total = images.new_zeros(())
         points = sample_in_ball(images, self.radius, self.samples, generator)
         for x in points:
             candidate = self.candidate(threat, x, labels)

@@ -16,9 +16,11 @@ shared, or under FedAvg (each local step draws afresh).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
@@ -52,7 +54,7 @@ def data_gradients(observed: SharedUpdate, model: nn.Module, kl_weight: float) -
     if kl_weight == 0:
         return grads
     with torch.enable_grad():
-        kl = kl_weight * sum(layer.kl_divergence() for layer in bayesian_layers(model).values())
+        kl = kl_weight * cast(Tensor, sum(layer.kl_divergence() for layer in bayesian_layers(model).values()))
         kl_grads = torch.autograd.grad(kl, shared, allow_unused=True)
     return {n: g if k is None else g - k.detach() for (n, g), k in zip(grads.items(), kl_grads)}
 
@@ -105,7 +107,7 @@ class BayesianExact(InvertingGradients):
         return None
 
     @staticmethod
-    def collapsed(observed: SharedUpdate, threat: ThreatModel) -> tuple[SharedUpdate, ThreatModel, dict, bool]:
+    def collapsed(observed: SharedUpdate, threat: ThreatModel) -> tuple[SharedUpdate, ThreatModel, dict, float]:
         """The draws read from the gradients, and the update and threat model of the network fixed at them."""
         model = threat.model
         grads = data_gradients(observed, model, kl_weight_of(threat.defense))
@@ -122,7 +124,7 @@ class BayesianExact(InvertingGradients):
         return result
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Each problem's network fixed at its own draws, then Inverting Gradients on all of them together
         (the fixed networks share one architecture: their parameters are stacked, one set per problem)."""
         fixed, found = [], []
@@ -130,7 +132,7 @@ class BayesianExact(InvertingGradients):
             update, plain, noise, identified = cls.collapsed(p.observed, p.threat)
             fixed.append(Problem(update, plain, p.generator, p.attack))
             found.append({"noise_identified": identified, "noise": noise})
-        recs = InvertingGradients.reconstruct_all(fixed, max_problems)
+        recs = InvertingGradients.reconstruct_all(cast(Any, fixed), max_problems)
         for rec, extras in zip(recs, found):
             rec.extras.update(extras)
         return recs
@@ -173,7 +175,7 @@ class BayesianNoiseKL(InvertingGradients):
         return _noise_extras(super().reconstruct(observed, threat, generator))
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Images and noise of like problems optimised together (the noise given to the layers per problem)."""
         return [_noise_extras(r) for r in super().reconstruct_all(problems, max_problems)]
 

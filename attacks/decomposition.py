@@ -202,15 +202,15 @@ def spear_inputs(weight_grad: Tensor, bias_grad: Tensor, layer: nn.Linear, count
     factor = full[norms > tolerance * norms.max()]  # units no example activated are zero in every direction
     min_zeros = count - 2 + max(2, math.ceil(MIN_ZERO_SHARE * len(factor)))
     if count <= 2:  # the whole space is one plane: its sparsest directions are the examples'
-        chosen = sparsest_in_planes(factor, torch.eye(count, 2, dtype=factor.dtype, device=factor.device)[None],
-                                    LOOSE * tolerance, top=count) if count == 2 else factor.new_ones(1, 1)
-        chosen = polish(factor, chosen, LOOSE * tolerance) if count == 2 else chosen
-        inputs, info["exact"] = _solve_inputs(full, rows, chosen.T, bias_grad, layer, tolerance)
+        plane = sparsest_in_planes(factor, torch.eye(count, 2, dtype=factor.dtype, device=factor.device)[None],
+                                   LOOSE * tolerance, top=count) if count == 2 else factor.new_ones(1, 1)
+        plane = polish(factor, plane, LOOSE * tolerance) if count == 2 else plane
+        pair, info["exact"] = _solve_inputs(full, rows, plane.T, bias_grad, layer, tolerance)
         info["directions_found"] = count
-        return inputs, info
+        return pair, info
     found = torch.empty(0, count, dtype=factor.dtype, device=factor.device)
     zeros = torch.empty(0, dtype=torch.long, device=factor.device)
-    inputs = None
+    inputs: Tensor | None = None
     while info["draws"] < samples and len(factor) >= count - 2:
         draws = min(chunk, samples - info["draws"])
         q = sparsest_in_planes(factor, null_planes(factor, draws, generator), LOOSE * tolerance)
@@ -362,7 +362,7 @@ class CocktailParty(Attack):
         return _answer(self, observed, threat, generator, inputs, info)
 
 
-def _answer(attack: Attack, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator,
+def _answer(attack: Spear | CocktailParty, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator,
             inputs: Tensor | None, info: dict) -> Reconstruction:
     """The reconstruction of recovered normalised ``inputs`` (the data's mean image where none came back)."""
     shape = (threat.batch_size, *threat.input_shape)

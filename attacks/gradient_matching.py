@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
+from typing_extensions import Self
 
 from leakaudit.attacks import vectorised
 from leakaudit.attacks.lbfgs import BatchedLBFGS, Evaluate, LBFGSSettings, LockStep, Solver, minimise
@@ -110,10 +112,11 @@ class InvertingGradients(Attack):
             if final < best_loss:
                 best, best_extra, best_loss = images, extra, final
         extras = {"match_loss": best_loss, **({"variables": best_extra} if best_extra else {})}
+        assert best is not None  # restarts >= 1, and a first loss is below infinity or best stays the first
         return Reconstruction(threat.to_pixels(best.detach()), labels, traces[0], 0.0, extras)
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Problems with like settings (and their restarts) optimised together, ``max_problems`` at a time."""
         if not cls._vectorised():
             return super().reconstruct_all(problems, max_problems)
@@ -138,7 +141,7 @@ class InvertingGradients(Attack):
                 tuple(p.observed.names))
 
     @classmethod
-    def _batch(cls, problems: list[Problem]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
+    def _batch(cls, problems: list[Problem[Self]]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
         first, threat = problems[0].attack, problems[0].threat
         keep = matched_tensors(problems[0].observed, threat) if first.drop_defended else None
         labels, starts, unknowns = [], [], []
@@ -180,7 +183,7 @@ class InvertingGradients(Attack):
         for i, p in enumerate(batch.problems):
             rows = [r for r, o in enumerate(batch.owners) if o == i]
             best = min(rows, key=lambda r: float(final[r]))
-            extras = {"match_loss": float(final[best])}
+            extras: dict[str, Any] = {"match_loss": float(final[best])}
             if unknowns:
                 extras["variables"] = {n: [v[best] for v in vs] for n, vs in unknowns.items()}
             out.append(Reconstruction(p.threat.to_pixels(images[best].detach()), labels[i], trace[:, rows[0]].tolist(),
@@ -281,7 +284,7 @@ class DeepLeakage(Attack):
 
         def evaluate(variables: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
             with torch.enable_grad():
-                labels = fixed if len(variables) == 1 else torch.softmax(variables[1], dim=-1)
+                labels = cast(Tensor, fixed) if len(variables) == 1 else torch.softmax(variables[1], dim=-1)
                 loss = (squared_distance(target, threat.candidate_update(variables[0], labels))
                         + prior_penalty(variables[0], self.priors, lo, hi))
                 return loss.detach(), list(torch.autograd.grad(loss, variables))
@@ -289,7 +292,7 @@ class DeepLeakage(Attack):
         return self._restarts(threat, generator, fixed, evaluate)
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Like problems solved together: each keeps its own L-BFGS iterate and line search, and their evaluations
         and two-loop recursions run as batched passes (``BatchedLBFGS``, benchmarks/lbfgs_batching.py)."""
         if any(getattr(cls, n) is not getattr(DeepLeakage, n)
@@ -305,8 +308,8 @@ class DeepLeakage(Attack):
                 tuple(sorted(p.attack.priors)), tuple(p.observed.names))
 
     @classmethod
-    def _batch(cls, problems: list[Problem], lock_step: bool = False
-               ) -> tuple[list[Problem], Callable[[list[Problem]], list[Reconstruction]]]:
+    def _batch(cls, problems: list[Problem[Self]], lock_step: bool = False
+               ) -> tuple[list[Problem[Self]], Callable[[list[Problem[Self]]], list[Reconstruction]]]:
         """The problems and their solver: ``BatchedLBFGS``, or with ``lock_step`` torch.optim.LBFGS per problem
         (``LockStep``, the reference the tests compare with)."""
         threat = problems[0].threat
@@ -314,7 +317,7 @@ class DeepLeakage(Attack):
         targets = stack_targets([p.observed for p in problems], threat.device)
         hyper = {**problem_hyper([p.attack for p in problems], threat.device),
                  "state": stacked_state([p.threat.model for p in problems])}
-        labels = None if fixed[0] is None else torch.stack(fixed)
+        labels = None if fixed[0] is None else torch.stack(cast(list[Tensor], fixed))
         shared, (lo, hi) = SharedModel.of(threat.model, threat), threat.box()
 
         def loss(variables, target, hyper, label):
@@ -333,9 +336,11 @@ class DeepLeakage(Attack):
                 grads, losses = evaluate(rows, [torch.stack(v) for v in zip(*variables)])
                 return [(losses[r], [g[r] for g in grads]) for r in range(len(rows))]
 
-            return problems, lambda part: LockStep(evaluate_each).run([
-                lambda request, p=p, f=f: p.attack._restarts(p.threat, p.generator, f, request)
-                for p, f in zip(part, fixed)])
+            def in_lock_step(part: list[Problem[Self]]) -> list[Reconstruction]:
+                return LockStep(evaluate_each).run([
+                    functools.partial(p.attack._restarts, p.threat, p.generator, f) for p, f in zip(part, fixed)])
+
+            return problems, in_lock_step
 
         shapes = [(threat.batch_size, *threat.input_shape)] + ([] if labels is not None else
                                                                  [(threat.batch_size, threat.num_classes)])
@@ -346,7 +351,7 @@ class DeepLeakage(Attack):
             grads, losses = evaluate(rows, parts)
             return losses, torch.cat([g.reshape(len(rows), -1) for g in grads], dim=1)
 
-        def solve(part: list[Problem]) -> list[Reconstruction]:
+        def solve(part: list[Problem[Self]]) -> list[Reconstruction]:
             engine = BatchedLBFGS(evaluate_flat, len(part), sum(sizes), HISTORY, threat.device)
             return engine.run([p.attack._solver(p.threat, p.generator, f) for p, f in zip(part, fixed)])
 

@@ -80,7 +80,9 @@ class Imprint(Attack):
         return not_one_step(protocol, batch_size, self.name)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
-        name, block = imprint_block(threat.model)
+        located = imprint_block(threat.model)
+        assert located is not None  # unsupported() refuses a model without the block
+        name, block = located
         grads = dict(zip(observed.names, observed.tensors))
         found = binned_images(grads[f"{name}.measure.weight"].to(threat.device),
                               grads[f"{name}.measure.bias"].to(threat.device), threat.batch_size)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, cast
 
 import torch
 from torch import Tensor
@@ -269,7 +269,9 @@ class BatchedLBFGS:
         for i in range(len(solvers)):
             answer(i, None)
         while waiting:
-            for kind, serve in ((Direction, self._directions), (Evaluate, self._evaluations)):
+            serves: tuple[tuple[type, Callable[[list[int], list[Any]], list[Any]]], ...] = (
+                (Direction, self._directions), (Evaluate, self._evaluations))
+            for kind, serve in serves:
                 rows = [i for i, r in waiting.items() if isinstance(r, kind)]
                 if rows:
                     for i, value in zip(rows, serve(rows, [waiting[i] for i in rows])):
@@ -289,8 +291,9 @@ class BatchedLBFGS:
         ask: the passes run over all problems, and a zero gradient leaves a problem's direction zero."""
         index = torch.tensor(rows, device=self.pairs.device)
         grad = self._full(index, [a.grad for a in asks])
-        before = self._full(index, [a.grad if a.first else a.previous_grad for a in asks])
-        step = self._full(index, [a.previous * a.step if not a.first else torch.zeros_like(a.grad) for a in asks])
+        before = self._full(index, [a.grad if a.first else cast(Tensor, a.previous_grad) for a in asks])
+        step = self._full(index, [cast(Tensor, a.previous) * a.step if not a.first else torch.zeros_like(a.grad)
+                                  for a in asks])
         starts = torch.zeros(len(self.count), dtype=torch.bool, device=grad.device)
         starts[index] = torch.tensor([a.first for a in asks], device=grad.device)
         self._store_pair(starts, any(a.first for a in asks), step, grad - before)

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
@@ -62,6 +63,7 @@ def training_updates(threat: ThreatModel, picked: Tensor, count: int, generator:
     """``count`` defended updates of batches of the attacker's own images (rows: the picked coordinates) and
     those batches' pixels in canonical order (rows: batch x channels x height x width, flat)."""
     model, defense, aux = threat.model, threat.defense, threat.auxiliary
+    assert aux is not None  # _solve raises first where the attacker has no images
     inputs, targets = [], []
     for _ in range(count):
         pixels, labels = aux.draw(threat.batch_size, generator)
@@ -149,7 +151,7 @@ class LearningToInvert(Attack):
         return self.reconstruct_all([Problem(observed, threat, generator, self)])[0]
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """One network per model, defense and attack setting (a cell's updates share them), trained from the
         first such problem's generator, then read on every update."""
         groups: dict[tuple, list[int]] = {}
@@ -163,7 +165,7 @@ class LearningToInvert(Attack):
                 out[i] = rec
         return out  # type: ignore[return-value]
 
-    def _solve(self, problems: list[Problem]) -> list[Reconstruction]:
+    def _solve(self, problems: list[Problem[Self]]) -> list[Reconstruction]:
         first = problems[0]
         threat = first.threat
         if threat.auxiliary is None or len(threat.auxiliary) < threat.batch_size:

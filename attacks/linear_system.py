@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vjp
+from torch.nn.grad import conv2d_weight
 
 #: Unit vectors pushed through ``A`` at once when it is built densely.
 COLUMN_CHUNK = 512
@@ -45,14 +47,13 @@ class ConvSystem:
     def apply(self, flat: Tensor) -> Tensor:
         """``A x``: the forward pass (no bias) and the weight gradient the input would give."""
         x = flat.view(1, *self.input_shape)
-        opts = dict(stride=self.stride, padding=self.padding)
-        forward = F.conv2d(x, self.weight, None, **opts)
-        gradient = torch.nn.grad.conv2d_weight(x, self.weight.shape, self.delta, **opts)
+        forward = F.conv2d(x, self.weight, None, stride=self.stride, padding=self.padding)
+        gradient = conv2d_weight(x, self.weight.shape, self.delta, stride=self.stride, padding=self.padding)
         return torch.cat([forward.reshape(-1), gradient.reshape(-1)])
 
     def adjoint(self, residual: Tensor) -> Tensor:
         """``A^T r`` (the system is linear, so the vector-Jacobian product at zero is exact)."""
-        _, pullback = vjp(self.apply, torch.zeros(self.unknowns, dtype=residual.dtype, device=residual.device))
+        pullback = vjp(self.apply, torch.zeros(self.unknowns, dtype=residual.dtype, device=residual.device))[1]
         return pullback(residual)[0]
 
     @cached_property
@@ -70,7 +71,7 @@ class ConvSystem:
     def input_gradient(self) -> Tensor:
         """``dL/dx`` of the convolution's input, from ``delta`` (the transposed convolution)."""
         x = torch.zeros(1, *self.input_shape, dtype=self.delta.dtype, device=self.delta.device)
-        _, pullback = vjp(lambda v: F.conv2d(v, self.weight, None, stride=self.stride, padding=self.padding), x)
+        pullback = vjp(lambda v: F.conv2d(v, self.weight, None, stride=self.stride, padding=self.padding), x)[1]
         return pullback(self.delta)[0].squeeze(0)
 
 
@@ -158,7 +159,8 @@ def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def conv_system(name: str, conv: nn.Conv2d, delta: Tensor, input_shape: tuple[int, ...], z: Tensor,
                 weight_grad: Tensor) -> ConvSystem:
     """The system of ``conv`` given its bias-free output ``z``, ``delta = dL/dz`` and its weight gradient."""
-    return ConvSystem(name, conv.weight.detach().double(), conv.stride, conv.padding, delta.double(),
+    stride, padding = cast(tuple[int, int], conv.stride), cast(tuple[int, int], conv.padding)  # ints made pairs
+    return ConvSystem(name, conv.weight.detach().double(), stride, padding, delta.double(),
                       tuple(input_shape), torch.cat([z.double().reshape(-1), weight_grad.double().reshape(-1)]))
 
 
@@ -187,8 +189,8 @@ def conv_systems(model: nn.Module, loss_fn, image: Tensor, label: Tensor) -> lis
         x = inputs[name].detach().double()
         bias = 0 if conv.bias is None else conv.bias.detach().double().view(1, -1, 1, 1)
         z = outputs[name].detach().double() - bias
-        weight_grad = torch.nn.grad.conv2d_weight(x, conv.weight.shape, delta.double(), stride=conv.stride,
-                                                  padding=conv.padding)
+        weight_grad = conv2d_weight(x, conv.weight.shape, delta.double(), stride=conv.stride,
+                                    padding=conv.padding)
         systems.append(conv_system(name, conv, delta, tuple(x.shape[1:]), z, weight_grad))
     return systems
 

@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from leakaudit.attacks.analytic import solve_input
 from leakaudit.attacks.gradient_matching import InvertingGradients
-from leakaudit.defenses.precode import bottleneck_of, pinned_sample
+from leakaudit.defenses.precode import VariationalBottleneck, bottleneck_of, pinned_sample
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol
 
+def _bottleneck(model: nn.Module) -> VariationalBottleneck:
+    """The model's bottleneck (``unsupported`` refuses a model without one)."""
+    found = bottleneck_of(model)
+    if found is None:
+        raise ValueError("the model has no PRECODE bottleneck")
+    return found
+
 
 def recover_sample(observed: SharedUpdate, model: nn.Module) -> Tensor:
     """The bottleneck sample ``b`` (1, K) from the decoder's weight and bias gradients."""
-    decoder = bottleneck_of(model).decoder
+    decoder = _bottleneck(model).decoder
     names = {id(p): n for n, p in model.named_parameters()}
     grads = dict(zip(observed.names, observed.tensors))
     gw, gb = grads[names[id(decoder.weight)]], grads[names[id(decoder.bias)]]
@@ -59,17 +68,17 @@ class PrecodeSample(InvertingGradients):
         return result
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Each problem's sample pinned in its own copy of the network, then Inverting Gradients on all of them
         together (the copies' pinned samples are stacked, one per problem)."""
         pinned, samples = [], []
         for p in problems:
             sample = recover_sample(p.observed, p.threat.model).to(p.threat.device)
             model = copy.deepcopy(p.threat.model)
-            bottleneck_of(model).pinned = sample
+            _bottleneck(model).pinned = sample
             pinned.append(Problem(p.observed, dataclasses.replace(p.threat, model=model), p.generator, p.attack))
             samples.append(sample)
-        recs = InvertingGradients.reconstruct_all(pinned, max_problems)
+        recs = InvertingGradients.reconstruct_all(cast(Any, pinned), max_problems)
         for rec, sample in zip(recs, samples):
             rec.extras["sample"] = sample
         return recs

@@ -103,7 +103,8 @@ class LayerwiseInversion(Attack):
         chain = layers_of(model)
         shapes = _input_shapes(model, chain, threat)
         labels = recover_labels(observed, threat, "signs", generator)
-        value = grad = None
+        value: Any = None  # set by the last layer, a Linear one (``unsupported`` checks it), then the chain
+        grad: Any = None
         trace: list[float] = []
         for index in range(len(chain) - 1, -1, -1):
             name, layer = chain[index]
@@ -135,7 +136,7 @@ class LayerwiseInversion(Attack):
 #: Chen & Campbell 2022, Appendix D: per convolution counted from the input, (first, second, every other).
 #: Their total variation weights 1 / 1 / 0.1 are scaled by 0.05 for this module's total variation (a mean over
 #: pixels): unscaled, they over-smooth (CNN4 V2, one image: MSE 0.044 against rgap's 0.036; scaled, 0.017).
-APPENDIX_D = {"iterations": [10000, 8000, 1000], "cosine_weight": [1.0, 1.0, 10.0], "tv": [0.05, 0.05, 0.005],
+APPENDIX_D: dict[str, list[Any]] = {"iterations": [10000, 8000, 1000], "cosine_weight": [1.0, 1.0, 10.0], "tv": [0.05, 0.05, 0.005],
               "system_weight": [0.05, 0.1, 1.0]}
 COSINES = {"per_tensor": per_tensor_cosine_distance, "joint": cosine_distance}
 
@@ -187,7 +188,7 @@ class HybridInversion(LayerwiseInversion):
         x = value.clone().unsqueeze(0).requires_grad_(True)
         optimiser = torch.optim.Adam([x], lr=self.lr)
         rhs_norm = (system.rhs ** 2).sum().clamp_min(1e-30)
-        losses = torch.empty(self.setting("iterations", conv), dtype=x.dtype, device=x.device)
+        losses = torch.empty(int(self.setting("iterations", conv)), dtype=x.dtype, device=x.device)
         for it in range(len(losses)):
             loss = self._objective(later, params, order, x, labels, target, threat.loss_fn, system, rhs_norm,
                                    **weights)

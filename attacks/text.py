@@ -132,7 +132,7 @@ class Dager(Attack):
         """Sequences grown position by position: a prefix extended by each candidate whose second-layer input
         lies in the span; a prefix that no candidate extends is a finished sequence."""
         basis = basis.to(device)
-        prefixes, finished = candidates[0][:, None], []
+        prefixes, finished = candidates[0][:, None], list[Tensor]()
         for p in range(1, length):
             if len(prefixes) == 0 or len(candidates[p]) == 0:
                 break
@@ -205,7 +205,8 @@ class Tag(Attack):
         for _ in range(self.iterations):
             optimiser.zero_grad()
             grads = torch.autograd.grad(threat.loss_fn(model(x), labels), [p for _, p in named], create_graph=True)
-            loss = sum(((g - t) ** 2).sum() + self.l1_weight * (g - t).abs().sum() for g, t in zip(grads, targets))
+            loss = torch.stack([((g - t) ** 2).sum() + self.l1_weight * (g - t).abs().sum()
+                                for g, t in zip(grads, targets)]).sum()
             x.grad, = torch.autograd.grad(loss, [x])
             optimiser.step()
             trace.append(loss.detach())

@@ -16,14 +16,14 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
 
 from leakaudit.attacks.priors import PRIORS
-from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel, parameter_gradient
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, parameter_gradient
 from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.plugins.stochastic import noise_from, stochastic_modules
 
@@ -165,7 +165,7 @@ class Batch:
     targets: list[Tensor]               # each (K, ...)
     metadata: dict[str, Any]            # tensor metadata of the shared updates, stacked
     static_metadata: dict[str, Any]     # metadata equal across the problems
-    hyper: dict[str, Tensor]            # per-problem hyperparameters, each (K,)
+    hyper: dict[str, Any]               # per-problem hyperparameters, each (K,); the stacked state
     owners: list[int] = field(default_factory=list)  # which input problem each row belongs to (restarts)
     unknowns: dict[str, list[Tensor]] = field(default_factory=dict)  # optimised beside the images, each (K, ...)
 
@@ -293,9 +293,11 @@ def batched(objective: Callable[..., Tensor], extra_dims: tuple = (), with_grad:
     return vmap(grad_and_value(joint) if with_grad else joint, in_dims=(0, 0, 0, 0, 0, *extra_dims))
 
 
-def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int, lr_factor: Callable[[int], Tensor],
+def optimise(batch: Batch, objective: Callable[..., Tensor], *, iterations: int,
+             lr_factor: Callable[[int], Tensor | float],
              signed: bool, box: tuple[Tensor, Tensor],
-             per_step: Callable[[int], tuple[tuple[Any, int | None], ...]] = lambda it: ()) -> tuple[Tensor, Tensor]:
+             per_step: Callable[[int], tuple[tuple[Any, int | None], ...]] = lambda it: ()
+             ) -> tuple[Tensor, dict[str, list[Tensor]], Tensor]:
     """Adam on K problems at once, each with its own step size ``hyper['lr']`` scaled by ``lr_factor(it)``.
 
     ``objective(images, labels, targets, metadata, hyper, unknowns, *extras)`` is the loss of one
@@ -370,7 +372,7 @@ def _iteration(objective: Callable[..., Tensor], names: list[tuple[str, int]], g
     return torch.compile(iteration, dynamic=False, mode="reduce-overhead" if _CUDA_GRAPHS else None)
 
 
-def one_at_a_time(cls: type, problems: list[Problem]) -> list[Reconstruction]:
+def one_at_a_time(cls: type[Attack], problems: list[Problem]) -> list[Reconstruction]:
     """Each problem solved alone by ``cls``'s own ``reconstruct`` (plain autograd, the fastest path for one
     problem), timed and seeded as ``Attack.__call__`` does; ``max_problems: 1`` and large models on a CPU."""
     out = []
@@ -443,4 +445,4 @@ def solve_grouped(problems: list[Problem], key: Callable[[Problem], Any],
     for idx in group_by(problems, key):
         for i, rec in zip(idx, solve_group([problems[i] for i in idx])):
             out[i] = rec
-    return out
+    return cast(list[Reconstruction], out)  # every index is in one group

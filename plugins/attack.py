@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, LossFn, Protocol, trainable
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
-
 
 @dataclass(frozen=True)
 class AuxiliaryData:
@@ -114,15 +114,19 @@ def generator_on(device: torch.device, generator: torch.Generator) -> torch.Gene
     return torch.Generator(device=device).manual_seed(seed_from(generator))
 
 
+A = TypeVar("A", bound="Attack")
+
+
 @dataclass
-class Problem:
+class Problem(Generic[A]):
     """One independent reconstruction: a shared update, what the attacker knows, the problem's own
-    generator (its start and every later draw) and the configured attack that solves it."""
+    generator (its start and every later draw) and the configured attack that solves it (of type ``A``:
+    an attack's ``reconstruct_all`` receives problems of its own class)."""
 
     observed: SharedUpdate
     threat: ThreatModel
     generator: torch.Generator
-    attack: "Attack"
+    attack: A
 
 
 @dataclass
@@ -219,7 +223,7 @@ class Attack:
         raise NotImplementedError
 
     @classmethod
-    def reconstruct_all(cls, problems: list[Problem], max_problems: int | None = None) -> list[Reconstruction]:
+    def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Every problem's reconstruction, in order; ``max_problems`` caps how many run together.
 
         The default solves them one at a time, so an attack written for one problem works as it is;

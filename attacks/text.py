@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step
@@ -47,12 +48,13 @@ def sequence_length(observed: SharedUpdate, model: TokenModel, longest: int) -> 
 
 def span_basis(gradient: Tensor, floor: float) -> Tensor:
     """An orthonormal basis ``(rank, width)`` of the row space of a weight's gradient ``(outputs, width)``: its
-    right singular vectors above the spectrum's largest gap (a drop of ten or more from one singular value to
-    the next, among those above ``floor`` times the largest: below is rounding); all of them where none is."""
+    right singular vectors down to the spectrum's largest drop (by ten or more from one singular value to the
+    next) that starts above ``floor`` times the largest; where there is none, those above the floor."""
     _, s, vh = torch.linalg.svd(gradient.double(), full_matrices=False)
-    s = s[s > floor * s[0]]
-    drops = s[:-1] / s[1:]
-    rank = len(s) if len(drops) == 0 or drops.max() < GAP else int(drops.argmax()) + 1
+    above = int((s > floor * s[0]).sum())
+    upper = s[:min(above, len(s) - 1)]
+    drops = upper / s[1:len(upper) + 1].clamp_min(1e-300)
+    rank = above if len(drops) == 0 or drops.max() < GAP else int(drops.argmax()) + 1
     return vh[:rank]
 
 
@@ -71,6 +73,7 @@ class Dager(Attack):
 
     name = "dager"
     paper = "Petrov et al. 2024"
+    modality = "text"
     params: ClassVar[dict[str, Param]] = {
         "first_tolerance": Param(1e-3, float, min=0.0, help="span distance below which a token passes at a "
                                  "position (first layer; vectors of unit length)"),
@@ -170,6 +173,7 @@ class Tag(Attack):
 
     name = "tag"
     paper = "Deng et al. 2021"
+    modality = "text"
     params: ClassVar[dict[str, Param]] = {
         "iterations": Param(2500, int, min=1, help="Adam steps on the embeddings"),
         "lr": Param(0.01, float, min=0.0, help="Adam's step size"),
@@ -221,3 +225,8 @@ class Tag(Attack):
 def nearest_tokens(x: Tensor, table: Tensor) -> Tensor:
     """For each vector of ``x`` ``(..., width)``, the row of ``table`` ``(tokens, width)`` of highest cosine."""
     return (torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(table, dim=-1).T).argmax(-1)
+
+
+@hookimpl
+def register_attacks():
+    return [Dager, Tag]

@@ -92,7 +92,7 @@ def throughput(device: str, ks: list[int], iterations: int, model: str, image_si
     registry = load_registry(entry_points=False)
     data = load_photos(image_size, crops=max(2, max(ks) // 7 + 1))
     torch.manual_seed(0)
-    net = build_model(registry.get("model", model), data.channels, data.num_classes, image_size, {}, 0).to(device)
+    net = build_model(registry.get("model", model), {"channels": data.channels, "num_classes": data.num_classes, "image_size": image_size}, {}, 0).to(device)
     mean, std = data.mean.view(-1, 1, 1).to(device), data.std.view(-1, 1, 1).to(device)
 
     def make(k: int, budget: int) -> list[Problem]:

@@ -123,6 +123,7 @@ class ATS(Defense):
     """Gao et al. 2021: train on augmented images; the update is the exact gradient at the augmented batch."""
 
     name = "ats"
+    modalities = ("image",)  # it augments pixels
     paper = "Gao et al. 2021"
     params = {
         "policy": Param("21-13-3+7-4-15", str, help="operation numbers joined by '-', alternatives by '+' (one "

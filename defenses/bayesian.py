@@ -190,6 +190,7 @@ class Bayesian(Defense):
     """Turns chosen layers into Bayesian layers (weights sampled every forward pass), trained with KL."""
 
     name = "bayesian"
+    modalities = ("image",)  # its attacks are the image ones; not yet built or checked for text models
     paper = "Chen et al. 2024"
     params = {
         "layers": Param("all", (str, list), help="layers to convert: 'all', 'last', or a list of module names "

@@ -43,6 +43,7 @@ class DPSGD(Defense):
     """
 
     name = "dpsgd"
+    modalities = ("image",)  # Opacus on the text models is not yet checked
     paper = "Abadi et al. 2016"
     mirrors_dp_optimizer = True
     params = {

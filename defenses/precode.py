@@ -78,6 +78,7 @@ class Precode(Defense):
     """Inserts a variational bottleneck before a fully connected layer; trains with its KL term."""
 
     name = "precode"
+    modalities = ("image",)  # its attacks are the image ones; not yet built or checked for text models
     paper = "Scheliga et al. 2022"
     params = {
         "size": Param(256, int, min=1, help="bottleneck size K"),

@@ -67,6 +67,7 @@ class Soteria(Defense):
     """Zeroes the weight-gradient columns of a fully connected layer's least sensitive input features."""
 
     name = "soteria"
+    modalities = ("image",)  # its feature scores differentiate the pixels
     paper = "Sun et al. 2021"
     deterministic = True
     params = {

@@ -151,6 +151,8 @@ class Attack:
     params: ClassVar[dict[str, Param]] = {}
     #: The paper the attack comes from (author, year), shown by ``leakaudit plugins``.
     paper: ClassVar[str] = ""
+    #: The examples the attack reconstructs: "image" (pixels) or "text" (token sequences).
+    modality: ClassVar[str] = "image"
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)

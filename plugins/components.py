@@ -36,6 +36,8 @@ class Metric:
     #: Rank as the distance that names a reconstruction's nearest original (identifiability; lower first; None:
     #: never): the measured one of lowest rank, else the registered one of highest rank (the cheapest fallback).
     distance_rank: int | None = None
+    #: The examples the metric scores: "image", "text", or "any" (label metrics).
+    modality: str = "image"
 
     def better(self, a: float, b: float) -> bool:
         """Whether score ``a`` shows more leakage than ``b``."""
@@ -54,6 +56,9 @@ class ModelSpec:
     #: What a malicious server changed in the model it sends (empty for an honest server's model): the report's
     #: threat box says it.
     malicious: str = ""
+    #: The examples the model reads: "image" (built from channels, num_classes, image_size) or "text" (built from
+    #: vocab_size, num_classes, length).
+    modality: str = "image"
 
 
 @dataclass
@@ -68,6 +73,8 @@ class ImageData:
     num_classes: int
     mean: Tensor = field(init=False)
     std: Tensor = field(init=False)
+
+    modality = "image"
 
     def __post_init__(self):
         dims = (0, 2, 3)
@@ -94,3 +101,5 @@ class DatasetSpec:
     summary: str = ""
     check: Callable[[dict[str, Any]], list[str]] | None = None
     values: Callable[[dict[str, Any]], int] | None = None
+    #: The examples the loader returns: "image" (an ImageData) or "text" (a ``leakaudit.plugins.text.TokenData``).
+    modality: str = "image"

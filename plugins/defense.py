@@ -71,6 +71,9 @@ class Defense:
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
+    #: The examples the defense applies to (``leakaudit.plugins.text.MODALITIES``): a defense of the update alone
+    #: applies to any; one that reads pixels or an image model's layers says ("image",).
+    modalities: ClassVar[tuple[str, ...]] = ("image", "text")
     deterministic: ClassVar[bool] = False
     #: ``log_likelihood`` is finite only near what was sent (a quantiser's kernel): ``check_defense`` then takes its
     #: slopes and curvature at the true candidate by autograd, since finite differences would step out of it.

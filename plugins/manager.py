@@ -37,9 +37,11 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.imprint",
     "leakaudit.attacks.decomposition",
     "leakaudit.attacks.learned",
+    "leakaudit.attacks.text",
     "leakaudit.evaluator.zoo.metrics",
     "leakaudit.evaluator.zoo.models",
     "leakaudit.evaluator.zoo.datasets",
+    "leakaudit.evaluator.zoo.text",
 )
 
 #: Registry kinds and the hook that fills each.

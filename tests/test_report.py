@@ -299,11 +299,15 @@ def test_the_second_views_and_the_identifying_distance_come_from_the_metrics_met
     from leakaudit.plugins.manager import load_registry
 
     registry = load_registry(entry_points=False)
-    assert second_views(registry) == ["lpips", "ssim", "psnr"]
+    views = second_views(registry)
+    assert [m for m in views if registry.get("metric", m).modality == "image"] == ["lpips", "ssim", "psnr"]
+    assert [m for m in views if registry.get("metric", m).modality == "text"] == ["rouge2", "rouge1"]
     audit = SimpleNamespace(registry=registry, metrics=["psnr", "lpips"])
     assert identifying_metric(audit, [{"lpips": 0.3}]).name == "lpips"
     assert identifying_metric(audit, [{"lpips": None}]).name == "mse"  # LPIPS unavailable: the fallback
     assert identifying_metric(SimpleNamespace(registry=registry, metrics=["psnr"]), [{}]).name == "mse"
+    text = SimpleNamespace(registry=registry, metrics=["rouge1", "label_accuracy"])
+    assert identifying_metric(text, [{}]).name == "token_accuracy"  # a text audit's distance is a text one
 
 
 def test_a_defense_whose_settings_name_different_parameters_draws_its_line(tmp_path):

@@ -17,12 +17,12 @@ from conftest import small_audit
 
 @pytest.mark.parametrize("spec", ZOO, ids=lambda s: s.name)
 def test_zoo_models_classify_32px_images(spec):
-    model = build_model(spec, 3, 10, 32, {}, seed=0)
+    model = build_model(spec, {"channels": 3, "num_classes": 10, "image_size": 32}, {}, seed=0)
     assert model(torch.rand(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_lenet_zhu_is_the_dlg_network():
-    model = build_model(ZOO[0], 3, 10, 32, {}, seed=0)
+    model = build_model(ZOO[0], {"channels": 3, "num_classes": 10, "image_size": 32}, {}, seed=0)
     assert sum(p.numel() for p in model.parameters()) == 3 * 12 * 25 + 12 + 2 * (12 * 12 * 25 + 12) + 768 * 10 + 10
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert -0.5 <= flat.min() and flat.max() <= 0.5
@@ -47,22 +47,22 @@ def test_resnets_take_the_imagenet_stem_above_64_px_and_any_activation():
     sigmoid = resnet18(3, 10, 32, activation="sigmoid")
     assert not any(isinstance(m, torch.nn.ReLU) for m in sigmoid.modules())
     assert sum(isinstance(m, torch.nn.Sigmoid) for m in sigmoid.modules()) == 9  # stem, one per block (used twice)
-    convnet = build_model(next(s for s in ZOO if s.name == "convnet"), 3, 10, 32,
+    convnet = build_model(next(s for s in ZOO if s.name == "convnet"), {"channels": 3, "num_classes": 10, "image_size": 32},
                           {"width": 8, "activation": "sigmoid"}, seed=0)
     assert sum(isinstance(m, torch.nn.Sigmoid) for m in convnet.modules()) == 8
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
-    a, b, c = (build_model(ZOO[0], 1, 10, 16, {}, seed=s) for s in (5, 5, 6))
+    a, b, c = (build_model(ZOO[0], {"channels": 1, "num_classes": 10, "image_size": 16}, {}, seed=s) for s in (5, 5, 6))
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert not torch.equal(next(a.parameters()), next(c.parameters()))
 
 
 def test_user_factory_gets_the_arguments_it_accepts():
-    model = build_model("torch.nn:Linear", 1, 10, 4, {"in_features": 5, "out_features": 2}, seed=0)
+    model = build_model("torch.nn:Linear", {"channels": 1, "num_classes": 10, "image_size": 4}, {"in_features": 5, "out_features": 2}, seed=0)
     assert isinstance(model, torch.nn.Linear) and model.out_features == 2
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
-        build_model("builtins:dict", 1, 10, 4, {}, seed=0)
+        build_model("builtins:dict", {"channels": 1, "num_classes": 10, "image_size": 4}, {}, seed=0)
 
 
 @pytest.mark.parametrize("loader, channels, classes", [

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from leakaudit.evaluator.audit.checks import data_modality
 from leakaudit.evaluator.audit.materials import check_data_memory, initial_model, load_data, model_section
-from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, call_label
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, as_dict, call_label
 from leakaudit.plugins.components import ImageData
 
 AUTO = "auto"
@@ -25,6 +26,9 @@ def choose_attacks(audit: Audit, user_code: bool = True) -> tuple[list[AttackSpe
     models: dict[str, nn.Module | None] = {}
     chosen, lines = [], []
     for name, entry in sorted(audit.registry.entries["attack"].items()):
+        if entry.obj.modality != data_modality(as_dict(audit.data), audit.registry):
+            lines.append(f"{name}: left out: it reconstructs {entry.obj.modality}")
+            continue
         params = entry.obj.auto_settings(torch.device(audit.device).type)
         if params is None:
             lines.append(f"{name}: left out: {entry.obj.auto_skip}")

@@ -546,3 +546,48 @@ def check_device(device: str, problems: list[str]) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         problems.append("device: 'cuda' but no CUDA device is available here; choices: auto, cpu, cuda")
     return device
+
+
+def data_modality(data: dict, registry: Registry) -> str:
+    """What the audit's examples are: its registered dataset's modality ("image" for a ``data.factory``, which
+    is checked when loaded)."""
+    name = data.get("dataset")
+    if data.get("factory") or not isinstance(name, str) or name not in registry.entries["dataset"]:
+        return "image"
+    return registry.get("dataset", name).modality
+
+
+def check_modality(modality: str, data: dict, model: dict, settings: list[DefenseSetting],
+                   attacks: list[AttackSpec], metrics: list[str], registry: Registry, problems: list[str]) -> None:
+    """Every model, defense, attack and metric of the audit applies to its data's examples: one line each that
+    does not, naming the data and the registered ones that would."""
+    holds = f"data.dataset {data.get('dataset')} holds {modality}"
+
+    def fitting(kind: str, fits) -> str:
+        return ", ".join(n for n in registry.names(kind) if fits(registry.get(kind, n))) or "none registered"
+
+    models = [("model", model)] + [(f"defenses ({s.key}).model", dataclasses.asdict(s.model))
+                                   for s in settings if s.model is not None]
+    for where, section in models:
+        name = section.get("name")
+        if isinstance(name, str) and name in registry.entries["model"] and \
+                registry.get("model", name).modality != modality:
+            problems.append(f"{where}.name: {name} reads {registry.get('model', name).modality}; {holds} "
+                            f"(models for {modality}: {fitting('model', lambda m: m.modality == modality)})")
+    for s in settings:
+        for name, _ in s.members:
+            if isinstance(name, str) and name in registry.entries["defense"] and \
+                    modality not in registry.get("defense", name).modalities:
+                problems.append(f"defenses ({s.key}): {name} applies to "
+                                f"{' and '.join(registry.get('defense', name).modalities)}; {holds}")
+    for i, a in enumerate(attacks):
+        if isinstance(a.name, str) and a.name in registry.entries["attack"] and \
+                registry.get("attack", a.name).modality != modality:
+            problems.append(f"attacks[{i}]: {a.name} reconstructs {registry.get('attack', a.name).modality}; "
+                            f"{holds} (attacks for {modality}: "
+                            f"{fitting('attack', lambda c: c.modality == modality)})")
+    for i, m in enumerate(metrics):
+        if isinstance(m, str) and m in registry.entries["metric"] and \
+                registry.get("metric", m).modality not in (modality, "any"):
+            problems.append(f"metrics[{i}]: {m} scores {registry.get('metric', m).modality}; {holds} (metrics "
+                            f"for {modality}: {fitting('metric', lambda x: x.modality in (modality, 'any'))})")

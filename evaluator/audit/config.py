@@ -20,14 +20,17 @@ from leakaudit.evaluator.audit.checks import (
     check_leakage_metric,
     check_max_problems,
     check_metrics,
+    check_modality,
     check_model,
     check_protocol,
     checked_section,
+    data_modality,
     expand_defenses,
     section,
     with_references,
 )
-from leakaudit.evaluator.audit.specs import DATA, DEFAULT_METRICS, MODEL, THREAT, TOP, TOP_NEEDS, UTILITY, VERDICT
+from leakaudit.evaluator.audit.specs import (DATA, DEFAULT_METRICS, DEFAULT_TEXT_METRICS, MODEL, THREAT, TOP, TOP_NEEDS,
+                                             UTILITY, VERDICT)
 from leakaudit.evaluator.audit.types import (
     Audit,
     ConfigError,
@@ -102,7 +105,12 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     attacks = [] if isinstance(value, str) else check_attacks(value, registry, into("attacks"),
                                                                model["checkpoints"] if model_ok else None)
     check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
-    metrics = check_metrics(top.get("metrics", DEFAULT_METRICS), registry, into("metrics", "data"), data["image_size"])
+    modality = data_modality(data, registry) if data_ok else "image"
+    default = DEFAULT_METRICS if modality == "image" else DEFAULT_TEXT_METRICS  # the data's examples' defaults
+    metrics = check_metrics(top["metrics"] if "metrics" in raw else default,
+                            registry, into("metrics", "data"), data["image_size"] if modality == "image" else None)
+    check_modality(modality, data, model, settings, attacks, metrics, registry,
+                   into("data", "model", "defenses", "attacks", "metrics"))
     leakage = check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = check_device(top.get("device", "auto"), problems)
     check_compile(top.get("compile"), device, problems)

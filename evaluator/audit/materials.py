@@ -14,10 +14,11 @@ from leakaudit.evaluator.audit.types import Audit, ConfigError, DataSection, Def
 from leakaudit.evaluator.zoo.models import build_model
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
+from leakaudit.plugins.text import TokenData
 from leakaudit.plugins.factories import call_with_accepted, import_factory
 
 
-def load_data(audit: Audit) -> ImageData:
+def load_data(audit: Audit) -> ImageData | TokenData:
     """The audit's images: its registered dataset or its ``data.factory``; a loader's failure as one ConfigError
     line that names the source."""
     section = audit.data
@@ -35,11 +36,11 @@ def load_data(audit: Audit) -> ImageData:
         raise ConfigError([f"{audit.path}: data: {source} could not be loaded{root}: {one_line(exc)}"]) from None
 
 
-def load_factory_data(section: DataSection, audit: Audit) -> ImageData:
+def load_factory_data(section: DataSection, audit: Audit) -> ImageData | TokenData:
     """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
     offered = {"image_size": section.image_size, "root": section.root, "download": section.download}
     data = call_with_accepted(import_factory(section.factory), offered, section.params)
-    if not isinstance(data, ImageData):
+    if not isinstance(data, (ImageData, TokenData)):
         raise ConfigError([f"{audit.path}: data.factory: {section.factory} returned {type(data).__name__}; "
                            "return leakaudit.ImageData(name, train_x, train_y, test_x, test_y, num_classes) "
                            "with images in [0, 1] as (N, C, H, W) float tensors"])
@@ -51,14 +52,18 @@ def model_section(audit: Audit, setting: DefenseSetting | None = None) -> ModelS
     return audit.model if setting is None or setting.model is None else setting.model
 
 
-def initial_model(audit: Audit, data: ImageData, defense: Defense, setting: DefenseSetting | None,
+def initial_model(audit: Audit, data: ImageData | TokenData, defense: Defense, setting: DefenseSetting | None,
                   device: torch.device) -> nn.Module:
     """The model at training step 0 under ``defense``, on ``device``: the same initialisation for every
     setting of one model section (the setting's own, else the audit's)."""
     m = model_section(audit, setting)
     spec = m.name if ":" in m.name else audit.registry.get("model", m.name)
-    model = build_model(spec, data.channels, data.num_classes, audit.data.image_size, m.params,
-                        derive_seed(audit.seed, "init"))
+    if isinstance(data, TokenData):
+        model = build_model(spec, {"vocab_size": data.vocab_size, "num_classes": data.num_classes,
+                                   "length": data.length}, m.params, derive_seed(audit.seed, "init"))
+    else:
+        model = build_model(spec, {"channels": data.channels, "num_classes": data.num_classes,
+                                   "image_size": audit.data.image_size}, m.params, derive_seed(audit.seed, "init"))
     with torch.random.fork_rng(devices=[]):  # layers a defense adds are initialised from the audit seed
         torch.manual_seed(derive_seed(audit.seed, "wrap"))
         return defense.wrap_model(model).to(device)

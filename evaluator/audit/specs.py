@@ -8,6 +8,8 @@ from leakaudit.plugins.spec import Param
 #: The metrics an audit measures where ``metrics:`` is left out, and the one that ranks attacks among them.
 DEFAULT_METRICS = ["psnr", "ssim", "mse", "lpips", "label_accuracy"]
 DEFAULT_LEAKAGE_METRIC = "psnr"
+#: The metrics of an audit of text (token sequences) where ``metrics:`` is left out; the first ranks the attacks.
+DEFAULT_TEXT_METRICS = ["rouge1", "rouge2", "rougeL", "token_accuracy", "label_accuracy"]
 #: Training steps an audit may ask for (checkpoints, utility.train_steps): past this a run is a hang, not an audit.
 MAX_STEPS = 100_000
 #: Private images an audit may attack: past this a run is a hang, not an audit.

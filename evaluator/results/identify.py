@@ -55,7 +55,9 @@ def _decoy_result(metric, batches: list[dict], distances: np.ndarray, decoys: di
 def identifying_metric(audit: Audit, rows: list[dict]) -> Metric:
     """The distance that names a reconstruction's nearest original (``Metric.distance_rank``): the measured one
     of lowest rank (LPIPS among the built-ins), else the registered one of highest rank (MSE, which needs nothing)."""
-    ranked = ranked_metrics(audit.registry, "distance_rank")
+    kinds = {audit.registry.get("metric", m).modality for m in audit.metrics} - {"any"}
+    modality = kinds.pop() if len(kinds) == 1 else "image"  # validation keeps an audit's metrics to its data's kind
+    ranked = [m for m in ranked_metrics(audit.registry, "distance_rank") if m.modality == modality]
     measured = [m for m in ranked if m.name in audit.metrics and any(r.get(m.name) is not None for r in rows)]
     return (measured or ranked[::-1])[0]
 

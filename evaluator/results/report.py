@@ -13,8 +13,10 @@ from typing import Any
 
 import jinja2
 
-from leakaudit.evaluator.audit.jobs import row_key
-from leakaudit.evaluator.audit.types import Audit, params_text
+from leakaudit.evaluator.audit.checks import data_modality
+from leakaudit.evaluator.audit.jobs import job_at, row_key
+from leakaudit.evaluator.audit.materials import load_data
+from leakaudit.evaluator.audit.types import Audit, as_dict, params_text
 from leakaudit.evaluator.results.figures import (
     MAX_GRID_IMAGES,
     plot_identification_bound,
@@ -112,7 +114,8 @@ def _targets(audit: Audit) -> tuple[str, str]:
     """The threat box's line on the attacked images."""
     if audit.live is not None:
         return "Targets", "each audited step's batch, as the training loop drew it"
-    return "Targets", (f"{audit.data.targets} images of the {audit.data.target_split} split"
+    examples = "sentences" if data_modality(as_dict(audit.data), audit.registry) == "text" else "images"
+    return "Targets", (f"{audit.data.targets} {examples} of the {audit.data.target_split} split"
                        + (" (its first ones)" if audit.data.target_order == "first" else "")
                        + (", never seen in training or tuning" if audit.data.target_split == "test"
                           else ", trained on but never tuned on"))
@@ -187,19 +190,21 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
     summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
     by_key = {row_key(r): r for r in rows}
+    text = data_modality(as_dict(audit.data), audit.registry) == "text"
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p, audit.registry)),
                        ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),
                        ("identification_bound", lambda p: plot_identification_bound(summary, p)),
                        ("leakage_by_step", lambda p: plot_leakage_by_step(summary, p)),
-                       ("worst_images", lambda p: plot_worst_images(folder, summary, p))):
+                       ("worst_images", lambda p: not text and plot_worst_images(folder, summary, p))):
         path = out_dir / f"{name}.png"
         figures[name] = _data_uri(path) if draw(path) else None
     grids = []
-    for ckpt in audit.checkpoints:
+    for ckpt in [] if text else audit.checkpoints:
         path = out_dir / f"reconstructions_step{ckpt}.png"
         if plot_reconstructions(folder, by_key, summary.leakage_metric, ckpt, path):
             grids.append((ckpt, _data_uri(path)))
+    sentences = recovered_sentences(folder, summary, rows) if text else []
     summary.figures = [f"{name}.png" for name, uri in figures.items() if uri] + [
         f"reconstructions_step{ckpt}.png" for ckpt, _ in grids]
     folder.write_json(SUMMARY, summary.to_json())  # after the figures, so that it names them
@@ -213,6 +218,34 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
         trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None,
+        sentences=sentences,
         rule=rule_text(summary, audit.data.targets))
     folder.write_text(REPORT, page)
     return summary
+
+
+def recovered_sentences(folder: RunFolder, summary: Summary, rows: list[dict]) -> list[dict[str, Any]]:
+    """For each setting of a text audit, its strongest attack's most leaking target batch: each original sentence
+    beside the recovered one, the personal values that came back marked, and the setting's PII recall (the mean
+    over that attack's rows at that step)."""
+    audit = folder.audit
+    data = load_data(audit)
+    out = []
+    for w in summary.worst_case:
+        at = w.worst_image
+        if at is None:
+            continue
+        saved = folder.load_reconstruction(job_at(audit, w.setting, at.attack, at.checkpoint, at.target))
+        if saved is None:
+            continue
+        recalls = [r["pii_recall"] for r in rows if r.get("setting") == w.setting and r.get("attack") == at.attack
+                   and r.get("checkpoint") == at.checkpoint and r.get("pii_recall") is not None]
+        pairs = []
+        for orig, rec in zip(saved["original"], saved["reconstruction"]):
+            original, recovered = data.decode(orig), data.decode(rec)
+            words = set(recovered.split())
+            pairs.append({"original": original, "recovered": recovered,
+                          "same": [word in words for word in original.split()]})
+        out.append({"setting": w.setting, "attack": at.attack, "checkpoint": at.checkpoint, "score": at.score,
+                    "pii_recall": sum(recalls) / len(recalls) if recalls else None, "pairs": pairs})
+    return out

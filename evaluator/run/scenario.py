@@ -14,10 +14,12 @@ from leakaudit.attacks.vectorised import compile_steps
 from leakaudit.evaluator.audit.materials import check_data_memory, initial_model, load_data, model_section, one_line
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection
+from leakaudit.evaluator.zoo.text import pii_recall
 from leakaudit.plugins.attack import AuxiliaryData, ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins.text import TokenData
 
 
 def round_generators(device: torch.device, seed: int, setting_key: str, checkpoint: int, index: int,
@@ -82,7 +84,7 @@ class Scenario:
         self.device = audit.torch_device()
 
     @cached_property
-    def data(self) -> ImageData:
+    def data(self) -> ImageData | TokenData:
         data, section = load_data(self.audit), self.audit.data
         split = section.target_split
         available = len(data.test_x if split == "test" else data.train_x)
@@ -140,19 +142,32 @@ class Scenario:
         idx = self._batch_of(self.tuning_indices, index, setting)
         return self.data.train_x[idx].to(self.device), self.data.train_y[idx].to(self.device)
 
+    @property
+    def text(self) -> bool:
+        """Whether the examples are token sequences (no normalisation, no pixel box)."""
+        return self.data.modality == "text"
+
     @cached_property
     def mean(self) -> Tensor:
-        return self.data.mean.view(-1, 1, 1).to(self.device)
+        return torch.zeros(1, 1, 1, device=self.device) if self.text else self.data.mean.view(-1, 1, 1).to(self.device)
 
     @cached_property
     def std(self) -> Tensor:
-        return self.data.std.view(-1, 1, 1).to(self.device)
+        return torch.ones(1, 1, 1, device=self.device) if self.text else self.data.std.view(-1, 1, 1).to(self.device)
 
     def normalise(self, pixels: Tensor) -> Tensor:
-        return (pixels - self.mean) / self.std
+        """What the model reads: normalised pixels, or token ids as they are."""
+        return pixels if self.text else (pixels - self.mean) / self.std
+
+    def pii_recall(self, recovered: Tensor, indices: list[int]) -> float:
+        """The share of the personal values in the target-split sentences ``indices`` that ``recovered`` (their
+        reconstructions, in the same order) holds verbatim."""
+        data = self.data
+        personal = data.test_pii if self.audit.data.target_split == "test" else data.train_pii
+        return pii_recall([data.decode(r) for r in recovered], [personal[i] for i in indices])
 
     def denormalise(self, inputs: Tensor) -> Tensor:
-        return inputs * self.std + self.mean
+        return inputs if self.text else inputs * self.std + self.mean
 
     def defense(self, setting: DefenseSetting) -> Defense:
         return setting.build(self.audit.registry)
@@ -186,7 +201,8 @@ class Scenario:
         batch (``verdict.decoy_test``): up to ``MAX_DECOYS`` drawn from the audit seed, fewer where each would
         exceed ``DECOY_BYTES`` in all; None where no setting sends more than one image or identification is off."""
         audit = self.audit
-        if audit.verdict.identifiable is None or all(audit.batch_size_of(s) == 1 for s in audit.settings):
+        if audit.verdict.identifiable is None or all(audit.batch_size_of(s) == 1 for s in audit.settings) \
+                or self.text:  # naming a sentence among decoys: not built for text yet
             return None
         x, y = self._target_split
         free = torch.ones(len(x), dtype=torch.bool)
@@ -224,7 +240,7 @@ def untried_attacks(scenario: Scenario) -> str:
     ran = {a.name for a in audit.attacks}
     found = []
     for name, entry in sorted(audit.registry.entries["attack"].items()):
-        if not getattr(entry.obj, "brings", "") or name in ran:
+        if not getattr(entry.obj, "brings", "") or name in ran or entry.obj.modality != scenario.data.modality:
             continue
         if entry.obj().unsupported(model, audit.batch_size_of(setting), audit.protocol_of(setting)) is None:
             found.append(f"{name} ({entry.obj.brings})")

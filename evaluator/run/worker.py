@@ -141,10 +141,13 @@ class AuditWorker:
         row = self.folder.save_result(job, pixels, labels, rec, scores, images, self.epsilon(job.setting),
                                       self.bound(job.setting))
         profile = self.profile(job.setting)
-        corridor = prior_free_bound(None if profile is None else profile.mu, pixels.detach().cpu().numpy(),
-                                    self.scenario.audit.verdict.confidence)  # once per row, after the attack
+        corridor = None if self.scenario.text else prior_free_bound(  # a bound on pixels' error
+            None if profile is None else profile.mu, pixels.detach().cpu().numpy(),
+            self.scenario.audit.verdict.confidence)  # once per row, after the attack
         if corridor is not None:
             row["prior_free"] = corridor
+        if self.scenario.text:
+            row["pii_recall"] = self.scenario.pii_recall(rec.images[scores.order], images)
         return row, scores.notes
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leakaudit.evaluator.zoo.text import text_assignment
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.components import Metric, MetricUnavailable
 
@@ -142,7 +143,8 @@ BUILTIN = [
     Metric("mse", mse, False, summary=mse.__doc__, margin=0.01, distance_rank=1),
     Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__, min_size=31, margin=0.05, view_rank=0,
            distance_rank=0),  # AlexNet's pools need >= 31 px
-    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__, margin=0.1),
+    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__, margin=0.1,
+           modality="any"),
 ]
 
 
@@ -164,7 +166,8 @@ class Scores(NamedTuple):
 def score(metrics: list[Metric], rec_images: Tensor, orig: Tensor, rec_labels: Tensor,
           true_labels: Tensor) -> Scores:
     """Every metric after best assignment of reconstructions to originals."""
-    order = best_assignment(rec_images, orig).to(rec_images.device)
+    assign = text_assignment if orig.dtype == torch.long else best_assignment  # sequences: by ROUGE-1
+    order = assign(rec_images, orig).to(rec_images.device)
     aligned = rec_images[order]
     values: dict[str, float | None] = {}
     per_image: dict[str, list[float]] = {}
@@ -200,3 +203,20 @@ def guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]]
                 out[name].setdefault(m, []).append(v)
     return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()}
             for name, d in out.items() if d}
+
+
+def text_guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]], frequent: Tensor,
+                      vocab_size: int, generator: torch.Generator, pad_id: int = 0) -> dict[str, dict[str, float | None]]:
+    """Mean scores over ``batches`` of ``(ids, labels)`` of sequences guessed without the update: tokens drawn
+    uniformly (from ``generator``), and ``frequent``, the training split's most frequent token at each position,
+    each at the original's length (padding where it pads)."""
+    out: dict[str, dict[str, list]] = {"random": {}, "frequent": {}}
+    for ids, labels in batches:
+        real = ids != pad_id
+        drawn = torch.randint(pad_id + 1, vocab_size, ids.shape, generator=generator, device=generator.device)
+        guesses = {"random": torch.where(real, drawn.to(ids.device), ids),
+                   "frequent": torch.where(real, frequent.to(ids.device).expand_as(ids), ids)}
+        for name, guess in guesses.items():
+            for m, v in score(metrics, guess, ids, labels, labels).values.items():
+                out[name].setdefault(m, []).append(v)
+    return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()} for name, d in out.items()}

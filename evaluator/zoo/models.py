@@ -258,15 +258,15 @@ def register_models():
     return ZOO
 
 
-def build_model(spec_or_path: ModelSpec | str, channels: int, num_classes: int, image_size: int,
-                params: dict[str, Any], seed: int) -> nn.Module:
-    """A freshly initialised model; the initialisation is drawn from ``seed``.
+def build_model(spec_or_path: ModelSpec | str, offered: dict[str, Any], params: dict[str, Any],
+                seed: int) -> nn.Module:
+    """A freshly initialised model from what the data offers (``channels``, ``num_classes``, ``image_size`` for
+    images; ``vocab_size``, ``num_classes``, ``length`` for text); the initialisation is drawn from ``seed``.
 
     A model already wrapped by Opacus (``GradSampleModule``) is accepted: its plain module is used.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        offered = {"channels": channels, "num_classes": num_classes, "image_size": image_size}
         if isinstance(spec_or_path, ModelSpec):
             model = spec_or_path.build(**offered, **params)
         else:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.components import DatasetSpec, Metric, ModelSpec
 from leakaudit.plugins.text import TokenData
 
 PAD, UNK = "<pad>", "<unk>"
@@ -214,3 +216,65 @@ def text_assignment(rec: Tensor, orig: Tensor, pad_id: int = 0) -> Tensor:
 def classification_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Softmax cross-entropy of the sequence's class."""
     return F.cross_entropy(logits, labels)
+
+
+def rouge1(rec: Tensor, orig: Tensor) -> Tensor:
+    """ROUGE-1 F-measure per sequence: the unigram overlap of the recovered sequence with its original."""
+    return rouge(rec, orig, "rouge1")
+
+
+def rouge2(rec: Tensor, orig: Tensor) -> Tensor:
+    """ROUGE-2 F-measure per sequence: the bigram overlap of the recovered sequence with its original."""
+    return rouge(rec, orig, "rouge2")
+
+
+def rougeL(rec: Tensor, orig: Tensor) -> Tensor:  # noqa: N802 - the metric's own name
+    """ROUGE-L F-measure per sequence: the longest common subsequence of the recovered sequence and its original."""
+    return rouge(rec, orig, "rougeL")
+
+
+def _load(image_size: int | None = None, root: str | None = None, download: bool = False, length: int = 24,
+          train: int = 2000, test: int = 200, seed: int = 0) -> TokenData:
+    return load_pii_sentences(length=length, train=train, test=test, seed=seed)
+
+
+def _model(causal: bool):
+    def build(vocab_size: int, num_classes: int, length: int, width: int = 128, layers: int = 4,
+              heads: int = 4) -> TinyTransformer:
+        return TinyTransformer(vocab_size, num_classes, length, width=width, layers=layers, heads=heads,
+                               causal=causal)
+    return build
+
+
+TEXT_MODEL_PARAMS = {"width": Param(128, int, min=8, help="embedding width (a multiple of heads)"),
+                     "layers": Param(4, int, min=1, help="transformer blocks"),
+                     "heads": Param(4, int, min=1, help="attention heads per block")}
+
+
+@hookimpl
+def register_datasets():
+    return [DatasetSpec("pii_sentences", _load, {
+        "length": Param(24, int, min=2, help="tokens per sequence, padding included (longer sentences are cut)"),
+        "train": Param(2000, int, min=1, help="training sentences"),
+        "test": Param(200, int, min=1, help="test sentences"),
+        "seed": Param(0, int, min=0, help="the generator's seed")},
+        summary=load_pii_sentences.__doc__.splitlines()[0], values=lambda s: 0, modality="text")]
+
+
+@hookimpl
+def register_models():
+    return [ModelSpec("tiny_gpt", _model(True), TEXT_MODEL_PARAMS, summary="a small causal transformer classifier "
+                      "of GPT-2's architecture", paper="Radford et al. 2019", modality="text"),
+            ModelSpec("tiny_bert", _model(False), TEXT_MODEL_PARAMS, summary="a small bidirectional transformer "
+                      "classifier of BERT's architecture", paper="Devlin et al. 2019", modality="text")]
+
+
+@hookimpl
+def register_metrics():
+    return [Metric("rouge1", rouge1, True, summary=rouge1.__doc__, margin=0.1, view_rank=1, modality="text"),
+            Metric("rouge2", rouge2, True, summary=rouge2.__doc__, margin=0.1, view_rank=0, modality="text"),
+            Metric("rougeL", rougeL, True, summary=rougeL.__doc__, margin=0.1, modality="text"),
+            Metric("token_accuracy", token_accuracy, True, summary=token_accuracy.__doc__, margin=0.1,
+                   modality="text", distance_rank=2),
+            Metric("exact_sequence", exact_sequence, True, summary=exact_sequence.__doc__, margin=0.1,
+                   modality="text")]

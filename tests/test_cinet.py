@@ -51,6 +51,7 @@ def test_the_generator_is_the_authors_architecture_and_outputs_the_batch_in_pixe
     assert Generator(torch.randn(2, 16), 32, 1, 28)().shape == (2, 1, 28, 28)
 
 
+@pytest.mark.slow
 def test_one_step_at_the_width_chosen_for_resnet18_at_batch_64_moves_the_output_by_at_most_2(registry):
     """The old generator (768 channels, plain signed steps) moved its output by up to 26 in one step."""
     torch.manual_seed(0)

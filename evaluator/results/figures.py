@@ -5,6 +5,7 @@ import math
 import textwrap
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import matplotlib
@@ -17,7 +18,7 @@ from leakaudit.evaluator.audit.jobs import AttackJob, job_at
 from leakaudit.evaluator.audit.types import params_text, value_text
 from leakaudit.evaluator.results.rundir import RunFolder
 from leakaudit.evaluator.results.summary import per_image, second_views
-from leakaudit.evaluator.results.types import CellResult, Summary, WorstCase
+from leakaudit.evaluator.results.types import CellResult, Summary, WorstCase, WorstImage
 from leakaudit.evaluator.results.verdict import LEAKS, exact_interval
 from leakaudit.plugins.manager import Registry
 
@@ -349,17 +350,22 @@ def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str
     return True
 
 
-def plot_worst_images(folder: RunFolder, summary: Summary, path: Path) -> bool:
-    """Per setting, the single most leaking reconstruction beside its original."""
-    audit = folder.audit
-    shown = []
+def worst_batches(folder: RunFolder, summary: Summary) -> Iterator[tuple[WorstCase, WorstImage, dict]]:
+    """Each setting's most leaking target batch: its worst case, the worst example's place, and the batch as saved
+    (originals and aligned reconstructions); settings without one, or whose batch was not kept, left out."""
     for w in summary.worst_case:
         at = w.worst_image
         if at is None:
             continue
-        saved = folder.load_reconstruction(job_at(audit, w.setting, at.attack, at.checkpoint, at.target))
+        saved = folder.load_reconstruction(job_at(folder.audit, w.setting, at.attack, at.checkpoint, at.target))
         if saved is not None:
-            shown.append((w, saved["original"][at.index], saved["reconstruction"][at.index]))
+            yield w, at, saved
+
+
+def plot_worst_images(folder: RunFolder, summary: Summary, path: Path) -> bool:
+    """Per setting, the single most leaking reconstruction beside its original."""
+    shown = [(w, saved["original"][at.index], saved["reconstruction"][at.index])
+             for w, at, saved in worst_batches(folder, summary)]
     if not shown:
         return False
     fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown) + 1.2, 4.6), squeeze=False)

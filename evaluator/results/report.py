@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 
 from leakaudit.evaluator.audit.checks import data_modality
-from leakaudit.evaluator.audit.jobs import job_at, row_key
+from leakaudit.evaluator.audit.jobs import row_key
 from leakaudit.evaluator.audit.materials import load_data
 from leakaudit.evaluator.audit.types import Audit, as_dict, params_text
 from leakaudit.evaluator.results.figures import (
@@ -25,6 +25,7 @@ from leakaudit.evaluator.results.figures import (
     plot_privacy_utility,
     plot_reconstructions,
     plot_worst_images,
+    worst_batches,
 )
 from leakaudit.evaluator.results.identify import identifiability
 from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, RunFolder
@@ -226,18 +227,11 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
 
 def recovered_sentences(folder: RunFolder, summary: Summary, rows: list[dict]) -> list[dict[str, Any]]:
     """For each setting of a text audit, its strongest attack's most leaking target batch: each original sentence
-    beside the recovered one, the personal values that came back marked, and the setting's PII recall (the mean
-    over that attack's rows at that step)."""
-    audit = folder.audit
-    data = load_data(audit)
+    beside the recovered one, which of the original's words came back, and the setting's PII recall (the mean over
+    that attack's rows at that step)."""
+    data = load_data(folder.audit)
     out = []
-    for w in summary.worst_case:
-        at = w.worst_image
-        if at is None:
-            continue
-        saved = folder.load_reconstruction(job_at(audit, w.setting, at.attack, at.checkpoint, at.target))
-        if saved is None:
-            continue
+    for w, at, saved in worst_batches(folder, summary):
         recalls = [r["pii_recall"] for r in rows if r.get("setting") == w.setting and r.get("attack") == at.attack
                    and r.get("checkpoint") == at.checkpoint and r.get("pii_recall") is not None]
         pairs = []

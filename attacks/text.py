@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
@@ -118,8 +119,7 @@ class Dager(Attack):
             else:
                 candidates = self._candidates(model, first, length, threat.device)
                 rows = self._grow(model, second, candidates, batch, length, threat.device)
-        labels = threat.labels if threat.labels is not None else torch.zeros(batch, dtype=torch.long)
-        return Reconstruction(rows, labels, [], 0.0, extras)
+        return Reconstruction(rows, recover_labels(observed, threat, "signs", generator), [], 0.0, extras)
 
     def _candidates(self, model: Any, basis: Tensor, length: int, device: torch.device) -> list[Tensor]:
         """Per position, the ids whose first-layer input there lies in the span (closest first)."""
@@ -200,8 +200,7 @@ class Tag(Attack):
         embedding = dict(model.named_parameters())[model.embedding_name()]
         named = [(n, p) for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
         targets = [gradient_of(observed, n).to(threat.device) for n, _ in named]
-        labels = threat.labels if threat.labels is not None else torch.zeros(observed.batch_size, dtype=torch.long)
-        labels = labels.to(threat.device)
+        labels = recover_labels(observed, threat, "signs", generator)  # the head's bias gradient (iDLG)
         scale = embedding.detach().norm(dim=1).mean()
         length = sequence_length(observed, model, threat.input_shape[0])
         start = torch.randn((observed.batch_size, length, model.width), generator=generator,

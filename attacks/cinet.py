@@ -122,7 +122,7 @@ class CINet(Attack):
     def train_generator(self, net: Generator, target: list[Tensor], threat: ThreatModel, labels: Tensor) -> Tensor:
         """``iterations`` Adam steps on the sign of the cosine loss's gradient; returns the loss trace."""
         params = list(net.parameters())
-        optimiser = torch.optim.Adam(params, lr=self.lr)
+        optimiser = torch.optim.Adam(params, lr=self.lr, foreach=True)
         trace = torch.empty(self.iterations, device=threat.device)
         for it in range(self.iterations):
             loss = cosine_distance(target, threat.candidate_update(threat.normalise(net()), labels))

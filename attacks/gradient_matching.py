@@ -212,7 +212,7 @@ class InvertingGradients(Attack):
         images = random_images(threat, generator).requires_grad_(True)
         extra = self._extra_variables(threat, generator)
         variables = [images, *(v for vs in extra.values() for v in vs)]
-        optimiser = torch.optim.Adam(variables, lr=self.lr)
+        optimiser = torch.optim.Adam(variables, lr=self.lr, foreach=True)  # as on a GPU: a few kernels per step
         schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, step_decay_milestones(self.iterations), 0.1)
         trace = torch.empty(self.iterations, device=threat.device)
         for it in range(self.iterations):
@@ -222,7 +222,7 @@ class InvertingGradients(Attack):
             optimiser.step()
             schedule.step()
             with torch.no_grad():
-                images.copy_(torch.maximum(torch.minimum(images, hi), lo))
+                images.clamp_(lo, hi)
             trace[it] = loss.detach()
         return images, extra, trace.tolist()
 

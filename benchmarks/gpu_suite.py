@@ -11,6 +11,7 @@ for docs/results.md), each section as soon as it is measured, so a run cut short
   image-iterations per second, and its ratio to K = 1 (the figure that holds across machines); ResNet-18 with the
   ImageNet stem at 224 px, 8 targets;
 - the quickstart on the GPU against the CPU of the same machine, and with ``deterministic: false``;
+- ``precision: bfloat16`` against float32: LeNet's throughput at K = 64 and the quickstart's scores;
 - the paper-scale cases at a budget that fits, each stated beside the paper's: CI-Net on a batch of 64 (Zhang et
   al. 2023, SSIM), the ResNet column of Geiping et al. 2020 Table 1 (PSNR, the first validation images),
   Table 2 MNIST of Balunovic et al. 2022, and ``bayesian_kl`` (Chen et al. 2024) at a fifth of its 13,000
@@ -76,10 +77,11 @@ def _sync(device: str) -> None:
 
 
 def throughput(device: str, ks: list[int], iterations: int, model: str, image_size: int,
-               compiled: bool = False) -> list[dict[str, Any]]:
+               compiled: bool = False, precision: str = "float32") -> list[dict[str, Any]]:
     """Image-iterations per second of vectorised ``inverting_gradients`` on K problems (one target each); ``compiled``:
-    as an audit with ``compile: true`` runs them (on CUDA, whole iterations replayed as CUDA graphs)."""
-    from leakaudit.attacks.vectorised import compile_steps
+    as an audit with ``compile: true`` runs them (on CUDA, whole iterations replayed as CUDA graphs); ``precision``:
+    as with ``precision: bfloat16``."""
+    from leakaudit.attacks.vectorised import autocast_steps, compile_steps
     from leakaudit.attacks.gradient_matching import InvertingGradients
     from leakaudit.defenses.noise import NoDefense
     from leakaudit.evaluator.run.scenario import loss_fn
@@ -108,7 +110,7 @@ def throughput(device: str, ks: list[int], iterations: int, model: str, image_si
         return problems
 
     rows, base = [], None
-    restore = compile_steps(compiled, cuda_graphs=device.startswith("cuda"))
+    restore, restore_precision = compile_steps(compiled, cuda_graphs=device.startswith("cuda")), autocast_steps(precision)
     try:
         for k in ks:
             InvertingGradients.reconstruct_all(make(k, 3))  # one-time costs (kernels, compilation) before the clock
@@ -120,26 +122,44 @@ def throughput(device: str, ks: list[int], iterations: int, model: str, image_si
             rate = k * iterations / (time.perf_counter() - started)
             base = base or rate
             rows.append({"model": model, "image_size": image_size, "K": k, "iterations": iterations,
-                         "compiled": compiled, "image_iterations_per_s": round(rate, 1),
+                         "compiled": compiled, "precision": precision, "image_iterations_per_s": round(rate, 1),
                          "ratio_to_K1": round(rate / base, 2)})
     finally:
         restore()
+        restore_precision()
     return rows
 
 
-def quickstart(device: str, smoke: bool, compiled: bool = False) -> list[dict[str, Any]]:
-    """The quickstart on ``device`` (and the CPU beside it, and with ``deterministic: false`` on CUDA)."""
+def quickstart(device: str, smoke: bool, compiled: bool = False,
+               variants: list[tuple[str, bool, str]] | None = None) -> list[dict[str, Any]]:
+    """The quickstart on ``device`` (and the CPU beside it, and with ``deterministic: false`` on CUDA), or in
+    ``variants`` of (device, deterministic, precision)."""
     small = {"data.targets": 1, "attacks.0.params.iterations": 2, "utility.train_steps": 2} if smoke else {}
     small = {**small, "compile": compiled}
-    variants = [(device, True)] + ([("cpu", True), (device, False)] if device != "cpu" else [])
+    variants = variants or ([(device, True, "float32")]
+                            + ([("cpu", True, "float32"), (device, False, "float32")] if device != "cpu" else []))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (where, deterministic) in enumerate(variants):
-            audit = audit_dict("quickstart", {**small, "device": where, "deterministic": deterministic})
+        for i, (where, deterministic, precision) in enumerate(variants):
+            audit = audit_dict("quickstart", {**small, "device": where, "deterministic": deterministic,
+                                              "precision": precision})
             summary, seconds = run_case(audit, Path(tmp) / str(i))
             top = max(summary.cells, key=lambda c: c.mean("psnr"))
-            rows.append({"device": where, "deterministic": deterministic, "wall_s": round(seconds, 1),
-                         "best_psnr": round(top.mean("psnr"), 2)})
+            rows.append({"device": where, "deterministic": deterministic, "precision": precision,
+                         "wall_s": round(seconds, 1), "best_psnr": round(top.mean("psnr"), 2),
+                         "psnr_by_cell": {f"{c.setting}/{c.attack}": round(c.mean("psnr"), 2) for c in summary.cells}})
+    return rows
+
+
+def precision(device: str, smoke: bool, compiled: bool = False) -> list[dict[str, Any]]:
+    """``precision: bfloat16`` against float32 on the same machine: LeNet's throughput at K = 64 and the quickstart's
+    scores (every setting's PSNR, so the effect on the scores is read beside the speed)."""
+    k, iterations = (2, 2) if smoke else (64, 100)
+    rows = []
+    for name in ("float32", "bfloat16"):
+        rate = throughput(device, [k], iterations, "lenet_zhu", 32, compiled, name)[0]["image_iterations_per_s"]
+        row = quickstart(device, smoke, compiled, [(device, False, name)])[0]
+        rows.append({"precision": name, f"lenet_K{k}_image_iterations_per_s": rate, **row})
     return rows
 
 
@@ -208,6 +228,7 @@ def sections(device: str, smoke: bool, compiled: bool = False, ks: list[int] | N
         "throughput_resnet18_224": lambda: throughput(device, [1, 2] if smoke else [1, 8], 1 if smoke else 20,
                                                       "resnet18", 64 if smoke else 224, compiled),
         "quickstart": lambda: quickstart(device, smoke, compiled),
+        "precision": lambda: precision(device, smoke, compiled),
         **{f"paper_{name}": (lambda name=name: paper_case(name, device, smoke, compiled)) for name in PAPER_CASES},
     }
 

@@ -1,26 +1,37 @@
 """Operators an attack dispatches per iteration: on a GPU in eager mode each is at least one kernel launch, so
 this count is what bounds a launch-bound loop (one target on a GPU runs no faster than its launches).
 
-    python benchmarks/op_count.py [--iterations 5,10]
+    python benchmarks/op_count.py [--iterations 5,10] [--compile] [--device cuda]
 
 Counts torch's dispatched ATen operators (``TorchDispatchMode``, below autograd and vmap: what reaches the
 kernels) for ``inverting_gradients`` solving K problems on the untrained lenet_zhu at 32x32 (K = 1) and on
-ResNet-20 (K = 2), at two budgets; the difference divided by the iterations between them is the per-iteration
-count (set-up and the final evaluation cancel). Prints the count, its most frequent operators, and the wall
-time per iteration on this CPU.
+ResNet-20 (K = 2), and for ``bayesian_kl`` on VB-ResNet-18 (every layer Bayesian, K = 1), at two budgets; the
+difference divided by the iterations between them is the per-iteration count (set-up and the final evaluation
+cancel). Prints the count, its most frequent operators, and the wall time per iteration on this CPU.
+
+``--compile`` counts what an audit with ``compile: true`` runs instead: the kernels of the compiled iteration
+(inductor's fused kernels and the library calls it keeps, such as convolutions), read from the code inductor
+generates for the vectorised path at the same K. On CUDA, that is the launches of one iteration without CUDA
+graphs; with them (the default there), one graph replay per iteration.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attack_speed import case
+from attack_times import case as bayesian_case
 
+from leakaudit.attacks.bayesian import BayesianNoiseKL
 from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.attacks.vectorised import compile_steps, run_chunks
 from leakaudit.evaluator.zoo.models import lenet_zhu, resnet20
 from leakaudit.plugins.attack import Problem
 
@@ -50,26 +61,69 @@ def problems(build, k: int, iterations: int) -> list[Problem]:
     return [Problem(*case("cpu", i, model)[:2], torch.Generator().manual_seed(i), attack) for i in range(k)]
 
 
-def count(make, k: int, iterations: int) -> tuple[collections.Counter, float]:
-    """The operators dispatched by one ``reconstruct_all`` over K problems, and its wall seconds."""
-    batch = problems(make, k, iterations)
+def bayesian_problems(k: int, iterations: int) -> list[Problem]:
+    """One CIFAR-10 image's update through VB-ResNet-18, attacked by ``bayesian_kl`` (Chen et al. 2024)."""
+    observed, threat = bayesian_case("resnet18", 64, "cpu")
+    attack = BayesianNoiseKL(iterations=iterations)
+    return [Problem(observed, threat, torch.Generator().manual_seed(i), attack) for i in range(k)]
+
+
+def count(make: Callable[[int], list[Problem]], iterations: int) -> tuple[collections.Counter, float]:
+    """The operators dispatched by one ``reconstruct_all`` of ``make(iterations)``'s problems, and its wall seconds."""
+    batch = make(iterations)
+    attack = type(batch[0].attack)
     with Counter() as counter:
         start = time.perf_counter()
-        InvertingGradients.reconstruct_all(batch)
+        attack.reconstruct_all(batch)
         seconds = time.perf_counter() - start
     return counter.ops, seconds
+
+
+#: A kernel call in inductor's generated ``call``: its own fused kernels (C++ or Triton) and the library calls it keeps.
+KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?((?:cpp_fused|triton)_\w+|extern_kernels\.\w+|torch\.ops\.aten\.\w+)[.(]", re.M)
+
+
+def compiled_kernels(make: Callable[[int], list[Problem]]) -> collections.Counter:
+    """The kernels one compiled iteration runs: the vectorised path compiled on ``make(2)``'s problems (one chunk),
+    counted in the ``call`` function of each module inductor generated for it."""
+    from torch._inductor.codecache import PyCodeCache
+
+    batch = make(2)
+    before = set(map(id, PyCodeCache.modules))
+    restore = compile_steps(True)
+    try:
+        run_chunks(batch, type(batch[0].attack)._batch, len(batch))
+    finally:
+        restore()
+    kernels: collections.Counter = collections.Counter()
+    sources = {Path(m.__file__).read_text() for m in PyCodeCache.modules if id(m) not in before}
+    for source in sources:  # a recompilation to the same code loads the same module twice
+        if "def call(" in source:
+            body = source[source.index("def call("):]
+            kernels.update("fused" if k.startswith(("cpp_fused", "triton")) else k.rsplit(".", 1)[-1]
+                           for k in KERNEL_CALL.findall(body.split("\ndef ", 1)[0]))
+    return kernels
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", default="5,10", help="two budgets: their difference makes the count")
-    low, high = (int(x) for x in parser.parse_args().iterations.split(","))
+    parser.add_argument("--compile", action="store_true", help="count the compiled iteration's kernels instead")
+    args = parser.parse_args()
+    low, high = (int(x) for x in args.iterations.split(","))
     torch.set_num_threads(1)
-    cases = {"inverting_gradients, lenet_zhu 32 px, K = 1": (lambda: lenet_zhu(1, 10, 32), 1),
-             "inverting_gradients, resnet20 32 px, K = 2": (lambda: resnet20(1, 10, 32), 2)}
-    for name, (make, k) in cases.items():
-        count(make, k, low)  # warm-up: first calls allocate and build vmap's plans
-        (few, t_few), (many, t_many) = count(make, k, low), count(make, k, high)
+    cases: dict[str, Callable[[int], list[Problem]]] = {
+        "inverting_gradients, lenet_zhu 32 px, K = 1": lambda n: problems(lambda: lenet_zhu(1, 10, 32), 1, n),
+        "inverting_gradients, resnet20 32 px, K = 2": lambda n: problems(lambda: resnet20(1, 10, 32), 2, n),
+        "bayesian_kl, VB-ResNet-18 32 px, K = 1": lambda n: bayesian_problems(1, n)}
+    for name, make in cases.items():
+        if args.compile:
+            kernels = compiled_kernels(make)
+            print(f"{name}, compiled: {sum(kernels.values())} kernels per iteration "
+                  f"({', '.join(f'{k} {n}' for k, n in kernels.most_common())})")
+            continue
+        count(make, low)  # warm-up: first calls allocate and build vmap's plans
+        (few, t_few), (many, t_many) = count(make, low), count(make, high)
         per = {op: (many[op] - few[op]) / (high - low) for op in many}
         total = sum(per.values())
         kernels = sum(n for op, n in per.items() if op not in VIEWS)

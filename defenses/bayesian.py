@@ -165,7 +165,9 @@ def to_bayesian(model: nn.Module, names: Sequence[str], init_scale: float, prior
 
 @contextmanager
 def given_noise(model: nn.Module, noise: dict[str, list[Tensor]]) -> Iterator[None]:
-    """Inside the block each named Bayesian layer uses ``noise`` (weight, then bias) instead of drawing."""
+    """Inside the block each named Bayesian layer uses ``noise`` (weight, then bias) instead of drawing. The
+    block's last KL term is dropped at its end: it holds the block's tensors (under torch.func, wrapped ones that
+    must not outlive the transform, nor leave a compiled step)."""
     layers = bayesian_layers(model)
     for name, eps in noise.items():
         layers[name].given_noise = tuple(eps)
@@ -174,6 +176,7 @@ def given_noise(model: nn.Module, noise: dict[str, list[Tensor]]) -> Iterator[No
     finally:
         for name in noise:
             layers[name].given_noise = None
+            layers[name]._kl_term = None
 
 
 def collapse(model: nn.Module, noise: dict[str, list[Tensor]]) -> nn.Module:

@@ -240,16 +240,23 @@ class DeterministicDefense(Defense):
 
 
 
+def _total(parts: list[Tensor]) -> Tensor:
+    """The sum of per-tensor scalars in two kernels (a stack, a sum) instead of one addition per tensor."""
+    return torch.stack(parts).sum()
+
+
 def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
     """Sum over all tensors of the squared Euclidean distance."""
-    return cast(Tensor, sum(((o - c) ** 2).sum() for o, c in zip(observed, candidate)))
+    return _total([(o - c).square().sum() for o, c in zip(observed, candidate)])
 
 
 def cosine_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:
-    """1 - cosine similarity of the whole updates, all layers jointly (Geiping et al. 2020, Eq. 4)."""
-    dot = cast(Tensor, sum((o * c).sum() for o, c in zip(observed, candidate)))
-    norm_o = cast(Tensor, sum((o * o).sum() for o in observed)).sqrt()
-    norm_c = cast(Tensor, sum((c * c).sum() for c in candidate)).sqrt()
+    """1 - cosine similarity of the whole updates, all layers jointly (Geiping et al. 2020, Eq. 4). Summed tensor by
+    tensor: one flattened copy of each update would save kernels, but its double backward writes a zero-filled
+    copy of the whole update per tensor (``slice_backward``), 26% slower at 64 vmapped targets on a CPU."""
+    dot = _total([(o * c).sum() for o, c in zip(observed, candidate)])
+    norm_o = _total([o.square().sum() for o in observed]).sqrt()
+    norm_c = _total([c.square().sum() for c in candidate]).sqrt()
     return 1 - dot / (norm_o * norm_c).clamp_min(1e-12)
 
 

@@ -14,9 +14,10 @@ def test_the_gpu_suite_runs_every_section_at_toy_sizes(tmp_path):
     assert suite.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert results["failed"] == {}
-    assert set(results["sections"]) == {"throughput_lenet", "throughput_resnet18_224", "quickstart",
+    assert set(results["sections"]) == {"throughput_lenet", "throughput_resnet18_224", "quickstart", "precision",
                                         *(f"paper_{name}" for name in suite.PAPER_CASES)}
     assert [row["K"] for row in results["sections"]["throughput_lenet"]] == [1, 2]
     assert all(row["image_iterations_per_s"] > 0 for row in results["sections"]["throughput_lenet"])
     assert all(results["sections"][f"paper_{name}"]["measured"] for name in suite.PAPER_CASES)
+    assert [row["precision"] for row in results["sections"]["precision"]] == ["float32", "bfloat16"]
     assert "## quickstart" in (tmp_path / "gpu_suite.md").read_text()

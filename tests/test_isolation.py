@@ -156,8 +156,8 @@ def test_auto_workers_keep_a_small_audit_in_this_process(write_audit):
 
 def test_vectorised_problems_match_one_at_a_time(write_audit, tmp_path):
     """Every target, restart and tuning trial of a cell solved together gives what max_problems: 1 gives."""
-    attacks = [{"name": "inverting_gradients", "label": "ig", "params": {"iterations": 60, "restarts": 2}},
-               {"name": "bayes", "params": {"iterations": 40, "radius": 0.05, "samples": 2},
+    attacks = [{"name": "inverting_gradients", "label": "ig", "params": {"iterations": 30, "restarts": 2}},
+               {"name": "bayes", "params": {"iterations": 20, "radius": 0.05, "samples": 2},
                 "tune": {"budget": 4, "space": {"lr": [0.03, 0.3], "signed": [False, True]}, "targets": 2}}]
     rows = {}
     for size in (1, "auto"):

@@ -22,6 +22,7 @@ from leakaudit.evaluator.audit.checks import (
     check_metrics,
     check_modality,
     check_model,
+    check_precision,
     check_protocol,
     checked_section,
     data_modality,
@@ -114,6 +115,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     leakage = check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
     device = check_device(top.get("device", "auto"), problems)
     check_compile(top.get("compile"), device, problems)
+    check_precision(top.get("precision"), device, problems)
     workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else None)
     max_problems = check_max_problems(top.get("max_problems", "auto"), problems)
     executor = check_executor(top.get("executor", "local"), device, problems)
@@ -124,6 +126,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
                   attacks=attacks, utility=UtilitySection(**utility), metrics=metrics, threat=ThreatSection(**threat),
                   protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
                   verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
+                  precision=top["precision"],
                   executor=executor, architecture=top["architecture"], frontiers=frontiers)
     if auto:
         audit.attacks, audit.attack_choice = choose_attacks(audit, IMPORT_USER_CODE.get())

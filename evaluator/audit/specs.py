@@ -24,13 +24,18 @@ MAX_LINE = 400
 TOP = {
     "name": Param(type=str, help="audit name, shown in reports"),
     "seed": Param(0, int, min=0, help="seed of every random draw"),
-    "device": Param("auto", str, choices=("auto", "cpu", "cuda")),
+    "device": Param("auto", str, choices=("auto", "cpu", "cuda"), help="where attacks and training run: auto (cuda when a GPU is visible, else cpu)"),
     "deterministic": Param(True, bool, help="on CUDA, deterministic kernels: the same numbers on every run, "
                                             "several times slower (false: faster, reruns differ slightly)"),
     "compile": Param(False, bool, help="run the attacks' vectorised iterations through torch.compile, on CUDA "
                                        "replayed as CUDA graphs: faster once a first compilation per model shape, "
                                        "attack and chunk size is paid (docs/results.md, Speed); a CPU needs a C++ "
                                        "compiler"),
+    "precision": Param("float32", str, choices=("float32", "bfloat16"),
+                       help="the attacks' vectorised iterations: bfloat16 runs the model's forward and double "
+                            "backward under autocast (the images and Adam's state stay float32); it weakens the "
+                            "attacks (6-7 dB on the quickstart, docs/results.md), so it is for speed checks, not "
+                            "verdicts"),
     "workers": Param(None, int, min=1, help="worker processes (default: auto: one per visible GPU on CUDA; on the "
                                             "CPU, one per core, but no more than the settings and cells to run "
                                             "nor than their work pays process starts for: a small audit runs in "
@@ -40,18 +45,19 @@ TOP = {
     "max_problems": Param("auto", (str, int), help="problems (targets x restarts x tuning trials) an attack "
                                                    "optimises together: auto (what fits in free memory) or a number"),
     "plugins_dir": Param(None, str, help="folder of drop-in *.py plugins, relative to this file"),
-    "data": Param(type=dict),
-    "model": Param(type=dict),
-    "defenses": Param(type=list),
+    "data": Param(type=dict, help="the private examples attacked and the training data (the data section)"),
+    "model": Param(type=dict, help="the network the clients train and the steps it is attacked at (the model section)"),
+    "defenses": Param(type=list, help="the settings compared: each a defense, its params, a sweep, a chain or a "
+                                      "frontier search"),
     "attacks": Param("auto", (str, list),
                      help="the attacks: a list of {name: ...} entries, or auto (the default: every registered "
                           "attack that applies to the audit's models, defenses and batch sizes, at budgets for "
                           "the device; leakaudit validate lists the choice)"),
-    "utility": Param({}, dict),
-    "metrics": Param(list(DEFAULT_METRICS), list),
+    "utility": Param({}, dict, help="the training that measures what each defense costs in accuracy"),
+    "metrics": Param(list(DEFAULT_METRICS), list, help="the scores of each reconstruction (the data's modality decides the default)"),
     "leakage_metric": Param(None, str, help="the metric that ranks attacks and draws the privacy axis "
                                             "(default: psnr when measured, else the first of metrics)"),
-    "threat": Param({}, dict),
+    "threat": Param({}, dict, help="what the attacker is given beside the update"),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
     "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/results/verdict.py)"),
     "architecture": Param("auto", (str, bool), choices=("auto", True, False),
@@ -60,7 +66,7 @@ TOP = {
                                "systems), true or false; its exact ranks can take seconds per model"),
 }
 EXECUTOR = {
-    "name": Param("local", str, choices=("local", "ray")),
+    "name": Param("local", str, choices=("local", "ray"), help="local worker processes, or tasks on a Ray cluster"),
     "address": Param(None, str, help="the Ray cluster to join: auto (the one this machine is part of) or "
                                      "ray://HOST:10001; left out: RAY_ADDRESS, else a Ray started on this machine"),
     "num_cpus": Param(1.0, float, min=0.0, exclusive_min=True, help="CPUs each Ray task asks for"),
@@ -70,26 +76,31 @@ EXECUTOR = {
 DATA = {
     "dataset": Param(None, str, help="a registered dataset (leakaudit plugins)"),
     "factory": Param(None, str, help="'package.module:load' returning your own ImageData (instead of dataset)"),
-    "image_size": Param(32, int, min=8, max=512),
-    "targets": Param(4, int, min=1, max=MAX_TARGETS, help="private images attacked"),
+    "image_size": Param(32, int, min=8, max=512, help="side of the square images in pixels (image datasets)"),
+    "targets": Param(4, int, min=1, max=MAX_TARGETS, help="private examples attacked (images or sentences)"),
     "target_split": Param("test", str, choices=("test", "train"),
                           help="the split the targets come from: test (never trained on) or train (also trained "
                                "on, as Balunovic et al. 2022 attack the first 100 training images)"),
     "target_order": Param("random", str, choices=("random", "first"),
                           help="a seeded draw of the split, or its first images in the dataset's own order"),
-    "batch_size": Param(1, int, min=1, help="images per shared update"),
-    "root": Param(None, str),
-    "download": Param(False, bool),
-    "params": Param({}, dict),
+    "batch_size": Param(1, int, min=1, help="examples per shared update"),
+    "root": Param(None, str, help="folder of the dataset's files (torchvision's datasets and imagefolder)"),
+    "download": Param(False, bool, help="let torchvision download a missing dataset into root (audits never do "
+                                        "otherwise)"),
+    "params": Param({}, dict, help="the dataset's own settings (leakaudit plugins lists them)"),
 }
 MODEL = {"name": Param(None, str, help="a zoo model (leakaudit plugins)"),
          "factory": Param(None, str, help="'package.module:build' returning your own nn.Module (instead of name)"),
-         "params": Param({}, dict), "checkpoints": Param([0], list),
+         "params": Param({}, dict, help="the model's own settings (leakaudit plugins lists them)"),
+         "checkpoints": Param([0], list, help="training steps at which the update is attacked (0: untrained)"),
          "mode": Param("train", str, choices=("train", "eval"),
                        help="the mode the client's update is computed (and attacked) in: train (BatchNorm batch "
                             "statistics) or eval (running statistics, as Geiping et al.'s and Balunovic et al.'s "
                             "code attack)")}
-DEFENSE = {"name": Param(None, str), "params": Param({}, dict), "sweep": Param({}, dict), "label": Param(None, str),
+DEFENSE = {"name": Param(None, str, help="a registered defense (leakaudit plugins)"),
+           "params": Param({}, dict, help="the defense's settings"),
+           "sweep": Param({}, dict, help="{param: [values]}: one setting per value"),
+           "label": Param(None, str, help="the setting's name in the report (default: the defense and its params)"),
            "chain": Param(None, list, help="defenses applied in order, each {name, params, sweep}"),
            "model": Param(None, dict, help="this entry's own model {name or factory, params} (default: model)"),
            "clients": Param(None, (int, list), help="secure aggregation: the server sees the mean of this many "
@@ -106,9 +117,13 @@ FRONTIER = {"param": Param(type=str, help="the defense's monotone knob (a parame
                                     "within this factor"),
             "probes": Param(8, int, min=2, max=64, help="the most settings the search judges, both ends included")}
 SETTING_MODEL = {k: p for k, p in MODEL.items() if k != "checkpoints"}
-MEMBER = {"name": Param(type=str), "params": Param({}, dict), "sweep": Param({}, dict)}
+MEMBER = {"name": Param(type=str, help="a registered defense applied at this place of the chain"),
+          "params": Param({}, dict, help="its settings"),
+          "sweep": Param({}, dict, help="{param: [values]}: one setting per value")}
 ROLES = ("naive", "adaptive")
-ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(None, str),
+ATTACK = {"name": Param(type=str, help="a registered attack (leakaudit plugins)"),
+          "params": Param({}, dict, help="the attack's settings (its budget, priors, step size)"),
+          "label": Param(None, str, help="the attack's name in the report (two entries of one attack need one)"),
           "tune": Param(None, dict, help="budgeted hyperparameter search before attacking (evaluator/audit/tuning.py)"),
           "defenses": Param(None, list, help="run only on settings with a defense (or chain member) of these "
                                              "names, or with these labels"),
@@ -118,9 +133,9 @@ ATTACK = {"name": Param(type=str), "params": Param({}, dict), "label": Param(Non
                                                        "attack uses what the defense does)")}
 UTILITY = {
     "train_steps": Param(200, int, min=0, max=MAX_STEPS, help="SGD steps of utility training under the defense"),
-    "batch_size": Param(32, int, min=1),
-    "lr": Param(0.1, float, min=0.0, exclusive_min=True),
-    "momentum": Param(0.0, float, min=0.0, max=1.0),
+    "batch_size": Param(32, int, min=1, help="examples per utility training step"),
+    "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="SGD's step size in utility training"),
+    "momentum": Param(0.0, float, min=0.0, max=1.0, help="SGD's momentum in utility training"),
     "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True,
                    help="delta at which epsilon is reported for defenses with a formal guarantee"),
     "train_defended": Param(True, bool, help="train under the defense; false: plain SGD on clean updates, the "

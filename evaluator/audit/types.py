@@ -275,6 +275,7 @@ class Audit:
     verdict: VerdictSection = field(default_factory=VerdictSection)
     deterministic: bool = True
     compile: bool = False  # the attacks' vectorised steps through torch.compile
+    precision: str = "float32"  # bfloat16: the vectorised steps' model passes under autocast
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     architecture: str | bool = "auto"  # the report's architecture analysis: auto, True or False
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)

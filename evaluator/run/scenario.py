@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leakaudit.attacks.vectorised import compile_steps
+from leakaudit.attacks.vectorised import autocast_steps, compile_steps
 from leakaudit.evaluator.audit.materials import check_data_memory, initial_model, load_data, model_section, one_line
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection
@@ -48,18 +48,21 @@ def process_flags(audit: Audit) -> Callable[[], None]:
     to 0.8 dB per image; with them, not at all, at several times the run time (docs/results.md). A CPU is
     deterministic either way; ``deterministic: false`` on CUDA lets cuDNN time its algorithms and keep the fastest.
     ``compile: true``: the attacks' vectorised iterations through torch.compile, on CUDA captured as CUDA graphs and
-    replayed, its disk cache kept beside the architecture analyses (``$LEAKAUDIT_CACHE/inductor``)."""
+    replayed, its disk cache kept beside the architecture analyses (``$LEAKAUDIT_CACHE/inductor``). ``precision:
+    bfloat16``: those iterations' model passes under autocast."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     if audit.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     restore_compile = compile_steps(audit.compile, cuda_graphs=audit.device == "cuda")
+    restore_precision = autocast_steps(audit.precision)
 
     def restore() -> None:
         """Put the process's flags back as they were (a caller's own code is not left in deterministic mode)."""
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
         restore_compile()
+        restore_precision()
 
     if audit.device == "cuda" and audit.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -1,5 +1,6 @@
-"""Attacks on the updates of language models: the tokens from the embedding's gradient, and DAGER's exact
-recovery of whole sequences from the span of the first attention layers' gradients (Petrov et al. 2024)."""
+"""Attacks on the updates of language models: the tokens from the embedding's gradient (Melis et al. 2019), DAGER's
+exact recovery of whole sequences from the span of the first attention layers' gradients (Petrov et al. 2024), and
+TAG's optimisation of relaxed embeddings (Deng et al. 2021)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -31,11 +32,16 @@ def gradient_of(observed: SharedUpdate, name: str) -> Tensor:
     return observed.tensors[observed.names.index(name)]
 
 
-def token_set(observed: SharedUpdate, model: TokenModel, tolerance: float = 0.0) -> Tensor:
-    """The ids whose embedding row has a gradient: exactly the batch's tokens where the embedding is its own
-    (untied) and the update is exact. Rows are compared with ``tolerance`` times the largest row's norm."""
+def token_set(observed: SharedUpdate, model: TokenModel, tolerance: float = 0.0, most: int | None = None) -> Tensor:
+    """The ids whose embedding row has a gradient, largest row first: exactly the batch's tokens where the embedding
+    is its own (untied) and the update is exact (Melis et al. 2019). Rows are compared with ``tolerance`` times the
+    largest row's norm; ``most`` keeps the largest rows (under noise every row has a gradient). No ids where the
+    update does not share the embedding's gradient (frozen embeddings)."""
+    if model.embedding_name() not in observed.names:
+        return torch.empty(0, dtype=torch.long)
     norms = gradient_of(observed, model.embedding_name()).double().norm(dim=1)
-    return torch.nonzero(norms > tolerance * norms.max()).flatten()
+    rows = torch.nonzero(norms > tolerance * norms.max()).flatten()
+    return rows[norms[rows].argsort(descending=True)][:most]
 
 
 def sequence_length(observed: SharedUpdate, model: TokenModel, longest: int) -> int:
@@ -64,6 +70,49 @@ def span_distance(vectors: Tensor, basis: Tensor) -> Tensor:
     v = vectors.double()
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
     return (v - (v @ basis.T) @ basis).norm(dim=-1)
+
+
+def token_rows(tokens: Tensor, model: Any, batch: int, length: int, device: torch.device) -> Tensor:
+    """The tokens, unordered, in every row of the batch (padding left out; the rest padded): what the embedding's
+    gradient gives without an order."""
+    tokens = tokens[tokens != model.pad_id][:length].to(device)
+    rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
+    rows[:, : len(tokens)] = tokens
+    return rows
+
+
+class TokenSet(Attack):
+    """The batch's words from the token embedding's gradient (Melis et al. 2019): its rows are zero but for the
+    tokens the batch holds, where the embedding is untied. Every row gets the set, largest gradient first, with no
+    order; under noise, the rows of largest norm, as many as the batch's positions. Frozen embeddings (FILM) share
+    no such gradient: it then reads nothing."""
+
+    name = "token_set"
+    paper = "Melis et al. 2019"
+    modality = "text"
+    params: ClassVar[dict[str, Param]] = {
+        "tolerance": Param(0.0, float, min=0.0, help="rows whose norm is at most this share of the largest count "
+                           "as zero"),
+    }
+    brings: ClassVar[str] = "the batch's words from the embedding's gradient"
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {}}  # a row norm per token: no budget to set
+
+    tolerance: float
+
+    def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if not isinstance(model, TokenModel):
+            return "token_set reads a language model's embedding: the model is not a TokenModel (leakaudit.plugins.text)"
+        return None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        model: Any = threat.model
+        length, batch = threat.input_shape[0], observed.batch_size
+        tokens = token_set(observed, model, self.tolerance, most=batch * length)
+        extras: dict[str, Any] = {"tokens": len(tokens)}
+        if model.embedding_name() not in observed.names:
+            extras["note"] = "the update shares no gradient of the token embedding (frozen): no tokens to read"
+        rows = token_rows(tokens, model, batch, length, threat.device)
+        return Reconstruction(rows, recover_labels(observed, threat, "signs", generator), [], 0.0, extras)
 
 
 class Dager(Attack):
@@ -115,7 +164,7 @@ class Dager(Attack):
                 extras["note"] = (f"rank condition not met: the attention gradients have rank {len(first)} and "
                                   f"{len(second)} of width {model.width} (the batch's tokens are not fewer than the "
                                   "width), so their span holds any sequence; the token set is returned")
-                rows = self._token_rows(observed, model, batch, length, threat.device)
+                rows = token_rows(token_set(observed, model), model, batch, length, threat.device)
             else:
                 candidates = self._candidates(model, first, length, threat.device)
                 rows = self._grow(model, second, candidates, batch, length, threat.device)
@@ -155,16 +204,6 @@ class Dager(Attack):
         for i, seq in enumerate(sorted(finished, key=len, reverse=True)[:batch]):
             rows[i, : len(seq)] = seq
         return rows
-
-    def _token_rows(self, observed: SharedUpdate, model: Any, batch: int, length: int,
-                    device: torch.device) -> Tensor:
-        """The token set, unordered, in every row: what the embedding's gradient gives without the span."""
-        tokens = token_set(observed, model)
-        tokens = tokens[tokens != model.pad_id][:length].to(device)
-        rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
-        rows[:, : len(tokens)] = tokens
-        return rows
-
 
 class Tag(Attack):
     """TAG (Deng et al. 2021): continuous input embeddings optimised so that their update matches the observed
@@ -231,4 +270,4 @@ def nearest_tokens(x: Tensor, table: Tensor) -> Tensor:
 
 @hookimpl
 def register_attacks():
-    return [Dager, Tag]
+    return [TokenSet, Dager, Tag]

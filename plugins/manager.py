@@ -27,6 +27,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.defenses.precode",
     "leakaudit.defenses.bayesian",
     "leakaudit.defenses.compression",
+    "leakaudit.defenses.text",
     "leakaudit.attacks.gradient_matching",
     "leakaudit.attacks.analytic",
     "leakaudit.attacks.bayes",

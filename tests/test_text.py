@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leakaudit.attacks.text import Dager, Tag, sequence_length, span_basis, span_distance, token_set
+from leakaudit.attacks.text import Dager, Tag, TokenSet, sequence_length, span_basis, span_distance, token_set
+from leakaudit.defenses.text import FrozenEmbeddings
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, exact_sequence,
                                           load_pii_sentences, pii_recall, rouge, text_assignment, token_accuracy,
@@ -30,9 +31,10 @@ def _update(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> SharedU
     return SharedUpdate(list(grads), [n for n, _ in named], len(x))
 
 
-def _attack(data, batch: int) -> tuple[torch.Tensor, dict]:
+def _attack(data, batch: int, frozen: bool = False) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
     model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=128)
+    model = FrozenEmbeddings().wrap_model(model) if frozen else model
     x, y = data.test_x[:batch], data.test_y[:batch]
     threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
                          batch, NoDefense(), labels=y)
@@ -80,13 +82,37 @@ def test_the_token_set_is_exact_on_an_untied_embedding_and_freezing_it_leaves_no
     model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH)
     x, y = data.test_x[:8], data.test_y[:8]
     assert set(token_set(_update(model, x, y), model).tolist()) == set(x[x != 0].tolist())
-    model.wte.weight.requires_grad_(False)  # frozen embeddings (Gupta et al. 2022): their rows are not shared
-    with pytest.raises(ValueError, match="no gradient of 'wte.weight'"):
-        token_set(_update(model, x, y), model)
+    frozen = FrozenEmbeddings().wrap_model(model)  # Gupta et al. 2022: the embedding is not trained nor shared
+    update = _update(frozen, x, y)
+    assert "wte.weight" not in update.names and "wpe.weight" in update.names
+    assert len(token_set(update, frozen)) == 0
+    threat = ThreatModel(frozen, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 8,
+                         FrozenEmbeddings(), labels=y)
+    rec = TokenSet()(update, threat, torch.Generator())
+    assert (rec.images == data.pad_id).all() and "frozen" in rec.extras["note"]
+    with pytest.raises(ValueError, match="not a TokenModel"):
+        FrozenEmbeddings().wrap_model(torch.nn.Linear(2, 2))
 
 
-def test_dager_recovers_a_batch_of_eight_sequences_exactly_while_its_tokens_are_fewer_than_the_width(data):
-    rows, extras = _attack(data, 8)
+def test_the_token_set_attack_reads_the_batchs_words_largest_gradient_first(data):
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH)
+    for batch in (1, 2):
+        x, y = data.test_x[:batch], data.test_y[:batch]
+        threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
+                             batch, NoDefense(), labels=y)
+        rows = TokenSet()(_update(model, x, y), threat, torch.Generator()).images
+        words, read = set(x[x != 0].tolist()), rows[0][rows[0] != 0].tolist()
+        if batch == 1:  # one sentence: its words, each once
+            assert set(read) == words and len(read) == len(words)
+        else:  # two sentences hold 20 words: each row gets the 16 of largest gradient
+            assert len(words) > LENGTH and len(read) == LENGTH and set(read) <= words and torch.equal(rows[0], rows[1])
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_dager_recovers_a_batch_of_eight_sequences_exactly_while_its_tokens_are_fewer_than_the_width(data, frozen):
+    """Frozen embeddings (FILM) take the token set away, not the attention layers' span: DAGER still reads all."""
+    rows, extras = _attack(data, 8, frozen)
     original = data.test_x[:8]
     assert int((original != 0).sum()) < 128
     assert sorted(data.decode(r) for r in rows) == sorted(data.decode(r) for r in original)
@@ -176,15 +202,16 @@ TEXT_AUDIT = {
     "data": {"dataset": "pii_sentences", "targets": 2, "batch_size": 1,
              "params": {"length": 16, "train": 200, "test": 20}},
     "model": {"name": "tiny_gpt", "params": {"width": 64, "layers": 3}, "checkpoints": [0]},
-    "defenses": [{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}}],
-    "attacks": [{"name": "dager"}],
+    "defenses": [{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}}, {"name": "frozen_embeddings"}],
+    "attacks": [{"name": "dager"}, {"name": "token_set"}],
     "utility": {"train_steps": 5, "batch_size": 8, "lr": 0.001},
 }
 
 
 def test_a_text_audit_reads_sentences_back_judges_them_and_shows_them(write_audit, tmp_path):
     """End to end: DAGER reads the undefended sentences back exactly (every name and number: PII recall 1),
-    loud noise leaves it the guesses, the verdicts say so, and the report shows the sentences."""
+    loud noise leaves it the guesses, frozen embeddings stop the token set but not DAGER, the verdicts say so,
+    and the report shows the sentences."""
     import json
 
     from leakaudit.evaluator.audit.config import load_audit
@@ -194,12 +221,18 @@ def test_a_text_audit_reads_sentences_back_judges_them_and_shows_them(write_audi
     assert audit.metrics[0] == "rouge1" and audit.leakage_metric == "rouge1"  # text's defaults
     summary = run_audit(audit, tmp_path / "run", progress=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
-    clean = [r for r in rows if r["setting"] == "none"]
-    assert [r["rouge1"] for r in clean] == [1.0, 1.0] and [r["pii_recall"] for r in clean] == [1.0, 1.0]
-    noisy = [r for r in rows if r["setting"] != "none"]
+    def scores(setting: str, attack: str, metric: str) -> list[float]:
+        return [r[metric] for r in rows if r["setting"] == setting and r["attack"] == attack]
+
+    assert scores("none", "dager", "rouge1") == [1.0, 1.0] and scores("none", "dager", "pii_recall") == [1.0, 1.0]
+    assert min(scores("none", "token_set", "rouge1")) > 0.8  # the words, in no order
+    noisy = [r for r in rows if r["setting"].startswith("gaussian")]
     assert all(r["rouge2"] < 0.5 and r["pii_recall"] < 0.5 for r in noisy)
-    verdicts = {w.setting: w.verdict for w in summary.worst_case}
-    assert verdicts["none"] == "leaks"
+    assert scores("frozen_embeddings", "token_set", "rouge1") == [0.0, 0.0]
+    assert scores("frozen_embeddings", "dager", "rouge1") == [1.0, 1.0]
+    worst = {w.setting: w for w in summary.worst_case}
+    assert worst["none"].verdict == "leaks"
+    assert worst["frozen_embeddings"].verdict == "leaks" and worst["frozen_embeddings"].attack == "dager"
     page = (tmp_path / "run" / "report.html").read_text()
     assert "Recovered sentences" in page and "<mark>" in page and "PII recall 1.00" in page
 

@@ -38,6 +38,6 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
 
 def check_threat(model: nn.Module, inputs: Tensor, labels: Tensor, defense: Defense, protocol: Protocol,
             known_labels: bool) -> ThreatModel:
-    """The honest-but-curious server of the tiny case: inputs are pixels (mean 0, std 1)."""
-    zeros = torch.zeros(inputs.shape[1], 1, 1, device=inputs.device)
+    """The honest-but-curious server of the tiny case: inputs are pixels (mean 0, std 1), or token ids."""
+    zeros = torch.zeros(inputs.shape[1] if inputs.is_floating_point() else 1, 1, 1, device=inputs.device)
     return live_threat(model, F.cross_entropy, inputs, labels, zeros, zeros + 1, defense, known_labels, protocol)

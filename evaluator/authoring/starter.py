@@ -1,6 +1,7 @@
 """``leakaudit init``: a commented starter audit for the defenses a user names, checked before it is written."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,11 +18,36 @@ from leakaudit.plugins.spec import Param, did_you_mean
 
 #: What a starter audit attacks when the user names no defense: the undefended reference and Gaussian noise.
 DEFAULT_DEFENSES = ("gaussian",)
-#: The classic attack every starter audit runs, beside the adaptive ones, at a budget a CPU finishes.
-NAIVE_ATTACK = ("inverting_gradients", {"iterations": 1000, "lr": 0.1, "priors": {"tv": 0.01}})
-#: The starter's images and model: the quickstart's (greyscale digits, 10 classes, one image per update).
-DATASET, IMAGE_SIZE, MODEL_NAME = "digits", 32, "lenet_zhu"
 COMMENT_AT = 28  # column of the comments after short lines
+
+
+@dataclass(frozen=True)
+class Starter:
+    """What a starter audit of one kind of example holds: its data, model, classic attack and metrics."""
+
+    dataset: str
+    dataset_comment: str
+    data_lines: tuple[tuple[str, str], ...]  # (line, comment) after the dataset
+    model: str
+    model_params: dict[str, Any]
+    offered: dict[str, Any]                  # what the data offers the model (for the attacks' applicability)
+    naive_attack: tuple[str, dict[str, Any]]  # the classic attack every starter runs, at a budget a CPU finishes
+    metrics: tuple[str, ...]
+    utility: dict[str, Any]
+
+
+#: The quickstarts' data and models: greyscale digits on the DLG paper's LeNet, PII sentences on a small GPT.
+STARTERS = {
+    "image": Starter("digits", "scikit-learn's 8x8 digits, offline", (("  image_size: 32", DATA["image_size"].describe()),),
+                     "lenet_zhu", {}, {"channels": 1, "num_classes": 10, "image_size": 32},
+                     ("inverting_gradients", {"iterations": 1000, "lr": 0.1, "priors": {"tv": 0.01}}),
+                     ("psnr", "ssim", "label_accuracy"), {"train_steps": 200}),
+    "text": Starter("pii_sentences", "made-up sentences with personal values, generated offline",
+                    (("  params: {length: 16}", "tokens per sentence, padding included"),),
+                    "tiny_gpt", {"layers": 3}, {"vocab_size": 128, "num_classes": 4, "length": 16},
+                    ("tag", {"iterations": 300}), ("rouge1", "rouge2", "token_accuracy", "label_accuracy"),
+                    {"train_steps": 100, "batch_size": 32, "lr": 0.001}),
+}
 
 
 def _value(value: Any) -> str:
@@ -67,12 +93,19 @@ def _checked_names(registry: Registry, kind: str, names: Sequence[str], option: 
     return list(dict.fromkeys(names))
 
 
-def _default_attacks(registry: Registry, defenses: list[str]) -> list[tuple[str, list[str] | None]]:
+def _default_attacks(registry: Registry, defenses: list[str], kind: str) -> list[tuple[str, list[str] | None]]:
     """The classic attack on every setting, the Bayes adversary on the defenses with a likelihood, and for each
-    defense without one the attacks built on it (each with the defenses it runs on, None: all)."""
+    defense without one the attacks built on it (each with the defenses it runs on, None: all). For text, which
+    has no Bayes adversary yet, every text attack that applies to the starter's model runs on every setting."""
+    starter = STARTERS[kind]
     built = {n: registry.get("defense", n)(**_required_values("defense", n, registry.get("defense", n).params))
              for n in defenses}
-    attacks: list[tuple[str, list[str] | None]] = [(NAIVE_ATTACK[0], None)]
+    attacks: list[tuple[str, list[str] | None]] = [(starter.naive_attack[0], None)]
+    if kind == "text":
+        model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
+        return attacks + [(a, None) for a in registry.names("attack") if a != starter.naive_attack[0]
+                          and registry.get("attack", a).modality == kind
+                          and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
     with_likelihood = [n for n, d in built.items() if d.has_likelihood() and not d.baseline]
     if with_likelihood:
         attacks += [(a, with_likelihood) for a in registry.names("attack") if registry.get("attack", a).uses_likelihood]
@@ -80,14 +113,22 @@ def _default_attacks(registry: Registry, defenses: list[str]) -> list[tuple[str,
         if d.has_likelihood():
             continue
         with torch.random.fork_rng(devices=[]):
-            model = d.wrap_model(registry.get("model", MODEL_NAME).build(channels=1, num_classes=10,
-                                                                         image_size=IMAGE_SIZE))
+            model = d.wrap_model(registry.get("model", starter.model).build(**starter.offered))
         for a in registry.names("attack"):
             attack = registry.get("attack", a)()
             if (not attack.uses_likelihood and attack.uses_defense and attack.unsupported_defense(d) is None
                     and attack.unsupported(model, 1, FEDSGD) is None):
                 attacks.append((a, [n]))
     return attacks
+
+
+def _kind(registry: Registry, defenses: list[str]) -> str:
+    """The examples every named defense applies to (images where all do); a ConfigError where none is common."""
+    common = [k for k in STARTERS if all(k in registry.get("defense", d).modalities for d in defenses)]
+    if not common:
+        spread = "; ".join(f"{d}: {', '.join(registry.get('defense', d).modalities)}" for d in defenses)
+        raise ConfigError([f"init: the defenses apply to different examples ({spread}); one audit holds one kind"])
+    return common[0]
 
 
 def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Sequence[str] = (),
@@ -99,9 +140,11 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
     baseline = [n for n in registry.names("defense") if registry.get("defense", n).baseline]
     chosen = _checked_names(registry, "defense", [*baseline[:1], *(defenses or DEFAULT_DEFENSES)], "--defense")
     named = _checked_names(registry, "attack", attacks, "--attack")
-    plan = [(a, None) for a in named] if named else _default_attacks(registry, chosen)
+    kind = _kind(registry, chosen)
+    starter = STARTERS[kind]
+    plan = [(a, None) for a in named] if named else _default_attacks(registry, chosen, kind)
     lines = [
-        "# A leakaudit audit: which defenses, attacked how, on which images and model.",
+        "# A leakaudit audit: which defenses, attacked how, on which data and model.",
         "#   leakaudit validate FILE            checks it (before any work)",
         "#   leakaudit run FILE --out DIR       runs it and writes DIR/report.html",
         "# Every key and its choices: `leakaudit schema`; a plugin's parameters: `leakaudit plugins KIND NAME`.",
@@ -110,14 +153,15 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
         _line("seed: 0", TOP["seed"].help),
         _line("device: auto", "auto | cpu | cuda"),
         "data:",
-        _line(f"  dataset: {DATASET}", f"scikit-learn's 8x8 digits, offline; others: "
-                                       f"{', '.join(registry.names('dataset'))}"),
-        _line(f"  image_size: {IMAGE_SIZE}", DATA["image_size"].describe()),
+        _line(f"  dataset: {starter.dataset}", f"{starter.dataset_comment}; others: "
+                                               f"{', '.join(registry.names('dataset'))}"),
+        *(_line(text, comment) for text, comment in starter.data_lines),
         _line("  targets: 4", DATA["targets"].help),
         _line("  batch_size: 1", DATA["batch_size"].help),
         "model:",
-        _line(f"  name: {MODEL_NAME}", f"{MODEL['name'].help}; or factory: 'package.module:build'"),
-        _line("  checkpoints: [0]", "training steps at which the update is attacked (0: untrained)"),
+        _line(f"  name: {starter.model}", f"{MODEL['name'].help}; or factory: 'package.module:build'"),
+        *([_line(f"  params: {_value(starter.model_params)}", MODEL["params"].help)] if starter.model_params else []),
+        _line("  checkpoints: [0]", MODEL["checkpoints"].help),
         "# One setting per entry; `sweep: {param: [v1, v2, ...]}` makes one per value: a privacy-utility curve.",
         "defenses:",
     ]
@@ -132,11 +176,12 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
         cls = registry.get("attack", a)
         lines.append(_line(f"  - name: {a}", f"{registry.entries['attack'][a].summary} Its parameters: "
                                              f"leakaudit plugins attack {a}"))
-        lines += _params_block(cls.params, NAIVE_ATTACK[1] if a == NAIVE_ATTACK[0] else {}, "    ", others=False)
+        lines += _params_block(cls.params, starter.naive_attack[1] if a == starter.naive_attack[0] else {}, "    ",
+                               others=False)
         if scope:
             lines.append(_line(f"    defenses: {_value(scope)}", "the settings it runs on"))
-    lines += [_line("utility: {train_steps: 200}", "SGD steps that measure each defense's test accuracy"),
-              _line("metrics: [psnr, ssim, label_accuracy]", f"choices: {', '.join(registry.names('metric'))}")]
+    lines += [_line(f"utility: {_value(starter.utility)}", "SGD steps that measure each defense's test accuracy"),
+              _line(f"metrics: {_value(list(starter.metrics))}", f"choices: {', '.join(registry.names('metric'))}")]
     return "\n".join(lines) + "\n"
 
 

@@ -152,9 +152,9 @@ def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batc
 def live_threat(model: nn.Module, loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor,
                 defense, known_labels: bool, protocol) -> ThreatModel:
     """The server's knowledge of a live model and a batch of ``pixels`` in [0, 1] normalised by ``mean``, ``std``
-    (its classes counted by one forward pass)."""
+    (its classes counted by one forward pass); token ids (integers) are read as they are."""
     with torch.no_grad():
-        num_classes = model(((pixels - mean) / std)[:1]).shape[1]
+        num_classes = model((pixels if not pixels.is_floating_point() else (pixels - mean) / std)[:1]).shape[1]
     return ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(pixels.shape[1:]), mean=mean, std=std,
                        num_classes=num_classes, batch_size=len(pixels), defense=defense,
                        labels=labels if known_labels else None, device=pixels.device, protocol=protocol)

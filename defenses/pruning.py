@@ -27,7 +27,7 @@ class RandomPrune(Defense):
         "fraction": Param(0.5, float, min=0.0, max=0.99, protects="higher", help="share of coordinates zeroed"),
         "noise": Param("none", str, choices=("none", "gaussian", "laplace"), help="noise added after pruning"),
         "scale": Param(0.0, float, min=0.0, protects="higher", help="noise scale (sigma for gaussian, b for laplace)"),
-        "mask": Param("per_round", str, choices=("per_round", "fixed")),
+        "mask": Param("per_round", str, choices=("per_round", "fixed"), help="a fresh random mask every round, or one mask for the whole training"),
         "mask_seed": Param(0, int, min=0, help="seed of the fixed mask"),
         "attacker_knows_mask": Param(False, bool, help="the mask is sent with the update"),
     }

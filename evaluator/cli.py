@@ -58,13 +58,13 @@ def _parser() -> argparse.ArgumentParser:
                              "attacks did not break even the undefended update)")
     val = sub.add_parser("validate", help="check an audit file and exit (0: valid, 2: problems, one per line); it "
                                           "runs no code of yours unless --import")
-    val.add_argument("config")
+    val.add_argument("config", help="audit YAML file")
     val.add_argument("--import", dest="import_code", action="store_true",
                      help="import the modules that factory: and protocol.function name and check the names are "
                           "callable (without it they are only found on the import path)")
     ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
                                           "(Chen & Campbell 2022), before any attack")
-    ana.add_argument("config")
+    ana.add_argument("config", help="audit YAML file")
     ana.add_argument("--json", action="store_true", help="machine-readable output")
     plug = sub.add_parser("plugins", help="list every defense, attack, metric, model and dataset and its origin; "
                                           "with KIND NAME, one plugin's parameters, paper and origin")

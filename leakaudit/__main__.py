@@ -3,4 +3,5 @@ import sys
 
 from leakaudit.evaluator.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not on import (the documentation's API page inspects every module of the package)
+    sys.exit(main())

@@ -20,7 +20,10 @@ from torch.func import functional_call
 from leakaudit.plugins.factories import import_factory
 from leakaudit.plugins.spec import Param
 
+#: The loss a client differentiates: ``loss_fn(outputs, targets)`` -> a scalar tensor (targets are class indices or
+#: soft labels).
 LossFn = Callable[[Tensor, Tensor], Tensor]
+#: Your own training step, as ``OwnStep`` calls it: ``train_step(model, inputs, labels)``; it updates the model.
 StepFn = Callable[[nn.Module, Tensor, Tensor], Any]
 
 

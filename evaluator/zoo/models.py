@@ -226,7 +226,8 @@ ZOO = [
               summary=convnet.__doc__, paper="Geiping et al. 2020"),
     ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__, paper="Balunovic et al. 2022"),
     ModelSpec("convbig", convbig, summary=convbig.__doc__, paper="Balunovic et al. 2022"),
-    ModelSpec("mlp", mlp, {"width": Param(256, int, min=1), "depth": Param(2, int, min=0)}, summary=mlp.__doc__),
+    ModelSpec("mlp", mlp, {"width": Param(256, int, min=1, help="units of each hidden layer"),
+                           "depth": Param(2, int, min=0, help="hidden layers")}, summary=mlp.__doc__),
     *(ModelSpec(f.__name__, f, RESNET_PARAMS, summary=f.__doc__, paper="He et al. 2016")
       for f in (resnet18, resnet34, resnet50)),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},

@@ -12,19 +12,31 @@ ROOT = Path(__file__).resolve().parents[1]
 LEAKAUDIT = [sys.executable, "-m", "leakaudit"]
 
 
+#: The tiers beyond the fast one, each with the option that runs it: ``python -m pytest`` alone is the fast tier
+#: (unit tests of every room, about 3 minutes on 2 cores); CI adds the end-to-end audits (``--runslow``);
+#: ``--runheavy`` adds the shipped audits at their heavier settings, browsers and clusters.
+TIERS = {"slow": "--runslow", "heavy": "--runheavy"}
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the checks marked slow (end-to-end audits at their shipped size)")
+                     help="also run the end-to-end checks marked slow (what CI runs)")
+    parser.addoption("--runheavy", action="store_true", default=False,
+                     help="also run the checks marked heavy (shipped audits at their heavier settings, browsers, "
+                          "clusters); implies --runslow")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Checks marked slow are skipped unless --runslow is given (or -m selects them), as in pytest's own docs."""
-    if config.getoption("--runslow") or "slow" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --runslow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    """Checks of a tier are skipped unless its option is given (or -m names it), as in pytest's own docs."""
+    heavy = config.getoption("--runheavy")
+    runs = {"slow": heavy or config.getoption("--runslow"), "heavy": heavy}
+    for tier, option in TIERS.items():
+        if runs[tier] or tier in (config.getoption("markexpr") or ""):
+            continue
+        skip = pytest.mark.skip(reason=f"{tier}: run with {option}")
+        for item in items:
+            if tier in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")

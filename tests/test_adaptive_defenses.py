@@ -104,6 +104,7 @@ def test_soteria_likelihood_ignores_the_defended_layer_only():
     assert defense.log_likelihood(sent, candidate).item() == pytest.approx(-0.5 * 10)
 
 
+@pytest.mark.slow
 def test_dropping_the_soteria_layer_breaks_it_where_the_full_update_does_not():
     """Balunovic et al. 2022, Sec. 5: cosine matching on every layer but the defended one."""
     model, y = small_convbig(), torch.tensor([2])
@@ -420,6 +421,7 @@ def test_bayes_is_refused_where_the_defense_declares_no_likelihood(write_audit, 
                                                "step (defenses: bnn)")
 
 
+@pytest.mark.slow
 def test_an_audit_of_all_three_runs_end_to_end_and_reproduces(write_audit, tmp_path):
     import json
 

@@ -91,6 +91,7 @@ def test_utility_training_draws_augmented_batches(write_audit):
     assert not torch.allclose(run.batch()[0], run.inputs[drawn])  # augmented, not the stored images
 
 
+@pytest.mark.slow
 def test_the_attack_rebuilds_and_is_scored_against_the_augmented_image(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit(
         defenses=[{"name": "ats", "params": {"policy": "21-13-3"}}],

@@ -1,6 +1,7 @@
 """Attacks: label recovery exact for one image; Inverting Gradients breaks an undefended LeNet, not a noisy one."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from leakaudit.attacks.gradient_matching import InvertingGradients, step_decay_milestones
@@ -59,10 +60,12 @@ def _attack_digit(defense, iterations=600):
     return psnr(rec.images, pixels).item()
 
 
+@pytest.mark.slow
 def test_inverting_gradients_breaks_undefended_lenet():
     assert _attack_digit(NoDefense()) > 18.0
 
 
+@pytest.mark.slow
 def test_inverting_gradients_fails_under_strong_noise():
     assert _attack_digit(GaussianNoise(sigma=1.0)) < 12.0
 
@@ -79,6 +82,7 @@ def _scenario(model, index=0, size=16, protocol=None):
     return NoDefense().share(step), threat, pixels, label
 
 
+@pytest.mark.slow
 def test_dlg_with_lbfgs_rebuilds_a_digit_from_untrained_lenet():
     from leakaudit.attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage
 
@@ -117,6 +121,7 @@ def test_analytic_says_where_it_does_not_apply():
     assert AnalyticInversion().unsupported(mlp(1, 10, 16), 1, FEDSGD) is None
 
 
+@pytest.mark.slow
 def test_inverting_gradients_unrolls_federated_averaging():
 
     torch.manual_seed(0)

@@ -155,7 +155,7 @@ def _env_beside_this_one(folder: Path) -> Path:
     return python
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_new_plugin_installs_is_listed_and_passes_its_own_tests(capsys, tmp_path):
     code, _, err = _run(capsys, "new-plugin", "soft_noise", "--dir", str(tmp_path))
     folder = tmp_path / "leakaudit-soft-noise"

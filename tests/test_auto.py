@@ -64,7 +64,7 @@ def test_validate_lists_the_choice_and_the_reasons(write_audit, capsys):
 
     assert main(["validate", str(write_audit({**MLP_AUDIT, "attacks": "auto"}))]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == ("  attacks: auto chose 6 of 20 registered attacks, at their budgets for cpu (list them under "
+    assert out[1] == ("  attacks: auto chose 6 of 21 registered attacks, at their budgets for cpu (list them under "
                       "attacks: to pin the choice):")
     assert "    spear: chosen, spear" in out
     assert "    dager: left out: it reconstructs text" in out  # the data are images
@@ -76,7 +76,7 @@ OFFLINE = {"cifar10": "cifar10_samples", "cifar100": "cifar100_samples", "mnist"
 #: Budgets small enough to run every chosen attack once per config (the test checks that they run, not how well).
 TINY = {"iterations": 1, "updates": 16, "width": 8, "minibatch": 8, "samples": 4096, "dense_limit": 1,
         "cg_iterations": 5}
-#: Configs whose models take over 10 s here even so (64 images through a deep network): run with --runslow.
+#: Configs whose models take over 10 s here even so (64 images through a deep network): run with --runheavy.
 HEAVY = {"cinet_batch64", "imprint", "bayesian_full_budget"}
 
 
@@ -93,7 +93,8 @@ def _auto_version(path: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in HEAVY else p
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.heavy) if p.stem in HEAVY else p
                                   for p in sorted(CONFIGS.glob("*.yaml"))], ids=lambda p: p.stem)
 def test_auto_validates_and_runs_on_every_shipped_configs_model(path, tmp_path):
     audit = load_audit(_auto_version(path, tmp_path))
@@ -125,6 +126,6 @@ def test_the_report_names_what_auto_chose(write_audit):
     audit = load_audit(write_audit(MLP_AUDIT))
     rows = dict(provenance(audit, {"attack_choice": list(audit.attack_choice)}))
     assert rows["Attacks"] == ("attacks: auto chose bayes, cinet, cocktail_party, inverting_gradients, "
-                               "learning_to_invert, spear; the other 14 registered attacks do not apply here or "
+                               "learning_to_invert, spear; the other 15 registered attacks do not apply here or "
                                "another does their work (leakaudit validate says why)")
     assert "Attacks" not in dict(provenance(audit, {}))  # a file that lists its attacks

@@ -421,6 +421,7 @@ def test_a_torchvision_root_without_the_dataset_is_one_line(write_audit, tmp_pat
                                        "there, or set download: true")
 
 
+@pytest.mark.slow
 def test_a_setting_label_is_cosmetic(write_audit, tmp_path):
     """Renaming a setting's label leaves its numbers as they were: its streams derive from what it is."""
     import json
@@ -454,6 +455,7 @@ MAPPINGS = st.dictionaries(KEYS, VALUES, max_size=8) | st.builds(
     st.sampled_from(["data", "model", "utility"]), KEYS, VALUES)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(MAPPINGS)
 def test_validate_never_lets_a_traceback_escape(tmp_path, capsys, mapping):

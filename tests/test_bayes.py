@@ -52,6 +52,7 @@ def test_bayes_on_gaussian_noise_is_l2_up_to_scale():
     assert psnr(bayes.images, l2.images).item() > 40.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [BayesOptimal, L2Matching, L1Matching, CosineMatching])
 def test_every_variant_rebuilds_an_undefended_digit(cls):
     from leakaudit.defenses.noise import NoDefense
@@ -61,6 +62,7 @@ def test_every_variant_rebuilds_an_undefended_digit(cls):
     assert psnr(rec.images, pixels).item() > 18.0 and rec.loss_trace[-1] < rec.loss_trace[0]
 
 
+@pytest.mark.slow
 def test_plugin_defense_gets_its_bayes_attack_for_free(tmp_path, write_audit):
     folder = tmp_path / "dropins"
     folder.mkdir()

@@ -102,6 +102,7 @@ def test_the_decoy_test_is_valid_where_reconstructions_know_nothing():
     assert (ps < 0.05).mean() <= 0.05
 
 
+@pytest.mark.slow
 def test_a_batch_whose_reconstructions_name_their_originals_leaks_whatever_its_psnr(write_audit, tmp_path):
     """Batches of 4 under Gaussian noise of sigma 0.1: Inverting Gradients stays under the leak threshold, yet its
     noisy reconstructions name their own originals among decoys of their classes far beyond chance."""
@@ -222,7 +223,7 @@ def test_a_filtered_attack_calibrates_on_the_reference_where_it_can_run_undefend
     assert audit.reference_of(audit.settings[0]) is reference
 
 
-@pytest.mark.slow  # 19 s; the default tier calibrates through the report's and the gate's tests
+@pytest.mark.heavy  # 19 s; the default tier calibrates through the report's and the gate's tests
 def test_the_undefended_lenet_is_inconclusive_at_200_iterations_and_leaks_at_1000(write_audit, tmp_path):
     """The case that once read "protects": Inverting Gradients on the untrained sigmoid LeNet, four digits at 32 px,
     judged by the score alone, reaches 12.0 dB at 200 iterations against the mean image's 13.2 + 1 dB. (At 400
@@ -273,6 +274,7 @@ def test_check_defense_passes_the_guarantees_that_hold(registry, name, params):
     assert tpr <= allowed
 
 
+@pytest.mark.slow
 def test_an_audit_catches_a_hidden_defense_that_claims_more_privacy_than_it_delivers(write_audit, tmp_path,
                                                                                    monkeypatch, capsys):
     """Its attacks identify every target, where the claimed guarantee allows about a guess's 1 in 8."""
@@ -307,6 +309,7 @@ def test_an_audit_catches_a_hidden_defense_that_claims_more_privacy_than_it_deli
     assert "beyond its bound" in (out / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_weak_attack_is_calibrated_by_its_own_run_on_the_reference_not_by_another(write_audit, tmp_path):
     """Inverting Gradients at 150 iterations breaks the reference, but topk was only attacked at 2 iterations,
     which do not: topk's "protects" is inconclusive, whatever the stronger attack did to the reference."""

@@ -50,6 +50,7 @@ def test_every_builtin_defense_is_covered(registry):
     assert builtin == set(BUILTIN_SETTINGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUILTIN_SETTINGS))
 def test_builtin_defense_passes(registry, name):
     params, kind = BUILTIN_SETTINGS[name]
@@ -64,11 +65,13 @@ def test_builtin_defense_passes(registry, name):
     {"noise": "gaussian", "scale": 0.05},                                # the mask unknown: a mixture
     {"noise": "laplace", "scale": 0.05, "attacker_knows_mask": True},
 ])
+@pytest.mark.slow
 def test_noisy_pruning_passes(registry, params):
     check = check_defense(registry.get("defense", "prune")(**params))
     assert check.kind == "noisy" and 0.9 < check.scale_ratio < 1.1
 
 
+@pytest.mark.slow
 def test_a_chain_passes(registry):
     chain = Chain([registry.get("defense", "clip")(max_norm=0.5), registry.get("defense", "gaussian")(sigma=0.05)])
     assert check_defense(chain).kind == "noisy"
@@ -104,6 +107,7 @@ def _ratio(message: str) -> float:
     return float(re.search(r"score variance is ([\d.]+)x", message).group(1))
 
 
+@pytest.mark.slow
 def test_wrong_noise_scale_fails_with_the_ratio():
     with pytest.raises(AssertionError) as info:
         check_defense(SendsThreeTimesTheNoise(sigma=0.1))
@@ -113,11 +117,13 @@ def test_wrong_noise_scale_fails_with_the_ratio():
     assert "as if the noise sent were 3" in message or "as if the noise sent were 2.9" in message
 
 
+@pytest.mark.slow
 def test_laplace_declared_where_gaussian_is_sent_fails():
     with pytest.raises(AssertionError, match="sharper than what share"):
         check_defense(DeclaresLaplaceSendsGaussian(scale=0.1))
 
 
+@pytest.mark.slow
 def test_the_same_noise_declared_rightly_passes():
     class Right(DeclaresLaplaceSendsGaussian):
         def log_likelihood(self, observed, candidate):
@@ -126,6 +132,7 @@ def test_the_same_noise_declared_rightly_passes():
     assert check_defense(Right(scale=0.1)).kind == "noisy"
 
 
+@pytest.mark.slow
 def test_a_likelihood_centred_off_what_is_sent_fails():
     class Shrunk(SendsThreeTimesTheNoise):
         def perturb(self, update, generator):
@@ -218,6 +225,7 @@ def test_own_model_and_batch(registry):
     assert check.shares == 64 and check.directions == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, params", [("inverting_gradients", {"iterations": 200}), ("analytic", {}),
                                           ("bayes", {"iterations": 200})])
 def test_builtin_attacks_pass(registry, name, params):

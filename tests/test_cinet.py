@@ -51,7 +51,7 @@ def test_the_generator_is_the_authors_architecture_and_outputs_the_batch_in_pixe
     assert Generator(torch.randn(2, 16), 32, 1, 28)().shape == (2, 1, 28, 28)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_one_step_at_the_width_chosen_for_resnet18_at_batch_64_moves_the_output_by_at_most_2(registry):
     """The old generator (768 channels, plain signed steps) moved its output by up to 26 in one step."""
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def test_one_step_at_the_width_chosen_for_resnet18_at_batch_64_moves_the_output_
     assert 0 < trace[0] < 1
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cinet_beats_inverting_gradients_and_a_grey_guess_on_a_batch_of_16(registry):
     """Issue 7: on sigmoid LeNet's averaged gradient of 16 images, mean SSIM at least 0.1 above Inverting
     Gradients' at the same budget, and above flat grey (measured: 0.289, 0.153 and 0.085)."""

@@ -24,6 +24,7 @@ def test_help_version_and_usage_errors_import_no_torch(argv):
     assert _imported(argv) == ""
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly():
     """The schema (300 kB) outgrows a pipe's buffer, so its writes meet the closed pipe whatever the timing."""
     listing = subprocess.Popen([sys.executable, "-m", "leakaudit", "schema"], stdout=subprocess.PIPE,
@@ -34,6 +35,7 @@ def test_a_closed_pipe_ends_quietly():
     assert listing.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err
 
 
+@pytest.mark.slow
 def test_the_listing_is_aligned_columns_people_read():
     done = subprocess.run([sys.executable, "-m", "leakaudit", "plugins"], capture_output=True, text=True, check=True)
     lines = done.stdout.splitlines()
@@ -45,6 +47,7 @@ def test_the_listing_is_aligned_columns_people_read():
     assert ats.count("Gao et al. 2021") == 1  # the paper in its column, not again in the summary
 
 
+@pytest.mark.slow
 def test_validate_and_plugins_import_neither_the_runner_nor_matplotlib():
     config = str(ROOT / "configs" / "quickstart.yaml")
     for argv in (["validate", config], ["plugins"]):

@@ -2,6 +2,7 @@
 compiled once for a model shape and reused by the next chunk with its own weights."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from leakaudit.attacks.bayesian import BayesianNoiseKL
@@ -31,6 +32,7 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_compiled_steps_follow_the_eager_ones_and_each_chunks_own_weights():
     torch.manual_seed(0)
     first, second = lenet_zhu(1, 10, 16), lenet_zhu(1, 10, 16)  # one shape, other weights
@@ -55,6 +57,7 @@ def test_compiling_raises_torchs_limit_on_compilations_and_restores_it():
     assert dynamo_config.recompile_limit == limit
 
 
+@pytest.mark.slow
 def test_the_cuda_graph_path_compiles_whole_iterations_in_reduce_overhead_mode_and_follows_eager(monkeypatch):
     """On CUDA a compiled iteration is captured as a CUDA graph (torch.compile's "reduce-overhead") and its outputs
     are copied out of the graph's memory before the next replay. On a CPU the mode compiles without graphs, so the
@@ -81,6 +84,7 @@ def test_the_cuda_graph_path_compiles_whole_iterations_in_reduce_overhead_mode_a
         assert (a - b).abs().max() < 1e-3, float((a - b).abs().max())
 
 
+@pytest.mark.slow
 def test_bayesian_kl_compiles_with_its_noise_given_and_follows_eager():
     """The Bayesian layers' noise is an unknown given to them per problem; their KL term, set by each forward pass,
     must not carry torch.func's wrapped tensors out of the compiled step (torch 2.14 refused to compile it)."""
@@ -120,6 +124,7 @@ def test_bfloat16_runs_the_model_passes_under_autocast_and_keeps_the_match():
     assert abs(full.extras["match_loss"] - half.extras["match_loss"]) < 0.05
 
 
+@pytest.mark.slow
 def test_a_step_the_compiler_fails_on_runs_eagerly_and_the_setting_is_restored(monkeypatch):
     """A compiler bug (torch 2.11's inductor on bayesian_kl's VB-ResNet-18 step) costs the speed-up, not the audit."""
     import torch._dynamo.config as dynamo_config

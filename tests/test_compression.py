@@ -39,6 +39,7 @@ def test_the_likelihood_is_highest_exactly_where_the_candidate_sends_the_same():
     assert float(scaled.log_likelihood(_sent(scaled, update), larger)) == pytest.approx(-0.5 * (4 + 1 * 9))
 
 
+@pytest.mark.slow
 def test_unscaled_signsgd_passes_the_plugin_check():
     """(The scaled default is checked with every built-in in tests/test_checks.py.)"""
     assert check_defense(SignSGD(scaled=False)).kind == "exact"
@@ -49,7 +50,7 @@ def test_signsgd_is_registered_with_its_paper():
     assert registry.get("defense", "signsgd") is SignSGD and SignSGD.paper == "Bernstein et al. 2018"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_bayes_adversary_reads_more_of_each_compressor_than_inverting_gradients(write_audit, tmp_path):
     """configs/compression.yaml's attacks on 4 digits at step 0, signSGD and QSGD at 4 levels: the attacker who
     knows the compression (signed steps, its prior's weight tuned on its own images) rebuilds better images than
@@ -107,6 +108,7 @@ def test_log_kernel_continues_log_by_its_tangent():
                                                         -6.907755 - 1 - 1000], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_qsgd_likelihood_of_the_wrong_width_fails_the_plugin_check():
     class Wide(QSGD):
         def log_likelihood(self, observed, candidate):
@@ -122,6 +124,7 @@ def test_qsgd_is_registered_with_its_paper():
     assert registry.get("defense", "qsgd") is QSGD and QSGD.paper == "Alistarh et al. 2017"
 
 
+@pytest.mark.slow
 def test_qsgd_after_clip_in_a_chain_takes_the_autograd_check():
     from leakaudit.defenses.chain import Chain
     from leakaudit.defenses.clipping import Clip

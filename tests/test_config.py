@@ -139,6 +139,7 @@ def test_validate_command_exits_2_with_one_line(write_audit, capsys):
     assert len(err) == 1 and "defenses[0].name" in err[0]
 
 
+@pytest.mark.slow
 def test_run_rejects_bad_file_before_any_work(write_audit, tmp_path):
     path = write_audit(small_audit(defenses=[{"name": "gaussian", "params": {"sigma": -1.0}}]))
     out = tmp_path / "out"

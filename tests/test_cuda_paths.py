@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leakaudit.attacks import vectorised
-from leakaudit.evaluator.audit.checks import check_device
+from leakaudit.evaluator.audit.checks import check_device, check_precision
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.run import executors
 from leakaudit.evaluator.run.runner import run_info
@@ -93,3 +93,19 @@ def test_run_info_names_the_gpu_and_keeps_determinism_as_asked(three_gpus, write
         info = run_info(Scenario(audit), 3)
         assert info["device"] == "cuda: Fake H100 x 3 process(es)" and info["device_type"] == "cuda"
         assert info["deterministic"] is deterministic
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused_in_one_line(monkeypatch):
+    """Autocast to bfloat16 on a GPU that lacks its arithmetic would be emulated: slower than float32."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    problems: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    check_precision("bfloat16", "cuda", problems)
+    check_precision("float32", "cuda", problems)
+    assert problems == []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    check_precision("bfloat16", "cuda", problems)
+    check_precision("bfloat16", "cpu", problems)  # allowed on a CPU: a speed check there is the user's call
+    assert problems == ["precision: bfloat16 but Tesla V100 has no bfloat16 arithmetic; choices: float32, "
+                        "bfloat16 (on a GPU that has it)"]

@@ -122,7 +122,7 @@ def _run(write_audit, tmp_path, name: str, audit: dict) -> dict:
     return {(r["setting"], r["attack"]): r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_spear_recovers_16_digits_exactly_from_an_mlp(write_audit, tmp_path):
     rows = _run(write_audit, tmp_path, "spear", {
         "data": {"dataset": "digits", "image_size": 16, "targets": 16, "batch_size": 16},
@@ -134,7 +134,7 @@ def test_spear_recovers_16_digits_exactly_from_an_mlp(write_audit, tmp_path):
     assert row["label_accuracy"] == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_cocktail_party_names_64_photos_from_the_mean_of_16_clients(write_audit, tmp_path):
     """16 clients of 4 photos each, one local step each; the server sees the mean. Each reconstruction is
     matched to the originals by the best assignment, and it names its image when that image is also its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 import shutil
 
 import pytest
@@ -57,6 +58,7 @@ def _reference():
     return module
 
 
+@pytest.mark.slow
 def test_the_documentation_site_builds_with_warnings_as_errors(tmp_path):
     import subprocess
     import sys
@@ -81,3 +83,33 @@ def test_every_key_built_in_flag_hook_and_exported_name_has_its_doc(monkeypatch)
 
     monkeypatch.setitem(TOP, "undocumented_key", Param(0, int))
     assert reference.undocumented() == ["audit key Top level.undocumented_key"]
+
+
+PYTHON_BLOCKS = [(page, i, textwrap.dedent(block)) for page in PAGES
+                 for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
+
+
+@pytest.mark.parametrize("page, index, block", PYTHON_BLOCKS, ids=[f"{p.name}[{i}]" for p, i, _ in PYTHON_BLOCKS])
+def test_every_python_block_of_the_docs_imports_what_it_names_and_calls_it_as_it_takes(page, index, block):
+    """A snippet stands in a user's code (their model, their loader), so it is not run; what it takes from
+    leakaudit is checked: it parses, its imports import, and each call of an imported name passes keywords the
+    callable accepts."""
+    import ast
+    import importlib
+    import inspect
+
+    tree = ast.parse(block, f"{page.name}[{index}]")
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("leakaudit"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                names[alias.asname or alias.name] = getattr(module, alias.name)  # AttributeError: a stale name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+            target = names[node.func.id]
+            parameters = inspect.signature(target).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+                continue
+            unknown = [k.arg for k in node.keywords if k.arg and k.arg not in parameters]
+            assert not unknown, f"{page.name}[{index}]: {node.func.id} takes no {unknown}"

@@ -129,6 +129,7 @@ def test_wrap_model_makes_batchnorm_models_opacus_compatible_and_says_what_chang
 
 
 
+@pytest.mark.slow
 def test_audit_rows_carry_opacus_epsilon_and_bayes_attacks_dpsgd(write_audit, tmp_path):
     audit = small_audit(defenses=[{"name": "none"}, {"name": "dpsgd", "params": {"noise_multiplier": 0.5}}],
                         attacks=[{"name": "bayes", "params": {"iterations": 5}}],

@@ -115,6 +115,7 @@ def _search_audit(tmp_path, **changes) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_search_runs_resumes_and_is_reported_from_its_folder(tmp_path, capsys):
     """The run judges the ends, bisects, and ends with the search's line and the decision; a rerun with --resume
     adds no row; a report rebuilt from the folder finds every probe (frontier.json)."""
@@ -147,7 +148,7 @@ def test_a_search_runs_resumes_and_is_reported_from_its_folder(tmp_path, capsys)
     assert page.index("<h2>Decision</h2>") < page.index("<h2>Verdicts</h2>") and found["protecting_setting"] in page
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_on_the_quickstart_the_search_brackets_sigma_and_a_grid_agrees(tmp_path):
     """The issue's check: Gaussian noise on the quickstart's model and data, bracketed within a factor 1.25 in at
     most 8 probes; a grid audit at the bracket's two ends gives the verdicts the search gave them."""

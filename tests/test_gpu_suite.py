@@ -1,12 +1,14 @@
 """benchmarks/gpu_suite.py at toy sizes on the CPU: every section a lent GPU will run, so that none rots."""
 from __future__ import annotations
 
+import pytest
 import importlib.util
 import json
 
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_runs_every_section_at_toy_sizes(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
     suite = importlib.util.module_from_spec(spec)

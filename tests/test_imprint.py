@@ -2,6 +2,7 @@
 individual images exactly, from one client's update or from the mean of many under secure aggregation."""
 from __future__ import annotations
 
+import pytest
 import json
 
 import torch
@@ -51,6 +52,7 @@ def _audit(write_audit, tmp_path, name: str, **changes) -> dict:
     return {r["setting"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_the_mean_of_16_clients_gives_back_most_of_their_64_images(write_audit, tmp_path):
     rows = _audit(write_audit, tmp_path, "robbed", protocol={"name": "fedavg", "clients": 16, "local_lr": 0.1})
     psnr = rows["none"]["per_image"]["psnr"]
@@ -59,6 +61,7 @@ def test_the_mean_of_16_clients_gives_back_most_of_their_64_images(write_audit, 
     assert "malicious: the server sent a model with an imprint block" in html
 
 
+@pytest.mark.slow
 def test_dp_sgd_leaves_no_image_above_the_mean_image_guess(write_audit, tmp_path):
     """One DP-SGD step, noise multiplier 1 (1-GDP, about epsilon 4.4 at delta 1e-5), each example clipped to 1."""
     dp = {"name": "dpsgd", "params": {"noise_multiplier": 1.0, "max_grad_norm": 1.0}}

@@ -28,6 +28,7 @@ def normalised(data) -> TensorDataset:
     return TensorDataset((data.train_x - mean) / std, data.train_y)
 
 
+@pytest.mark.slow
 def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
     import lightning.pytorch as pl
 
@@ -58,6 +59,7 @@ def test_lightning_callback_attacks_the_steps_of_trainer_fit(tmp_path):
     assert float(psnr[0]) == pytest.approx(found[0]["psnr"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_the_examples_run(tmp_path):
     import lightning_training
     import monitored_training
@@ -100,6 +102,7 @@ def flower_client(tmp_path, every=1, seed=0, **monitor_args):
     return LeakAuditClient(client, monitor, client.net), order
 
 
+@pytest.mark.slow
 def test_flower_client_attacks_the_fedavg_update_it_returns(tmp_path):
     from leakaudit.evaluator.results.report import threat_model
     from leakaudit.evaluator.results.rundir import saved_audit
@@ -194,7 +197,7 @@ def test_flower_client_refuses_before_any_round(tmp_path):
 
 # slow: the older NumPyClient path in Flower's simulation; in-process tests cover LeakAuditClient and the
 # Message-API app runs in the simulation by default
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):
     import flower_training
 
@@ -207,7 +210,7 @@ def test_flower_simulation_audits_every_client_round(tmp_path, monkeypatch):
         assert summary.checkpoints == [1, 2] and summary.worst_case[0].verdict == "leaks"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_flower_simulation_audited_from_the_server(tmp_path, monkeypatch):
     """Four clients in Flower's simulation, LeakAuditStrategy on the server: every client's update leaks, and
     the mean of the four (the view under secure aggregation) leaks less than the clients' own updates."""
@@ -283,7 +286,7 @@ def test_flower_mod_refuses_bad_settings_before_any_round(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
-@pytest.mark.slow  # 45 s of Flower's simulation; the mod's exactness around the app's own train stays in the default tier
+@pytest.mark.heavy  # 45 s of Flower's simulation; the mod's exactness around the app's own train stays in the default tier
 def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkeypatch):
     """Flower's current quickstart structure (ClientApp with @app.train, ServerApp with strategy.start), each
     side audited with at most five added lines; clients of 96 images are attacked on a seeded sample."""

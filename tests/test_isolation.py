@@ -66,6 +66,7 @@ def test_audit_batch_needs_the_normalisation_and_reads_a_torchvision_normalize()
     assert read[0].metrics == given[0].metrics
 
 
+@pytest.mark.slow
 def test_two_audits_in_one_process_each_report_their_own_epsilon(write_audit, tmp_path):
     epsilons = []
     for steps in (5, 50):
@@ -82,6 +83,7 @@ def test_two_audits_in_one_process_each_report_their_own_epsilon(write_audit, tm
     assert epsilons[1] > epsilons[0]
 
 
+@pytest.mark.slow
 def test_an_audit_without_psnr_keeps_its_main_outputs(write_audit, tmp_path):
     attacks = [{"name": "inverting_gradients", "label": "ig", "params": {"iterations": 20}},
                {"name": "inverting_gradients", "label": "ig_drop", "params": {"iterations": 20, "drop_defended": True}}]
@@ -154,6 +156,7 @@ def test_auto_workers_keep_a_small_audit_in_this_process(write_audit):
     assert auto_workers(loaded, [*loaded.settings, *jobs_of(loaded)]) == 1
 
 
+@pytest.mark.slow
 def test_vectorised_problems_match_one_at_a_time(write_audit, tmp_path):
     """Every target, restart and tuning trial of a cell solved together gives what max_problems: 1 gives."""
     attacks = [{"name": "inverting_gradients", "label": "ig", "params": {"iterations": 30, "restarts": 2}},
@@ -174,6 +177,7 @@ def test_vectorised_problems_match_one_at_a_time(write_audit, tmp_path):
     assert all(a[:2] == b[:2] and abs(a[2] - b[2]) < 0.1 for a, b in zip(rows["tune1"], rows["tuneauto"]))
 
 
+@pytest.mark.slow
 def test_vectorised_fedavg_unrolling_matches_one_at_a_time(write_audit, tmp_path):
     psnr = {}
     for size in (1, 4):
@@ -226,6 +230,7 @@ def test_precode_sample_pins_each_problems_sample_and_solves_them_together():
     assert all(m.pinned is None for m in model.modules() if hasattr(m, "pinned"))  # the audited model untouched
 
 
+@pytest.mark.slow
 def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
     defense = Bayesian()
     alone, together = _alone_and_together(defense, defense.wrap_model(lenet_zhu(1, 10, 16)),
@@ -237,11 +242,12 @@ def test_bayesian_kl_optimises_images_and_noise_of_many_problems_together():
                    for u, v in zip(a.extras["noise"][n], b.extras["noise"][n]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack,known", [(DeepLeakage(iterations=6, restarts=2), False),
                                           pytest.param(ImprovedDeepLeakage(iterations=6), False,
-                                                       marks=pytest.mark.slow),
+                                                       marks=pytest.mark.heavy),
                                           pytest.param(DeepLeakage(iterations=6, line_search=False), True,
-                                                       marks=pytest.mark.slow)])
+                                                       marks=pytest.mark.heavy)])
 def test_dlg_problems_solved_together_follow_their_own_lbfgs_path(attack, known):
     """Each problem keeps its own L-BFGS iterate and line search; evaluations and two-loop recursions are batched."""
     torch.manual_seed(0)

@@ -95,9 +95,10 @@ def test_a_run_that_restarts_clears_its_history_and_a_zero_loss_stops_it():
     assert torch.allclose(restarted[0], alone.detach(), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack,known", [(DeepLeakage(iterations=6, restarts=2), False),
                                           pytest.param(DeepLeakage(iterations=6, line_search=False), True,
-                                                       marks=pytest.mark.slow)])
+                                                       marks=pytest.mark.heavy)])
 def test_dlg_batched_agrees_with_the_lock_step_reference(attack, known):
     """The same problems through BatchedLBFGS and through torch.optim.LBFGS per problem (LockStep)."""
     model = lenet_zhu(1, 10, 16)

@@ -31,6 +31,7 @@ def _digits_threat(model: nn.Module, batch: int, auxiliary: AuxiliaryData | None
                        auxiliary=auxiliary)
 
 
+@pytest.mark.slow
 def test_it_learns_to_read_held_out_images_from_their_updates():
     """Trained on the updates of 1,500 digits, the network reads 16 others, one per update, far better than the
     mean image does: it never saw them, and it needs no likelihood."""
@@ -64,7 +65,7 @@ def test_without_images_of_its_own_it_says_what_it_needs():
         LearningToInvert()(update, threat, torch.Generator().manual_seed(0))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_it_beats_inverting_gradients_on_a_trained_cnn_under_noise(write_audit, tmp_path):
     """Issue 43's measure: 16 images per update on cnn_bayes after 1,000 training steps, Gaussian noise."""
     audit = {"name": "lti", "seed": 0, "device": "cpu",

@@ -23,7 +23,8 @@ TABLE_1 = {
 HEAVY = {"cnn3_v3", "cnn4_v2"}  # systems of 7542 x 5400 and 13744 x 3072: about 30 s each
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in TABLE_1])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in TABLE_1])
 def test_rank_deficiencies_and_metric_are_chen_campbell_2022_table_1(name):
     torch.set_num_threads(2)  # dense float64 linear algebra: BLAS uses both cores (attacks use one per process)
     model = linear_system_cnn(3, 10, 32, LINEAR_SYSTEM_VARIANTS[name]).double()
@@ -86,6 +87,7 @@ def test_analyse_says_which_layer_it_cannot_cover(write_audit, capsys):
         "one of Tanh, Sigmoid, LeakyReLU, ReLU, Identity")
 
 
+@pytest.mark.slow
 def test_analyse_refuses_a_system_too_large_to_build(write_audit, capsys):
     path = write_audit(small_audit(data={"dataset": "digits", "image_size": 256, "targets": 1}))
     assert main(["analyse", str(path)]) == 2

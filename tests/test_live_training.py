@@ -148,6 +148,7 @@ def test_bad_new_arguments_are_one_line_each(given, line):
     assert info.value.lines == [line]
 
 
+@pytest.mark.slow
 def test_a_wrecked_model_reads_unusable_not_protects(digits, tmp_path):
     """With a held-out loader the monitor measures accuracy: a model that gets every held-out image wrong is
     unusable, whatever the attacks find."""
@@ -222,6 +223,7 @@ def _private_steps(model, optimizer, loader, steps: int) -> None:
         _loop(model, optimizer, loader, steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("virtual", [False, True])
 def test_opacus_is_audited_at_each_logical_step_with_the_epsilon_opacus_prints(digits, tmp_path, virtual):
     """With BatchMemoryManager the physical batches of one logical step are its batch (and the update's scale
@@ -272,6 +274,7 @@ def test_opacus_batch_memory_manager_around_the_attached_loader_is_said_in_one_l
     assert monitor.audited_steps == []
 
 
+@pytest.mark.slow
 def test_empty_poisson_batches_are_recorded_as_skipped(digits, tmp_path):
     engine, model, optimizer, loader = _private(digits, 8, 1)  # sample rate 1/8: about a third of batches empty
     monitor = leakaudit.LeakMonitor(attacks=QUICK, every=1, out=tmp_path / "run", mean=digits.mean, std=digits.std)

@@ -72,6 +72,7 @@ def rows(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory", [True, False])
 def test_attacks_the_step_momentum_and_weight_decay_hide_and_leaks(digits, tmp_path, memory):
     """The server that kept every update undoes momentum and weight decay and attacks the step's own gradient;
@@ -97,6 +98,7 @@ def test_attacks_the_step_momentum_and_weight_decay_hide_and_leaks(digits, tmp_p
     assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "leakage_by_step.png").is_file()
 
 
+@pytest.mark.slow
 def test_the_model_and_its_training_are_left_as_they_would_be(digits, tmp_path):
     plain_model, watched = build_model(), build_model()
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=LR, momentum=0.9)
@@ -183,6 +185,7 @@ def test_a_defense_is_applied_to_the_update_and_attacked_with_its_likelihood(dig
     assert reference["setting"] == "none" and reference["psnr"] > row["psnr"] + 10  # the step calibrated
 
 
+@pytest.mark.slow
 def test_a_second_attach_to_the_folder_resumes_and_report_rebuilds_it(digits, tmp_path):
     for _ in range(2):
         model = build_model()
@@ -201,6 +204,7 @@ def test_a_second_attach_to_the_folder_resumes_and_report_rebuilds_it(digits, tm
         leakaudit.LeakMonitor(attacks=ATTACK).report()
 
 
+@pytest.mark.slow
 def test_under_opacus_the_noised_dp_update_is_attacked_and_epsilon_reported(digits, tmp_path):
     from opacus import PrivacyEngine
 
@@ -232,6 +236,7 @@ def _sigmoid_net() -> torch.nn.Module:
                                torch.nn.Linear(8 * 16 * 16, 10))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
 def test_the_server_that_kept_every_update_undoes_the_optimizer(digits, tmp_path, optimizer):
     """SGD with momentum 0.9 and Adam, one digit per step, steps 0, 10 and 20 audited: the attacker with memory

@@ -89,7 +89,7 @@ def test_audit_batch_refuses_a_defense_that_would_change_the_live_model():
     assert "BatchNorm" in info.value.lines[0]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_example_is_audited_from_yaml_and_from_the_api_with_the_same_result(tmp_path, capsys):
     audit = tmp_path / "audit.yaml"
     shutil.copy(EXAMPLE / "audit.yaml", audit)
@@ -117,6 +117,7 @@ def test_example_is_audited_from_yaml_and_from_the_api_with_the_same_result(tmp_
     assert summary["utility"]["none"]["accuracy"] > 0.4  # the user's own step trained the model
 
 
+@pytest.mark.slow
 def test_example_script_audits_itself_while_it_trains(capsys):
     digits_client.main(rounds=1, audit_every=1)
     lines = capsys.readouterr().out.splitlines()

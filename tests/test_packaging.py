@@ -52,12 +52,14 @@ def fresh_env(tmp_path_factory):
     return env, python, added
 
 
+@pytest.mark.slow
 def test_the_wheel_puts_only_leakaudit_at_the_top_of_site_packages(fresh_env):
     _, _, added = fresh_env
     assert {n for n in added if not n.endswith(".dist-info")} == {"leakaudit"}
     assert [n for n in added if n.endswith(".dist-info")] == [f"leakaudit-{leakaudit.__version__}.dist-info"]
 
 
+@pytest.mark.slow
 def test_a_tiny_audit_runs_from_a_folder_with_its_own_evaluator_and_plugins(fresh_env, tmp_path):
     env, python, _ = fresh_env
     (tmp_path / "evaluator.py").write_text("raise RuntimeError('the user evaluator module was imported')\n")
@@ -92,6 +94,7 @@ def test_a_tiny_audit_runs_from_a_folder_with_its_own_evaluator_and_plugins(fres
     assert (tmp_path / "out" / "report.html").exists()
 
 
+@pytest.mark.slow
 def test_import_leakaudit_gives_the_public_api():
     proc = _run([sys.executable, "-c", "import leakaudit; print(leakaudit.__version__); "
                  "print(all(hasattr(leakaudit, n) for n in leakaudit.__all__))"])

@@ -27,6 +27,7 @@ def test_builtins_register_through_the_hooks(registry):
     assert registry.entries["defense"]["gaussian"].origin == "builtin:leakaudit.defenses.noise"
 
 
+@pytest.mark.slow
 def test_plugins_command_lists_every_kind_with_origin():
     proc = subprocess.run([*LEAKAUDIT, "plugins", "--json"], capture_output=True, text=True, check=True)
     entries = json.loads(proc.stdout)
@@ -77,6 +78,7 @@ def _run_template_audit(tmp_path, env, extra_args=()):
     return [r for r in rows if r["setting"] != "none"]
 
 
+@pytest.mark.slow
 def test_template_found_by_dropin_folder_and_runs_from_yaml(tmp_path):
     folder = tmp_path / "dropins"
     folder.mkdir()
@@ -98,13 +100,14 @@ def template_env(tmp_path_factory):
 
 
 # slow: the template's own suite in a subprocess; the template is found and run by the tests below
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_template_passes_its_own_tests(template_env, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TEMPLATE / "tests")],
                           env=template_env, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0 and "5 passed" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_template_installed_is_found_by_entry_point(tmp_path, template_env):
     env = template_env
     proc = subprocess.run([*LEAKAUDIT, "plugins"], capture_output=True, text=True, check=True, env=env)
@@ -117,6 +120,7 @@ def test_template_installed_is_found_by_entry_point(tmp_path, template_env):
     assert sum(weak) > sum(strong)
 
 
+@pytest.mark.slow
 def test_dropin_named_in_the_file_and_on_the_command_line_reaches_worker_processes(tmp_path):
     folder = tmp_path / "plug"
     folder.mkdir()

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import LEAKAUDIT, ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 #: How far another CPU's kernels move the quickstart's printed numbers (README.md states them): measured 0.006
 #: in accuracy undefended and 0.025 under noise of sigma 0.1 (its training sees other noise), 0.6 dB in PSNR and

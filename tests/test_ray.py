@@ -94,6 +94,7 @@ def local_rows(tmp_path_factory):
     return rows(tmp / "out")
 
 
+@pytest.mark.slow
 def test_ray_gives_the_local_executors_rows_and_resumes(tmp_path, local_ray, local_rows):
     out = tmp_path / "out"
     summary = run_audit(load_audit(audit_file(tmp_path, executor={})), out, progress=False)
@@ -104,6 +105,7 @@ def test_ray_gives_the_local_executors_rows_and_resumes(tmp_path, local_ray, loc
     assert rows(out) == local_rows  # resumed: nothing run or written twice
 
 
+@pytest.mark.slow
 def test_ray_reruns_a_task_whose_worker_was_killed_and_loses_nothing(tmp_path, local_ray, local_rows):
     out = tmp_path / "out"
     run_audit(load_audit(audit_file(tmp_path, "dies_once", {"max_retries": 2})), out, progress=False)
@@ -111,6 +113,7 @@ def test_ray_reruns_a_task_whose_worker_was_killed_and_loses_nothing(tmp_path, l
     assert rows(out) == local_rows  # every row, each once, with the numbers of the local run
 
 
+@pytest.mark.slow
 def test_ray_task_that_runs_out_of_retries_names_its_cell_and_resume_finishes(tmp_path, local_ray, local_rows):
     from leakaudit.evaluator.results.rundir import RunError
 
@@ -123,7 +126,7 @@ def test_ray_task_that_runs_out_of_retries_names_its_cell_and_resume_finishes(tm
 
 
 # slow: a two-node Ray cluster; the Ray executor's rows and resume are tested on one node by default
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_second_node_takes_work(tmp_path):
     from ray.cluster_utils import Cluster
 

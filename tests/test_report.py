@@ -172,6 +172,7 @@ def finished(tmp_path_factory):
     return folder, config, out, done
 
 
+@pytest.mark.slow
 def test_the_gate_fails_a_leaking_must_protect_setting_with_status_3(finished):
     _, _, out, done = finished
     assert done.returncode == 3, done.stderr
@@ -181,6 +182,7 @@ def test_the_gate_fails_a_leaking_must_protect_setting_with_status_3(finished):
     assert (out / "report.html").stat().st_size > 0  # the gate fails after the report is written
 
 
+@pytest.mark.slow
 def test_verdicts_in_the_terminal_summary_json_and_report(finished):
     _, _, out, done = finished
     lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("  ")}
@@ -198,6 +200,7 @@ def test_verdicts_in_the_terminal_summary_json_and_report(finished):
         assert f'<td class="num">{w["accuracy"]:.3f}</td>' in page
 
 
+@pytest.mark.slow
 def test_report_rebuilds_the_same_page_from_the_folder(finished):
     _, _, out, _ = finished
     before = (out / "report.html").read_bytes()
@@ -208,6 +211,7 @@ def test_report_rebuilds_the_same_page_from_the_folder(finished):
     assert (out / "report.html").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_the_gate_passes_where_the_marked_setting_protects(finished, tmp_path):
     folder, _, out, _ = finished
     other = tmp_path / "gaussian_marked.yaml"
@@ -227,6 +231,7 @@ def test_the_gate_passes_where_the_marked_setting_protects(finished, tmp_path):
     assert done.stderr.startswith(f"leakaudit: error: --config: {other} asks for other results than the run in")
 
 
+@pytest.mark.slow
 def test_a_template_of_ones_own_extends_the_page(finished, tmp_path):
     _, _, out, _ = finished
     mine = tmp_path / "report.html.j2"  # the built-in's own name: it must still extend the built-in, not itself
@@ -239,6 +244,7 @@ def test_a_template_of_ones_own_extends_the_page(finished, tmp_path):
     assert "<h1>ACME privacy review</h1>" in page and "leakaudit: small</h1>" not in page and "Verdicts" in page
 
 
+@pytest.mark.slow
 def test_gate_and_report_refuse_what_they_cannot_do_in_one_line(finished, tmp_path):
     _, config, out, _ = finished
     unmarked = tmp_path / "unmarked.yaml"
@@ -260,6 +266,7 @@ def test_gate_and_report_refuse_what_they_cannot_do_in_one_line(finished, tmp_pa
     assert not any((tmp_path / d).exists() for d in "xyz")
 
 
+@pytest.mark.slow
 def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, tmp_path):
     from leakaudit.evaluator.run.runner import run_audit
 
@@ -272,7 +279,7 @@ def test_an_audit_measuring_ssim_and_mse_gets_verdicts_and_a_plot(write_audit, t
     assert all(0.0 <= c.identifiable <= 1.0 and c.identifiable_by == "mse" for c in summary.cells)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_ci_gate_example_passes_its_own_tests(tmp_path):
     """examples/ci-gate, as a team copies it: its pytest file passes (none leaks, its DP-SGD setting protects)."""
     from conftest import ROOT

@@ -20,7 +20,7 @@ from leakaudit.evaluator.run.runner import run_audit
 from conftest import small_audit
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.heavy,
               pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")]
 WIDTHS = (390, 1280, 1920)
 LEGIBLE = 0.6  # a figure drawn at 100 dpi keeps its 10-point text at 8 px or more

@@ -38,6 +38,7 @@ def test_rgap_rebuilds_the_image_exactly_where_the_metric_is_zero(name, solver):
     assert psnr(rec.images, pixels) > 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cnn2_v2", "cnn3_v2"])
 def test_hybrid_improves_on_rgap_where_the_system_is_rank_deficient(name):
     """Chen & Campbell 2022, Appendix E: MSE 0.0051 against 0.0346 (CNN2 V2) and 0.0322 against 0.0518 (CNN3 V2)."""
@@ -61,6 +62,7 @@ def test_hybrid_takes_appendix_d_settings_per_convolution_from_the_input():
     assert len(steps) == 7 + 3  # two convolutions: the first's steps, then the second's
 
 
+@pytest.mark.slow
 def test_matrix_free_conjugate_gradients_reach_the_dense_minimum_norm_solution():
     model = linear_system_cnn(3, 10, 12, LINEAR_SYSTEM_VARIANTS["cnn3_v2"]).double()
     (first, second) = conv_systems(model, F.cross_entropy, torch.rand(1, 3, 12, 12, dtype=torch.float64),

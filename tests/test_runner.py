@@ -29,6 +29,7 @@ def _numbers(rows):
     return sorted((r["setting"], r["attack"], r["checkpoint"], r["target"], r["psnr"], r["ssim"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_small_audit_writes_every_output(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit(model={"name": "lenet_zhu", "checkpoints": [0, 3]})))
     summary = run_audit(audit, tmp_path / "out", progress=False)
@@ -49,6 +50,7 @@ def test_small_audit_writes_every_output(write_audit, tmp_path):
     assert html.count("data:image/png;base64,") == 5 and "name: small" in html
 
 
+@pytest.mark.slow
 def test_same_file_same_numbers(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit()))
     run_audit(audit, tmp_path / "a", progress=False)
@@ -56,6 +58,7 @@ def test_same_file_same_numbers(write_audit, tmp_path):
     assert _numbers(_rows(tmp_path / "a")) == _numbers(_rows(tmp_path / "b"))
 
 
+@pytest.mark.slow
 def test_worker_processes_give_the_same_numbers(write_audit, tmp_path):
     audit = load_audit(write_audit(small_audit()))
     run_audit(audit, tmp_path / "one", progress=False, workers=1)
@@ -119,6 +122,7 @@ def test_a_row_left_without_its_newline_is_ended_before_the_next(tmp_path):
     assert table.path.read_text() == "".join(f'{{"a": {i}}}\n' for i in range(1, 5))
 
 
+@pytest.mark.slow
 def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch):
     audit = load_audit(write_audit(small_audit()))
     out = tmp_path / "out"
@@ -135,6 +139,7 @@ def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch)
     assert _numbers(_rows(out)) == _numbers(full)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_audit(write_audit, tmp_path):
     out = tmp_path / "out"
     run_audit(load_audit(write_audit(small_audit(defenses=[{"name": "none"}]))), out, progress=False)
@@ -145,7 +150,7 @@ def test_resume_refuses_a_changed_audit(write_audit, tmp_path):
 
 # slow: a kill and resume through the CLI; test_a_worker_killed_by_the_system_is_one_line_and_resumable
 # covers resuming by default
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_killed_run_resumes_from_the_command_line(write_audit, tmp_path):
     audit = small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 150}}],
                         data={"dataset": "digits", "image_size": 16, "targets": 3, "batch_size": 1})
@@ -258,8 +263,9 @@ def _running_with_two_workers(write_audit, tmp_path) -> tuple[subprocess.Popen, 
     return proc, workers
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.heavy)])
 def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
     proc, workers = _running_with_two_workers(write_audit, tmp_path)
     proc.send_signal(sig)
@@ -272,6 +278,7 @@ def test_workers_do_not_outlive_a_killed_run(write_audit, tmp_path, sig):
         assert proc.returncode == 130 and "rerun with --resume" in proc.stderr.read()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_a_worker_killed_by_the_system_is_one_line_and_resumable(write_audit, tmp_path):
     """The out-of-memory killer takes a worker: one line that says which work and what to do, no traceback."""
@@ -286,6 +293,7 @@ def test_a_worker_killed_by_the_system_is_one_line_and_resumable(write_audit, tm
     assert err.strip().endswith("rerun with --resume, with a smaller max_problems: or fewer --workers")
 
 
+@pytest.mark.slow
 def test_resume_allows_what_only_judges_and_refuses_another_device(write_audit, tmp_path):
     """A changed name, leakage_metric, verdict or must_protect changes no row: resume goes on. A resume on
     another kind of device would mix its numbers with the first session's: refused in one line."""
@@ -303,6 +311,7 @@ def test_resume_allows_what_only_judges_and_refuses_another_device(write_audit, 
         run_audit(load_audit(write_audit(first)), out, resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_clean_training_leaves_the_defense_on_the_attacked_update_only(write_audit, tmp_path):
     """utility.train_defended: false (Balunovic et al. 2022's step-500 setting): every setting trains as the
     undefended one does, from the same start on the same batches, so their models and accuracies are equal;

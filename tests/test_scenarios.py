@@ -131,12 +131,12 @@ def test_process_flags_on_cuda_only_and_only_when_asked(monkeypatch):
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:
-        process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=False))
+        process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=False, precision="float32"))
         assert not torch.backends.cudnn.benchmark or before[3]
-        process_flags(SimpleNamespace(device="cuda", deterministic=False, compile=False))
+        process_flags(SimpleNamespace(device="cuda", deterministic=False, compile=False, precision="float32"))
         assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
         assert torch.backends.cudnn.benchmark  # free to choose kernels: cuDNN times them and keeps the fastest
-        restore = process_flags(SimpleNamespace(device="cuda", deterministic=True, compile=False))
+        restore = process_flags(SimpleNamespace(device="cuda", deterministic=True, compile=False, precision="float32"))
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         restore()  # run_audit restores them when it ends: the caller's own code is not left deterministic
@@ -154,18 +154,18 @@ def test_process_flags_compile_the_steps_only_when_asked_and_restore(monkeypatch
 
     monkeypatch.setenv("LEAKAUDIT_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=False))()
+    process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=False, precision="float32"))()
     assert not vectorised._COMPILE and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
-    restore = process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=True))
+    restore = process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=True, precision="float32"))
     assert vectorised._COMPILE and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     assert not vectorised._CUDA_GRAPHS  # graphs are CUDA's
     restore()
     assert not vectorised._COMPILE
-    restore = process_flags(SimpleNamespace(device="cuda", deterministic=True, compile=True))
+    restore = process_flags(SimpleNamespace(device="cuda", deterministic=True, compile=True, precision="float32"))
     assert vectorised._COMPILE and vectorised._CUDA_GRAPHS
     restore()
     assert not vectorised._COMPILE and not vectorised._CUDA_GRAPHS
-    process_flags(SimpleNamespace(device="cuda", deterministic=True, compile=False))()
+    process_flags(SimpleNamespace(device="cuda", deterministic=True, compile=False, precision="float32"))()
     assert not vectorised._CUDA_GRAPHS  # no graphs without compiling
 
 

@@ -38,7 +38,7 @@ def test_clients_must_share_the_update_images_equally(write_audit):
 
 
 # slow: the same finding from the server's view is tests/test_strategy.py's, run by default
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_mean_of_four_clients_leaks_less_than_one_client_in_one_audit(write_audit, tmp_path):
     """Inverting Gradients on 4 digits at 16 px, one image per client, in one audit whose entries name 1 and 4
     clients (23.4 against 17.3 dB measured): the aggregate hides each image behind the others, and the report

@@ -41,6 +41,7 @@ def _needs_absent_data(path) -> bool:
     return root is not None and not Path(root).is_dir()
 
 
+@pytest.mark.slow
 def test_every_shipped_audit_is_valid():
     """Each shipped file passes validation and the checks that need its data and built models; a file whose
     dataset is absent here fails with the one line that says where to put it (its stand-in run is below)."""
@@ -57,7 +58,7 @@ def test_every_shipped_audit_is_valid():
         assert audit.settings and audit.attacks and jobs_of(audit), path
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_table2_at_the_paper_shape_runs_on_an_offline_stand_in(tmp_path):
     """configs/bayes_table2_mnist_paper.yaml with its data and budgets reduced when full MNIST is absent: the
     20 MNIST images of the foolbox wheel stand in for it (said in the warning), so the file's steps 0 and 500,
@@ -83,6 +84,7 @@ def test_table2_at_the_paper_shape_runs_on_an_offline_stand_in(tmp_path):
     assert all(s.budget == 15 and "scan priors.tv" in s.on_grid for s in summary.tuning)
 
 
+@pytest.mark.slow
 def test_batch_of_four_beats_the_random_guess(tmp_path):
     summary = _run(tmp_path, "batch4", **{"data.targets": 4})
     random_guess = summary.baselines["random"]
@@ -92,14 +94,14 @@ def test_batch_of_four_beats_the_random_guess(tmp_path):
     assert cell.mean("ssim") > random_guess["ssim"] + 0.15  # measured: 0.20 against 0.01
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_fedavg_five_local_steps_beats_the_random_guess(tmp_path):
     summary = _run(tmp_path, "fedavg", **{"data.targets": 2, "attacks.0.params.iterations": 500})
     assert summary.cells[0].mean("psnr") > summary.baselines["random"]["psnr"] + 8.0
     assert summary.cells[0].mean("label_accuracy") == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_every_attack_leaks_less_as_pruning_noise_grows(tmp_path):
     summary = _run(tmp_path, "prune_noise", **{
         "data.targets": 2, "utility.train_steps": 0, "defenses": [
@@ -111,7 +113,7 @@ def test_every_attack_leaks_less_as_pruning_noise_grows(tmp_path):
         assert weak > strong + 3.0, attack
 
 
-@pytest.mark.slow  # 20 s; DP-SGD's leakage, epsilon and accuracy against noise stay in tests/test_dpsgd.py
+@pytest.mark.heavy  # 20 s; DP-SGD's leakage, epsilon and accuracy against noise stay in tests/test_dpsgd.py
 def test_dpsgd_curve_leaks_less_spends_less_and_learns_less_as_noise_grows(tmp_path):
     summary = _run(tmp_path, "dpsgd_curve", **{
         "data.targets": 2, "data.batch_size": 1, "model.checkpoints": [0],
@@ -197,7 +199,8 @@ SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
 SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper", "cinet_batch64"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_ANALYSE | SLOW_TO_RUN
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(p.stem, marks=[pytest.mark.heavy] if p.stem in SLOW_TO_ANALYSE | SLOW_TO_RUN
                                                 else [])
                                   for p in sorted((ROOT / "configs").glob("*.yaml"))])
 def test_every_shipped_audit_runs_to_its_report(name, tmp_path, monkeypatch):

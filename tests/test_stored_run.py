@@ -71,6 +71,7 @@ def _same(got, want, where: str = "") -> None:
         assert got == want, where
 
 
+@pytest.mark.slow
 def test_a_small_audit_gives_the_stored_results(write_audit, tmp_path):
     out = tmp_path / "out"
     run_audit(load_audit(write_audit(AUDIT)), out, progress=False)

@@ -67,6 +67,7 @@ def _fit(model: nn.Module, weights: list, loader, config: dict) -> list:
     return [v.detach().numpy().copy() for v in model.state_dict().values()]
 
 
+@pytest.mark.slow
 def test_the_server_attacks_each_client_and_their_mean_and_aggregates_as_before(tmp_path):
     loaders, mean, std = _loaders()
     model = _model()

@@ -174,6 +174,7 @@ def _tag(data, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, **setti
     return Tag(**settings)(_update(model, x, y), threat, torch.Generator().manual_seed(0)).images
 
 
+@pytest.mark.slow
 def test_tag_reads_a_sentence_back_from_a_small_models_update(data):
     x, y = _sentence(data, 14)
     torch.manual_seed(0)
@@ -186,7 +187,7 @@ def test_tag_reads_a_sentence_back_from_a_small_models_update(data):
     assert rouge(shuffled, x, "rouge2").item() < 0.3
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_tag_reaches_breachings_rouge_on_the_zoo_model(data):
     """The zoo's causal model at its default size, one 14-token sentence (the generator's longest): breaching's
     notebook reports ROUGE-1 0.80 for TAG on one 16-token sentence of its 3-layer transformer."""

@@ -120,6 +120,7 @@ def test_a_scan_best_on_its_edge_is_a_warning(write_audit):
                          "0.0001..0.01; the best may lie beyond it: widen the scan")
 
 
+@pytest.mark.slow
 def test_a_scanning_audit_runs_its_grid_around_the_scan_best_and_resumes(write_audit, tmp_path):
     tune = {"budget": 7, "space": {"lr": [0.03, 0.1]},
             "scan": {"param": "priors.tv", "low": 1e-4, "high": 1e-2, "refine": 2}}
@@ -176,6 +177,7 @@ def test_bad_tune_sections_are_one_line_each(write_audit, tune, expected):
     assert line.startswith(f"{path}: {expected}"), line
 
 
+@pytest.mark.slow
 def test_tuned_audit_reports_the_search_and_attacks_with_the_winner(write_audit, tmp_path, monkeypatch):
     audit = load_audit(write_audit(small_audit(attacks=[TUNED], defenses=[{"name": "gaussian",
                                                                            "params": {"sigma": 0.01}}],

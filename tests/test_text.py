@@ -256,3 +256,23 @@ def test_validation_refuses_what_does_not_apply_to_the_datas_examples_in_one_lin
              "defenses": [{"name": "none"}], "attacks": [{"name": "tag"}]}
     with pytest.raises(ConfigError, match=r"attacks\[0\]: tag reconstructs text; data.dataset digits holds image"):
         load_audit(write_audit(image))
+
+
+def test_audit_batch_attacks_a_language_models_batch_of_token_ids(data):
+    """Your own training code, text: token ids go in as they are, the text metrics score them, and what applies
+    to images only is refused in one line each."""
+    from leakaudit import audit_batch
+    from leakaudit.evaluator.audit.types import ConfigError
+
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=64, layers=3)
+    x, y = data.test_x[:2], data.test_y[:2]
+    results = {r.attack: r for r in audit_batch(model, classification_loss, x, y, attacks=["dager", "token_set"])}
+    rows = results["dager"].reconstruction.tolist()
+    assert results["dager"].metrics["rouge2"] == 1.0 and sorted(rows) == sorted(x.tolist())  # both, exactly
+    assert results["token_set"].metrics["rouge2"] == 0.0 < results["token_set"].metrics["rouge1"]
+    with pytest.raises(ConfigError) as err:
+        audit_batch(model, classification_loss, x, y, attacks=["inverting_gradients"], metrics=["psnr"])
+    assert str(err.value).splitlines() == [
+        "audit_batch: attacks: inverting_gradients: reconstructs image; the inputs are text",
+        "audit_batch: metrics: psnr: scores image; the inputs are text"]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, expand_defenses
-from leakaudit.evaluator.audit.specs import DEFAULT_METRICS
+from leakaudit.evaluator.audit.specs import DEFAULT_METRICS, DEFAULT_TEXT_METRICS
 from leakaudit.evaluator.audit.types import AttackSpec, ConfigError, DefenseSetting
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import Scores, score
@@ -76,9 +76,10 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
                 plugins_dirs: Sequence[str] = ()) -> list[BatchAudit]:
     """Attack the update this batch makes on ``model`` as it is now and score what comes back.
 
-    ``inputs`` are what the model consumes; ``inputs * std + mean`` are the pixels in [0, 1]
-    the attacks rebuild: give ``mean`` and ``std`` (0 and 1 for raw pixels), or the torchvision
-    ``Normalize`` your inputs went through as ``normalize``. ``defense`` and ``attacks`` take the names or mappings of a YAML
+    ``inputs`` are what the model consumes: images, where ``inputs * std + mean`` are the pixels in
+    [0, 1] the attacks rebuild (give ``mean`` and ``std``, 0 and 1 for raw pixels, or the torchvision
+    ``Normalize`` your inputs went through as ``normalize``), or token ids ``(N, length)`` of a language
+    model (a ``leakaudit.plugins.text.TokenModel``), read as they are, scored by the text metrics. ``defense`` and ``attacks`` take the names or mappings of a YAML
     audit's ``defenses`` and ``attacks`` entries (a sweep gives one result per setting).
     With ``step_fn(model, inputs, labels)`` and its SGD ``lr``, the update is the one your
     own step makes (``protocol: step``); the model is left as it was. ``seed``, ``step`` and
@@ -86,7 +87,9 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
     checkpoint ``step`` of a YAML audit with that seed, so the two give the same numbers.
     Raises ConfigError, one line per problem, before any work; ``model`` is never changed.
     """
-    stats = _normalisation(mean, std, normalize)
+    text = not inputs.is_floating_point()
+    stats = (0.0, 1.0) if text and mean is None and std is None and normalize is None else \
+        _normalisation(mean, std, normalize)
     with opacus_hooks_off(model) as plain:
         return _audit(plain, loss_fn, inputs, labels, defense, attacks, stats, step_fn, lr, known_labels,
                       metrics, (seed, step, batch_index), plugins_dirs)
@@ -102,19 +105,23 @@ class Prepared:
     scorers: list[Any]
 
 
-def live_metrics(registry: Registry) -> list[str]:
-    """A live audit's default metrics: the audit file's defaults that score any image size, since a live model's
-    images are seen only at its first batch (a metric with a ``min_size``, as LPIPS, is measured where named)."""
+def live_metrics(registry: Registry, modality: str = "image") -> list[str]:
+    """A live audit's default metrics: for images the audit file's defaults that score any image size, since a live
+    model's images are seen only at its first batch (a metric with a ``min_size``, as LPIPS, is measured where
+    named); for token ids the text defaults."""
+    if modality == "text":
+        return list(DEFAULT_TEXT_METRICS)
     return [m for m in DEFAULT_METRICS if registry.get("metric", m).min_size <= 1]
 
 
 def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, protocol, batch_size: int,
             image_size: int | None, plugins_dirs, problems: list[str], caller: str = "audit_batch",
-            scope: str = "the step you pass") -> Prepared:
-    """Check a live model's audit before any work: names, scopes and what each attack and defense supports.
-    Raises ConfigError, one line per problem (``problems`` holds those the caller found), prefixed ``caller``."""
+            scope: str = "the step you pass", modality: str = "image") -> Prepared:
+    """Check a live model's audit before any work: names, scopes, the examples (``modality``) each attack, defense
+    and metric applies to, and what each attack and defense supports. Raises ConfigError, one line per problem
+    (``problems`` holds those the caller found), prefixed ``caller``."""
     registry = load_registry(list(plugins_dirs))
-    metrics = live_metrics(registry) if metrics is None else metrics
+    metrics = live_metrics(registry, modality) if metrics is None else metrics
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = expand_defenses([entry], registry, problems, protocol)
     specs = check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
@@ -124,6 +131,10 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
     problems += [f"defense: {s.key}: model: {caller} attacks the model you pass; leave model out"
                  for s in settings if s.model is not None]
+    mismatched = _modality_problems(registry, modality, specs, settings, metrics)
+    if mismatched:  # an attack of the other kind of examples could not be asked about the model below
+        problems += mismatched
+        raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
     defenses = [(s, s.build(registry)) for s in settings]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
                  "build your model with it, or audit from YAML" for s, d in defenses if _changes_architecture(d, model)]
@@ -134,6 +145,17 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     if problems:
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
     return Prepared(registry, defenses, specs, [registry.get("metric", m) for m in metrics])
+
+
+def _modality_problems(registry: Registry, modality: str, specs: list[AttackSpec], settings: list[DefenseSetting],
+                       metrics: Sequence[str]) -> list[str]:
+    """An attack, defense or metric of the other kind of examples than the inputs, one line each."""
+    out = [f"attacks: {s.label}: reconstructs {kind}; the inputs are {modality}" for s in specs
+           if (kind := registry.get("attack", s.name).modality) != modality]
+    out += [f"defense: {s.key}: applies to {', '.join(kinds)}; the inputs are {modality}" for s in settings
+            if modality not in (kinds := s.build(registry).modalities)]
+    return out + [f"metrics: {m}: scores {kind}; the inputs are {modality}" for m in metrics
+                  if m in registry.names("metric") and (kind := registry.get("metric", m).modality) not in (modality, "any")]
 
 
 def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
@@ -179,9 +201,13 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
            known_labels, metrics, draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
     protocol = FEDSGD if step_fn is None else OwnStep(function=step_fn, lr=lr)
     problems = _check_call(step_fn, lr, inputs, labels) + ([stats] if isinstance(stats, str) else [])
+    modality = "image" if inputs.is_floating_point() else "text"
     prepared = prepare(model, defense, attacks, metrics, protocol, len(inputs),
-                       min(inputs.shape[-2:]) if inputs.dim() == 4 else None, plugins_dirs, problems)
-    pixels, mean_t, std_t = pixels_of(inputs, *stats)
+                       min(inputs.shape[-2:]) if inputs.dim() == 4 else None, plugins_dirs, problems, modality=modality)
+    if modality == "text":  # token ids: nothing to undo
+        pixels, mean_t, std_t = inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
+    else:
+        pixels, mean_t, std_t = pixels_of(inputs, *stats)
     seed, step, index = draws
     results = []
     for setting, defense_obj in prepared.defenses:
@@ -201,8 +227,9 @@ def _check_call(step_fn: Callable | None, lr: float | None, inputs: Tensor, labe
         problems.append(f"lr: {lr!r}; with step_fn give the SGD step size your step uses (a number > 0)")
     if step_fn is None and lr is not None:
         problems.append("lr: only applies with step_fn")
-    if inputs.dim() != 4:
-        problems.append(f"inputs: shape {tuple(inputs.shape)}; expected images (N, C, H, W)")
+    if inputs.dim() != (4 if inputs.is_floating_point() else 2):
+        problems.append(f"inputs: shape {tuple(inputs.shape)} of {inputs.dtype}; expected images (N, C, H, W) or token "
+                        "ids (N, length) of an integer dtype")
     if len(labels) != len(inputs):
         problems.append(f"labels: {len(labels)} labels for {len(inputs)} inputs")
     return problems

@@ -107,7 +107,8 @@ class TokenSet(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
         length, batch = threat.input_shape[0], observed.batch_size
-        tokens = token_set(observed, model, self.tolerance, most=batch * length)
+        tokens = token_set(observed, model, self.tolerance)
+        tokens = tokens[tokens != model.pad_id][:length]  # what one row holds
         extras: dict[str, Any] = {"tokens": len(tokens)}
         if model.embedding_name() not in observed.names:
             extras["note"] = "the update shares no gradient of the token embedding (frozen): no tokens to read"

@@ -86,10 +86,13 @@ def compile_steps(enabled: bool, cuda_graphs: bool = False) -> Callable[[], None
 def autocast_steps(precision: str) -> Callable[[], None]:
     """Run every vectorised iteration's forward and double backward under autocast to ``precision`` ("bfloat16"),
     or as the model is ("float32"), in this process; returns what restores the setting. The images, the unknowns
-    and Adam's state stay float32, and chunks of one problem are vectorised too, so the setting reaches every
-    target."""
+    and Adam's state stay float32, and chunks of one problem are vectorised too. Attacks outside ``optimise``
+    (L-BFGS, TAG, CI-Net) and problems that cannot be vectorised run as the model is."""
     global _AUTOCAST
-    before, _AUTOCAST = _AUTOCAST, {"float32": None, "bfloat16": torch.bfloat16}[precision]
+    dtypes = {"float32": None, "bfloat16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"precision: {precision!r}; choices: {', '.join(dtypes)}")
+    before, _AUTOCAST = _AUTOCAST, dtypes[precision]
 
     def restore() -> None:
         global _AUTOCAST

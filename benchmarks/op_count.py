@@ -1,7 +1,7 @@
 """Operators an attack dispatches per iteration: on a GPU in eager mode each is at least one kernel launch, so
 this count is what bounds a launch-bound loop (one target on a GPU runs no faster than its launches).
 
-    python benchmarks/op_count.py [--iterations 5,10] [--compile] [--device cuda]
+    python benchmarks/op_count.py [--iterations 5,10] [--compile]
 
 Counts torch's dispatched ATen operators (``TorchDispatchMode``, below autograd and vmap: what reaches the
 kernels) for ``inverting_gradients`` solving K problems on the untrained lenet_zhu at 32x32 (K = 1) and on
@@ -11,8 +11,9 @@ cancel). Prints the count, its most frequent operators, and the wall time per it
 
 ``--compile`` counts what an audit with ``compile: true`` runs instead: the kernels of the compiled iteration
 (inductor's fused kernels and the library calls it keeps, such as convolutions), read from the code inductor
-generates for the vectorised path at the same K. On CUDA, that is the launches of one iteration without CUDA
-graphs; with them (the default there), one graph replay per iteration.
+generates for the vectorised path at the same K, on this CPU. On CUDA inductor generates Triton kernels of about
+the same number, each a launch without CUDA graphs; with them (an audit's default there), one graph replay.
+A compiler failure is raised here, not run eagerly as in an audit.
 """
 from __future__ import annotations
 
@@ -91,6 +92,9 @@ def compiled_kernels(make: Callable[[int], list[Problem]]) -> collections.Counte
     batch = make(2)
     before = set(map(id, PyCodeCache.modules))
     restore = compile_steps(True)
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.suppress_errors = False  # a step that fails to compile is an error here, not 0 kernels
     try:
         run_chunks(batch, type(batch[0].attack)._batch, len(batch))
     finally:

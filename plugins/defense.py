@@ -242,7 +242,7 @@ class DeterministicDefense(Defense):
 
 def _total(parts: list[Tensor]) -> Tensor:
     """The sum of per-tensor scalars in two kernels (a stack, a sum) instead of one addition per tensor."""
-    return torch.stack(parts).sum()
+    return torch.stack(parts).sum() if parts else torch.zeros(())  # an update with every tensor dropped: 0
 
 
 def squared_distance(observed: Sequence[Tensor], candidate: Sequence[Tensor]) -> Tensor:

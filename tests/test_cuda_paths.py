@@ -100,11 +100,12 @@ def test_bfloat16_on_a_gpu_without_it_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     problems: list[str] = []
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    # torch counts an emulated bfloat16 as supported (a V100's): only the card's own arithmetic counts here
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     check_precision("bfloat16", "cuda", problems)
     check_precision("float32", "cuda", problems)
     assert problems == []
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     check_precision("bfloat16", "cuda", problems)
     check_precision("bfloat16", "cpu", problems)  # allowed on a CPU: a speed check there is the user's call
     assert problems == ["precision: bfloat16 but Tesla V100 has no bfloat16 arithmetic; choices: float32, "

@@ -103,8 +103,10 @@ def test_the_token_set_attack_reads_the_batchs_words_largest_gradient_first(data
                              batch, NoDefense(), labels=y)
         rows = TokenSet()(_update(model, x, y), threat, torch.Generator()).images
         words, read = set(x[x != 0].tolist()), rows[0][rows[0] != 0].tolist()
-        if batch == 1:  # one sentence: its words, each once
+        if batch == 1:  # one sentence: its words, each once, the largest gradient row first
+            norms = _update(model, x, y).tensors[0].norm(dim=1)  # wte.weight's gradient
             assert set(read) == words and len(read) == len(words)
+            assert all(norms[a] >= norms[b] for a, b in zip(read, read[1:]))
         else:  # two sentences hold 20 words: each row gets the 16 of largest gradient
             assert len(words) > LENGTH and len(read) == LENGTH and set(read) <= words and torch.equal(rows[0], rows[1])
 
@@ -271,8 +273,12 @@ def test_audit_batch_attacks_a_language_models_batch_of_token_ids(data):
     rows = results["dager"].reconstruction.tolist()
     assert results["dager"].metrics["rouge2"] == 1.0 and sorted(rows) == sorted(x.tolist())  # both, exactly
     assert results["token_set"].metrics["rouge2"] == 0.0 < results["token_set"].metrics["rouge1"]
+    with pytest.raises(ConfigError, match=r"^audit_batch: mean, std: token ids are read as they are; leave them out$"):
+        audit_batch(model, classification_loss, x, y, attacks=["dager"], mean=0.5, std=0.5)
     with pytest.raises(ConfigError) as err:
-        audit_batch(model, classification_loss, x, y, attacks=["inverting_gradients"], metrics=["psnr"])
+        audit_batch(model, classification_loss, x, y, attacks=["inverting_gradients"], metrics=["psnr"],
+                    defense={"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "ats"}]})
     assert str(err.value).splitlines() == [
         "audit_batch: attacks: inverting_gradients: reconstructs image; the inputs are text",
+        "audit_batch: defense: clip(max_norm=1.0)>ats: ats applies to image; the inputs are text",
         "audit_batch: metrics: psnr: scores image; the inputs are text"]

@@ -542,7 +542,7 @@ def check_compile(enabled: Any, device: str, problems: list[str]) -> None:
 
 def check_precision(precision: Any, device: str, problems: list[str]) -> None:
     """``precision: bfloat16`` on a GPU without bfloat16 arithmetic would be emulated, slower than float32: refused."""
-    if precision == "bfloat16" and device == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+    if precision == "bfloat16" and device == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
         problems.append(f"precision: bfloat16 but {torch.cuda.get_device_name()} has no bfloat16 arithmetic; "
                         "choices: float32, bfloat16 (on a GPU that has it)")
 

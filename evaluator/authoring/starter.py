@@ -98,14 +98,14 @@ def _default_attacks(registry: Registry, defenses: list[str], kind: str) -> list
     defense without one the attacks built on it (each with the defenses it runs on, None: all). For text, which
     has no Bayes adversary yet, every text attack that applies to the starter's model runs on every setting."""
     starter = STARTERS[kind]
-    built = {n: registry.get("defense", n)(**_required_values("defense", n, registry.get("defense", n).params))
-             for n in defenses}
     attacks: list[tuple[str, list[str] | None]] = [(starter.naive_attack[0], None)]
     if kind == "text":
         model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
         return attacks + [(a, None) for a in registry.names("attack") if a != starter.naive_attack[0]
                           and registry.get("attack", a).modality == kind
                           and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
+    built = {n: registry.get("defense", n)(**_required_values("defense", n, registry.get("defense", n).params))
+             for n in defenses}
     with_likelihood = [n for n, d in built.items() if d.has_likelihood() and not d.baseline]
     if with_likelihood:
         attacks += [(a, with_likelihood) for a in registry.names("attack") if registry.get("attack", a).uses_likelihood]

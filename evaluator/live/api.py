@@ -87,9 +87,11 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
     checkpoint ``step`` of a YAML audit with that seed, so the two give the same numbers.
     Raises ConfigError, one line per problem, before any work; ``model`` is never changed.
     """
-    text = not inputs.is_floating_point()
-    stats = (0.0, 1.0) if text and mean is None and std is None and normalize is None else \
-        _normalisation(mean, std, normalize)
+    given = [n for n, v in (("mean", mean), ("std", std), ("normalize", normalize)) if v is not None]
+    if inputs.is_floating_point():
+        stats: tuple[Stats, Stats] | str = _normalisation(mean, std, normalize)
+    else:  # token ids: read as they are
+        stats = (0.0, 1.0) if not given else f"{', '.join(given)}: token ids are read as they are; leave them out"
     with opacus_hooks_off(model) as plain:
         return _audit(plain, loss_fn, inputs, labels, defense, attacks, stats, step_fn, lr, known_labels,
                       metrics, (seed, step, batch_index), plugins_dirs)
@@ -152,8 +154,10 @@ def _modality_problems(registry: Registry, modality: str, specs: list[AttackSpec
     """An attack, defense or metric of the other kind of examples than the inputs, one line each."""
     out = [f"attacks: {s.label}: reconstructs {kind}; the inputs are {modality}" for s in specs
            if (kind := registry.get("attack", s.name).modality) != modality]
-    out += [f"defense: {s.key}: applies to {', '.join(kinds)}; the inputs are {modality}" for s in settings
-            if modality not in (kinds := s.build(registry).modalities)]
+    for s in settings:  # every member of a chain
+        built = s.build(registry)
+        out += [f"defense: {s.key}: {m.name} applies to {', '.join(m.modalities)}; the inputs are {modality}"
+                for m in getattr(built, "members", [built]) if modality not in m.modalities]
     return out + [f"metrics: {m}: scores {kind}; the inputs are {modality}" for m in metrics
                   if m in registry.names("metric") and (kind := registry.get("metric", m).modality) not in (modality, "any")]
 

@@ -54,8 +54,8 @@ def process_flags(audit: Audit) -> Callable[[], None]:
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     if audit.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    restore_precision = autocast_steps(audit.precision)  # first: it refuses an unknown precision
     restore_compile = compile_steps(audit.compile, cuda_graphs=audit.device == "cuda")
-    restore_precision = autocast_steps(audit.precision)
 
     def restore() -> None:
         """Put the process's flags back as they were (a caller's own code is not left in deterministic mode)."""

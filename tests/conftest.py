@@ -13,7 +13,7 @@ LEAKAUDIT = [sys.executable, "-m", "leakaudit"]
 
 
 #: The tiers beyond the fast one, each with the option that runs it: ``python -m pytest`` alone is the fast tier
-#: (unit tests of every room, about 3 minutes on 2 cores); CI adds the end-to-end audits (``--runslow``);
+#: (unit tests of every room, about 2 minutes on 2 cores); CI adds the end-to-end audits (``--runslow``);
 #: ``--runheavy`` adds the shipped audits at their heavier settings, browsers and clusters.
 TIERS = {"slow": "--runslow", "heavy": "--runheavy"}
 

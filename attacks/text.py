@@ -107,12 +107,10 @@ class TokenSet(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
         length, batch = threat.input_shape[0], observed.batch_size
-        tokens = token_set(observed, model, self.tolerance)
-        tokens = tokens[tokens != model.pad_id][:length]  # what one row holds
-        extras: dict[str, Any] = {"tokens": len(tokens)}
+        rows = token_rows(token_set(observed, model, self.tolerance), model, batch, length, threat.device)
+        extras: dict[str, Any] = {"tokens": int((rows[0] != model.pad_id).sum())}  # what one row holds
         if model.embedding_name() not in observed.names:
             extras["note"] = "the update shares no gradient of the token embedding (frozen): no tokens to read"
-        rows = token_rows(tokens, model, batch, length, threat.device)
         return Reconstruction(rows, recover_labels(observed, threat, "signs", generator), [], 0.0, extras)
 
 

@@ -154,10 +154,9 @@ def _modality_problems(registry: Registry, modality: str, specs: list[AttackSpec
     """An attack, defense or metric of the other kind of examples than the inputs, one line each."""
     out = [f"attacks: {s.label}: reconstructs {kind}; the inputs are {modality}" for s in specs
            if (kind := registry.get("attack", s.name).modality) != modality]
-    for s in settings:  # every member of a chain
-        built = s.build(registry)
-        out += [f"defense: {s.key}: {m.name} applies to {', '.join(m.modalities)}; the inputs are {modality}"
-                for m in getattr(built, "members", [built]) if modality not in m.modalities]
+    out += [f"defense: {s.key}: {name} applies to {', '.join(kinds)}; the inputs are {modality}"
+            for s in settings for name, _ in s.members  # every member of a chain, as check_modality reads them
+            if modality not in (kinds := registry.get("defense", name).modalities)]
     return out + [f"metrics: {m}: scores {kind}; the inputs are {modality}" for m in metrics
                   if m in registry.names("metric") and (kind := registry.get("metric", m).modality) not in (modality, "any")]
 

@@ -46,6 +46,11 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
 
 
 @pytest.mark.parametrize("audit, expected", [
+    (small_audit(precision="float16"), "precision: 'float16' is not one of the choices; choices: float32, bfloat16"),
+    (small_audit(defenses=[{"name": "none"}, {"name": "frozen_embeddings"}]),
+     "defenses (frozen_embeddings): frozen_embeddings applies to text; data.dataset digits holds image"),
+    (small_audit(defenses=[{"name": "none"}], attacks=[{"name": "token_set"}]),
+     "attacks[0]: token_set reconstructs text; data.dataset digits holds image (attacks for image: analytic,"),
     (small_audit(data={"dataset": "digits", "datset": 1}), "data.datset: unknown parameter (did you mean 'dataset'?); choices: batch_size, "),
     (small_audit(data={"dataset": "digits", "targets": 3, "batch_size": 2}),
      "data.targets: 3 is not a multiple of data.batch_size 2"),

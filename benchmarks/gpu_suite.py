@@ -163,6 +163,31 @@ def precision(device: str, smoke: bool, compiled: bool = False) -> list[dict[str
     return rows
 
 
+def text(case: str, device: str, smoke: bool, compiled: bool = False) -> list[dict[str, Any]]:
+    """One text audit on ``device``: DAGER at scale (``dager_scale``: 32 sentences per update on a model of GPT-2's
+    width), TAG against LAMP at their full budget (``tag_lamp``: 2,500 iterations, updates of two sentences), or
+    the text quickstart with TAG at that budget (``quickstart``); each setting's strongest attack and every
+    attack's ROUGE-2."""
+    toy = {"data.targets": 2, "utility.train_steps": 1, "model.params": {"width": 32, "layers": 3, "heads": 4}}
+    full = 2 if smoke else 2500
+    cases = {
+        "dager_scale": {**toy, "data.batch_size": 2,
+                        "defenses": [{"name": "none"}, {"name": "lora", "params": {"rank": 8}}]} if smoke else {},
+        "tag_lamp": {"data.batch_size": 2, "data.targets": 4, "defenses": [{"name": "none"}],
+                     "attacks": [{"name": "tag", "params": {"iterations": full}},
+                                 {"name": "lamp", "params": {"iterations": full}}], **(toy if smoke else {})},
+        "quickstart": {"attacks.1.params.iterations": full, **(toy if smoke else {})},
+    }
+    config = {"dager_scale": "text_dager_scale"}.get(case, "text_quickstart")
+    with tempfile.TemporaryDirectory() as tmp:
+        summary, seconds = run_case(audit_dict(config, {**cases[case], "device": device, "compile": compiled}),
+                                    Path(tmp))
+    return [{"setting": w.setting, "verdict": w.verdict, "strongest": w.attack,
+             "rouge1": round(w.scores["rouge1"].mean or 0.0, 3), "wall_s": round(seconds, 1),
+             "rouge2_by_attack": {c.attack: round(c.mean("rouge2") or 0.0, 3) for c in summary.cells
+                                  if c.setting == w.setting}} for w in summary.worst_case]
+
+
 #: name: (shipped config, full changes, smoke changes, the metric, what the paper states, the budget stated),
 #: in the order they run (the longest last, so a lease that runs out loses the fewest).
 PAPER_CASES: dict[str, tuple[str, dict, dict, str, str, str]] = {
@@ -229,6 +254,8 @@ def sections(device: str, smoke: bool, compiled: bool = False, ks: list[int] | N
                                                       "resnet18", 64 if smoke else 224, compiled),
         "quickstart": lambda: quickstart(device, smoke, compiled),
         "precision": lambda: precision(device, smoke, compiled),
+        **{f"text_{case}": (lambda case=case: text(case, device, smoke, compiled))
+           for case in ("dager_scale", "tag_lamp", "quickstart")},
         **{f"paper_{name}": (lambda name=name: paper_case(name, device, smoke, compiled)) for name in PAPER_CASES},
     }
 

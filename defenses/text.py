@@ -5,12 +5,22 @@ the position embedding), so the update has no gradient of it. That gradient's no
 batch's tokens where the embedding is untied, so freezing it takes away the token set; the transformer's
 later layers still share their gradients, and DAGER (Petrov et al. 2024) reads the sequences from the first
 attention layers' span wherever its rank condition holds.
+
+``lora`` (Hu et al. 2022): the client trains low-rank adapters ``B @ A`` beside frozen weights and shares only
+their gradients (and the classifier head's), as parameter-efficient fine-tuning does. At an adapter's start
+(``B = 0``) the gradient of ``B`` is the weight's gradient projected on the ``rank`` rows of ``A``: DAGER's span
+check then works in ``rank`` dimensions, so it reads the batch only while its tokens are fewer than the rank
+(Petrov et al. 2024, Sec. 6).
 """
 from __future__ import annotations
 
 from typing import ClassVar
 
-from torch import nn
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.defense import DeterministicDefense
@@ -42,6 +52,57 @@ class FrozenEmbeddings(DeterministicDefense):
         return model
 
 
+class LowRankAdapter(nn.Module):
+    """A weight's low-rank update as a torch parametrization: ``weight + scale * B @ A``, ``A`` drawn as LoRA
+    draws it (Kaiming-uniform), ``B`` zero, so that the model starts as it was. Its factors' names are
+    ``adapter_names(weight)`` (leakaudit.plugins.text)."""
+
+    def __init__(self, weight: Tensor, rank: int, alpha: float):
+        super().__init__()
+        outputs, inputs = weight.shape
+        self.lora_a = nn.Parameter(torch.empty(rank, inputs, device=weight.device, dtype=weight.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(outputs, rank, device=weight.device, dtype=weight.dtype))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.scale = alpha / rank
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight + self.scale * self.lora_b @ self.lora_a
+
+
+class Lora(DeterministicDefense):
+    """LoRA-only updates (Hu et al. 2022): every weight but the attention projections' adapters and the
+    classifier head frozen, so the client shares the adapters' gradients and the head's, exactly."""
+
+    name = "lora"
+    paper = "Hu et al. 2022"
+    modalities = ("text",)
+    params: ClassVar[dict[str, Param]] = {
+        "rank": Param(8, int, min=1, help="the adapters' rank r: A is r x width, B outputs x r"),
+        "alpha": Param(16.0, float, min=0.0, help="the adapters' scale numerator: B @ A is multiplied by alpha / rank"),
+        "head": Param(True, bool, help="train and share the classifier head too (PEFT's modules_to_save)"),
+    }
+    rank: int
+    alpha: float
+    head: bool
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, TokenModel):
+            raise ValueError("lora adapts a language model's attention: the model is not a TokenModel "
+                             "(leakaudit.plugins.text)")
+        targets = [model.attention_name(layer) for layer in range(model.depth)]
+        last = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]  # the classifier head
+        for name, p in model.named_parameters():
+            p.requires_grad_(self.head and name.rpartition(".")[0] == last)
+        for name in targets:
+            module, _, tensor = name.rpartition(".")
+            layer = model.get_submodule(module)
+            parametrize.register_parametrization(layer, tensor, LowRankAdapter(getattr(layer, tensor), self.rank,
+                                                                                self.alpha))
+        self.model_changes = [f"{len(targets)} attention projections ({', '.join(targets)}) take rank-{self.rank} "
+                              "adapters; every other weight frozen" + (f" but the head ({last})" if self.head else "")]
+        return model
+
+
 @hookimpl
 def register_defenses():
-    return [FrozenEmbeddings]
+    return [FrozenEmbeddings, Lora]

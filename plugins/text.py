@@ -71,3 +71,12 @@ class TokenModel(Protocol):
     def embedding_name(self) -> str: ...
 
     def position_name(self) -> str: ...
+
+
+def adapter_names(weight: str) -> tuple[str, str]:
+    """The names of the low-rank adapter factors ``(A, B)`` that LoRA adds to parameter ``weight`` (a module's
+    ``...weight``), so that the weight in use is ``weight + B @ A`` (Hu et al. 2022): the names the ``lora``
+    defense gives them (a torch parametrization) and attacks that read adapters look for."""
+    module, _, tensor = weight.rpartition(".")
+    prefix = f"{module}.parametrizations.{tensor}.0"
+    return f"{prefix}.lora_a", f"{prefix}.lora_b"

@@ -56,7 +56,7 @@ def test_plugins_of_one_kind(capsys):
                              "choices: defense, attack, metric, model, dataset"),
     (("plugins", "defense", "gausian"), "leakaudit: error: plugins: defense 'gausian' is not registered (did you "
                                         "mean 'gaussian'?); defenses: ats, bayesian, clip, dpsgd, frozen_embeddings, "
-                                        "gaussian, laplace, none, precode, prune, qsgd, signsgd, soteria, topk"),
+                                        "gaussian, laplace, lora, none, precode, prune, qsgd, signsgd, soteria, topk"),
 ])
 def test_plugins_typos_are_one_line(capsys, argv, line):
     code, out, err = _run(capsys, *argv)
@@ -206,6 +206,6 @@ def test_plugins_kind_name_says_what_attacks_auto_does_with_it(capsys):
 def test_init_writes_a_text_audit_for_text_defenses_and_refuses_a_mix(registry, tmp_path):
     audit = load_audit(tmp_path / "text.yaml", text=starter_audit(registry, ["frozen_embeddings"]))
     assert audit.data.dataset == "pii_sentences" and audit.model.name == "tiny_gpt"
-    assert [a.name for a in audit.attacks] == ["tag", "dager", "token_set"] and audit.metrics[0] == "rouge1"
+    assert [a.name for a in audit.attacks] == ["tag", "dager", "lamp", "token_set"] and audit.metrics[0] == "rouge1"
     with pytest.raises(ConfigError, match=r"init: the defenses apply to different examples \(.*soteria: image\)"):
         starter_audit(registry, ["frozen_embeddings", "soteria"])

@@ -31,6 +31,7 @@ BUILTIN_SETTINGS = {
     "precode": ({}, "no likelihood"),
     "bayesian": ({}, "no likelihood"),
     "frozen_embeddings": ({}, "exact"),  # a text defense: checked on a small causal transformer's sentences
+    "lora": ({"rank": 4}, "exact"),
 }
 
 

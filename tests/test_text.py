@@ -2,11 +2,14 @@
 language model's update (the token set from the embedding's gradient; DAGER, Petrov et al. 2024)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from leakaudit.attacks.text import Dager, Tag, TokenSet, sequence_length, span_basis, span_distance, token_set
-from leakaudit.defenses.text import FrozenEmbeddings
+from leakaudit.attacks.text import (Bigram, Dager, Lamp, Matching, Tag, TokenSet, reorderings, sequence_length,
+                                   span_basis, span_distance, token_set)
+from leakaudit.defenses.text import FrozenEmbeddings, Lora
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, exact_sequence,
                                           load_pii_sentences, pii_recall, rouge, text_assignment, token_accuracy,
@@ -129,6 +132,33 @@ def test_dager_says_the_rank_condition_is_not_met_and_falls_back_to_the_token_se
     assert set(rows[0][rows[0] != 0].tolist()) <= set(original[original != 0].tolist())
 
 
+def test_lora_shares_only_the_adapters_and_dager_reads_them_while_the_tokens_are_fewer_than_the_rank(data):
+    """Under LoRA (Hu et al. 2022) the update holds the attention adapters' and the head's gradients only. At the
+    adapters' start the gradient of B is the weight's gradient through A, so DAGER's span check works in the
+    rank's dimensions: exact for 4 sentences (42 tokens) at rank 64, "rank condition not met" at rank 8."""
+    x, y = data.test_x[:4], data.test_y[:4]
+
+    def attacked(rank: int):
+        torch.manual_seed(0)
+        model = Lora(rank=rank).wrap_model(TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=3))
+        update = _update(model, x, y)
+        threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
+                             4, NoDefense(), labels=y)
+        return update, Dager()(update, threat, torch.Generator())
+
+    update, rec = attacked(64)
+    assert update.names == [f"blocks.{i}.qkv.parametrizations.weight.0.lora_{f}" for i in range(3) for f in "ab"] + \
+        ["head.weight", "head.bias"]
+    assert update.tensors[1].shape == (3 * 128, 64)
+    assert rouge(rec.images[text_assignment(rec.images, x)], x, "rouge2").tolist() == [1.0] * 4
+    assert rec.extras["adapter_rank"] == 64 and rec.extras["rank"][0] < 64
+    _, weak = attacked(8)
+    assert weak.extras["note"].startswith("rank condition not met") and "adapters' rank 8" in weak.extras["note"]
+    assert (weak.images == data.pad_id).all()  # the embedding is frozen too: no token set to fall back on
+    with pytest.raises(ValueError, match="lora adapts a language model's attention"):
+        Lora().wrap_model(torch.nn.Linear(4, 2))
+
+
 def test_the_span_distance_is_zero_inside_the_span_and_one_orthogonal_to_it():
     torch.manual_seed(0)
     inputs = torch.randn(5, 16, dtype=torch.float64)
@@ -200,6 +230,62 @@ def test_tag_reaches_breachings_rouge_on_the_zoo_model(data):
     assert rouge(rows, x, "rouge1").item() >= 0.8
 
 
+def test_lamps_bigram_prior_gives_its_exact_smoothed_likelihoods():
+    """Counted from [a b] and [a c] (padding after): P(a | start) = (2 + k) / (2 + 4k), P(b | a) = (1 + k) / (2 + 4k)
+    with k = 0.1 over 4 ids; an unseen pair gets k / (count + 4k)."""
+    prior = Bigram(torch.tensor([[1, 2, 0], [1, 3, 0]]), vocab_size=4, pad_id=0, k=0.1)
+    first, second = 2.1 / 2.4, 1.1 / 2.4
+    assert prior.nll(torch.tensor([[1, 2]])).item() == pytest.approx(-(math.log(first) + math.log(second)) / 2)
+    unseen = -(math.log(0.1 / 2.4) + math.log(0.1 / 0.4)) / 2  # start -> b never seen; b was never followed
+    assert prior.nll(torch.tensor([2, 1])).item() == pytest.approx(unseen)
+
+
+def test_lamps_moves_are_seeded_reorderings_of_the_positions():
+    moves = reorderings(9, 200, torch.Generator().manual_seed(0))
+    assert torch.equal(moves.sort(1).values, torch.arange(9).expand(200, 9))  # every row a permutation
+    assert torch.equal(moves, reorderings(9, 200, torch.Generator().manual_seed(0)))
+    assert (moves != torch.arange(9)).any(1).all()  # every one moves something
+
+
+def test_lamps_discrete_step_puts_swapped_words_back_in_order(data):
+    """The sentence's own embeddings with two words swapped: of the reorderings tried, the one that swaps them
+    back matches the update exactly and reads most likely under the prior, so the step takes it."""
+    from leakaudit.plugins.attack import AuxiliaryData
+
+    x, y = _sentence(data, 12)
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
+    aux = AuxiliaryData(data.train_x, data.train_y, torch.arange(len(data.train_x)))
+    threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 1,
+                         NoDefense(), labels=y, auxiliary=aux)
+    generator = torch.Generator().manual_seed(0)
+    match = Matching(_update(model, x, y), threat, generator, 0.01)
+    swapped = x[0, :12].clone()
+    swapped[[2, 8]] = swapped[[8, 2]]
+    embeddings = model.wte.weight.detach()[swapped][None].clone().requires_grad_(True)
+    optimiser = torch.optim.Adam([embeddings])
+    prior = Bigram(data.train_x, data.vocab_size, data.pad_id)
+    assert Lamp(candidates=1000)._discrete_step(embeddings, optimiser, match, prior, generator)
+    assert torch.equal(match.tokens(embeddings)[0], x[0, :12])
+
+
+@pytest.mark.slow
+def test_lamp_reads_a_sentence_back_and_reorders_it_in_its_second_half(data):
+    from leakaudit.plugins.attack import AuxiliaryData
+
+    x, y = _sentence(data, 14)
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
+    aux = AuxiliaryData(data.train_x, data.train_y, torch.arange(len(data.train_x)))
+    threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 1,
+                         NoDefense(), labels=y, auxiliary=aux)
+    rec = Lamp(iterations=300)(_update(model, x, y), threat, torch.Generator().manual_seed(0))
+    assert rouge(rec.images, x, "rouge1").item() >= 0.8 and "reorderings" in rec.extras
+    threat.auxiliary = None
+    alone = Lamp(iterations=2, every=1)(_update(model, x, y), threat, torch.Generator().manual_seed(0))
+    assert "ranked by the match alone" in alone.extras["note"]
+
+
 TEXT_AUDIT = {
     "name": "text", "seed": 0, "device": "cpu", "workers": 1,
     "data": {"dataset": "pii_sentences", "targets": 2, "batch_size": 1,
@@ -250,7 +336,8 @@ def test_validation_refuses_what_does_not_apply_to_the_datas_examples_in_one_lin
     lines = str(err.value).splitlines()
     assert any("model.name: lenet_zhu reads image; data.dataset pii_sentences holds text (models for text: "
                "tiny_bert, tiny_gpt)" in line for line in lines)
-    assert any("attacks[0]: inverting_gradients reconstructs image;" in line and "dager, tag" in line for line in lines)
+    assert any("attacks[0]: inverting_gradients reconstructs image;" in line and "dager, lamp, tag" in line
+               for line in lines)
     assert any("soteria applies to image;" in line for line in lines)
     assert any("metrics[0]: psnr scores image;" in line for line in lines)
     assert not any("rouge1" in line.split(":")[1] for line in lines if "metrics[1]" in line)
@@ -282,3 +369,43 @@ def test_audit_batch_attacks_a_language_models_batch_of_token_ids(data):
         "audit_batch: attacks: inverting_gradients: reconstructs image; the inputs are text",
         "audit_batch: defense: clip(max_norm=1.0)>ats: ats applies to image; the inputs are text",
         "audit_batch: metrics: psnr: scores image; the inputs are text"]
+
+
+@pytest.mark.slow
+def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_sentences(data, tmp_path):
+    """A text loop under LeakMonitor, unchanged: the first audited step's update is read back exactly by DAGER,
+    judged against guesses without the update (uniform and most frequent tokens), and the report shows
+    the sentences in words from the vocabulary the loop gives."""
+    import json
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import leakaudit
+
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=64, layers=3)
+    # at lr 0.1 the server's (before - after) / lr keeps the second layer's span above float32's rounding; at
+    # 0.01 its smallest directions sink into it and DAGER's span check fails (docs/results.md)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(data.train_x[:64], data.train_y[:64]), batch_size=2,
+                        generator=torch.Generator().manual_seed(0), shuffle=True)
+    monitor = leakaudit.LeakMonitor(attacks=["dager", "token_set"], every=2, out=tmp_path / "run",
+                                    vocabulary=data.vocabulary)
+    model, optimizer, loader = monitor.attach(model, optimizer, loader)
+    for step, (x, y) in enumerate(loader):
+        if step == 3:
+            break
+        optimizer.zero_grad()
+        classification_loss(model(x), y).backward()
+        optimizer.step()
+    summary = monitor.report()
+    found = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["checkpoint"] for r in found}) == [0, 2]
+    dager = {r["checkpoint"]: r for r in found if r["attack"] == "dager"}
+    assert dager[0]["rouge2"] == 1.0 and dager[2]["rouge2"] > 0.5
+    baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
+    assert set(baselines) == {"random", "frequent"} and baselines["frequent"]["rouge1"] < 0.6
+    assert summary.checkpoints == [0, 2] and summary.worst_case[0].verdict == "leaks"
+    page = (tmp_path / "run" / "report.html").read_text()
+    first = data.decode(data.train_x[0])  # not necessarily attacked; the words of some audited sentence are
+    assert "sentences" in page and any(data.decode(s) in page for s in data.train_x[:64]), first

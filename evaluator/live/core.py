@@ -37,7 +37,7 @@ from leakaudit.evaluator.results.rundir import (
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
 from leakaudit.evaluator.run.scenario import round_generators
-from leakaudit.evaluator.zoo.metrics import guess_scores
+from leakaudit.evaluator.zoo.metrics import guess_scores, text_guess_scores
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, opacus_hooks_off, parameter_names, trainable
 
@@ -144,7 +144,7 @@ class MonitorCore:
                  metrics: Sequence[str] | None = None, seed: int = 0, delta: float = 1e-5,
                  name: str = "monitor", plugins_dirs: Sequence[str] = (),
                  attacker: dict[str, Any] | None = None, leakage_metric: str | None = None, prior: Any = None,
-                 eval_loader: Any = None, loggers: Sequence[Any] = ()) -> None:
+                 eval_loader: Any = None, loggers: Sequence[Any] = (), vocabulary: Sequence[str] | None = None) -> None:
         problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
         problems += [] if 0 < delta < 1 else [f"delta: {delta!r}; expected a number in (0, 1)"]
         self.attacker = {**ATTACKER_DEFAULTS, **(attacker if isinstance(attacker, dict) else {})}
@@ -159,8 +159,12 @@ class MonitorCore:
         problems += [] if prior is None or indexable else [
             f"prior: a {type(prior).__name__}; expected a dataset (or a loader over one) of the attacker's own "
             "(inputs, labels) items"]
+        problems += [] if vocabulary is None or (not isinstance(vocabulary, str) and all(
+            isinstance(w, str) for w in vocabulary)) else ["vocabulary: expected a list of strings, one per token id"]
         if problems:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
+        self.vocabulary = None if vocabulary is None else list(vocabulary)
+        self._text = False  # token ids, once attached to a loop that trains on them
         self.defense = {"name": defense} if isinstance(defense, str) else defense
         self.attacks = [{"name": a} if isinstance(a, str) else a for a in attacks]
         self.every, self.out = every, Path(out)
@@ -198,18 +202,20 @@ class MonitorCore:
         """What attaching checks and opens, whatever drives the steps: the normalisation, the input shape, the
         defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
         self._model, self._dataset, self._federated = model, dataset, federated
-        stats = self._normalisation(loader, dataset, problems)
+        self._text = _holds_token_ids(dataset)
+        stats = ((0.0,), (1.0,)) if self._text else self._normalisation(loader, dataset, problems)
         shape = self._input_shape(dataset, problems)
         with opacus_hooks_off(model) as plain:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
-                                     min(shape[-2:]) if shape else None, self.plugins_dirs, problems,
-                                     caller="LeakMonitor", scope=scope)
+                                     min(shape[-2:]) if shape and not self._text else None, self.plugins_dirs,
+                                     problems, caller="LeakMonitor", scope=scope,
+                                     modality="text" if self._text else "image")
             self.metrics = [m.name for m in self._prepared.scorers]
         if self.leakage_metric is not None:
             check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong := [])
             if wrong:
                 raise ConfigError([f"LeakMonitor: {line}" for line in wrong])
-        if shape is not None:  # the first training input, to catch a wrong normalisation before any step
+        if shape is not None and not self._text:  # the first training input: a wrong normalisation caught early
             pixels_of(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
                       caller="LeakMonitor")
         self._stats = stats
@@ -288,7 +294,10 @@ class MonitorCore:
 
     def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
                 protocol: Any) -> None:
-        pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
+        if self._text:  # token ids are attacked and scored as they are
+            pixels, mean, std = inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
+        else:
+            pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
         for setting, defense in self._defenses:
             share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
@@ -393,15 +402,34 @@ class MonitorCore:
 
     def _write_baselines(self) -> None:
         """Scores of guesses made without the update (noise, grey, the mean image of the attacker's data less
-        the batch's own images) on every attacked batch so far: the verdict's bar."""
+        the batch's own images; for text, uniform tokens and the attacker's most frequent token at each position)
+        on every attacked batch so far: the verdict's bar."""
         folder, audit = self._folder, self._folder.audit
         records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
                    for step in self.audited_steps)
         batches = [(r["original"], r["labels"]) for r in records if r is not None]
+        if self._text:
+            model: Any = self._model
+            pad = getattr(model, "pad_id", 0)
+            vocab = getattr(model, "vocab_size", None) or int(max(int(b[0].max()) for b in batches)) + 1
+            folder.write_json(BASELINES, text_guess_scores(self._prepared.scorers, batches, self._frequent_tokens(pad),
+                                                           vocab, generator(torch.device("cpu"), self.seed, "baseline"),
+                                                           pad))
+            return
         prior = self._prior_pixels()
         folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
                                                   lambda pixels: mean_without(prior, pixels),
                                                   generator(torch.device("cpu"), self.seed, "baseline")))
+
+    def _frequent_tokens(self, pad_id: int) -> Tensor:
+        """The most frequent token at each position among up to 256 seeded sequences the attacker may hold
+        (``prior``, else the training set): a guess made without the update."""
+        source = self.prior if self.prior is not None else self._dataset
+        source = getattr(source, "dataset", source)
+        gen = generator(torch.device("cpu"), self.seed, "mean_image")
+        picks = torch.randperm(len(source), generator=gen)[:PRIOR_SAMPLE].tolist()
+        ids = torch.stack([torch.as_tensor(inputs_labels(source[i], single=True)[0]).long().cpu() for i in picks])
+        return torch.mode(ids.masked_fill(ids == pad_id, -1), dim=0).values.clamp_min(0)
 
     def _prior_pixels(self) -> Tensor | None:
         """Pixels of up to 256 seeded items of the data the attacker may hold (``prior``, else the training set),
@@ -451,11 +479,15 @@ class MonitorCore:
         return 0.0, 1.0
 
     def _input_shape(self, dataset: Any, problems: list[str]) -> tuple[int, ...] | None:
-        """One training input's shape (C, H, W), read from the dataset's first item; None when it has none."""
+        """One training input's shape (C, H, W), or (T,) of token ids, read from the dataset's first item; None
+        when it has none."""
         if dataset is None or not hasattr(dataset, "__getitem__") or not len(dataset):
             return None
         x = torch.as_tensor(inputs_labels(dataset[0], single=True)[0])
-        if x.dim() != 3:
+        if self._text and x.dim() != 1:
+            problems.append(f"loader: its items hold token ids of shape {tuple(x.shape)}; expected one sequence (T,)")
+            return None
+        if not self._text and x.dim() != 3:
             problems.append(f"loader: its items hold inputs of shape {tuple(x.shape)}; the attacks rebuild images "
                             "(C, H, W)")
             return None
@@ -468,7 +500,9 @@ class MonitorCore:
         rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if self._federated else {}
         return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
-                "image_size": min(shape[-2:]) if shape else 32, "batch_size": batch_size,
+                "image_size": min(shape[-2:]) if shape and not self._text else 32, "batch_size": batch_size,
+                **({"modality": "text", "vocabulary": self.vocabulary, "pad_id": getattr(plain, "pad_id", 0)}
+                   if self._text else {}),
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
                 "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
                 "leakage_metric": self.leakage_metric,
@@ -501,6 +535,14 @@ class MonitorCore:
                               "device_type": device, "deterministic": True, "audit_file": str(saved),
                               "chance_accuracy": None})
         return folder
+
+
+def _holds_token_ids(dataset: Any) -> bool:
+    """Whether the training items are token ids (integer sequences): a language model's loop, audited as text."""
+    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__") or not len(dataset):
+        return False
+    x = torch.as_tensor(inputs_labels(dataset[0], single=True)[0])
+    return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
 
 
 def mean_without(prior: Tensor | None, pixels: Tensor) -> Tensor | None:

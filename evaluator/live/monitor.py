@@ -27,7 +27,9 @@ class LeakMonitor(StepMonitor, RoundMonitor):
     to the update your step made (``none``: it is attacked as it is sent); under Opacus the update is already
     DP-SGD's and the defense is ``dpsgd`` with your optimizer's noise multiplier and clipping norm.
     ``mean`` and ``std`` are your inputs' normalisation; left out, they are read from the loader's torchvision
-    ``Normalize``, and a loader without one is refused rather than guessed. Results go to ``out`` as they
+    ``Normalize``, and a loader without one is refused rather than guessed. A loop whose items are token ids
+    (a language model's) is audited as text: no normalisation, the text attacks and metrics, and ``vocabulary``
+    (the token of each id), when given, shows the recovered sentences in words. Results go to ``out`` as they
     are made; a monitor attached again to the same folder with the same settings skips steps already there.
 
     ``attacker``: ``{memory: true}`` (the default) is a server that kept every update the client sent: it undoes

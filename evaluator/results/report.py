@@ -9,9 +9,10 @@ import base64
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
+from torch import Tensor
 
 from leakaudit.evaluator.audit.checks import data_modality
 from leakaudit.evaluator.audit.jobs import row_key
@@ -82,9 +83,10 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
         protocol) else {}  # its settings, not its ClassVars
     clients = fields.pop("clients", 1)
     own = sorted({s.clients for s in audit.settings if s.clients is not None})
-    seen = (f"; one update of {audit.data.batch_size} private image(s)" if clients == 1 and not own else
+    unit = "sentence" if modality(audit) == "text" else "image"
+    seen = (f"; one update of {audit.data.batch_size} private {unit}(s)" if clients == 1 and not own else
             f"; under secure aggregation the server sees only the mean of {clients} clients' updates, "
-            f"each of {audit.data.batch_size // clients} private image(s)")
+            f"each of {audit.data.batch_size // clients} private {unit}(s)")
     if own:
         seen += f" (settings that name their clients: the mean of {', '.join(map(str, own))} clients' updates)"
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]
@@ -95,8 +97,10 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
         ("Server", f"malicious: {spec.malicious}" if spec is not None and spec.malicious else
          "honest but curious: it sends the model as trained and attacks what comes back"),
         ("Model weights", "the attacked checkpoint's weights and architecture (white box, as the server holds them)"),
-        ("Model mode", "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model.mode ==
-         "train" else "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),
+        ("Model mode", f"{audit.model.mode} (model.mode): dropout {'on' if audit.model.mode == 'train' else 'off'}; a "
+         "transformer's LayerNorm keeps no batch statistics" if unit == "sentence" else
+         "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model.mode == "train" else
+         "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),
         ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.known_labels
          else "not given: each attack recovers them from the update"),
         ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "") + seen),
@@ -115,7 +119,7 @@ def _targets(audit: Audit) -> tuple[str, str]:
     """The threat box's line on the attacked images."""
     if audit.live is not None:
         return "Targets", "each audited step's batch, as the training loop drew it"
-    examples = "sentences" if data_modality(as_dict(audit.data), audit.registry) == "text" else "images"
+    examples = "sentences" if modality(audit) == "text" else "images"
     return "Targets", (f"{audit.data.targets} {examples} of the {audit.data.target_split} split"
                        + (" (its first ones)" if audit.data.target_order == "first" else "")
                        + (", never seen in training or tuning" if audit.data.target_split == "test"
@@ -191,7 +195,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
     summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
     by_key = {row_key(r): r for r in rows}
-    text = data_modality(as_dict(audit.data), audit.registry) == "text"
+    text = modality(audit) == "text"
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p, audit.registry)),
                        ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),
@@ -219,24 +223,40 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
         trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None,
-        sentences=sentences,
-        rule=rule_text(summary, audit.data.targets))
+        sentences=sentences, unit="sentence" if text else "image",
+        rule=rule_text(summary, audit.data.targets, "sentence" if text else "image"))
     folder.write_text(REPORT, page)
     return summary
+
+
+def modality(audit: Audit) -> str:
+    """What the audit's examples are: a monitored loop's as it recorded them, else its dataset's."""
+    if audit.live is not None:
+        return audit.live.get("modality", "image")
+    return data_modality(as_dict(audit.data), audit.registry)
+
+
+def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:
+    """Token ids to words: the dataset's vocabulary, a monitored loop's ``vocabulary``, else the ids themselves."""
+    if audit.live is None:
+        return load_data(audit).decode
+    words, pad = audit.live.get("vocabulary"), audit.live.get("pad_id", 0)
+    return lambda ids: " ".join(words[int(i)] if words and int(i) < len(words) else str(int(i))
+                                for i in ids if int(i) != pad)
 
 
 def recovered_sentences(folder: RunFolder, summary: Summary, rows: list[dict]) -> list[dict[str, Any]]:
     """For each setting of a text audit, its strongest attack's most leaking target batch: each original sentence
     beside the recovered one, which of the original's words came back, and the setting's PII recall (the mean over
     that attack's rows at that step)."""
-    data = load_data(folder.audit)
+    decode = sentence_decoder(folder.audit)
     out = []
     for w, at, saved in worst_batches(folder, summary):
         recalls = [r["pii_recall"] for r in rows if r.get("setting") == w.setting and r.get("attack") == at.attack
                    and r.get("checkpoint") == at.checkpoint and r.get("pii_recall") is not None]
         pairs = []
         for orig, rec in zip(saved["original"], saved["reconstruction"]):
-            original, recovered = data.decode(orig), data.decode(rec)
+            original, recovered = decode(orig), decode(rec)
             words = set(recovered.split())
             pairs.append({"original": original, "recovered": recovered,
                           "same": [word in words for word in original.split()]})

@@ -27,17 +27,18 @@ STILL_IMPROVING = 0.01
 BUDGET_FACTOR = 2.5
 
 
-def rule_text(summary: Summary, targets: int) -> str:
+def rule_text(summary: Summary, targets: int, unit: str = "image") -> str:
     """The verdict rule with this audit's own thresholds, as the report states it under its verdicts (the rule
-    itself: ``judge`` and ``calibrate``; in prose: docs/verdicts.md)."""
+    itself: ``judge`` and ``calibrate``; in prose: docs/verdicts.md); ``unit`` names an example ("image",
+    "sentence")."""
     o, t = summary.verdict_options, summary.leak_threshold
     beats = (f"beats {t.value:.4g}: the best guess made without the gradient ({t.guess}, {t.guess_score:.4g}) "
              f"{'plus' if summary.higher_is_more_leakage else 'minus'} a margin of {t.margin:.3g}" if t else
              "beats the guesses made without the gradient")
     identifies = "" if o.identifiable is None else (
-        f", or when an attack identifies at least {o.identifiable:.0%} of the images more than chance explains (one "
-        "image per update: each reconstruction nearest its own original among all targets; several: each original "
-        "named, among up to 8 images of its class that no update holds, by the reconstruction nearest it, beyond "
+        f", or when an attack identifies at least {o.identifiable:.0%} of the {unit}s more than chance explains (one "
+        f"{unit} per update: each reconstruction nearest its own original among all targets; several: each original "
+        f"named, among up to 8 {unit}s of its class that no update holds, by the reconstruction nearest it, beyond "
         "what the classes alone explain)")
     usable = "chance plus the margin" if summary.min_accuracy is None else f"{summary.min_accuracy:.3g}"
     chance = "" if summary.chance_accuracy is None else (
@@ -51,7 +52,7 @@ def rule_text(summary: Summary, targets: int) -> str:
             "tuning, did not leak on the undefended update either (the reference): they may be too weak to break "
             "anything, so the verdict says nothing until they do (more iterations, a tuned search, another attack). "
             "A verdict whose strongest attack's loss was still falling over the last fifth of its iterations says so, "
-            f"with the budget to rerun at. Intervals are percentile bootstrap intervals of the mean over images "
+            f"with the budget to rerun at. Intervals are percentile bootstrap intervals of the mean over {unit}s "
             f"({o.bootstrap} resamples); with few targets they are wide, and the strongest attack is chosen by its "
             f"mean, which favours an attack that got lucky.{named} Thresholds: the audit's verdict: section.")
 

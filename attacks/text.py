@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from leakaudit.attacks.labels import recover_labels
+from leakaudit.attacks.labels import last_layer_gradients, recover_labels
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
@@ -24,6 +24,14 @@ GAP = 10.0
 #: Rows of the room left in the span below the width: a gradient of rank within this of the width spans
 #: (nearly) every vector, and its filters pass anything (DAGER caps its rank at the width less 20 for GPT-2's 768).
 RANK_MARGIN = 4
+
+
+def text_labels(observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor:
+    """The batch's labels, from the classifier head's gradients where the threat does not grant them: its signs
+    for one sentence (iDLG), a feature fit of the class counts for a batch where the head has a bias, the signs
+    otherwise (Geng et al.'s dummy inputs are images, which a language model does not read)."""
+    batch = threat.batch_size > 1 and last_layer_gradients(observed)[1] is not None
+    return recover_labels(observed, threat, "feature_fit" if batch else "signs", generator)
 
 
 def gradient_of(observed: SharedUpdate, name: str) -> Tensor:
@@ -114,7 +122,7 @@ class TokenSet(Attack):
         extras: dict[str, Any] = {"tokens": int((rows[0] != model.pad_id).sum())}  # what one row holds
         if model.embedding_name() not in observed.names:
             extras["note"] = "the update shares no gradient of the token embedding (frozen): no tokens to read"
-        return Reconstruction(rows, recover_labels(observed, threat, "auto", generator), [], 0.0, extras)
+        return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
 
 
 class Dager(Attack):
@@ -166,7 +174,7 @@ class Dager(Attack):
                 extras["note"] = ("the update shares neither the first attention weights' gradients nor their "
                                   "adapters' (frozen): no span to read; the token set is returned")
                 rows = token_rows(token_set(observed, model), model, batch, length, threat.device)
-                return Reconstruction(rows, recover_labels(observed, threat, "auto", generator), [], 0.0, extras)
+                return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
             (first, a_first), (second, a_second) = spans  # type: ignore[misc]
             dim = model.width if a_first is None else len(a_first)
             extras["rank"] = [len(first), len(second)]
@@ -181,12 +189,13 @@ class Dager(Attack):
             else:
                 candidates = self._candidates(model, first, a_first, length, threat.device)
                 rows = self._grow(model, second, a_second, candidates, batch, length, threat.device)
-        return Reconstruction(rows, recover_labels(observed, threat, "auto", generator), [], 0.0, extras)
+        return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
 
     def _span(self, observed: SharedUpdate, model: Any, layer: int) -> tuple[Tensor, Tensor | None] | None:
         """The span that layer ``layer``'s inputs lie in, and the map into its space: the row space of the
         attention weight's gradient (no map), or, under LoRA, of its adapter ``B``'s gradient, in which the inputs
-        appear through ``A`` (``G A^T`` at ``B = 0``). None where the update shares neither."""
+        appear through ``A`` (it is ``scale * G A^T`` for the weight's gradient ``G``, whatever ``B`` is). None
+        where the update shares neither."""
         name = model.attention_name(layer)
         if name in observed.names:
             return span_basis(gradient_of(observed, name), self.rank_floor), None
@@ -249,7 +258,7 @@ class Matching:
         self.params = [p for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
         self.targets = [gradient_of(observed, n).to(threat.device) for n, p in model.named_parameters()
                         if n in observed.names and n != model.embedding_name()]
-        self.labels = recover_labels(observed, threat, "auto", generator)  # from the head's gradients
+        self.labels = text_labels(observed, threat, generator)
         self.scale = self.embedding.norm(dim=1).mean()  # a token embedding's typical length
         self.length = sequence_length(observed, model, threat.input_shape[0])
         self.allowed = torch.arange(model.vocab_size, device=threat.device)
@@ -332,24 +341,27 @@ class Bigram:
     for the start of a sentence. Counts are kept sparse (sorted pair keys), so a large vocabulary costs no more
     than the text it is counted from."""
 
-    def __init__(self, sequences: Tensor, vocab_size: int, pad_id: int, k: float = 0.1):
+    def __init__(self, sequences: Tensor, vocab_size: int, pad_id: int, k: float = 0.1,
+                 device: torch.device | str = "cpu"):
         self.vocab_size, self.pad_id, self.k = vocab_size, pad_id, k
-        seq = sequences.long().cpu()
-        start = torch.full((len(seq), 1), pad_id, dtype=torch.long)
+        seq = sequences.long().to(device)
+        start = torch.full((len(seq), 1), pad_id, dtype=torch.long, device=seq.device)
         prev, nxt = torch.cat([start, seq[:, :-1]], 1), seq
         real = nxt != pad_id
         self.keys, self.pair_counts = torch.unique(prev[real] * vocab_size + nxt[real], return_counts=True)
         self.prev_counts = torch.bincount(prev[real], minlength=vocab_size)
 
     def nll(self, tokens: Tensor) -> Tensor:
-        """Mean negative log-likelihood per token of each sequence ``(..., length)`` (log perplexity)."""
-        device = tokens.device
-        prev = torch.cat([torch.full_like(tokens[..., :1], self.pad_id), tokens[..., :-1]], -1).cpu()
-        key = prev * self.vocab_size + tokens.cpu()
-        at = torch.searchsorted(self.keys, key).clamp_max(len(self.keys) - 1)
-        pair = torch.where(self.keys[at] == key, self.pair_counts[at], 0).double()
+        """Mean negative log-likelihood per token of each sequence ``(..., length)`` (log perplexity), on the
+        device the model was counted on."""
+        prev = torch.cat([torch.full_like(tokens[..., :1], self.pad_id), tokens[..., :-1]], -1)
+        key = prev * self.vocab_size + tokens
+        pair = torch.zeros(key.shape, dtype=torch.float64, device=key.device)
+        if len(self.keys):  # no sentences counted: every pair unseen
+            at = torch.searchsorted(self.keys, key).clamp_max(len(self.keys) - 1)
+            pair = torch.where(self.keys[at] == key, self.pair_counts[at], 0).double()
         p = (pair + self.k) / (self.prev_counts[prev].double() + self.k * self.vocab_size)
-        return (-p.log()).mean(-1).to(device)
+        return (-p.log()).mean(-1)
 
 
 def reorderings(length: int, count: int, generator: torch.Generator) -> Tensor:
@@ -360,8 +372,8 @@ def reorderings(length: int, count: int, generator: torch.Generator) -> Tensor:
     for row in out:
         i = int(torch.randint(length, (), generator=generator))
         j = (i + 1 + int(torch.randint(length - 1, (), generator=generator))) % length  # another position
-        a, b = min(i, j), max(i, j) + 1  # or the span [a, b) moved to position c of what is left
-        if torch.rand((), generator=generator) < 0.5 or b - a == length:
+        a, b = min(i, j), max(i, j)  # or the span [a, b), 1 to length - 1 tokens, moved to position c of the rest
+        if torch.rand((), generator=generator) < 0.5:
             row[[i, j]] = row[[j, i]]
             continue
         rest = torch.cat([row[:a], row[b:]])
@@ -404,8 +416,8 @@ class Lamp(Tag):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         match = Matching(observed, threat, generator, self.l1_weight)
         model: Any = threat.model
-        prior = None if threat.auxiliary is None else Bigram(threat.auxiliary.images[threat.auxiliary.indices],
-                                                              model.vocab_size, model.pad_id)
+        prior = None if threat.auxiliary is None or not len(threat.auxiliary) else Bigram(
+            threat.auxiliary.images[threat.auxiliary.indices], model.vocab_size, model.pad_id, device=threat.device)
         starts = match.start(self.starts, generator)
         x = starts[int(torch.stack([match.distance(s, False) for s in starts]).argmin())].requires_grad_(True)
         optimiser = torch.optim.Adam([x], lr=self.lr)

@@ -7,10 +7,9 @@ later layers still share their gradients, and DAGER (Petrov et al. 2024) reads t
 attention layers' span wherever its rank condition holds.
 
 ``lora`` (Hu et al. 2022): the client trains low-rank adapters ``B @ A`` beside frozen weights and shares only
-their gradients (and the classifier head's), as parameter-efficient fine-tuning does. At an adapter's start
-(``B = 0``) the gradient of ``B`` is the weight's gradient projected on the ``rank`` rows of ``A``: DAGER's span
-check then works in ``rank`` dimensions, so it reads the batch only while its tokens are fewer than the rank
-(Petrov et al. 2024, Sec. 6).
+their gradients and the classifier head's, as parameter-efficient fine-tuning of a classifier does. The gradient
+of ``B`` is the weight's gradient projected on the ``rank`` rows of ``A``: DAGER's span check then works in
+``rank`` dimensions, so it reads the batch only while its tokens are fewer than the rank (Petrov et al. 2024).
 """
 from __future__ import annotations
 
@@ -71,19 +70,20 @@ class LowRankAdapter(nn.Module):
 
 class Lora(DeterministicDefense):
     """LoRA-only updates (Hu et al. 2022): every weight but the attention projections' adapters and the
-    classifier head frozen, so the client shares the adapters' gradients and the head's, exactly."""
+    classifier head frozen, so the client shares the adapters' gradients and the head's, exactly. The head is
+    the model's last ``nn.Linear``, trained as PEFT's ``modules_to_save`` trains a classifier's: the update's
+    labels are read from it."""
 
     name = "lora"
     paper = "Hu et al. 2022"
     modalities = ("text",)
     params: ClassVar[dict[str, Param]] = {
         "rank": Param(8, int, min=1, help="the adapters' rank r: A is r x width, B outputs x r"),
-        "alpha": Param(16.0, float, min=0.0, help="the adapters' scale numerator: B @ A is multiplied by alpha / rank"),
-        "head": Param(True, bool, help="train and share the classifier head too (PEFT's modules_to_save)"),
+        "alpha": Param(16.0, float, min=0.0, exclusive_min=True,
+                       help="the adapters' scale numerator: B @ A is multiplied by alpha / rank"),
     }
     rank: int
     alpha: float
-    head: bool
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if not isinstance(model, TokenModel):
@@ -92,14 +92,14 @@ class Lora(DeterministicDefense):
         targets = [model.attention_name(layer) for layer in range(model.depth)]
         last = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]  # the classifier head
         for name, p in model.named_parameters():
-            p.requires_grad_(self.head and name.rpartition(".")[0] == last)
+            p.requires_grad_(name.rpartition(".")[0] == last)
         for name in targets:
             module, _, tensor = name.rpartition(".")
             layer = model.get_submodule(module)
             parametrize.register_parametrization(layer, tensor, LowRankAdapter(getattr(layer, tensor), self.rank,
                                                                                 self.alpha))
         self.model_changes = [f"{len(targets)} attention projections ({', '.join(targets)}) take rank-{self.rank} "
-                              "adapters; every other weight frozen" + (f" but the head ({last})" if self.head else "")]
+                              f"adapters; every other weight frozen but the head ({last})"]
         return model
 
 

@@ -220,10 +220,60 @@ def _is_alias(obj: Any) -> bool:
     return typing.get_origin(obj) is not None
 
 
+#: The sections of a Google-style docstring, in the order they come (the example last).
+DOC_SECTIONS = ("Args", "Returns", "Raises", "Example")
+
+
+def sections(doc: str) -> dict[str, list[str]]:
+    """A Google-style docstring cut at its sections: the prose before them under "", each section's lines (their
+    first indent removed) under its name."""
+    out: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in doc.splitlines():
+        if line.endswith(":") and line[:-1] in DOC_SECTIONS:
+            current = line[:-1]
+            out[current] = []
+        else:
+            out[current].append(line[4:] if current and line.startswith("    ") else line)
+    return out
+
+
+def entries(lines: list[str]) -> dict[str, str]:
+    """An Args or Raises section's entries: each name with its text (continuation lines joined)."""
+    out: dict[str, str] = {}
+    for line in lines:
+        if line and not line.startswith(" "):
+            name, _, text = line.partition(": ")
+            out[name] = text
+        elif out and line.strip():
+            last = list(out)[-1]
+            out[last] += " " + line.strip()
+    return out
+
+
+def _markdown(doc: str) -> str:
+    """A docstring as Markdown: the prose as it is, Args and Raises as lists, Returns as a paragraph and the
+    example as a Python block."""
+    parts = sections(doc)
+    lines = list(parts[""])
+    for name in DOC_SECTIONS:
+        if name not in parts:
+            continue
+        lines += ["", f"**{name}**", ""]
+        if name in ("Args", "Raises"):
+            lines += [f"- `{key}`: {text}" for key, text in entries(parts[name]).items()]
+        elif name == "Example":
+            lines += ["```python", *[line for line in parts[name]], "```"]
+        else:
+            lines.append(" ".join(line.strip() for line in parts[name]).strip())
+    return "\n".join(lines).strip()
+
+
 def _doc(obj: Any, name: str = "") -> str:
-    """The docstring of a class or function; of a type alias, the ``#:`` comment above it where it is defined."""
+    """The docstring of a class or function, as Markdown; of a type alias, the ``#:`` comment above it where it
+    is defined."""
     if not _is_alias(obj):
-        return inspect.getdoc(obj) or ""
+        return _markdown(inspect.getdoc(obj) or "")
     import leakaudit
 
     source = inspect.getsource(import_module(leakaudit._LAZY[name])).splitlines()

@@ -195,7 +195,23 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
 
 
 def load_registry(plugin_dirs: Iterable[str | Path] = (), entry_points: bool = True) -> Registry:
-    """Discover every plugin and return the filled registry."""
+    """Discover every plugin and return the filled registry.
+
+    Args:
+        plugin_dirs: drop-in folders whose modules implement the hooks, loaded beside the built-ins.
+        entry_points: also load installed packages' ``leakaudit`` entry points.
+
+    Returns:
+        The registry: each kind's components by name, with where each came from.
+
+    Raises:
+        PluginError: a plugins folder is missing or is a file, a plugin file or entry point cannot be loaded, or
+            a plugin implements a hook that does not exist.
+
+    Example:
+        registry = leakaudit.load_registry(["my_plugins"])
+        print(registry.names("defense"))
+    """
     return build_registry(get_plugin_manager(plugin_dirs, entry_points))
 
 

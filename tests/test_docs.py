@@ -85,6 +85,26 @@ def test_every_key_built_in_flag_hook_and_exported_name_has_its_doc(monkeypatch)
     assert reference.undocumented() == ["audit key Top level.undocumented_key"]
 
 
+def test_the_entry_points_docstrings_give_every_argument_what_they_return_raise_and_an_example():
+    """The functions of the public API and LeakMonitor: Args names exactly the signature's parameters, Returns
+    (for a function), Raises and an Example come in that order, and the API page renders them as lists and a
+    Python block."""
+    import inspect
+
+    import leakaudit
+
+    reference = _reference()
+    for name in ("load_audit", "run_audit", "report_folder", "load_registry", "audit_batch", "LeakMonitor"):
+        obj = getattr(leakaudit, name)
+        parts = reference.sections(inspect.getdoc(obj))
+        wanted = ["Args", "Raises", "Example"] if inspect.isclass(obj) else ["Args", "Returns", "Raises", "Example"]
+        assert [k for k in parts if k] == wanted, name
+        params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        assert list(reference.entries(parts["Args"])) == params, name
+        assert all(text for text in reference.entries(parts["Args"]).values()), name
+        assert "```python" in reference._doc(obj, name) and f"leakaudit.{name}(" in "\n".join(parts["Example"]), name
+
+
 PYTHON_BLOCKS = [(page, i, textwrap.dedent(block)) for page in PAGES
                  for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
 

@@ -17,7 +17,11 @@ def test_the_gpu_suite_runs_every_section_at_toy_sizes(tmp_path):
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert results["failed"] == {}
     assert set(results["sections"]) == {"throughput_lenet", "throughput_resnet18_224", "quickstart", "precision",
+                                        "text_dager_scale", "text_tag_lamp", "text_quickstart",
                                         *(f"paper_{name}" for name in suite.PAPER_CASES)}
+    text = results["sections"]["text_dager_scale"]
+    assert [(row["setting"], row["rouge1"]) for row in text] == [("none", 1.0), ("lora(rank=8)", 0.0)]
+    assert set(results["sections"]["text_tag_lamp"][0]["rouge2_by_attack"]) == {"tag", "lamp"}
     assert [row["K"] for row in results["sections"]["throughput_lenet"]] == [1, 2]
     assert all(row["image_iterations_per_s"] > 0 for row in results["sections"]["throughput_lenet"])
     assert all(results["sections"][f"paper_{name}"]["measured"] for name in suite.PAPER_CASES)

@@ -196,7 +196,8 @@ def _offline(audit: dict, path) -> dict:
 SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
 # slow to run even reduced; covered by default by their twins (table1_resnet20, ats_training, cinet_cpu) and, for
 # adaptive_defenses, by tests/test_adaptive_defenses.py's end-to-end audit
-SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper", "cinet_batch64"}
+SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper", "cinet_batch64",
+               "text_dager_scale"}
 
 
 @pytest.mark.slow

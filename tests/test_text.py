@@ -280,7 +280,8 @@ def test_lamp_reads_a_sentence_back_and_reorders_it_in_its_second_half(data):
     threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 1,
                          NoDefense(), labels=y, auxiliary=aux)
     rec = Lamp(iterations=300)(_update(model, x, y), threat, torch.Generator().manual_seed(0))
-    assert rouge(rec.images, x, "rouge1").item() >= 0.8 and "reorderings" in rec.extras
+    assert rouge(rec.images, x, "rouge1").item() >= 0.8
+    assert 0 <= rec.extras["reorderings"] <= 300 // 2 // 25  # discrete steps in the second half only
     threat.auxiliary = None
     alone = Lamp(iterations=2, every=1)(_update(model, x, y), threat, torch.Generator().manual_seed(0))
     assert "ranked by the match alone" in alone.extras["note"]
@@ -407,5 +408,8 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
     assert set(baselines) == {"random", "frequent"} and baselines["frequent"]["rouge1"] < 0.6
     assert summary.checkpoints == [0, 2] and summary.worst_case[0].verdict == "leaks"
     page = (tmp_path / "run" / "report.html").read_text()
-    first = data.decode(data.train_x[0])  # not necessarily attacked; the words of some audited sentence are
-    assert "sentences" in page and any(data.decode(s) in page for s in data.train_x[:64]), first
+    assert "sentences" in page and any(data.decode(s) in page for s in data.train_x[:64])  # in words
+    assert "<pad>" not in (tmp_path / "run" / "monitor.json").read_text()  # the vocabulary is kept beside it
+    with pytest.raises(leakaudit.ConfigError, match="mean, std: the loader's items are token ids"):
+        leakaudit.LeakMonitor(attacks=["dager"], mean=0.5, std=0.2, out=tmp_path / "other").attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loader)

@@ -54,9 +54,27 @@ def _strip_dot(path: str) -> str:
 
 def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None,
                text: str | None = None, import_user_code: bool = True) -> Audit:
-    """Read, validate and expand an audit file (``text``: its contents, where the file is elsewhere, as on a
-    Ray worker); raise ConfigError listing every problem. ``import_user_code=False`` finds the modules that
-    ``factory:`` and ``protocol.function`` name without importing them (``leakaudit validate``)."""
+    """Read, validate and expand an audit file.
+
+    Args:
+        path: the audit's YAML file.
+        plugins_dirs: drop-in folders of plugin modules, loaded beside the installed plugins.
+        registry: the plugins to check names against (default: loaded from ``plugins_dirs`` and entry points).
+        text: the file's contents, where the file itself is elsewhere (as on a Ray worker).
+        import_user_code: False finds the modules that ``factory:`` and ``protocol.function`` name without
+            importing them (``leakaudit validate``).
+
+    Returns:
+        The audit: every section typed, every sweep expanded into its settings, every name resolved.
+
+    Raises:
+        ConfigError: every problem of the file at once, one line each naming the file, the key and the choices,
+            before any work starts.
+
+    Example:
+        audit = leakaudit.load_audit("configs/quickstart.yaml")
+        print([setting.key for setting in audit.settings])
+    """
     token = IMPORT_USER_CODE.set(import_user_code)
     try:
         return _load_audit(Path(path), plugins_dirs, registry, text)

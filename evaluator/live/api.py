@@ -76,16 +76,39 @@ def audit_batch(model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tenso
                 plugins_dirs: Sequence[str] = ()) -> list[BatchAudit]:
     """Attack the update this batch makes on ``model`` as it is now and score what comes back.
 
-    ``inputs`` are what the model consumes: images, where ``inputs * std + mean`` are the pixels in
-    [0, 1] the attacks rebuild (give ``mean`` and ``std``, 0 and 1 for raw pixels, or the torchvision
-    ``Normalize`` your inputs went through as ``normalize``), or token ids ``(N, length)`` of a language
-    model (a ``leakaudit.plugins.text.TokenModel``), read as they are, scored by the text metrics. ``defense`` and ``attacks`` take the names or mappings of a YAML
-    audit's ``defenses`` and ``attacks`` entries (a sweep gives one result per setting).
-    With ``step_fn(model, inputs, labels)`` and its SGD ``lr``, the update is the one your
-    own step makes (``protocol: step``); the model is left as it was. ``seed``, ``step`` and
-    ``batch_index`` give the noise and attack starts of target batch ``batch_index`` at
-    checkpoint ``step`` of a YAML audit with that seed, so the two give the same numbers.
-    Raises ConfigError, one line per problem, before any work; ``model`` is never changed.
+    Args:
+        model: the model at its current weights; never changed.
+        loss_fn: the training loss, ``loss_fn(outputs, labels)``.
+        inputs: what the model consumes: images, where ``inputs * std + mean`` are the pixels in [0, 1] the
+            attacks rebuild, or token ids ``(N, length)`` of a language model (a
+            ``leakaudit.plugins.text.TokenModel``), read as they are and scored by the text metrics.
+        labels: the batch's labels.
+        defense: the name or mapping of a YAML audit's ``defenses`` entry (a sweep gives one result per setting).
+        attacks: the names or mappings of ``attacks`` entries.
+        mean: the images' normalisation (0 for raw pixels); not for token ids.
+        std: the images' normalisation (1 for raw pixels); not for token ids.
+        normalize: the torchvision ``Normalize`` your images went through, in place of ``mean`` and ``std``.
+        step_fn: ``step_fn(model, inputs, labels)``: your own training step; the update is the one it makes
+            (``protocol: step``), and the model is left as it was.
+        lr: ``step_fn``'s SGD learning rate.
+        known_labels: give the attacker the labels.
+        metrics: the scores to compute (default: the audit file's defaults for the inputs' kind).
+        seed: with ``step`` and ``batch_index``, the noise and attack starts of target batch ``batch_index``
+            at checkpoint ``step`` of a YAML audit with this seed, so that the two give the same numbers.
+        step: see ``seed``.
+        batch_index: see ``seed``.
+        plugins_dirs: drop-in folders of plugin modules.
+
+    Returns:
+        One result per defense setting and attack: its scores, the reconstruction and the recovered labels.
+
+    Raises:
+        ConfigError: one line per problem, before any work.
+
+    Example:
+        results = leakaudit.audit_batch(model, torch.nn.functional.cross_entropy, images, labels,
+                                        attacks=["inverting_gradients"], mean=0.5, std=0.25)
+        print(results[0].metrics["psnr"])
     """
     given = [n for n, v in (("mean", mean), ("std", std), ("normalize", normalize)) if v is not None]
     if inputs.is_floating_point():

@@ -29,6 +29,7 @@ from leakaudit.evaluator.results.rundir import (
     ARCHITECTURE,
     BASELINES,
     MONITOR,
+    VOCABULARY,
     RUN_INFO,
     RunError,
     RunFolder,
@@ -203,6 +204,8 @@ class MonitorCore:
         defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
         self._model, self._dataset, self._federated = model, dataset, federated
         self._text = _holds_token_ids(dataset)
+        if self._text and (self.mean is not None or self.std is not None):
+            problems.append("mean, std: the loader's items are token ids, which are not normalised; leave them out")
         stats = ((0.0,), (1.0,)) if self._text else self._normalisation(loader, dataset, problems)
         shape = self._input_shape(dataset, problems)
         with opacus_hooks_off(model) as plain:
@@ -221,6 +224,8 @@ class MonitorCore:
         self._stats = stats
         self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
+        if self._text and self.vocabulary is not None:
+            self._folder.write_json(VOCABULARY, self.vocabulary)
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
         self._defenses = [(s, s.build(self._prepared.registry)) for s in self._folder.audit.settings]
 
@@ -295,6 +300,7 @@ class MonitorCore:
     def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
                 protocol: Any) -> None:
         if self._text:  # token ids are attacked and scored as they are
+            inputs = inputs.long()
             pixels, mean, std = inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
         else:
             pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
@@ -412,9 +418,9 @@ class MonitorCore:
             model: Any = self._model
             pad = getattr(model, "pad_id", 0)
             vocab = getattr(model, "vocab_size", None) or int(max(int(b[0].max()) for b in batches)) + 1
-            folder.write_json(BASELINES, text_guess_scores(self._prepared.scorers, batches, self._frequent_tokens(pad),
-                                                           vocab, generator(torch.device("cpu"), self.seed, "baseline"),
-                                                           pad))
+            folder.write_json(BASELINES, text_guess_scores([m for m in self._prepared.scorers if m.on == "images"],
+                                                           batches, self._frequent_tokens(pad), vocab,
+                                                           generator(torch.device("cpu"), self.seed, "baseline"), pad))
             return
         prior = self._prior_pixels()
         folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
@@ -501,8 +507,7 @@ class MonitorCore:
         return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
                 "image_size": min(shape[-2:]) if shape and not self._text else 32, "batch_size": batch_size,
-                **({"modality": "text", "vocabulary": self.vocabulary, "pad_id": getattr(plain, "pad_id", 0)}
-                   if self._text else {}),
+                **({"modality": "text", "pad_id": getattr(plain, "pad_id", 0)} if self._text else {}),
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
                 "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
                 "leakage_metric": self.leakage_metric,
@@ -538,11 +543,12 @@ class MonitorCore:
 
 
 def _holds_token_ids(dataset: Any) -> bool:
-    """Whether the training items are token ids (integer sequences): a language model's loop, audited as text."""
+    """Whether the training items are token ids (one integer sequence each): a language model's loop, audited as
+    text. An integer image (C, H, W) is not."""
     if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__") or not len(dataset):
         return False
     x = torch.as_tensor(inputs_labels(dataset[0], single=True)[0])
-    return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+    return x.dim() == 1 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
 
 
 def mean_without(prior: Tensor | None, pixels: Tensor) -> Tensor | None:

@@ -37,4 +37,39 @@ class LeakMonitor(StepMonitor, RoundMonitor):
     the step's own gradient. ``{memory: false}`` attacks the update alone. Every audited step is also attacked on
     the undefended update, which calibrates its verdict (a "protects" where even that does not leak is
     inconclusive).
+
+    Args:
+        defense: the name or mapping of an audit file's ``defenses`` entry, applied to each audited update.
+        attacks: the names or mappings of ``attacks`` entries.
+        every: attack every ``every``-th step (or federated round).
+        out: the run folder; results are written as they are made.
+        mean: the images' normalisation (default: the loader's torchvision ``Normalize``).
+        std: the images' normalisation (default: the loader's torchvision ``Normalize``).
+        loss_fn: the training loss, ``loss_fn(outputs, labels)``.
+        known_labels: give the attacker the labels.
+        metrics: the scores to compute (default: the audit file's defaults for the inputs' kind).
+        seed: the seed of the attacks' starts and the defense's noise.
+        delta: the delta at which epsilon is reported under Opacus.
+        name: the report's title.
+        plugins_dirs: drop-in folders of plugin modules.
+        attacker: ``{memory: true|false}``: whether the server undoes the optimizer (see above).
+        leakage_metric: the metric the verdict is judged on (default: the audit file's default).
+        prior: a dataset (or a loader over one) of the attacker's own items, for the guesses made without the
+            update (default: the training set).
+        eval_loader: held-out batches; each audited step's accuracy on them sets privacy against utility.
+        loggers: where each audited step's scalars go: a TensorBoard ``SummaryWriter``, an object with
+            ``log_metrics(metrics, step)`` (Lightning's loggers, mlflow) or a function ``(scalars, step)``.
+        vocabulary: for a language model's loop, the token of each id, to show the recovered sentences in words.
+
+    Raises:
+        ConfigError: a bad setting, one line each, before any step (attaching checks the model and loader).
+
+    Example:
+        monitor = leakaudit.LeakMonitor(attacks=["inverting_gradients"], every=100, out="runs/training")
+        model, optimizer, loader = monitor.attach(model, optimizer, loader)
+        for inputs, labels in loader:  # your loop, unchanged
+            optimizer.zero_grad()
+            loss_fn(model(inputs), labels).backward()
+            optimizer.step()
+        summary = monitor.report()
     """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from leakaudit.evaluator.results.figures import (
     worst_batches,
 )
 from leakaudit.evaluator.results.identify import identifiability
-from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, RunFolder
+from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, VOCABULARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
 from leakaudit.evaluator.results.verdict import rule_text
@@ -240,7 +241,8 @@ def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:
     """Token ids to words: the dataset's vocabulary, a monitored loop's ``vocabulary``, else the ids themselves."""
     if audit.live is None:
         return load_data(audit).decode
-    words, pad = audit.live.get("vocabulary"), audit.live.get("pad_id", 0)
+    saved = audit.path.parent / VOCABULARY
+    words, pad = json.loads(saved.read_text()) if saved.is_file() else None, audit.live.get("pad_id", 0)
     return lambda ids: " ".join(words[int(i)] if words and int(i) < len(words) else str(int(i))
                                 for i in ids if int(i) != pad)
 

@@ -38,6 +38,7 @@ SUMMARY = "summary.json"
 REPORT = "report.html"
 AUDIT_COPY = "audit.yaml"
 MONITOR = "monitor.json"  # a LeakMonitor's description of the training it audits (instead of audit.yaml)
+VOCABULARY = "vocabulary.json"  # a monitored language model's token of each id, for the report's sentences
 FRONTIER = "frontier.json"  # each frontier search's probes, in the order judged: the settings it added
 
 

@@ -114,7 +114,27 @@ def warn_old_torch() -> None:
 
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
               workers: int | None = None, template: Path | None = None) -> Summary:
-    """Run the whole audit into ``out_dir`` and write the report; returns the summary."""
+    """Run the whole audit into ``out_dir`` and write the report.
+
+    Args:
+        audit: what ``load_audit`` returned.
+        out_dir: the run folder: results are written there as they are produced.
+        resume: go on with a folder an earlier run of the same audit left (its finished jobs are kept).
+        progress: show progress bars on stderr.
+        workers: processes that run attack jobs (default: the audit's ``workers``).
+        template: a Jinja2 report template in place of the built-in one.
+
+    Returns:
+        The summary: each setting's verdict, its strongest attack's scores, the privacy-utility decision.
+
+    Raises:
+        RunError: the folder already holds a run (pass ``resume``), the run it holds is another audit's, or it
+            cannot be written.
+
+    Example:
+        summary = leakaudit.run_audit(leakaudit.load_audit("configs/quickstart.yaml"), "runs/quickstart")
+        print([(case.setting, case.verdict) for case in summary.worst_case])
+    """
     warn_old_torch()
     restore = process_flags(audit)
     try:
@@ -244,8 +264,24 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
 
 def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Iterable[str] = (),
                   template: Path | None = None) -> Summary:
-    """``leakaudit report DIR``: rewrite a run folder's report (an audit's or a LeakMonitor's) from its saved
-    rows; returns the summary."""
+    """Rewrite a run folder's report (an audit's or a LeakMonitor's) from its saved rows: ``leakaudit report DIR``.
+
+    Args:
+        path: the run folder.
+        config: a YAML file whose ``verdict:``, ``leakage_metric`` and ``name`` replace the saved audit's (the rows
+            are judged again; nothing is attacked).
+        plugins_dirs: drop-in folders of the plugins the run used.
+        template: a Jinja2 report template in place of the built-in one.
+
+    Returns:
+        The summary, judged again from the saved rows.
+
+    Raises:
+        RunError: ``config`` is not a mapping of the keys it may set, or a saved row is not JSON.
+
+    Example:
+        summary = leakaudit.report_folder("runs/quickstart")
+    """
     from leakaudit.evaluator.results.rundir import saved_audit
 
     return rebuild_report(RunFolder(path, saved_audit(Path(path), config, plugins_dirs)), template)

@@ -390,7 +390,7 @@ class Lamp(Tag):
     language model finds most likely. The language model is a bigram model counted from the attacker's own
     sentences (the training split without the targets). The discrete steps run in the second half of the
     iterations, once the nearest tokens have settled: from the start, a prior read on unsettled tokens steered the
-    embeddings away (ROUGE-2 0.41 against TAG's 0.48 on the zoo's model; docs/results.md)."""
+    embeddings away, below TAG (docs/results.md)."""
 
     name = "lamp"
     paper = "Balunovic et al. 2022"
@@ -405,7 +405,6 @@ class Lamp(Tag):
         "starts": Param(8, int, min=1, help="random starts, the best-matching kept (LAMP's initialisation)"),
     }
     brings: ClassVar[str] = "word order from a language model beside the gradient"
-    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"iterations": 300}, "cuda": {"iterations": 2500}}
 
     every: int
     candidates: int

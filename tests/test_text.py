@@ -247,17 +247,23 @@ def test_lamps_moves_are_seeded_reorderings_of_the_positions():
     assert (moves != torch.arange(9)).any(1).all()  # every one moves something
 
 
-def test_lamps_discrete_step_puts_swapped_words_back_in_order(data):
-    """The sentence's own embeddings with two words swapped: of the reorderings tried, the one that swaps them
-    back matches the update exactly and reads most likely under the prior, so the step takes it."""
+def _lamp_case(data, y: torch.Tensor) -> tuple[torch.nn.Module, ThreatModel]:
+    """A 2-layer causal model and the threat of one sentence's update, with the whole training split as the
+    attacker's own sentences (LAMP's prior)."""
     from leakaudit.plugins.attack import AuxiliaryData
 
-    x, y = _sentence(data, 12)
     torch.manual_seed(0)
     model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
     aux = AuxiliaryData(data.train_x, data.train_y, torch.arange(len(data.train_x)))
-    threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 1,
-                         NoDefense(), labels=y, auxiliary=aux)
+    return model, ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
+                              1, NoDefense(), labels=y, auxiliary=aux)
+
+
+def test_lamps_discrete_step_puts_swapped_words_back_in_order(data):
+    """The sentence's own embeddings with two words swapped: of the reorderings tried, the one that swaps them
+    back matches the update exactly and reads most likely under the prior, so the step takes it."""
+    x, y = _sentence(data, 12)
+    model, threat = _lamp_case(data, y)
     generator = torch.Generator().manual_seed(0)
     match = Matching(_update(model, x, y), threat, generator, 0.01)
     swapped = x[0, :12].clone()
@@ -271,14 +277,8 @@ def test_lamps_discrete_step_puts_swapped_words_back_in_order(data):
 
 @pytest.mark.slow
 def test_lamp_reads_a_sentence_back_and_reorders_it_in_its_second_half(data):
-    from leakaudit.plugins.attack import AuxiliaryData
-
     x, y = _sentence(data, 14)
-    torch.manual_seed(0)
-    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
-    aux = AuxiliaryData(data.train_x, data.train_y, torch.arange(len(data.train_x)))
-    threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes, 1,
-                         NoDefense(), labels=y, auxiliary=aux)
+    model, threat = _lamp_case(data, y)
     rec = Lamp(iterations=300)(_update(model, x, y), threat, torch.Generator().manual_seed(0))
     assert rouge(rec.images, x, "rouge1").item() >= 0.8
     assert 0 <= rec.extras["reorderings"] <= 300 // 2 // 25  # discrete steps in the second half only

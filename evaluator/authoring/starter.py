@@ -176,8 +176,10 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
         cls = registry.get("attack", a)
         lines.append(_line(f"  - name: {a}", f"{registry.entries['attack'][a].summary} Its parameters: "
                                              f"leakaudit plugins attack {a}"))
-        lines += _params_block(cls.params, starter.naive_attack[1] if a == starter.naive_attack[0] else {}, "    ",
-                               others=False)
+        # text's other attacks at the budget they declare for a CPU (LAMP's default is a GPU's 2,500 steps)
+        budget = cls.auto_params.get("cpu", {}) if kind == "text" else {}
+        lines += _params_block(cls.params, starter.naive_attack[1] if a == starter.naive_attack[0] else budget,
+                               "    ", others=False)
         if scope:
             lines.append(_line(f"    defenses: {_value(scope)}", "the settings it runs on"))
     lines += [_line(f"utility: {_value(starter.utility)}", "SGD steps that measure each defense's test accuracy"),

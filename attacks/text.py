@@ -4,7 +4,7 @@ TAG's optimisation of relaxed embeddings (Deng et al. 2021), and LAMP's alternat
 reorderings ranked by a language model (Balunovic et al. 2022)."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -167,29 +167,35 @@ class Dager(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
         length, batch = threat.input_shape[0], observed.batch_size
-        spans = [self._span(observed, model, layer) for layer in (0, 1)]
         extras: dict[str, Any] = {"width": model.width}
         with torch.no_grad():
-            if any(span is None for span in spans):
-                extras["note"] = ("the update shares neither the first attention weights' gradients nor their "
-                                  "adapters' (frozen): no span to read; the token set is returned")
+            rows = self._read(observed, model, batch, length, threat.device, extras)
+            if rows is None:  # no span, or one that holds any sequence (the note says which)
                 rows = token_rows(token_set(observed, model), model, batch, length, threat.device)
-                return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
-            (first, a_first), (second, a_second) = spans  # type: ignore[misc]
-            dim = model.width if a_first is None else len(a_first)
-            extras["rank"] = [len(first), len(second)]
-            if a_first is not None:
-                extras["adapter_rank"] = dim
-            if max(len(first), len(second)) > dim - RANK_MARGIN:
-                where = "width" if a_first is None else "adapters' rank"
-                extras["note"] = (f"rank condition not met: the attention gradients have rank {len(first)} and "
-                                  f"{len(second)} of {where} {dim} (the batch's tokens are not fewer than the "
-                                  f"{where}), so their span holds any sequence; the token set is returned")
-                rows = token_rows(token_set(observed, model), model, batch, length, threat.device)
-            else:
-                candidates = self._candidates(model, first, a_first, length, threat.device)
-                rows = self._grow(model, second, a_second, candidates, batch, length, threat.device)
         return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
+
+    def _read(self, observed: SharedUpdate, model: Any, batch: int, length: int, device: torch.device,
+              extras: dict[str, Any]) -> Tensor | None:
+        """The batch's sequences from the first two layers' spans; None, with a note in ``extras``, where the update
+        shares no span or the rank condition fails."""
+        one, two = self._span(observed, model, 0), self._span(observed, model, 1)
+        if one is None or two is None:
+            extras["note"] = ("the update shares neither the first attention weights' gradients nor their "
+                              "adapters' (frozen): no span to read; the token set is returned")
+            return None
+        (first, a_first), (second, a_second) = one, two
+        dim = model.width if a_first is None else len(a_first)
+        extras["rank"] = [len(first), len(second)]
+        if a_first is not None:
+            extras["adapter_rank"] = dim
+        if max(len(first), len(second)) > dim - RANK_MARGIN:
+            where = "width" if a_first is None else "adapters' rank"
+            extras["note"] = (f"rank condition not met: the attention gradients have rank {len(first)} and "
+                              f"{len(second)} of {where} {dim} (the batch's tokens are not fewer than the "
+                              f"{where}), so their span holds any sequence; the token set is returned")
+            return None
+        candidates = self._candidates(model, first, a_first, length, device)
+        return self._grow(model, second, a_second, candidates, batch, length, device)
 
     def _span(self, observed: SharedUpdate, model: Any, layer: int) -> tuple[Tensor, Tensor | None] | None:
         """The span that layer ``layer``'s inputs lie in, and the map into its space: the row space of the
@@ -255,9 +261,9 @@ class Matching:
         model: Any = threat.model
         self.model, self.threat, self.l1_weight, self.batch = model, threat, l1_weight, observed.batch_size
         self.embedding = dict(model.named_parameters())[model.embedding_name()].detach()
-        self.params = [p for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
-        self.targets = [gradient_of(observed, n).to(threat.device) for n, p in model.named_parameters()
-                        if n in observed.names and n != model.embedding_name()]
+        named = [(n, p) for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
+        self.params = [p for _, p in named]
+        self.targets = [gradient_of(observed, n).to(threat.device) for n, _ in named]
         self.labels = text_labels(observed, threat, generator)
         self.scale = self.embedding.norm(dim=1).mean()  # a token embedding's typical length
         self.length = sequence_length(observed, model, threat.input_shape[0])
@@ -289,6 +295,23 @@ class Matching:
                           device=self.threat.device)
         rows[:, : self.length] = tokens
         return rows
+
+
+def descend(x: Tensor, loss_of: Callable[[Tensor], Tensor], iterations: int, lr: float,
+            after_step: Callable[[int, torch.optim.Adam], None] | None = None) -> list[float]:
+    """Adam on ``x`` for ``iterations`` steps of ``loss_of(x)``, calling ``after_step(step, optimiser)`` after
+    each (LAMP's discrete steps); the losses, one per step."""
+    optimiser = torch.optim.Adam([x], lr=lr)
+    trace = []
+    for step in range(iterations):
+        optimiser.zero_grad()
+        loss = loss_of(x)
+        x.grad, = torch.autograd.grad(loss, [x])
+        optimiser.step()
+        trace.append(loss.detach())
+        if after_step is not None:
+            after_step(step, optimiser)
+    return torch.stack(trace).tolist() if trace else []
 
 
 class Tag(Attack):
@@ -323,16 +346,8 @@ class Tag(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         match = Matching(observed, threat, generator, self.l1_weight)
         x = match.start(1, generator)[0].requires_grad_(True)
-        optimiser = torch.optim.Adam([x], lr=self.lr)
-        trace = []
-        for _ in range(self.iterations):
-            optimiser.zero_grad()
-            loss = match.distance(x)
-            x.grad, = torch.autograd.grad(loss, [x])
-            optimiser.step()
-            trace.append(loss.detach())
-        rows = match.rows(match.tokens(x, self.use_token_set))
-        return Reconstruction(rows, match.labels, torch.stack(trace).tolist() if trace else [], 0.0)
+        trace = descend(x, match.distance, self.iterations, self.lr)
+        return Reconstruction(match.rows(match.tokens(x, self.use_token_set)), match.labels, trace, 0.0)
 
 
 class Bigram:
@@ -419,21 +434,20 @@ class Lamp(Tag):
             threat.auxiliary.images[threat.auxiliary.indices], model.vocab_size, model.pad_id, device=threat.device)
         starts = match.start(self.starts, generator)
         x = starts[int(torch.stack([match.distance(s, False) for s in starts]).argmin())].requires_grad_(True)
-        optimiser = torch.optim.Adam([x], lr=self.lr)
-        trace, moves = [], 0
-        for step in range(self.iterations):
-            optimiser.zero_grad()
-            loss = match.distance(x) + self.embedding_weight * ((x.norm(dim=-1) - match.scale) ** 2).mean()
-            x.grad, = torch.autograd.grad(loss, [x])
-            optimiser.step()
-            trace.append(loss.detach())
+        moves = 0
+
+        def discrete(step: int, optimiser: torch.optim.Adam) -> None:
+            nonlocal moves
             if (step + 1) % self.every == 0 and 2 * (step + 1) > self.iterations and match.length > 1:
                 moves += self._discrete_step(x, optimiser, match, prior, generator)
+
+        trace = descend(x, lambda v: match.distance(v) + self.embedding_weight * ((v.norm(dim=-1) - match.scale) ** 2)
+                        .mean(), self.iterations, self.lr, discrete)
         rows = match.rows(match.tokens(x, self.use_token_set))
         extras: dict[str, Any] = {"reorderings": moves}
         if prior is None:
             extras["note"] = "no sentences of the attacker's own (ThreatModel.auxiliary): reorderings ranked by the match alone"
-        return Reconstruction(rows, match.labels, torch.stack(trace).tolist(), 0.0, extras)
+        return Reconstruction(rows, match.labels, trace, 0.0, extras)
 
     def _discrete_step(self, x: Tensor, optimiser: torch.optim.Adam, match: Matching, prior: Bigram | None,
                        generator: torch.Generator) -> bool:
@@ -444,15 +458,15 @@ class Lamp(Tag):
         orders = torch.cat([torch.arange(match.length)[None], reorderings(match.length, self.candidates, cpu)])
         orders = orders.to(x.device)
 
-        def score(order: Tensor) -> Tensor:
+        def matched(order: Tensor) -> Tensor:
             moved = x.detach().clone()
             moved[sentence] = moved[sentence, order]
-            value = match.distance(moved, False).clamp_min(1e-30).log()
-            if prior is not None and self.lm_weight:
-                value = value + self.lm_weight * prior.nll(match.tokens(moved[sentence], self.use_token_set))
-            return value
+            return match.distance(moved, False).clamp_min(1e-30).log()
 
-        best = int(torch.stack([score(o) for o in orders]).argmin())
+        score = torch.stack([matched(o) for o in orders])
+        if prior is not None and self.lm_weight:  # each position keeps its nearest token when reordered
+            score = score + self.lm_weight * prior.nll(match.tokens(x[sentence], self.use_token_set)[orders])
+        best = int(score.argmin())
         if best == 0:
             return False
         with torch.no_grad():

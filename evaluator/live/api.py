@@ -184,6 +184,14 @@ def _modality_problems(registry: Registry, modality: str, specs: list[AttackSpec
                   if m in registry.names("metric") and (kind := registry.get("metric", m).modality) not in (modality, "any")]
 
 
+def attacked_inputs(inputs: Tensor, stats: Any, text: bool, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
+    """``(what the attacks rebuild and are scored against, mean, std)``: token ids as they are, with nothing to
+    undo (``text``), or the pixels of normalised images (``pixels_of`` with ``stats``, the mean and std)."""
+    if text:
+        return inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
+    return pixels_of(inputs, *stats, caller=caller)
+
+
 def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
     """``(pixels in [0, 1], mean, std)`` of normalised ``inputs``, the statistics as (C, 1, 1) tensors on their
     device; a ConfigError when ``inputs * std + mean`` leaves the pixel range (the wrong normalisation)."""
@@ -230,10 +238,7 @@ def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats,
     modality = "image" if inputs.is_floating_point() else "text"
     prepared = prepare(model, defense, attacks, metrics, protocol, len(inputs),
                        min(inputs.shape[-2:]) if inputs.dim() == 4 else None, plugins_dirs, problems, modality=modality)
-    if modality == "text":  # token ids: nothing to undo
-        pixels, mean_t, std_t = inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
-    else:
-        pixels, mean_t, std_t = pixels_of(inputs, *stats)
+    pixels, mean_t, std_t = attacked_inputs(inputs, stats, modality == "text")
     seed, step, index = draws
     results = []
     for setting, defense_obj in prepared.defenses:

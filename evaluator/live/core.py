@@ -23,7 +23,7 @@ from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.api import Stats, attack_shared, channel_stats, pixels_of, prepare
+from leakaudit.evaluator.live.api import Stats, attack_shared, attacked_inputs, channel_stats, pixels_of, prepare
 from leakaudit.evaluator.results.report import judged
 from leakaudit.evaluator.results.rundir import (
     ARCHITECTURE,
@@ -38,7 +38,7 @@ from leakaudit.evaluator.results.rundir import (
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
 from leakaudit.evaluator.run.scenario import round_generators
-from leakaudit.evaluator.zoo.metrics import guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, opacus_hooks_off, parameter_names, trainable
 
@@ -299,11 +299,8 @@ class MonitorCore:
 
     def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
                 protocol: Any) -> None:
-        if self._text:  # token ids are attacked and scored as they are
-            inputs = inputs.long()
-            pixels, mean, std = inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
-        else:
-            pixels, mean, std = pixels_of(inputs, *self._stats, caller="LeakMonitor")
+        inputs = inputs.long() if self._text else inputs  # token ids of any integer type, scored as long
+        pixels, mean, std = attacked_inputs(inputs, self._stats, self._text, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
         for setting, defense in self._defenses:
             share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
@@ -435,7 +432,7 @@ class MonitorCore:
         gen = generator(torch.device("cpu"), self.seed, "mean_image")
         picks = torch.randperm(len(source), generator=gen)[:PRIOR_SAMPLE].tolist()
         ids = torch.stack([torch.as_tensor(inputs_labels(source[i], single=True)[0]).long().cpu() for i in picks])
-        return torch.mode(ids.masked_fill(ids == pad_id, -1), dim=0).values.clamp_min(0)
+        return frequent_tokens(ids, pad_id)
 
     def _prior_pixels(self) -> Tensor | None:
         """Pixels of up to 256 seeded items of the data the attacker may hold (``prior``, else the training set),

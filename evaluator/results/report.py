@@ -84,7 +84,7 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
         protocol) else {}  # its settings, not its ClassVars
     clients = fields.pop("clients", 1)
     own = sorted({s.clients for s in audit.settings if s.clients is not None})
-    unit = "sentence" if modality(audit) == "text" else "image"
+    unit = example_unit(audit)
     seen = (f"; one update of {audit.data.batch_size} private {unit}(s)" if clients == 1 and not own else
             f"; under secure aggregation the server sees only the mean of {clients} clients' updates, "
             f"each of {audit.data.batch_size // clients} private {unit}(s)")
@@ -120,8 +120,7 @@ def _targets(audit: Audit) -> tuple[str, str]:
     """The threat box's line on the attacked images."""
     if audit.live is not None:
         return "Targets", "each audited step's batch, as the training loop drew it"
-    examples = "sentences" if modality(audit) == "text" else "images"
-    return "Targets", (f"{audit.data.targets} {examples} of the {audit.data.target_split} split"
+    return "Targets", (f"{audit.data.targets} {example_unit(audit)}s of the {audit.data.target_split} split"
                        + (" (its first ones)" if audit.data.target_order == "first" else "")
                        + (", never seen in training or tuning" if audit.data.target_split == "test"
                           else ", trained on but never tuned on"))
@@ -196,7 +195,8 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
     summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
     by_key = {row_key(r): r for r in rows}
-    text = modality(audit) == "text"
+    unit = example_unit(audit)
+    text = unit == "sentence"
     figures: dict[str, str | None] = {}
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p, audit.registry)),
                        ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),
@@ -224,8 +224,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
         trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None,
-        sentences=sentences, unit="sentence" if text else "image",
-        rule=rule_text(summary, audit.data.targets, "sentence" if text else "image"))
+        sentences=sentences, unit=unit, rule=rule_text(summary, audit.data.targets, unit))
     folder.write_text(REPORT, page)
     return summary
 
@@ -235,6 +234,11 @@ def modality(audit: Audit) -> str:
     if audit.live is not None:
         return audit.live.get("modality", "image")
     return data_modality(as_dict(audit.data), audit.registry)
+
+
+def example_unit(audit: Audit) -> str:
+    """What one of the audit's examples is called in the report: "sentence" or "image"."""
+    return "sentence" if modality(audit) == "text" else "image"
 
 
 def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:

@@ -23,7 +23,7 @@ from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
-from leakaudit.evaluator.zoo.metrics import guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
 
@@ -294,8 +294,7 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
     metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
     batches = (scenario.target_batch(t) for t in range(audit.num_batches))
     if scenario.text:  # the most frequent token at each position, and uniform draws
-        ids = scenario.data.train_x
-        frequent = torch.mode(ids.masked_fill(ids == scenario.data.pad_id, -1), dim=0).values.clamp_min(0)
+        frequent = frequent_tokens(scenario.data.train_x, scenario.data.pad_id)
         return text_guess_scores(metrics, batches, frequent, scenario.data.vocab_size,
                                  generator("cpu", audit.seed, "baseline"), scenario.data.pad_id)
     average = scenario.data.train_x.float().mean(dim=0).to(scenario.device)

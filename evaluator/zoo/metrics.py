@@ -205,6 +205,12 @@ def guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]]
             for name, d in out.items() if d}
 
 
+def frequent_tokens(ids: Tensor, pad_id: int = 0) -> Tensor:
+    """The most frequent token at each position of sequences ``ids`` ``(N, length)``: the guess an attacker who
+    knows the data makes without the update (padding counts as no token)."""
+    return torch.mode(ids.masked_fill(ids == pad_id, -1), dim=0).values.clamp_min(0)
+
+
 def text_guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]], frequent: Tensor,
                       vocab_size: int, generator: torch.Generator, pad_id: int = 0) -> dict[str, dict[str, float | None]]:
     """Mean scores over ``batches`` of ``(ids, labels)`` of sequences guessed without the update: tokens drawn

@@ -413,3 +413,26 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
     with pytest.raises(leakaudit.ConfigError, match="mean, std: the loader's items are token ids"):
         leakaudit.LeakMonitor(attacks=["dager"], mean=0.5, std=0.2, out=tmp_path / "other").attach(
             model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+
+
+def test_lora_lamp_and_the_monitors_vocabulary_refuse_bad_settings_in_one_line_each(write_audit):
+    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+
+    import leakaudit
+
+    bad = {**TEXT_AUDIT, "defenses": [{"name": "none"}, {"name": "lora", "params": {"rank": 0, "alpha": 0.0}}],
+           "attacks": [{"name": "lamp", "params": {"every": 0, "candidates": 0, "lm_weight": -1}}]}
+    with pytest.raises(ConfigError) as err:
+        load_audit(write_audit(bad))
+    lines = sorted(line.split(": ", 1)[1] for line in str(err.value).splitlines())
+    assert lines == ["attacks[0].params.candidates: 0 is below the minimum 1",
+                     "attacks[0].params.every: 0 is below the minimum 1",
+                     "attacks[0].params.lm_weight: -1 is below the minimum 0.0",
+                     "defenses[1].params.alpha: 0.0 must be greater than 0.0",
+                     "defenses[1].params.rank: 0 is below the minimum 1"]
+    image = {"name": "img", "data": {"dataset": "digits", "targets": 1}, "model": {"name": "lenet_zhu"},
+             "defenses": [{"name": "none"}, {"name": "lora"}], "attacks": [{"name": "inverting_gradients"}]}
+    with pytest.raises(ConfigError, match=r"defenses \(lora\): lora applies to text; data.dataset digits holds image"):
+        load_audit(write_audit(image))
+    with pytest.raises(ConfigError, match="LeakMonitor: vocabulary: expected a list of strings, one per token id"):
+        leakaudit.LeakMonitor(vocabulary="abc")

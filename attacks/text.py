@@ -1,19 +1,22 @@
 """Attacks on the updates of language models: the tokens from the embedding's gradient (Melis et al. 2019), DAGER's
 exact recovery of whole sequences from the span of the first attention layers' gradients (Petrov et al. 2024),
-TAG's optimisation of relaxed embeddings (Deng et al. 2021), and LAMP's alternation of that optimisation with
-reorderings ranked by a language model (Balunovic et al. 2022)."""
+TAG's optimisation of continuous embeddings (Deng et al. 2021), LAMP's alternation of that optimisation with
+reorderings ranked by a language model (Balunovic et al. 2022), and the Bayes adversary on the defense's own
+likelihood through relaxed tokens (Balunovic et al. 2022's adversary, with tokens relaxed to distributions)."""
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import reduce
 from typing import Any, Callable, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from leakaudit.attacks.labels import last_layer_gradients, recover_labels
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import Protocol, not_one_step
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.protocol import Protocol, not_one_step, parameter_names
 from leakaudit.plugins.spec import Param
 from leakaudit.plugins.text import TokenModel, adapter_names
 
@@ -253,9 +256,10 @@ class Dager(Attack):
         return rows
 
 class Matching:
-    """What TAG and LAMP optimise: continuous input embeddings whose FedSGD update matches the observed one in
-    squared distance plus ``l1_weight`` times the absolute distance, the embedding's own gradient left out (the
-    candidate feeds embeddings, not ids)."""
+    """What TAG and LAMP optimise: continuous input embeddings whose update matches the observed one in squared
+    distance plus ``l1_weight`` times the absolute distance, the embedding's own gradient left out (the candidate
+    feeds embeddings, not ids). The update is FedSGD's gradient, or the protocol's unrolled local steps (FedAvg),
+    in which the candidate's embeddings stay as they are: the rows a local step would move are the ones left out."""
 
     def __init__(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator, l1_weight: float):
         model: Any = threat.model
@@ -263,6 +267,7 @@ class Matching:
         self.embedding = dict(model.named_parameters())[model.embedding_name()].detach()
         named = [(n, p) for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
         self.params = [p for _, p in named]
+        self.shared = [parameter_names(model).index(n) for n, _ in named]  # their places in the protocol's update
         self.targets = [gradient_of(observed, n).to(threat.device) for n, _ in named]
         self.labels = text_labels(observed, threat, generator)
         self.scale = self.embedding.norm(dim=1).mean()  # a token embedding's typical length
@@ -277,10 +282,18 @@ class Matching:
                         device=generator.device).to(self.threat.device)
         return x * self.scale / x.norm(dim=-1, keepdim=True)
 
+    def update(self, x: Tensor, create_graph: bool = True) -> list[Tensor]:
+        """The matched tensors of the update that embeddings ``x`` ``(B, length, width)`` would produce."""
+        protocol = self.threat.protocol
+        if protocol.sends_gradient:
+            return list(torch.autograd.grad(self.threat.loss_fn(self.model(x), self.labels), self.params,
+                                            create_graph=create_graph))
+        update = protocol.attacker_update(self.model, self.threat.loss_fn, x, self.labels, create_graph)
+        return [update[i] for i in self.shared]
+
     def distance(self, x: Tensor, create_graph: bool = True) -> Tensor:
         """The matching loss of embeddings ``x`` ``(B, length, width)``."""
-        grads = torch.autograd.grad(self.threat.loss_fn(self.model(x), self.labels), self.params,
-                                    create_graph=create_graph)
+        grads = self.update(x, create_graph)
         return torch.stack([((g - t) ** 2).sum() + self.l1_weight * (g - t).abs().sum()
                             for g, t in zip(grads, self.targets)]).sum()
 
@@ -438,7 +451,7 @@ class Lamp(Tag):
 
         def discrete(step: int, optimiser: torch.optim.Adam) -> None:
             nonlocal moves
-            if (step + 1) % self.every == 0 and 2 * (step + 1) > self.iterations and match.length > 1:
+            if reorder_due(step, self.every, self.iterations, match.length):
                 moves += self._discrete_step(x, optimiser, match, prior, generator)
 
         trace = descend(x, lambda v: match.distance(v) + self.embedding_weight * ((v.norm(dim=-1) - match.scale) ** 2)
@@ -451,28 +464,144 @@ class Lamp(Tag):
 
     def _discrete_step(self, x: Tensor, optimiser: torch.optim.Adam, match: Matching, prior: Bigram | None,
                        generator: torch.Generator) -> bool:
-        """Reorder one sentence of ``x`` (and Adam's moments with it) by its best reordering where that scores
-        better than the order it has; whether it did."""
-        cpu = torch.Generator().manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
-        sentence = int(torch.randint(len(x), (), generator=cpu))
-        orders = torch.cat([torch.arange(match.length)[None], reorderings(match.length, self.candidates, cpu)])
-        orders = orders.to(x.device)
+        """Reorder one sentence of ``x`` by its best reordering (``reorder``), ranked by the log matching loss plus
+        ``lm_weight`` times the prior's log perplexity of the words it reads."""
+        def score(sentence: int, orders: Tensor) -> Tensor:
+            def matched(order: Tensor) -> Tensor:
+                moved = x.detach().clone()
+                moved[sentence] = moved[sentence, order]
+                return match.distance(moved, False).clamp_min(1e-30).log()
 
-        def matched(order: Tensor) -> Tensor:
-            moved = x.detach().clone()
-            moved[sentence] = moved[sentence, order]
-            return match.distance(moved, False).clamp_min(1e-30).log()
+            total = torch.stack([matched(o) for o in orders])
+            if prior is not None and self.lm_weight:  # each position keeps its nearest token when reordered
+                total = total + self.lm_weight * prior.nll(match.tokens(x[sentence], self.use_token_set)[orders])
+            return total
 
-        score = torch.stack([matched(o) for o in orders])
-        if prior is not None and self.lm_weight:  # each position keeps its nearest token when reordered
-            score = score + self.lm_weight * prior.nll(match.tokens(x[sentence], self.use_token_set)[orders])
-        best = int(score.argmin())
-        if best == 0:
-            return False
-        with torch.no_grad():
-            for tensor in [x, *(v for v in optimiser.state[x].values() if v.shape == x.shape)]:
-                tensor[sentence] = tensor[sentence, orders[best]].clone()
-        return True
+        return reorder(x, optimiser, score, match.length, self.candidates, generator)
+
+
+def reorder_due(step: int, every: int, iterations: int, length: int) -> bool:
+    """Whether a discrete step follows continuous step ``step``: every ``every`` steps of the second half, once the
+    nearest tokens have settled, for sentences of two or more tokens."""
+    return (step + 1) % every == 0 and 2 * (step + 1) > iterations and length > 1
+
+
+def reorder(x: Tensor, optimiser: torch.optim.Adam, score: Callable[[int, Tensor], Tensor], length: int,
+            candidates: int, generator: torch.Generator) -> bool:
+    """LAMP's discrete step: one sentence of ``x`` ``(B, length, ...)``, drawn at random, and Adam's moments with
+    it, moved to the best of ``candidates`` reorderings by ``score(sentence, orders)`` (lower is better; row 0 of
+    ``orders`` is the order it has) where that beats the order it has; whether it moved."""
+    cpu = torch.Generator().manual_seed(int(torch.randint(2 ** 62, (), generator=generator, device=generator.device)))
+    sentence = int(torch.randint(len(x), (), generator=cpu))
+    orders = torch.cat([torch.arange(length)[None], reorderings(length, candidates, cpu)]).to(x.device)
+    best = int(score(sentence, orders).argmin())
+    if best == 0:
+        return False
+    with torch.no_grad():
+        for tensor in [x, *(v for v in optimiser.state[x].values() if v.shape == x.shape)]:
+            tensor[sentence] = tensor[sentence, orders[best]].clone()
+    return True
+
+
+class SoftTokens(nn.Module):
+    """A language model fed a distribution over its vocabulary at each position ``(B, length, vocab)``: the input is
+    the distribution's mean token embedding, computed from the model's own embedding weight, so that the weight's
+    gradient is a relaxed token set (a one-hot distribution gives the update of the token ids exactly) and a
+    protocol's local steps move it as they move the client's."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, probabilities: Tensor) -> Tensor:
+        model: Any = self.model
+        embedding = reduce(getattr, model.embedding_name().split("."), model)  # functional_call's stand-in too
+        return model(probabilities @ embedding)
+
+
+class BayesText(Attack):
+    """The Bayes adversary (Balunovic et al. 2022) on a language model: relaxed tokens, one distribution over the
+    vocabulary per position (a softmax of free logits), optimised to maximise the audited defense's own
+    ``log p(g | x)`` of the whole update, the token embedding's gradient included (the relaxation makes it
+    differentiable), under FedSGD or the protocol's local steps; each position is then read as its most likely
+    token. Its prior on sentences is uniform: the likelihood alone (LAMP brings a language model)."""
+
+    name = "bayes_text"
+    paper = "Balunovic et al. 2022"
+    modality = "text"
+    uses_defense = True
+    uses_likelihood = True
+    params: ClassVar[dict[str, Param]] = {
+        "iterations": Param(2500, int, min=1, help="Adam steps on the relaxed tokens' logits"),
+        "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam's step size"),
+        "init_scale": Param(0.1, float, min=0.0, help="standard deviation of the logits' random start (0: uniform "
+                            "distributions)"),
+        "every": Param(25, int, min=1, help="continuous steps between two discrete steps (in the second half)"),
+        "candidates": Param(100, int, min=1, help="reorderings tried in each discrete step, ranked by the "
+                            "likelihood (0 discrete steps: set every past iterations)"),
+    }
+    brings: ClassVar[str] = "the defense's own likelihood p(g|x) on relaxed tokens"
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"iterations": 300}, "cuda": {"iterations": 2500}}
+
+    iterations: int
+    lr: float
+    init_scale: float
+    every: int
+    candidates: int
+
+    def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if not isinstance(model, TokenModel):
+            return "bayes_text feeds relaxed tokens to a transformer: the model is not a TokenModel (leakaudit.plugins.text)"
+        return None
+
+    def unsupported_defense(self, defense: Defense) -> str | None:
+        if defense.has_likelihood():
+            return None
+        return f"bayes_text: defense {defense.name!r} declares no log_likelihood"
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        model: Any = threat.model
+        relaxed = replace(threat, model=SoftTokens(model))
+        labels = text_labels(observed, threat, generator)
+        observed = SharedUpdate([t.to(threat.device) for t in observed.tensors], observed.names,
+                                observed.batch_size, observed.metadata)
+        length = sequence_length(observed, model, threat.input_shape[0])
+        logits = self.init_scale * torch.randn((observed.batch_size, length, model.vocab_size), generator=generator,
+                                               device=generator.device).to(threat.device)
+        logits.requires_grad_(True)
+
+        def negative_log_likelihood(z: Tensor) -> Tensor:
+            candidate = threat.defense.candidate_update(relaxed, z.softmax(-1), labels)
+            return -threat.defense.log_likelihood(observed, candidate)
+
+        def score(sentence: int, orders: Tensor) -> Tensor:
+            """The likelihood of the sentences read (each position's likeliest token), the one reordered."""
+            read = logits.detach().argmax(-1)
+
+            def moved(order: Tensor) -> Tensor:
+                tokens = read.clone()
+                tokens[sentence] = tokens[sentence, order]
+                with torch.enable_grad():  # the candidate update is a gradient, of the model's parameters
+                    return negative_log_likelihood(one_hot_logits(tokens, model.vocab_size)).detach()
+            return torch.stack([moved(o) for o in orders])
+
+        moves = 0
+
+        def discrete(step: int, optimiser: torch.optim.Adam) -> None:
+            nonlocal moves
+            if reorder_due(step, self.every, self.iterations, length):
+                moves += reorder(logits, optimiser, score, length, self.candidates, generator)
+
+        trace = descend(logits, negative_log_likelihood, self.iterations, self.lr, discrete)
+        rows = torch.full((observed.batch_size, threat.input_shape[0]), model.pad_id, dtype=torch.long,
+                          device=threat.device)
+        rows[:, :length] = logits.detach().argmax(-1)
+        return Reconstruction(rows, labels, trace, 0.0, {"reorderings": moves})
+
+
+def one_hot_logits(tokens: Tensor, vocab_size: int) -> Tensor:
+    """Logits whose softmax is, to float precision, the one-hot distribution of ``tokens``."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.get_default_dtype()) * 1e4
 
 
 def nearest_tokens(x: Tensor, table: Tensor) -> Tensor:
@@ -482,4 +611,4 @@ def nearest_tokens(x: Tensor, table: Tensor) -> Tensor:
 
 @hookimpl
 def register_attacks():
-    return [TokenSet, Dager, Tag, Lamp]
+    return [TokenSet, Dager, Tag, Lamp, BayesText]

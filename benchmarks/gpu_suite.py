@@ -166,7 +166,7 @@ def precision(device: str, smoke: bool, compiled: bool = False) -> list[dict[str
 def text(case: str, device: str, smoke: bool, compiled: bool = False) -> list[dict[str, Any]]:
     """One text audit on ``device``: DAGER at scale (``dager_scale``: 32 sentences per update on a model of GPT-2's
     width), TAG against LAMP at their full budget (``tag_lamp``: 2,500 iterations, updates of two sentences), or
-    the text quickstart with TAG at that budget (``quickstart``); each setting's strongest attack and every
+    the text quickstart with TAG and the Bayes adversary at that budget (``quickstart``); each setting's strongest attack and every
     attack's ROUGE-2."""
     toy = {"data.targets": 2, "utility.train_steps": 1, "model.params": {"width": 32, "layers": 3, "heads": 4}}
     full = 2 if smoke else 2500
@@ -176,7 +176,8 @@ def text(case: str, device: str, smoke: bool, compiled: bool = False) -> list[di
         "tag_lamp": {"data.batch_size": 2, "data.targets": 4, "defenses": [{"name": "none"}],
                      "attacks": [{"name": "tag", "params": {"iterations": full}},
                                  {"name": "lamp", "params": {"iterations": full}}], **(toy if smoke else {})},
-        "quickstart": {"attacks.1.params.iterations": full, **(toy if smoke else {})},
+        "quickstart": {"attacks.1.params.iterations": full, "attacks.3.params.iterations": full,
+                       **(toy if smoke else {})},
     }
     config = {"dager_scale": "text_dager_scale"}.get(case, "text_quickstart")
     with tempfile.TemporaryDirectory() as tmp:

@@ -258,7 +258,10 @@ def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
     for _ in range(protocol.local_epochs):
         for i in range(0, len(inputs), b):
             loss = loss_fn(functional_call(model, current, (inputs[i:i + b],)), targets[i:i + b])
-            grads = torch.autograd.grad(loss, list(current.values()), create_graph=create_graph)
+            # a parameter the candidate does not reach (the token embedding, where an attack feeds embeddings)
+            # takes no step
+            grads = torch.autograd.grad(loss, list(current.values()), create_graph=create_graph, allow_unused=True,
+                                        materialize_grads=True)
             current = {n: p - protocol.local_lr * g for (n, p), g in zip(current.items(), grads)}
     return [start[n] - current[n] for n in names]
 

@@ -206,6 +206,7 @@ def test_plugins_kind_name_says_what_attacks_auto_does_with_it(capsys):
 def test_init_writes_a_text_audit_for_text_defenses_and_refuses_a_mix(registry, tmp_path):
     audit = load_audit(tmp_path / "text.yaml", text=starter_audit(registry, ["frozen_embeddings"]))
     assert audit.data.dataset == "pii_sentences" and audit.model.name == "tiny_gpt"
-    assert [a.name for a in audit.attacks] == ["tag", "dager", "lamp", "token_set"] and audit.metrics[0] == "rouge1"
+    assert [a.name for a in audit.attacks] == ["tag", "bayes_text", "dager", "lamp", "token_set"]
+    assert audit.metrics[0] == "rouge1"
     with pytest.raises(ConfigError, match=r"init: the defenses apply to different examples \(.*soteria: image\)"):
         starter_audit(registry, ["frozen_embeddings", "soteria"])

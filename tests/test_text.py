@@ -7,16 +7,18 @@ import math
 import pytest
 import torch
 
-from leakaudit.attacks.text import (Bigram, Dager, Lamp, Matching, Tag, TokenSet, reorderings, sequence_length,
-                                   span_basis, span_distance, token_set)
+
+from leakaudit.attacks.text import (BayesText, Bigram, Dager, Lamp, Matching, SoftTokens, Tag, TokenSet,
+                                   one_hot_logits, reorderings, sequence_length, span_basis, span_distance, token_set)
 from leakaudit.defenses.text import FrozenEmbeddings, Lora
 from leakaudit.defenses.noise import NoDefense
+from leakaudit.defenses.pruning import RandomPrune
 from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, exact_sequence,
                                           load_pii_sentences, pii_recall, rouge, text_assignment, token_accuracy,
                                           tokenize)
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import FEDSGD
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
 from leakaudit.plugins.text import TokenModel
 
 LENGTH = 16
@@ -285,6 +287,56 @@ def test_lamp_reads_a_sentence_back_and_reorders_it_in_its_second_half(data):
     threat.auxiliary = None
     alone = Lamp(iterations=2, every=1)(_update(model, x, y), threat, torch.Generator().manual_seed(0))
     assert "ranked by the match alone" in alone.extras["note"]
+
+
+@pytest.mark.parametrize("protocol", [FEDSGD, FedAvg(local_epochs=2, local_lr=0.1)], ids=["fedsgd", "fedavg"])
+def test_one_hot_relaxed_tokens_give_the_clients_own_update(data, protocol):
+    """Relaxed tokens that are one-hot are the token ids: their update, the embedding's gradient and every local
+    step's re-embedding included, is the client's to float precision."""
+    x, y = _sentence(data, 10)
+    x = x[:, :10]  # no padding: the relaxed input has none
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, 10, width=32, layers=2)
+    threat = ThreatModel(SoftTokens(model), classification_loss, (10,), torch.zeros(1), torch.ones(1),
+                         data.num_classes, 1, NoDefense(), labels=y, protocol=protocol)
+    client = protocol.client_update(model, classification_loss, x, y)
+    relaxed = threat.candidate_update(one_hot_logits(x, data.vocab_size).softmax(-1), y)
+    assert len(relaxed) == len(client)
+    for c, r in zip(client, relaxed):
+        torch.testing.assert_close(r, c, atol=1e-6, rtol=1e-5)
+    assert client[0].abs().sum() > 0  # the embedding's gradient, matched too
+
+
+def _small_case(data, defense, protocol) -> tuple[torch.Tensor, SharedUpdate, ThreatModel]:
+    """One 10-token sentence's defended update on a 2-layer causal model of width 64."""
+    x, y = _sentence(data, 10)
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=64, layers=2)
+    update = defense.share(ClientStep(model, classification_loss, x, y, torch.Generator().manual_seed(1), protocol))
+    return x, update, ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1),
+                                  data.num_classes, 1, defense, labels=y, protocol=protocol)
+
+
+@pytest.mark.slow
+def test_the_bayes_adversary_reads_a_pruned_sentence_that_tag_does_not(data):
+    """90% of the update's coordinates zeroed at random: TAG matches the zeros and reads little; the Bayes
+    adversary, on pruning's own likelihood, reads every word (Balunovic et al. 2022's point, on text)."""
+    x, update, threat = _small_case(data, RandomPrune(fraction=0.9), FEDSGD)
+    bayes = BayesText(iterations=200)(update, threat, torch.Generator().manual_seed(0))
+    tag = Tag(iterations=200)(update, threat, torch.Generator().manual_seed(0))
+    assert rouge(bayes.images, x, "rouge1").item() >= 0.9
+    assert rouge(tag.images, x, "rouge1").item() <= 0.5
+    assert bayes.extras["reorderings"] <= 200 // 2 // 25
+
+
+@pytest.mark.slow
+def test_tag_and_the_bayes_adversary_read_a_fedavg_update_of_local_steps(data):
+    """FedAvg, two local steps: both unroll them (TAG with its embeddings held, the Bayes adversary re-embedding
+    its relaxed tokens at each step as the client does)."""
+    x, update, threat = _small_case(data, NoDefense(), FedAvg(local_epochs=2, local_lr=0.1))
+    for attack in (Tag(iterations=200), BayesText(iterations=200)):
+        rows = attack(update, threat, torch.Generator().manual_seed(0)).images
+        assert rouge(rows, x, "rouge1").item() >= 0.8, attack.name
 
 
 TEXT_AUDIT = {

@@ -95,20 +95,25 @@ def _checked_names(registry: Registry, kind: str, names: Sequence[str], option: 
 
 def _default_attacks(registry: Registry, defenses: list[str], kind: str) -> list[tuple[str, list[str] | None]]:
     """The classic attack on every setting, the Bayes adversary on the defenses with a likelihood, and for each
-    defense without one the attacks built on it (each with the defenses it runs on, None: all). For text, which
-    has no Bayes adversary yet, every text attack that applies to the starter's model runs on every setting."""
+    defense without one the attacks built on it (each with the defenses it runs on, None: all). For text, every
+    text attack that applies to the starter's model runs, the Bayes adversary where the defense declares a
+    likelihood."""
     starter = STARTERS[kind]
     attacks: list[tuple[str, list[str] | None]] = [(starter.naive_attack[0], None)]
-    if kind == "text":
-        model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
-        return attacks + [(a, None) for a in registry.names("attack") if a != starter.naive_attack[0]
-                          and registry.get("attack", a).modality == kind
-                          and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
     built = {n: registry.get("defense", n)(**_required_values("defense", n, registry.get("defense", n).params))
              for n in defenses}
+    if kind == "text":
+        model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
+        likely = None if all(d.has_likelihood() for d in built.values()) else \
+            [n for n, d in built.items() if d.has_likelihood()]
+        return attacks + [(a, likely if registry.get("attack", a).uses_likelihood else None)
+                          for a in registry.names("attack") if a != starter.naive_attack[0]
+                          and registry.get("attack", a).modality == kind
+                          and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
     with_likelihood = [n for n, d in built.items() if d.has_likelihood() and not d.baseline]
     if with_likelihood:
-        attacks += [(a, with_likelihood) for a in registry.names("attack") if registry.get("attack", a).uses_likelihood]
+        attacks += [(a, with_likelihood) for a in registry.names("attack")
+                    if registry.get("attack", a).uses_likelihood and registry.get("attack", a).modality == kind]
     for n, d in built.items():
         if d.has_likelihood():
             continue
@@ -169,7 +174,8 @@ def starter_audit(registry: Registry, defenses: Sequence[str] = (), attacks: Seq
         cls = registry.get("defense", d)
         lines.append(_line(f"  - name: {d}", registry.entries["defense"][d].summary))
         lines += _params_block(cls.params, _required_values("defense", d, cls.params), "    ")
-    lines += ["# The classic attack judges like most papers; adaptive attacks (bayes: the Bayes-optimal adversary",
+    bayes = "bayes_text" if kind == "text" else "bayes"
+    lines += [f"# The classic attack judges like most papers; adaptive attacks ({bayes}: the Bayes-optimal adversary",
               "# built from each defense's likelihood) judge against the strongest attacker that knows the defense.",
               "attacks:"]
     for a, scope in plan:

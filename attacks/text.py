@@ -5,6 +5,7 @@ reorderings ranked by a language model (Balunovic et al. 2022), and the Bayes ad
 likelihood through relaxed tokens (Balunovic et al. 2022's adversary, with tokens relaxed to distributions)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import reduce
 from typing import Any, Callable, ClassVar
@@ -129,11 +130,15 @@ class TokenSet(Attack):
 
 
 class Dager(Attack):
-    """DAGER (Petrov et al. 2024) for causal models: the tokens whose first-layer input lies in the span of the
-    first attention weight's gradient, at each position; then sequences grown token by token, keeping each
-    prefix whose second-layer input lies in the second layer's span. Exact while the batch's tokens are fewer
-    than the width; where they are not, it says "rank condition not met" and returns the token set instead.
-    Under LoRA it reads the adapters' gradients, in which the same condition holds against their rank."""
+    """DAGER (Petrov et al. 2024): the tokens whose first-layer input lies in the span of the first attention
+    weight's gradient, at each position; then whole sequences checked against the second layer's span. For a
+    causal model they are grown token by token, keeping each prefix whose last second-layer input lies in the
+    span (greedy). For an encoder, where every position's second-layer input depends on the whole sequence,
+    every sentence of each length made of the positions' candidates is checked (exhaustive), while they are at
+    most ``max_combinations``; past that it says so and returns the token set. Exact while the batch's tokens
+    are fewer than the width; where they are not, it says "rank condition not met" and returns the token set
+    instead. Under LoRA it reads the adapters' gradients, in which the same condition holds
+    against their rank."""
 
     name = "dager"
     paper = "Petrov et al. 2024"
@@ -145,7 +150,9 @@ class Dager(Attack):
                                   "position passes (second layer)"),
         "rank_floor": Param(1e-7, float, min=0.0, help="singular values below this share of the largest are "
                             "rounding (a float32 update's), whatever the spectrum's gaps"),
-        "max_prefixes": Param(2_000, int, min=1, help="prefixes kept per step (the closest first)"),
+        "max_prefixes": Param(2_000, int, min=1, help="prefixes kept per step (the closest first; causal models)"),
+        "max_combinations": Param(100_000, int, min=1, help="the most sentences of one length the encoders' "
+                                  "exhaustive search checks (past it: the token set)"),
     }
     brings: ClassVar[str] = "exact sequences from the span of attention gradients"
     noise_free_only: ClassVar[bool] = True
@@ -155,12 +162,11 @@ class Dager(Attack):
     second_tolerance: float
     rank_floor: float
     max_prefixes: int
+    max_combinations: int
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if not isinstance(model, TokenModel):
             return "dager reads a transformer's layers: the model is not a TokenModel (leakaudit.plugins.text)"
-        if not model.causal:
-            return "dager here searches causal models only; the encoders' exhaustive search is not built"
         if model.depth < 3:
             # the last layer's gradient reaches each sequence through its one read position: its span is
             # too narrow to hold every position's input
@@ -198,7 +204,9 @@ class Dager(Attack):
                               f"{where}), so their span holds any sequence; the token set is returned")
             return None
         candidates = self._candidates(model, first, a_first, length, device)
-        return self._grow(model, second, a_second, candidates, batch, length, device)
+        if model.causal:
+            return self._grow(model, second, a_second, candidates, batch, length, device)
+        return self._search(model, second, a_second, candidates, batch, length, device, extras)
 
     def _span(self, observed: SharedUpdate, model: Any, layer: int) -> tuple[Tensor, Tensor | None] | None:
         """The span that layer ``layer``'s inputs lie in, and the map into its space: the row space of the
@@ -253,6 +261,37 @@ class Dager(Attack):
         rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
         for i, seq in enumerate(sorted(finished, key=len, reverse=True)[:batch]):
             rows[i, : len(seq)] = seq
+        return rows
+
+    def _search(self, model: Any, basis: Tensor, adapter: Tensor | None, candidates: list[Tensor], batch: int,
+                length: int, device: torch.device, extras: dict[str, Any]) -> Tensor | None:
+        """Encoders: at each length, every sentence made of the positions' candidates, scored by its second-layer
+        inputs' mean distance from the span; the ``batch`` closest of those within the tolerance. None, with a
+        note, where a length has more than ``max_combinations`` such sentences (no exhaustive search)."""
+        basis = basis.to(device)
+        found, scores = [], []
+        for size in range(1, length + 1):
+            lists = candidates[:size]
+            total = math.prod(len(c) for c in lists)
+            if total == 0:
+                break
+            if total > self.max_combinations:
+                extras["note"] = (f"the encoder search has {total:.3g} sentences of length {size} to check, more than "
+                                  f"max_combinations {self.max_combinations:,} (the first filter passes "
+                                  f"{max(len(c) for c in lists)} tokens at a position): the token set is returned")
+                return None
+            picks = torch.cartesian_prod(*[torch.arange(len(c), device=device) for c in lists]).view(total, size)
+            sentences = torch.full((total, length), model.pad_id, dtype=torch.long, device=device)
+            sentences[:, :size] = torch.stack([c[picks[:, p]] for p, c in enumerate(lists)], 1)
+            distance = torch.cat([self._distance(model.layer_inputs(part, 1)[:, :size], basis, adapter).mean(1)
+                                  for part in sentences.split(CHUNK)])
+            keep = distance < self.second_tolerance
+            found.append(sentences[keep])
+            scores.append(distance[keep])
+        rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
+        if found:
+            order = torch.cat(scores).argsort()[:batch]
+            rows[: len(order)] = torch.cat(found)[order]
         return rows
 
 class Matching:

@@ -36,9 +36,9 @@ def _update(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> SharedU
     return SharedUpdate(list(grads), [n for n, _ in named], len(x))
 
 
-def _attack(data, batch: int, frozen: bool = False) -> tuple[torch.Tensor, dict]:
+def _attack(data, batch: int, frozen: bool = False, causal: bool = True) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
-    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=128)
+    model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=128, causal=causal)
     model = FrozenEmbeddings().wrap_model(model) if frozen else model
     x, y = data.test_x[:batch], data.test_y[:batch]
     threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
@@ -134,6 +134,19 @@ def test_dager_says_the_rank_condition_is_not_met_and_falls_back_to_the_token_se
     assert set(rows[0][rows[0] != 0].tolist()) <= set(original[original != 0].tolist())
 
 
+def test_dagers_exhaustive_search_reads_an_encoders_sentences_exactly_and_says_when_it_cannot(data):
+    """A bidirectional encoder: each sentence is checked whole (its second-layer inputs all depend on every
+    token). Two sentences: every combination of the positions' candidates checked, both read exactly. Four: the
+    first filter passes most of the batch's tokens at every position, the combinations outnumber the cap, and
+    it says so and returns the token set."""
+    x = data.test_x[:2]
+    rows, extras = _attack(data, 2, causal=False)
+    assert torch.equal(rows[text_assignment(rows, x)], x) and "note" not in extras
+    rows, extras = _attack(data, 4, causal=False)
+    assert "the encoder search has" in extras["note"] and "the token set is returned" in extras["note"]
+    assert (rows != data.pad_id).any()
+
+
 def test_lora_shares_only_the_adapters_and_dager_reads_them_while_the_tokens_are_fewer_than_the_rank(data):
     """Under LoRA (Hu et al. 2022) the update holds the attention adapters' and the head's gradients only. At the
     adapters' start the gradient of B is the weight's gradient through A, so DAGER's span check works in the
@@ -176,7 +189,7 @@ def test_dager_says_which_models_it_cannot_read(data):
     attack = Dager()
     assert "not a TokenModel" in attack.unsupported(torch.nn.Linear(2, 2), 1, FEDSGD)
     encoder = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, causal=False)
-    assert "causal models only" in attack.unsupported(encoder, 1, FEDSGD)
+    assert attack.unsupported(encoder, 1, FEDSGD) is None  # the encoders' exhaustive search
     shallow = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=2)
     assert "the model has 2" in attack.unsupported(shallow, 1, FEDSGD)
     assert attack.unsupported(TinyTransformer(data.vocab_size, data.num_classes, LENGTH), 1, FEDSGD) is None

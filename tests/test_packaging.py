@@ -57,6 +57,10 @@ def test_the_wheel_puts_only_leakaudit_at_the_top_of_site_packages(fresh_env):
     _, _, added = fresh_env
     assert {n for n in added if not n.endswith(".dist-info")} == {"leakaudit"}
     assert [n for n in added if n.endswith(".dist-info")] == [f"leakaudit-{leakaudit.__version__}.dist-info"]
+    python = fresh_env[1]  # the wheel carries the corpus and its licence
+    assert _run([str(python), "-c", "from leakaudit.evaluator.zoo.text import CORPUS, load_python_reference; "
+                 "print(len(load_python_reference().train_x), CORPUS.with_name('PSF-LICENSE.txt').exists())"
+                 ], cwd=fresh_env[0]).stdout.split() == ["305", "True"]
 
 
 @pytest.mark.slow

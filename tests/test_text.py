@@ -13,9 +13,9 @@ from leakaudit.attacks.text import (BayesText, Bigram, Dager, Lamp, Matching, So
 from leakaudit.defenses.text import FrozenEmbeddings, Lora
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.pruning import RandomPrune
-from leakaudit.evaluator.zoo.text import (UNK, TinyTransformer, classification_loss, exact_sequence,
-                                          load_pii_sentences, pii_recall, rouge, text_assignment, token_accuracy,
-                                          tokenize)
+from leakaudit.evaluator.zoo.text import (CORPUS, UNK, TinyTransformer, classification_loss, exact_sequence,
+                                          load_pii_sentences, load_python_reference, pii_recall, rouge,
+                                          text_assignment, token_accuracy, tokenize)
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
@@ -390,6 +390,49 @@ def test_a_text_audit_reads_sentences_back_judges_them_and_shows_them(write_audi
     assert worst["frozen_embeddings"].verdict == "leaks" and worst["frozen_embeddings"].attack == "dager"
     page = (tmp_path / "run" / "report.html").read_text()
     assert "Recovered sentences" in page and "<mark>" in page and "PII recall 1.00" in page
+    assert "PII recall: the share of the personal values" in page  # the legend, where the data marks them
+
+
+def test_the_real_corpus_is_licensed_seeded_split_and_dager_reads_a_batch_of_it_exactly():
+    """The Python documentation's sentences: the PSF licence beside them, 365 sentences of 8 pages, a seeded
+    shuffle, test words outside the training vocabulary read <unk>; DAGER reads 8 of them (130 tokens) exactly at
+    width 256."""
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in CORPUS.with_name("PSF-LICENSE.txt").read_text()
+    assert "PSF License Agreement" in CORPUS.read_text().splitlines()[3]
+    data = load_python_reference(length=24)
+    assert len(data.train_x) + len(data.test_x) == 365 and data.num_classes == 8 and len(data.test_x) == 60
+    assert torch.equal(data.test_x, load_python_reference(length=24).test_x)
+    assert not torch.equal(data.test_x, load_python_reference(length=24, seed=1).test_x)
+    assert (data.test_x == data.vocabulary.index(UNK)).any() and not (data.train_x == data.vocabulary.index(UNK)).any()
+    corpus = {" ".join(tokenize(line.split("\t", 1)[1])) for line in CORPUS.read_text().splitlines()
+              if line and not line.startswith("#")}
+    whole = [data.decode(row) for row in data.train_x if row[-1] == data.pad_id]  # those not cut at 24 tokens
+    assert len(whole) > 200 and all(sentence in corpus for sentence in whole)
+    assert not data.test_pii  # no personal values marked: PII recall is not reported
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, 24, width=256, layers=3)
+    x, y = data.test_x[:8], data.test_y[:8]
+    threat = ThreatModel(model, classification_loss, (24,), torch.zeros(1), torch.ones(1), data.num_classes, 8,
+                         NoDefense(), labels=y)
+    rows = Dager()(_update(model, x, y), threat, torch.Generator()).images
+    assert torch.equal(rows[text_assignment(rows, x)], x)
+
+
+@pytest.mark.slow
+def test_an_audit_of_the_real_corpus_reads_it_and_reports_no_pii_recall(write_audit, tmp_path):
+    """The corpus marks no personal values: its rows carry no PII recall and its report no PII legend."""
+    import json
+
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.runner import run_audit
+
+    audit = {**TEXT_AUDIT, "data": {"dataset": "python_reference", "targets": 2, "batch_size": 1,
+                                    "params": {"length": 24}}, "defenses": [{"name": "none"}]}
+    summary = run_audit(load_audit(write_audit(audit)), tmp_path / "run", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [r["rouge1"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]
+    assert not any("pii_recall" in r for r in rows) and summary.worst_case[0].verdict == "leaks"
+    assert "PII recall" not in (tmp_path / "run" / "report.html").read_text()
 
 
 def test_validation_refuses_what_does_not_apply_to_the_datas_examples_in_one_line_each(write_audit):

@@ -162,11 +162,13 @@ class Scenario:
         """What the model reads: normalised pixels, or token ids as they are."""
         return pixels if self.text else (pixels - self.mean) / self.std
 
-    def pii_recall(self, recovered: Tensor, indices: list[int]) -> float:
+    def pii_recall(self, recovered: Tensor, indices: list[int]) -> float | None:
         """The share of the personal values in the target-split sentences ``indices`` that ``recovered`` (their
-        reconstructions, in the same order) holds verbatim."""
+        reconstructions, in the same order) holds verbatim; None where the dataset marks no personal values."""
         data = self.data
         personal = data.test_pii if self.audit.data.target_split == "test" else data.train_pii
+        if not personal:
+            return None
         return pii_recall([data.decode(r) for r in recovered], [personal[i] for i in indices])
 
     def denormalise(self, inputs: Tensor) -> Tensor:

@@ -146,8 +146,9 @@ class AuditWorker:
             self.scenario.audit.verdict.confidence)  # once per row, after the attack
         if corridor is not None:
             row["prior_free"] = corridor
-        if self.scenario.text:
-            row["pii_recall"] = self.scenario.pii_recall(rec.images[scores.order], images)
+        recall = self.scenario.pii_recall(rec.images[scores.order], images) if self.scenario.text else None
+        if recall is not None:
+            row["pii_recall"] = recall
         return row, scores.notes
 
 

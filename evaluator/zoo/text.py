@@ -1,10 +1,12 @@
-"""Text for audits, offline: sentences with personal data a client would type, a word tokenizer, and small
-transformers of GPT-2's (causal) and BERT's (bidirectional) architecture, sized by their params."""
+"""Text for audits, offline: sentences with personal data a client would type, a real corpus (sentences of the
+Python documentation, PSF License), a word tokenizer, and small transformers of GPT-2's (causal) and BERT's
+(bidirectional) architecture, sized by their params."""
 from __future__ import annotations
 
 import math
 import random
 import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +90,31 @@ def load_pii_sentences(length: int = 24, train: int = 2000, test: int = 200, see
     pii = [p for _, _, p in rows]
     return TokenData("pii_sentences", x[:train], y[:train], x[train:], y[train:], len(TEMPLATES), words,
                      train_pii=pii[:train], test_pii=pii[train:])
+
+
+#: The corpus file: one sentence a line after its topic and a tab; its header says where it comes from, its licence
+#: (PSF-LICENSE.txt beside it) and how it was cut.
+CORPUS = Path(__file__).with_name("data") / "python_reference.tsv"
+
+
+def load_python_reference(length: int = 24, test: int = 60, seed: int = 0) -> TokenData:
+    """Sentences of the Python documentation, a real English corpus (365 sentences of the reference pages that
+    Python's ``help()`` shows; PSF License 2), each classed by the page it comes from (8 pages), shuffled by
+    ``seed`` and split, the last ``test`` for testing. Its words are tokenized by a vocabulary built from the
+    training split (test words outside it read ``<unk>``); the sentences hold no personal values."""
+    lines = [line.split("\t", 1) for line in CORPUS.read_text(encoding="utf-8").splitlines()
+             if line and not line.startswith("#")]
+    pages = list(dict.fromkeys(page for page, _ in lines))
+    if not 0 < test < len(lines):
+        raise ValueError(f"python_reference: test must be between 1 and {len(lines) - 1} (it has {len(lines)} "
+                         f"sentences), got {test}")
+    order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
+    sentences = [lines[i][1] for i in order]
+    y = torch.tensor([pages.index(lines[i][0]) for i in order], dtype=torch.long)
+    train = len(lines) - test
+    words = vocabulary(sentences[:train])
+    x = encode(sentences, words, length)
+    return TokenData("python_reference", x[:train], y[:train], x[train:], y[train:], len(pages), words)
 
 
 class Block(nn.Module):
@@ -233,9 +260,11 @@ def rougeL(rec: Tensor, orig: Tensor) -> Tensor:  # noqa: N802 - the metric's ow
     return rouge(rec, orig, "rougeL")
 
 
-def _load(image_size: int | None = None, root: str | None = None, download: bool = False, length: int = 24,
-          train: int = 2000, test: int = 200, seed: int = 0) -> TokenData:
-    return load_pii_sentences(length=length, train=train, test=test, seed=seed)
+def _loader(load):
+    """A text loader as a DatasetSpec calls it (the image keywords ignored: text has none)."""
+    def call(image_size: int | None = None, root: str | None = None, download: bool = False, **params) -> TokenData:
+        return load(**params)
+    return call
 
 
 def _model(causal: bool):
@@ -253,12 +282,19 @@ TEXT_MODEL_PARAMS = {"width": Param(128, int, min=8, help="embedding width (a mu
 
 @hookimpl
 def register_datasets():
-    return [DatasetSpec("pii_sentences", _load, {
-        "length": Param(24, int, min=2, help="tokens per sequence, padding included (longer sentences are cut)"),
+    length = Param(24, int, min=2, help="tokens per sequence, padding included (longer sentences are cut)")
+    return [DatasetSpec("pii_sentences", _loader(load_pii_sentences), {
+        "length": length,
         "train": Param(2000, int, min=1, help="training sentences"),
         "test": Param(200, int, min=1, help="test sentences"),
         "seed": Param(0, int, min=0, help="the generator's seed")},
-        summary=load_pii_sentences.__doc__.splitlines()[0], values=lambda s: 0, modality="text")]
+        summary=load_pii_sentences.__doc__.splitlines()[0], values=lambda s: 0, modality="text"),
+        DatasetSpec("python_reference", _loader(load_python_reference), {
+            "length": length,
+            "test": Param(60, int, min=1, max=364, help="test sentences (of 365)"),
+            "seed": Param(0, int, min=0, help="the seed of the shuffle before the split")},
+            summary="sentences of the Python documentation, a real English corpus (PSF License), classed by "
+                    "their page", values=lambda s: 0, modality="text")]
 
 
 @hookimpl

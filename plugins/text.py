@@ -8,7 +8,7 @@ that names its embedding and attention weights and computes its layers' inputs, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
@@ -45,7 +45,14 @@ class TokenData:
 
     def decode(self, ids: Tensor) -> str:
         """One sequence's text: its tokens joined by spaces, the padding left out."""
-        return " ".join(self.vocabulary[int(i)] for i in ids if int(i) != self.pad_id)
+        return decode_tokens(ids, self.vocabulary, self.pad_id)
+
+
+def decode_tokens(ids: Tensor, vocabulary: Sequence[str] | None, pad_id: int) -> str:
+    """A sequence of token ids as text: each id's token joined by spaces, the padding left out; an id the
+    vocabulary lacks (or every id, without one) reads as its number."""
+    words = vocabulary or ()
+    return " ".join(words[int(i)] if int(i) < len(words) else str(int(i)) for i in ids if int(i) != pad_id)
 
 
 @runtime_checkable

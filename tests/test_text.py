@@ -3,6 +3,7 @@ language model's update (the token set from the embedding's gradient; DAGER, Pet
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -36,14 +37,14 @@ def _update(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> SharedU
     return SharedUpdate(list(grads), [n for n, _ in named], len(x))
 
 
-def _attack(data, batch: int, frozen: bool = False, causal: bool = True) -> tuple[torch.Tensor, dict]:
+def _attack(data, batch: int, frozen: bool = False, causal: bool = True, **settings) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
     model = TinyTransformer(data.vocab_size, data.num_classes, LENGTH, width=128, causal=causal)
     model = FrozenEmbeddings().wrap_model(model) if frozen else model
     x, y = data.test_x[:batch], data.test_y[:batch]
     threat = ThreatModel(model, classification_loss, (LENGTH,), torch.zeros(1), torch.ones(1), data.num_classes,
                          batch, NoDefense(), labels=y)
-    rec = Dager()(_update(model, x, y), threat, torch.Generator())
+    rec = Dager(**settings)(_update(model, x, y), threat, torch.Generator())
     return rec.images, rec.extras
 
 
@@ -142,7 +143,7 @@ def test_dagers_exhaustive_search_reads_an_encoders_sentences_exactly_and_says_w
     x = data.test_x[:2]
     rows, extras = _attack(data, 2, causal=False)
     assert torch.equal(rows[text_assignment(rows, x)], x) and "note" not in extras
-    rows, extras = _attack(data, 4, causal=False)
+    rows, extras = _attack(data, 4, causal=False, max_combinations=1_000)  # past it at length 3: 29 ** 3
     assert "the encoder search has" in extras["note"] and "the token set is returned" in extras["note"]
     assert (rows != data.pad_id).any()
 
@@ -207,7 +208,8 @@ def test_the_text_metrics_give_their_exact_values():
     assert token_accuracy(rec, orig).tolist() == pytest.approx([2 / 4, 2 / 3])
     assert exact_sequence(rec, orig).tolist() == [0.0, 0.0] and exact_sequence(orig, orig).tolist() == [1.0, 1.0]
     assert pii_recall(["my card is 1 2 3", "call tom"], [["1 2 3"], ["tom", "5 5"]]) == pytest.approx(2 / 3)
-    assert pii_recall(["nothing"], [[]]) == 0.0
+    assert pii_recall(["nothing"], [[]]) is None  # no personal values: nothing to recall
+    assert pii_recall(["call 5 5 5", "card 1 2"], [["5 5 5", "ann"], ["1 2 3"]]) == 1 / 3
 
 
 def _sentence(data, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,13 +345,11 @@ def test_the_bayes_adversary_reads_a_pruned_sentence_that_tag_does_not(data):
 
 
 @pytest.mark.slow
-def test_tag_and_the_bayes_adversary_read_a_fedavg_update_of_local_steps(data):
-    """FedAvg, two local steps: both unroll them (TAG with its embeddings held, the Bayes adversary re-embedding
-    its relaxed tokens at each step as the client does)."""
+def test_tag_reads_a_fedavg_update_of_local_steps(data):
+    """FedAvg, two local steps: TAG unrolls them with its embeddings held (the Bayes adversary's relaxed tokens
+    give the client's own update, above)."""
     x, update, threat = _small_case(data, NoDefense(), FedAvg(local_epochs=2, local_lr=0.1))
-    for attack in (Tag(iterations=200), BayesText(iterations=200)):
-        rows = attack(update, threat, torch.Generator().manual_seed(0)).images
-        assert rouge(rows, x, "rouge1").item() >= 0.8, attack.name
+    assert rouge(Tag(iterations=200)(update, threat, torch.Generator().manual_seed(0)).images, x, "rouge1").item() >= 0.8
 
 
 TEXT_AUDIT = {
@@ -475,9 +475,11 @@ def test_audit_batch_attacks_a_language_models_batch_of_token_ids(data):
         audit_batch(model, classification_loss, x, y, attacks=["inverting_gradients"], metrics=["psnr"],
                     defense={"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "ats"}]})
     assert str(err.value).splitlines() == [
-        "audit_batch: attacks: inverting_gradients: reconstructs image; the inputs are text",
-        "audit_batch: defense: clip(max_norm=1.0)>ats: ats applies to image; the inputs are text",
-        "audit_batch: metrics: psnr: scores image; the inputs are text"]
+        "audit_batch: defense (clip(max_norm=1.0)>ats): ats applies to image; the inputs are text",
+        "audit_batch: attacks[0]: inverting_gradients reconstructs image; the inputs are text (attacks for text: "
+        "bayes_text, dager, lamp, tag, token_set)",
+        "audit_batch: metrics[0]: psnr scores image; the inputs are text (metrics for text: exact_sequence, "
+        "label_accuracy, rouge1, rouge2, rougeL, token_accuracy)"]
 
 
 @pytest.mark.slow
@@ -498,8 +500,11 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(data.train_x[:64], data.train_y[:64]), batch_size=2,
                         generator=torch.Generator().manual_seed(0), shuffle=True)
+    def numbers(sentence: str) -> list[str]:  # the personal values a keyboard team would mark: 6+ digit runs
+        return re.findall(r"\d(?: \d){5,}", sentence)
+
     monitor = leakaudit.LeakMonitor(attacks=["dager", "token_set"], every=2, out=tmp_path / "run",
-                                    vocabulary=data.vocabulary)
+                                    vocabulary=data.vocabulary, personal_values=numbers)
     model, optimizer, loader = monitor.attach(model, optimizer, loader)
     for step, (x, y) in enumerate(loader):
         if step == 3:
@@ -512,11 +517,13 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
     assert sorted({r["checkpoint"] for r in found}) == [0, 2]
     dager = {r["checkpoint"]: r for r in found if r["attack"] == "dager"}
     assert dager[0]["rouge2"] == 1.0 and dager[2]["rouge2"] > 0.5
+    assert dager[0]["pii_recall"] == 1.0 and all("pii_recall" in r for r in found)  # every number, verbatim
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
     assert set(baselines) == {"random", "frequent"} and baselines["frequent"]["rouge1"] < 0.6
     assert summary.checkpoints == [0, 2] and summary.worst_case[0].verdict == "leaks"
     page = (tmp_path / "run" / "report.html").read_text()
     assert "sentences" in page and any(data.decode(s) in page for s in data.train_x[:64])  # in words
+    assert "PII recall 1.00" in page
     assert "<pad>" not in (tmp_path / "run" / "monitor.json").read_text()  # the vocabulary is kept beside it
     with pytest.raises(leakaudit.ConfigError, match="mean, std: the loader's items are token ids"):
         leakaudit.LeakMonitor(attacks=["dager"], mean=0.5, std=0.2, out=tmp_path / "other").attach(
@@ -544,3 +551,9 @@ def test_lora_lamp_and_the_monitors_vocabulary_refuse_bad_settings_in_one_line_e
         load_audit(write_audit(image))
     with pytest.raises(ConfigError, match="LeakMonitor: vocabulary: expected a list of strings, one per token id"):
         leakaudit.LeakMonitor(vocabulary="abc")
+    with pytest.raises(ConfigError) as err:
+        leakaudit.LeakMonitor(personal_values=["maria"])
+    assert str(err.value).splitlines() == [
+        "LeakMonitor: personal_values: a list; expected a function of a sentence (its tokens joined by spaces) that "
+        "returns the personal values it holds",
+        "LeakMonitor: personal_values: reads sentences in words; give vocabulary= too (the token of each id)"]

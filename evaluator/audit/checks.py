@@ -565,10 +565,11 @@ def data_modality(data: dict, registry: Registry) -> str:
 
 
 def check_modality(modality: str, data: dict, model: dict, settings: list[DefenseSetting],
-                   attacks: list[AttackSpec], metrics: list[str], registry: Registry, problems: list[str]) -> None:
+                   attacks: list[AttackSpec], metrics: list[str], registry: Registry, problems: list[str],
+                   holds: str | None = None) -> None:
     """Every model, defense, attack and metric of the audit applies to its data's examples: one line each that
-    does not, naming the data and the registered ones that would."""
-    holds = f"data.dataset {data.get('dataset')} holds {modality}"
+    does not, naming the data (or what ``holds`` says of the examples) and the registered ones that would."""
+    holds = holds or f"data.dataset {data.get('dataset')} holds {modality}"
 
     def fitting(kind: str, fits) -> str:
         return ", ".join(n for n in registry.names(kind) if fits(registry.get(kind, n))) or "none registered"

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, expand_defenses
+from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, check_modality, expand_defenses
 from leakaudit.evaluator.audit.specs import DEFAULT_METRICS, DEFAULT_TEXT_METRICS
 from leakaudit.evaluator.audit.types import AttackSpec, ConfigError, DefenseSetting
 from leakaudit.evaluator.run.scenario import round_generators
@@ -156,9 +156,11 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
     problems += [f"defense: {s.key}: model: {caller} attacks the model you pass; leave model out"
                  for s in settings if s.model is not None]
-    mismatched = _modality_problems(registry, modality, specs, settings, metrics)
+    mismatched: list[str] = []
+    check_modality(modality, {}, {}, settings, specs, list(metrics), registry, mismatched,
+                   holds=f"the inputs are {modality}")
     if mismatched:  # an attack of the other kind of examples could not be asked about the model below
-        problems += mismatched
+        problems += [p.replace("defenses (", "defense (", 1) for p in mismatched]
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
     defenses = [(s, s.build(registry)) for s in settings]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
@@ -170,18 +172,6 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     if problems:
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
     return Prepared(registry, defenses, specs, [registry.get("metric", m) for m in metrics])
-
-
-def _modality_problems(registry: Registry, modality: str, specs: list[AttackSpec], settings: list[DefenseSetting],
-                       metrics: Sequence[str]) -> list[str]:
-    """An attack, defense or metric of the other kind of examples than the inputs, one line each."""
-    out = [f"attacks: {s.label}: reconstructs {kind}; the inputs are {modality}" for s in specs
-           if (kind := registry.get("attack", s.name).modality) != modality]
-    out += [f"defense: {s.key}: {name} applies to {', '.join(kinds)}; the inputs are {modality}"
-            for s in settings for name, _ in s.members  # every member of a chain, as check_modality reads them
-            if modality not in (kinds := registry.get("defense", name).modalities)]
-    return out + [f"metrics: {m}: scores {kind}; the inputs are {modality}" for m in metrics
-                  if m in registry.names("metric") and (kind := registry.get("metric", m).modality) not in (modality, "any")]
 
 
 def attacked_inputs(inputs: Tensor, stats: Any, text: bool, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:

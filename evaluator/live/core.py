@@ -9,7 +9,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -39,8 +39,10 @@ from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.text import pii_recall
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, opacus_hooks_off, parameter_names, trainable
+from leakaudit.plugins.text import decode_tokens
 
 
 RECORDED = ("steps", "fits", "rounds", "skipped", "undone", "sampled")  # monitor.json's record of the run so far
@@ -145,7 +147,8 @@ class MonitorCore:
                  metrics: Sequence[str] | None = None, seed: int = 0, delta: float = 1e-5,
                  name: str = "monitor", plugins_dirs: Sequence[str] = (),
                  attacker: dict[str, Any] | None = None, leakage_metric: str | None = None, prior: Any = None,
-                 eval_loader: Any = None, loggers: Sequence[Any] = (), vocabulary: Sequence[str] | None = None) -> None:
+                 eval_loader: Any = None, loggers: Sequence[Any] = (), vocabulary: Sequence[str] | None = None,
+                 personal_values: Callable[[str], Sequence[str]] | None = None) -> None:
         problems = [] if isinstance(every, int) and every >= 1 else [f"every: {every!r}; expected a whole number >= 1"]
         problems += [] if 0 < delta < 1 else [f"delta: {delta!r}; expected a number in (0, 1)"]
         self.attacker = {**ATTACKER_DEFAULTS, **(attacker if isinstance(attacker, dict) else {})}
@@ -162,9 +165,15 @@ class MonitorCore:
             "(inputs, labels) items"]
         problems += [] if vocabulary is None or (not isinstance(vocabulary, str) and all(
             isinstance(w, str) for w in vocabulary)) else ["vocabulary: expected a list of strings, one per token id"]
+        problems += [] if personal_values is None or callable(personal_values) else [
+            f"personal_values: a {type(personal_values).__name__}; expected a function of a sentence (its tokens "
+            "joined by spaces) that returns the personal values it holds"]
+        problems += [] if personal_values is None or vocabulary is not None else [
+            "personal_values: reads sentences in words; give vocabulary= too (the token of each id)"]
         if problems:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.vocabulary = None if vocabulary is None else list(vocabulary)
+        self.personal_values = personal_values
         self._text = False  # token ids, once attached to a loop that trains on them
         self.defense = {"name": defense} if isinstance(defense, str) else defense
         self.attacks = [{"name": a} if isinstance(a, str) else a for a in attacks]
@@ -206,6 +215,9 @@ class MonitorCore:
         self._text = _holds_token_ids(dataset)
         if self._text and (self.mean is not None or self.std is not None):
             problems.append("mean, std: the loader's items are token ids, which are not normalised; leave them out")
+        if not self._text and self.personal_values is not None:
+            problems.append("personal_values: the loader's items are images; PII recall reads a language model's "
+                            "sentences: leave it out")
         stats = ((0.0,), (1.0,)) if self._text else self._normalisation(loader, dataset, problems)
         shape = self._input_shape(dataset, problems)
         with opacus_hooks_off(model) as plain:
@@ -323,6 +335,9 @@ class MonitorCore:
             for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
                 row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
                                                list(range(n)), epsilon)  # one update per step: no bound to test
+                recall = self._pii_recall(rec.images[scores.order], pixels, plain) if self._text else None
+                if recall is not None:
+                    row["pii_recall"] = recall
                 self._folder.results.append(row)
                 self._folder.results_csv.append(row)
                 shown = ", ".join(f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float))
@@ -330,6 +345,16 @@ class MonitorCore:
         self._described["steps"].append(step)
         self._folder.write_json(MONITOR, self._described)
         self._write_baselines()
+
+    def _pii_recall(self, recovered: Tensor, originals: Tensor, plain: nn.Module) -> float | None:
+        """The share of the personal values ``personal_values`` finds in the batch's sentences that their
+        reconstructions (in the same order) hold verbatim; None without the function or where it finds none."""
+        if self.personal_values is None:
+            return None
+        pad = getattr(plain, "pad_id", 0)
+        texts = [decode_tokens(ids, self.vocabulary, pad) for ids in recovered]
+        personal = [list(self.personal_values(decode_tokens(ids, self.vocabulary, pad))) for ids in originals]
+        return pii_recall(texts, personal)
 
     def _after_audit(self, plain: nn.Module, step: int) -> None:
         """Once a step's rows are written: the held-out accuracy (``eval_loader``), the step's verdict on the log

@@ -60,6 +60,9 @@ class LeakMonitor(StepMonitor, RoundMonitor):
         loggers: where each audited step's scalars go: a TensorBoard ``SummaryWriter``, an object with
             ``log_metrics(metrics, step)`` (Lightning's loggers, mlflow) or a function ``(scalars, step)``.
         vocabulary: for a language model's loop, the token of each id, to show the recovered sentences in words.
+        personal_values: for a language model's loop (with ``vocabulary``), a function that returns the personal
+            values (names, phone and card numbers) a sentence holds, given its tokens joined by spaces; each row
+            then carries PII recall, the share of them that came back verbatim.
 
     Raises:
         ConfigError: a bad setting, one line each, before any step (attaching checks the model and loader).

@@ -34,6 +34,7 @@ from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, VOCABULARY, RunF
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
 from leakaudit.evaluator.results.verdict import rule_text
+from leakaudit.plugins.text import decode_tokens
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -247,8 +248,7 @@ def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:
         return load_data(audit).decode
     saved = audit.path.parent / VOCABULARY
     words, pad = json.loads(saved.read_text()) if saved.is_file() else None, audit.live.get("pad_id", 0)
-    return lambda ids: " ".join(words[int(i)] if words and int(i) < len(words) else str(int(i))
-                                for i in ids if int(i) != pad)
+    return lambda ids: decode_tokens(ids, words, pad)
 
 
 def recovered_sentences(folder: RunFolder, summary: Summary, rows: list[dict]) -> list[dict[str, Any]]:

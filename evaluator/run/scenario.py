@@ -164,7 +164,7 @@ class Scenario:
 
     def pii_recall(self, recovered: Tensor, indices: list[int]) -> float | None:
         """The share of the personal values in the target-split sentences ``indices`` that ``recovered`` (their
-        reconstructions, in the same order) holds verbatim; None where the dataset marks no personal values."""
+        reconstructions, in the same order) holds verbatim; None where the dataset marks none in them."""
         data = self.data
         personal = data.test_pii if self.audit.data.target_split == "test" else data.train_pii
         if not personal:

@@ -218,12 +218,12 @@ def exact_sequence(rec: Tensor, orig: Tensor) -> Tensor:
     return (rec == orig).all(1).float()
 
 
-def pii_recall(recovered: list[str], personal: list[list[str]]) -> float:
+def pii_recall(recovered: list[str], personal: list[list[str]]) -> float | None:
     """The share of the personal values in the clients' sentences that come back verbatim in the recovered
-    sentence of the same client (1: every name and number leaked; 0: none)."""
+    sentence of the same client (1: every name and number leaked; 0: none); None where they hold none."""
     total = sum(len(values) for values in personal)
     found = sum(value in text for text, values in zip(recovered, personal) for value in values)
-    return found / total if total else 0.0
+    return found / total if total else None
 
 
 def text_assignment(rec: Tensor, orig: Tensor, pad_id: int = 0) -> Tensor:

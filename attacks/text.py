@@ -30,6 +30,26 @@ GAP = 10.0
 RANK_MARGIN = 4
 
 
+def not_a_token_model(model: torch.nn.Module, reads: str) -> str | None:
+    """Why an attack that ``reads`` a language model's parts cannot read ``model``; None where it is a TokenModel."""
+    if isinstance(model, TokenModel):
+        return None
+    return f"{reads}: the model is not a TokenModel (leakaudit.plugins.text)"
+
+
+# The budgets of the text attacks that optimise (TAG, LAMP, the Bayes adversary) under ``attacks: auto``: 300
+# steps read a 14-token sentence back on a 2-layer model on a CPU (tests/test_text.py); a GPU affords TAG's paper's.
+def optimiser_budgets() -> dict[str, dict[str, Any]]:
+    """A fresh copy of those budgets for one class (a class's ``auto_params`` is its own)."""
+    return {"cpu": {"iterations": 300}, "cuda": {"iterations": 2500}}
+
+#: LAMP's discrete steps, as LAMP and the Bayes adversary on text take them.
+DISCRETE_STEPS: dict[str, Param] = {
+    "every": Param(25, int, min=1, help="continuous steps between two discrete steps (in the second half)"),
+    "candidates": Param(100, int, min=1, help="reorderings tried in each discrete step"),
+}
+
+
 def text_labels(observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor:
     """The batch's labels, from the classifier head's gradients where the threat does not grant them: its signs
     for one sentence (iDLG), a feature fit of the class counts for a batch where the head has a bias, the signs
@@ -115,9 +135,7 @@ class TokenSet(Attack):
     tolerance: float
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
-        if not isinstance(model, TokenModel):
-            return "token_set reads a language model's embedding: the model is not a TokenModel (leakaudit.plugins.text)"
-        return None
+        return not_a_token_model(model, "token_set reads a language model's embedding")
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
@@ -166,7 +184,7 @@ class Dager(Attack):
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if not isinstance(model, TokenModel):
-            return "dager reads a transformer's layers: the model is not a TokenModel (leakaudit.plugins.text)"
+            return not_a_token_model(model, "dager reads a transformer's layers")
         if model.depth < 3:
             # the last layer's gradient reaches each sequence through its one read position: its span is
             # too narrow to hold every position's input
@@ -265,9 +283,10 @@ class Dager(Attack):
 
     def _search(self, model: Any, basis: Tensor, adapter: Tensor | None, candidates: list[Tensor], batch: int,
                 length: int, device: torch.device, extras: dict[str, Any]) -> Tensor | None:
-        """Encoders: at each length, every sentence made of the positions' candidates, scored by its second-layer
-        inputs' mean distance from the span; the ``batch`` closest of those within the tolerance. None, with a
-        note, where a length has more than ``max_combinations`` such sentences (no exhaustive search)."""
+        """Encoders: at each length, every sentence made of the positions' candidates, kept where its second-layer
+        input at every position lies in the span; the ``batch`` closest (by their farthest position). A sentence
+        the batch holds twice comes back once. None, with a note, where a length has more than
+        ``max_combinations`` such sentences (no exhaustive search)."""
         basis = basis.to(device)
         found, scores = [], []
         for size in range(1, length + 1):
@@ -283,7 +302,7 @@ class Dager(Attack):
             picks = torch.cartesian_prod(*[torch.arange(len(c), device=device) for c in lists]).view(total, size)
             sentences = torch.full((total, length), model.pad_id, dtype=torch.long, device=device)
             sentences[:, :size] = torch.stack([c[picks[:, p]] for p, c in enumerate(lists)], 1)
-            distance = torch.cat([self._distance(model.layer_inputs(part, 1)[:, :size], basis, adapter).mean(1)
+            distance = torch.cat([self._distance(model.layer_inputs(part, 1)[:, :size], basis, adapter).amax(1)
                                   for part in sentences.split(CHUNK)])
             keep = distance < self.second_tolerance
             found.append(sentences[keep])
@@ -297,8 +316,10 @@ class Dager(Attack):
 class Matching:
     """What TAG and LAMP optimise: continuous input embeddings whose update matches the observed one in squared
     distance plus ``l1_weight`` times the absolute distance, the embedding's own gradient left out (the candidate
-    feeds embeddings, not ids). The update is FedSGD's gradient, or the protocol's unrolled local steps (FedAvg),
-    in which the candidate's embeddings stay as they are: the rows a local step would move are the ones left out."""
+    feeds embeddings, not ids). The update is FedSGD's gradient, or the protocol's unrolled local steps (FedAvg).
+    There the candidate's embeddings stay as they are: exact for one local step; from the second on, the client
+    reads embedding rows its earlier steps moved, so every later tensor differs from the candidate's by that move
+    (of the local learning rate's order)."""
 
     def __init__(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator, l1_weight: float):
         model: Any = threat.model
@@ -382,8 +403,7 @@ class Tag(Attack):
         "use_token_set": Param(True, bool, help="read tokens only from the set the embedding's gradient reveals"),
     }
     brings: ClassVar[str] = "sentences from relaxed token embeddings"
-    #: 300 steps read a 14-token sentence back on a 2-layer model (tests/test_text.py); a GPU affords the paper's.
-    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"iterations": 300}, "cuda": {"iterations": 2500}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = optimiser_budgets()
 
     iterations: int
     lr: float
@@ -391,9 +411,7 @@ class Tag(Attack):
     use_token_set: bool
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
-        if not isinstance(model, TokenModel):
-            return f"{self.name} feeds embeddings to a transformer: the model is not a TokenModel (leakaudit.plugins.text)"
-        return None
+        return not_a_token_model(model, f"{self.name} feeds embeddings to a transformer")
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         match = Matching(observed, threat, generator, self.l1_weight)
@@ -463,8 +481,7 @@ class Lamp(Tag):
     paper = "Balunovic et al. 2022"
     params: ClassVar[dict[str, Param]] = {
         **Tag.params,
-        "every": Param(25, int, min=1, help="continuous steps between two discrete steps (in the second half)"),
-        "candidates": Param(100, int, min=1, help="reorderings tried in each discrete step"),
+        **DISCRETE_STEPS,
         "lm_weight": Param(0.2, float, min=0.0, help="weight of the language model's log perplexity beside the "
                            "log matching loss when reorderings are ranked"),
         "embedding_weight": Param(0.01, float, min=0.0, help="weight of the penalty on embeddings whose length "
@@ -507,9 +524,7 @@ class Lamp(Tag):
         ``lm_weight`` times the prior's log perplexity of the words it reads."""
         def score(sentence: int, orders: Tensor) -> Tensor:
             def matched(order: Tensor) -> Tensor:
-                moved = x.detach().clone()
-                moved[sentence] = moved[sentence, order]
-                return match.distance(moved, False).clamp_min(1e-30).log()
+                return match.distance(reordered(x, sentence, order), False).clamp_min(1e-30).log()
 
             total = torch.stack([matched(o) for o in orders])
             if prior is not None and self.lm_weight:  # each position keeps its nearest token when reordered
@@ -517,6 +532,13 @@ class Lamp(Tag):
             return total
 
         return reorder(x, optimiser, score, match.length, self.candidates, generator)
+
+
+def reordered(x: Tensor, sentence: int, order: Tensor) -> Tensor:
+    """A copy of ``x`` ``(B, length, ...)`` with sentence ``sentence``'s positions in ``order``."""
+    moved = x.detach().clone()
+    moved[sentence] = moved[sentence, order]
+    return moved
 
 
 def reorder_due(step: int, every: int, iterations: int, length: int) -> bool:
@@ -545,8 +567,9 @@ def reorder(x: Tensor, optimiser: torch.optim.Adam, score: Callable[[int, Tensor
 class SoftTokens(nn.Module):
     """A language model fed a distribution over its vocabulary at each position ``(B, length, vocab)``: the input is
     the distribution's mean token embedding, computed from the model's own embedding weight, so that the weight's
-    gradient is a relaxed token set (a one-hot distribution gives the update of the token ids exactly) and a
-    protocol's local steps move it as they move the client's."""
+    gradient is a relaxed token set and a protocol's local steps move it as they move the client's. A one-hot
+    distribution gives the update of the token ids exactly for sentences that fill the input (no padding mask is
+    built for embeddings: a shorter sentence of a batch is read as if unpadded, as TAG reads it)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -575,12 +598,10 @@ class BayesText(Attack):
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam's step size"),
         "init_scale": Param(0.1, float, min=0.0, help="standard deviation of the logits' random start (0: uniform "
                             "distributions)"),
-        "every": Param(25, int, min=1, help="continuous steps between two discrete steps (in the second half)"),
-        "candidates": Param(100, int, min=1, help="reorderings tried in each discrete step, ranked by the "
-                            "likelihood (0 discrete steps: set every past iterations)"),
+        **DISCRETE_STEPS,
     }
     brings: ClassVar[str] = "the defense's own likelihood p(g|x) on relaxed tokens"
-    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"iterations": 300}, "cuda": {"iterations": 2500}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = optimiser_budgets()
 
     iterations: int
     lr: float
@@ -589,9 +610,7 @@ class BayesText(Attack):
     candidates: int
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
-        if not isinstance(model, TokenModel):
-            return "bayes_text feeds relaxed tokens to a transformer: the model is not a TokenModel (leakaudit.plugins.text)"
-        return None
+        return not_a_token_model(model, "bayes_text feeds relaxed tokens to a transformer")
 
     def unsupported_defense(self, defense: Defense) -> str | None:
         if defense.has_likelihood():
@@ -618,10 +637,9 @@ class BayesText(Attack):
             read = logits.detach().argmax(-1)
 
             def moved(order: Tensor) -> Tensor:
-                tokens = read.clone()
-                tokens[sentence] = tokens[sentence, order]
                 with torch.enable_grad():  # the candidate update is a gradient, of the model's parameters
-                    return negative_log_likelihood(one_hot_logits(tokens, model.vocab_size)).detach()
+                    tokens = one_hot_logits(reordered(read, sentence, order), model.vocab_size)
+                    return negative_log_likelihood(tokens).detach()
             return torch.stack([moved(o) for o in orders])
 
         moves = 0

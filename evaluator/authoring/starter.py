@@ -102,18 +102,16 @@ def _default_attacks(registry: Registry, defenses: list[str], kind: str) -> list
     attacks: list[tuple[str, list[str] | None]] = [(starter.naive_attack[0], None)]
     built = {n: registry.get("defense", n)(**_required_values("defense", n, registry.get("defense", n).params))
              for n in defenses}
-    if kind == "text":
-        model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
-        likely = None if all(d.has_likelihood() for d in built.values()) else \
-            [n for n, d in built.items() if d.has_likelihood()]
-        return attacks + [(a, likely if registry.get("attack", a).uses_likelihood else None)
-                          for a in registry.names("attack") if a != starter.naive_attack[0]
-                          and registry.get("attack", a).modality == kind
-                          and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
     with_likelihood = [n for n, d in built.items() if d.has_likelihood() and not d.baseline]
-    if with_likelihood:
+    if with_likelihood:  # on the undefended update the classic attack already matches the plain gradient
         attacks += [(a, with_likelihood) for a in registry.names("attack")
                     if registry.get("attack", a).uses_likelihood and registry.get("attack", a).modality == kind]
+    if kind == "text":
+        model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
+        return attacks + [(a, None) for a in registry.names("attack") if a != starter.naive_attack[0]
+                          and not registry.get("attack", a).uses_likelihood
+                          and registry.get("attack", a).modality == kind
+                          and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
     for n, d in built.items():
         if d.has_likelihood():
             continue

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import DatasetSpec, Metric, ModelSpec
-from leakaudit.plugins.text import TokenData
+from leakaudit.plugins.text import TokenData, decode_tokens
 
 PAD, UNK = "<pad>", "<unk>"
 
@@ -192,18 +192,16 @@ class TinyTransformer(nn.Module):
         return self.head(h[torch.arange(len(h), device=h.device), last.to(h.device)])
 
 
-def _words(ids: Tensor, pad_id: int) -> str:
-    """A sequence of ids as text a ROUGE scorer splits into the same tokens: the ids themselves, padding left out."""
-    return " ".join(str(int(i)) for i in ids if int(i) != pad_id)
-
-
 def rouge(rec: Tensor, orig: Tensor, key: str = "rouge1", pad_id: int = 0) -> Tensor:
     """ROUGE F-measure (Lin 2004; torchmetrics' offline scorer) per sequence, ``key`` one of rouge1, rouge2,
     rougeL: the unigram, bigram or longest-common-subsequence overlap of each recovered sequence with its
     original, on token ids (so on the tokenizer's tokens)."""
     from torchmetrics.functional.text.rouge import rouge_score
 
-    return torch.tensor([float(rouge_score(_words(r, pad_id), _words(o, pad_id), rouge_keys=key)[f"{key}_fmeasure"])
+    def ids(seq: Tensor) -> str:  # the ids themselves as words, so that the scorer splits the tokenizer's tokens
+        return decode_tokens(seq, None, pad_id)
+
+    return torch.tensor([float(rouge_score(ids(r), ids(o), rouge_keys=key)[f"{key}_fmeasure"])
                          for r, o in zip(rec, orig)])
 
 

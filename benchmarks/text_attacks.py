@@ -1,0 +1,124 @@
+"""The text attacks' figures in docs/results.md, measured on this machine: the Bayes adversary on relaxed tokens
+against TAG under defenses and FedAvg, DAGER's exhaustive search on an encoder, and the attacks on the real corpus.
+
+    python benchmarks/text_attacks.py [--section bayes|encoder|corpus] [--iterations 300]
+
+Every model is the zoo's, untrained, seeded (torch.manual_seed(0)); every attack starts from seed 0. Prints
+markdown rows with each attack's ROUGE-1 / ROUGE-2 and its wall time on this CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from leakaudit.attacks.text import BayesText, Dager, Tag
+from leakaudit.defenses.noise import GaussianNoise, NoDefense
+from leakaudit.defenses.pruning import RandomPrune, TopK
+from leakaudit.evaluator.zoo.text import (TinyTransformer, classification_loss, load_pii_sentences,
+                                          load_python_reference, rouge, text_assignment)
+from leakaudit.plugins.attack import ThreatModel
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
+
+
+def threat_of(model, data, batch: int, defense, protocol=FEDSGD, labels=None) -> ThreatModel:
+    length = data.length
+    return ThreatModel(model, classification_loss, (length,), torch.zeros(1), torch.ones(1), data.num_classes,
+                       batch, defense, labels=labels, protocol=protocol)
+
+
+def scored(rows, x) -> str:
+    rows = rows[text_assignment(rows, x)]
+    return f"{rouge(rows, x, 'rouge1').mean():.3f} / {rouge(rows, x, 'rouge2').mean():.3f}"
+
+
+def run(attack, update, threat) -> tuple[str, float, dict]:
+    start = time.perf_counter()
+    rec = attack(update, threat, torch.Generator().manual_seed(0))
+    return rec.images, time.perf_counter() - start, rec.extras
+
+
+def bayes(iterations: int) -> None:
+    """TAG against bayes_text on one 14-token PII sentence, 2 layers, width 128."""
+    data = load_pii_sentences(length=16)
+    index = next(i for i in range(len(data.test_x)) if int((data.test_x[i] != 0).sum()) == 14)
+    x, y = data.test_x[index:index + 1], data.test_y[index:index + 1]
+    print("| defense (protocol) | TAG ROUGE-1 / ROUGE-2 | bayes_text ROUGE-1 / ROUGE-2 | seconds (TAG, bayes_text) |")
+    print("| --- | --- | --- | --- |")
+    cases = [("none (FedSGD)", NoDefense(), FEDSGD), ("prune 0.9", RandomPrune(fraction=0.9), FEDSGD),
+             ("topk 5%", TopK(fraction=0.05), FEDSGD), ("gaussian 1e-2", GaussianNoise(sigma=0.01), FEDSGD),
+             ("none (FedAvg, 2 local epochs at lr 0.1)", NoDefense(), FedAvg(local_epochs=2, local_lr=0.1))]
+    for label, defense, protocol in cases:
+        torch.manual_seed(0)
+        model = TinyTransformer(data.vocab_size, data.num_classes, 16, layers=2)
+        update = defense.share(ClientStep(model, classification_loss, x, y, torch.Generator().manual_seed(1),
+                                          protocol))
+        threat = threat_of(model, data, 1, defense, protocol, y)
+        tag, tag_s, _ = run(Tag(iterations=iterations), update, threat)
+        rel, rel_s, _ = run(BayesText(iterations=iterations), update, threat)
+        print(f"| {label} | {scored(tag, x)} | {scored(rel, x)} | {tag_s:.1f}, {rel_s:.1f} |")
+
+
+def encoder(iterations: int) -> None:
+    """DAGER on tiny_bert (width 128, 3 layers) at batches of 1, 2 and 4 PII sentences."""
+    data = load_pii_sentences(length=16)
+    print("| batch | ranks | ROUGE-1 / ROUGE-2 | exact | seconds | note |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for batch in (1, 2, 4):
+        torch.manual_seed(0)
+        model = TinyTransformer(data.vocab_size, data.num_classes, 16, width=128, layers=3, causal=False)
+        x, y = data.test_x[:batch], data.test_y[:batch]
+        update = NoDefense().share(ClientStep(model, classification_loss, x, y, torch.Generator(), FEDSGD))
+        rows, seconds, extras = run(Dager(), update, threat_of(model, data, batch, NoDefense(), labels=y))
+        exact = (rows[text_assignment(rows, x)] == x).all(1).sum()
+        print(f"| {batch} | {extras.get('rank')} | {scored(rows, x)} | {int(exact)} of {batch} | {seconds:.1f} | "
+              f"{extras.get('note', '')} |")
+
+
+def corpus(iterations: int) -> None:
+    """The real corpus: DAGER on 8 test sentences at widths 256 and 128; TAG and bayes_text on 3 sentences."""
+    data = load_python_reference(length=24)
+    print(f"python_reference: {len(data.train_x)} / {len(data.test_x)} sentences, {data.vocab_size} vocabulary "
+          f"entries, {int((data.test_x == 1).sum())} test tokens <unk>, "
+          f"{float((torch.cat([data.train_x, data.test_x]) != 0).sum(1).float().mean()):.2f} tokens a sentence "
+          "(cut at 24)")
+    print("| attack | setting | ROUGE-1 / ROUGE-2 | seconds | ranks |")
+    print("| --- | --- | --- | --- | --- |")
+    x, y = data.test_x[:8], data.test_y[:8]
+    for width in (256, 128):
+        torch.manual_seed(0)
+        model = TinyTransformer(data.vocab_size, data.num_classes, 24, width=width, layers=3)
+        update = NoDefense().share(ClientStep(model, classification_loss, x, y, torch.Generator(), FEDSGD))
+        rows, seconds, extras = run(Dager(), update, threat_of(model, data, 8, NoDefense(), labels=y))
+        exact = int((rows[text_assignment(rows, x)] == x).all(1).sum())
+        print(f"| dager | 8 sentences ({int((x != 0).sum())} tokens), width {width}, 3 layers, {exact} of 8 exact | "
+              f"{scored(rows, x)} | {seconds:.1f} | {extras.get('rank')} |")
+    torch.manual_seed(0)
+    model = TinyTransformer(data.vocab_size, data.num_classes, 24, layers=2)
+    for i in range(3):
+        xi, yi = data.test_x[i:i + 1], data.test_y[i:i + 1]
+        update = NoDefense().share(ClientStep(model, classification_loss, xi, yi, torch.Generator(), FEDSGD))
+        threat = threat_of(model, data, 1, NoDefense(), labels=yi)
+        for attack in (Tag(iterations=iterations), BayesText(iterations=iterations)):
+            rows, seconds, _ = run(attack, update, threat)
+            print(f"| {attack.name} | test sentence {i} ({int((xi != 0).sum())} tokens), 2 layers | "
+                  f"{scored(rows, xi)} | {seconds:.1f} | |")
+
+
+SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=sorted(SECTIONS), action="append",
+                        help="the tables to measure (default: all)")
+    parser.add_argument("--iterations", type=int, default=300, help="TAG's and bayes_text's Adam steps")
+    args = parser.parse_args()
+    for name in args.section or list(SECTIONS):
+        print(f"\n## {name}\n")
+        SECTIONS[name](args.iterations)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,8 @@ from leakaudit.plugins.text import TokenModel, adapter_names
 
 #: Sequences whose second-layer inputs are computed at once while growing prefixes (bounds the memory).
 CHUNK = 4096
+#: The largest vocabulary whose bigram prior the Bayes adversary keeps as a dense table (64 MiB of float32).
+DENSE_PRIOR = 4096
 #: The least drop between consecutive singular values that separates a gradient's span from its rounding.
 GAP = 10.0
 #: Rows of the room left in the span below the width: a gradient of rank within this of the width spans
@@ -448,6 +450,21 @@ class Bigram:
         p = (pair + self.k) / (self.prev_counts[prev].double() + self.k * self.vocab_size)
         return (-p.log()).mean(-1)
 
+    def log_table(self) -> Tensor:
+        """``log P(next | previous)`` as a dense ``(vocab, vocab)`` table in float32 (row ``pad_id``: the start of
+        a sentence), for vocabularies up to DENSE_PRIOR tokens."""
+        v = self.vocab_size
+        pairs = torch.zeros(v * v, dtype=torch.float64, device=self.prev_counts.device)
+        pairs[self.keys] = self.pair_counts.double()
+        table = (pairs.view(v, v) + self.k) / (self.prev_counts[:, None].double() + self.k * v)
+        return table.log().float()
+
+    def expected_nll(self, probabilities: Tensor, table: Tensor) -> Tensor:
+        """The expected negative log-likelihood, summed over positions and sentences, of independent token
+        distributions ``(B, length, vocab)`` (relaxed tokens), from ``log_table()``: differentiable in them."""
+        first = probabilities[:, 0] @ table[self.pad_id]
+        return -(first.sum() + torch.einsum("blv,vw,blw->", probabilities[:, :-1], table, probabilities[:, 1:]))
+
 
 def reorderings(length: int, count: int, generator: torch.Generator) -> Tensor:
     """``count`` random reorderings ``(count, length)`` of a sentence's ``length`` (two or more) positions, LAMP's
@@ -586,7 +603,12 @@ class BayesText(Attack):
     vocabulary per position (a softmax of free logits), optimised to maximise the audited defense's own
     ``log p(g | x)`` of the whole update, the token embedding's gradient included (the relaxation makes it
     differentiable), under FedSGD or the protocol's local steps; each position is then read as its most likely
-    token. Its prior on sentences is uniform: the likelihood alone (LAMP brings a language model)."""
+    token. With ``prior_weight`` above 0 it weighs a prior on sentences beside the likelihood, as the Bayes
+    adversary does: a bigram model counted from the attacker's own sentences (``ThreatModel.auxiliary``, as
+    LAMP's), in its expectation over the relaxed tokens and, in the discrete steps, on the sentences read. The
+    prior joins only where the defense draws noise, so that its likelihood is a density (a deterministic
+    defense's zero-noise limit is matched alone). It is off by default: at weight 1 it did not help reliably
+    (docs/results.md)."""
 
     name = "bayes_text"
     paper = "Balunovic et al. 2022"
@@ -598,6 +620,8 @@ class BayesText(Attack):
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam's step size"),
         "init_scale": Param(0.1, float, min=0.0, help="standard deviation of the logits' random start (0: uniform "
                             "distributions)"),
+        "prior_weight": Param(0.0, float, min=0.0, help="weight of the bigram prior's log-probability beside the "
+                              "log-likelihood (0: the likelihood alone; 1: the posterior under that prior)"),
         **DISCRETE_STEPS,
     }
     brings: ClassVar[str] = "the defense's own likelihood p(g|x) on relaxed tokens"
@@ -606,11 +630,31 @@ class BayesText(Attack):
     iterations: int
     lr: float
     init_scale: float
+    prior_weight: float
     every: int
     candidates: int
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         return not_a_token_model(model, "bayes_text feeds relaxed tokens to a transformer")
+
+    def _prior(self, threat: ThreatModel, extras: dict[str, Any]) -> tuple[Bigram, Tensor] | None:
+        """The bigram prior and its dense table, where it applies; None, with a note, where it does not."""
+        model: Any = threat.model
+        why = ("prior_weight is 0" if not self.prior_weight else
+               "the defense is deterministic: its likelihood is a zero-noise limit, not a density"
+               if threat.defense.deterministic else
+               "no sentences of the attacker's own (ThreatModel.auxiliary)"
+               if threat.auxiliary is None or not len(threat.auxiliary) else
+               f"the vocabulary has {model.vocab_size} tokens, more than a dense table's {DENSE_PRIOR}"
+               if model.vocab_size > DENSE_PRIOR else None)
+        if why is not None:
+            extras["prior"] = f"none: {why}"
+            return None
+        assert threat.auxiliary is not None
+        bigram = Bigram(threat.auxiliary.images[threat.auxiliary.indices], model.vocab_size, model.pad_id,
+                        device=threat.device)
+        extras["prior"] = f"bigram of {len(threat.auxiliary)} sentences, weight {self.prior_weight:g}"
+        return bigram, bigram.log_table()
 
     def unsupported_defense(self, defense: Defense) -> str | None:
         if defense.has_likelihood():
@@ -627,19 +671,22 @@ class BayesText(Attack):
         logits = self.init_scale * torch.randn((observed.batch_size, length, model.vocab_size), generator=generator,
                                                device=generator.device).to(threat.device)
         logits.requires_grad_(True)
+        extras: dict[str, Any] = {}
+        prior = self._prior(threat, extras)
 
-        def negative_log_likelihood(z: Tensor) -> Tensor:
-            candidate = threat.defense.candidate_update(relaxed, z.softmax(-1), labels)
-            return -threat.defense.log_likelihood(observed, candidate)
+        def negative_log_posterior(z: Tensor) -> Tensor:
+            p = z.softmax(-1)
+            loss = -threat.defense.log_likelihood(observed, threat.defense.candidate_update(relaxed, p, labels))
+            return loss if prior is None else loss + self.prior_weight * prior[0].expected_nll(p, prior[1])
 
         def score(sentence: int, orders: Tensor) -> Tensor:
-            """The likelihood of the sentences read (each position's likeliest token), the one reordered."""
+            """The posterior of the sentences read (each position's likeliest token), the one reordered."""
             read = logits.detach().argmax(-1)
 
             def moved(order: Tensor) -> Tensor:
                 with torch.enable_grad():  # the candidate update is a gradient, of the model's parameters
                     tokens = one_hot_logits(reordered(read, sentence, order), model.vocab_size)
-                    return negative_log_likelihood(tokens).detach()
+                    return negative_log_posterior(tokens).detach()
             return torch.stack([moved(o) for o in orders])
 
         moves = 0
@@ -649,11 +696,11 @@ class BayesText(Attack):
             if reorder_due(step, self.every, self.iterations, length):
                 moves += reorder(logits, optimiser, score, length, self.candidates, generator)
 
-        trace = descend(logits, negative_log_likelihood, self.iterations, self.lr, discrete)
+        trace = descend(logits, negative_log_posterior, self.iterations, self.lr, discrete)
         rows = torch.full((observed.batch_size, threat.input_shape[0]), model.pad_id, dtype=torch.long,
                           device=threat.device)
         rows[:, :length] = logits.detach().argmax(-1)
-        return Reconstruction(rows, labels, trace, 0.0, {"reorderings": moves})
+        return Reconstruction(rows, labels, trace, 0.0, {"reorderings": moves, **extras})
 
 
 def one_hot_logits(tokens: Tensor, vocab_size: int) -> Tensor:

@@ -257,6 +257,12 @@ def test_lamps_bigram_prior_gives_its_exact_smoothed_likelihoods():
     assert prior.nll(torch.tensor([[1, 2]])).item() == pytest.approx(-(math.log(first) + math.log(second)) / 2)
     unseen = -(math.log(0.1 / 2.4) + math.log(0.1 / 0.4)) / 2  # start -> b never seen; b was never followed
     assert prior.nll(torch.tensor([2, 1])).item() == pytest.approx(unseen)
+    table = prior.log_table()  # the Bayes adversary's dense form, and its expectation over relaxed tokens
+    assert table[0, 1].item() == pytest.approx(math.log(first)) and table[1, 3].item() == pytest.approx(math.log(second))
+    one_hot = torch.nn.functional.one_hot(torch.tensor([[1, 2]]), 4).float()
+    assert prior.expected_nll(one_hot, table).item() == pytest.approx(-(math.log(first) + math.log(second)), rel=1e-5)
+    half = torch.tensor([[[0, 1, 0, 0], [0, 0, 0.5, 0.5]]])  # a, then b or c evenly: the same expected bigram
+    assert prior.expected_nll(half, table).item() == pytest.approx(-(math.log(first) + math.log(second)), rel=1e-5)
 
 
 def test_lamps_moves_are_seeded_reorderings_of_the_positions():
@@ -344,6 +350,25 @@ def test_the_bayes_adversary_reads_a_pruned_sentence_that_tag_does_not(data):
     tag = Tag(iterations=200)(update, threat, torch.Generator().manual_seed(0))
     assert rouge(bayes.images, x, "rouge1").item() >= 0.9
     assert rouge(tag.images, x, "rouge1").item() <= 0.5
+
+
+def test_the_bayes_adversary_weighs_its_bigram_prior_only_where_the_likelihood_is_a_density(data):
+    """The prior joins under noise with the attacker's own sentences; not on a deterministic defense's zero-noise
+    limit, nor without sentences, nor at weight 0 (the default); each run says which."""
+    from leakaudit.defenses.noise import GaussianNoise
+    from leakaudit.plugins.attack import AuxiliaryData
+
+    aux = AuxiliaryData(data.train_x[:50], data.train_y[:50], torch.arange(50))
+    notes = []
+    for defense, auxiliary, weight in [(GaussianNoise(sigma=0.1), aux, 1.0), (NoDefense(), aux, 1.0),
+                                       (GaussianNoise(sigma=0.1), None, 1.0), (GaussianNoise(sigma=0.1), aux, None)]:
+        x, update, threat = _small_case(data, defense, FEDSGD)
+        threat.auxiliary = auxiliary
+        attack = BayesText(iterations=1) if weight is None else BayesText(iterations=1, prior_weight=weight)
+        notes.append(attack(update, threat, torch.Generator()).extras["prior"])
+    assert notes == ["bigram of 50 sentences, weight 1", "none: the defense is deterministic: its likelihood is a "
+                     "zero-noise limit, not a density", "none: no sentences of the attacker's own "
+                     "(ThreatModel.auxiliary)", "none: prior_weight is 0"]
 
 
 @pytest.mark.slow

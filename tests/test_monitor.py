@@ -124,6 +124,17 @@ def test_no_normalisation_where_the_loader_normalises_is_refused(digits, tmp_pat
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+def test_personal_values_on_an_image_loop_is_refused_before_any_work(digits, tmp_path):
+    model = build_model()
+    monitor = leakaudit.LeakMonitor(attacks=ATTACK, out=tmp_path / "run", mean=digits.mean, std=digits.std,
+                                    vocabulary=["a"], personal_values=lambda sentence: [])
+    with pytest.raises(leakaudit.ConfigError) as err:
+        monitor.attach(model, torch.optim.SGD(model.parameters(), lr=LR), normalised_loader(digits))
+    assert str(err.value) == ("LeakMonitor: personal_values: the loader's items are images; PII recall reads a "
+                              "language model's sentences: leave it out")
+    assert not (tmp_path / "run").exists()
+
+
 def test_reads_the_loaders_torchvision_normalize_and_refuses_a_wrong_one(digits, tmp_path):
     normalize = transforms.Normalize(digits.mean.tolist(), digits.std.tolist())
     dataset = Transformed(digits.train_x, digits.train_y, transforms.Compose([normalize]))

@@ -170,8 +170,7 @@ class LikelihoodAttack(Attack):
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         labels = recover_labels(observed, threat, self.label_method, generator)
-        observed = SharedUpdate([t.to(threat.device) for t in observed.tensors], observed.names,
-                                observed.batch_size, observed.metadata)
+        observed = observed.to(threat.device)
         lo, hi = threat.box()
         images = random_images(threat, generator).requires_grad_(True)
         optimiser = torch.optim.Adam([images], lr=self.lr)

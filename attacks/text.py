@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import reduce
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -109,13 +109,18 @@ def span_distance(vectors: Tensor, basis: Tensor) -> Tensor:
     return (v - (v @ basis.T) @ basis).norm(dim=-1)
 
 
+def padded_rows(tokens: Tensor, length: int, pad_id: int) -> Tensor:
+    """Tokens ``(B, n)`` at the start of rows of ``length`` ids, the rest ``pad_id``, on the tokens' device."""
+    rows = torch.full((len(tokens), length), pad_id, dtype=torch.long, device=tokens.device)
+    rows[:, : tokens.shape[1]] = tokens
+    return rows
+
+
 def token_rows(tokens: Tensor, model: Any, batch: int, length: int, device: torch.device) -> Tensor:
     """The tokens, unordered, in every row of the batch (padding left out; the rest padded): what the embedding's
     gradient gives without an order."""
     tokens = tokens[tokens != model.pad_id][:length].to(device)
-    rows = torch.full((batch, length), model.pad_id, dtype=torch.long, device=device)
-    rows[:, : len(tokens)] = tokens
-    return rows
+    return padded_rows(tokens.expand(batch, -1), length, model.pad_id)
 
 
 class TokenSet(Attack):
@@ -366,10 +371,7 @@ class Matching:
 
     def rows(self, tokens: Tensor) -> Tensor:
         """Tokens ``(B, length)`` padded to the input's length."""
-        rows = torch.full((len(tokens), self.threat.input_shape[0]), self.model.pad_id, dtype=torch.long,
-                          device=self.threat.device)
-        rows[:, : self.length] = tokens
-        return rows
+        return padded_rows(tokens.to(self.threat.device), self.threat.input_shape[0], self.model.pad_id)
 
 
 def descend(x: Tensor, loss_of: Callable[[Tensor], Tensor], iterations: int, lr: float,
@@ -437,6 +439,15 @@ class Bigram:
         real = nxt != pad_id
         self.keys, self.pair_counts = torch.unique(prev[real] * vocab_size + nxt[real], return_counts=True)
         self.prev_counts = torch.bincount(prev[real], minlength=vocab_size)
+
+    @classmethod
+    def of_attacker(cls, threat: ThreatModel) -> Bigram | None:
+        """The model counted from the attacker's own sentences (``ThreatModel.auxiliary``), on the attack's device;
+        None where it has none."""
+        own, model = threat.auxiliary, cast(Any, threat.model)
+        if own is None or not len(own):
+            return None
+        return cls(own.images[own.indices], model.vocab_size, model.pad_id, device=threat.device)
 
     def nll(self, tokens: Tensor) -> Tensor:
         """Mean negative log-likelihood per token of each sequence ``(..., length)`` (log perplexity), on the
@@ -515,9 +526,7 @@ class Lamp(Tag):
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         match = Matching(observed, threat, generator, self.l1_weight)
-        model: Any = threat.model
-        prior = None if threat.auxiliary is None or not len(threat.auxiliary) else Bigram(
-            threat.auxiliary.images[threat.auxiliary.indices], model.vocab_size, model.pad_id, device=threat.device)
+        prior = Bigram.of_attacker(threat)
         starts = match.start(self.starts, generator)
         x = starts[int(torch.stack([match.distance(s, False) for s in starts]).argmin())].requires_grad_(True)
         moves = 0
@@ -637,36 +646,31 @@ class BayesText(Attack):
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         return not_a_token_model(model, "bayes_text feeds relaxed tokens to a transformer")
 
+    def unsupported_defense(self, defense: Defense) -> str | None:
+        if defense.has_likelihood():
+            return None
+        return f"bayes_text: defense {defense.name!r} declares no log_likelihood"
+
     def _prior(self, threat: ThreatModel, extras: dict[str, Any]) -> tuple[Bigram, Tensor] | None:
         """The bigram prior and its dense table, where it applies; None, with a note, where it does not."""
         model: Any = threat.model
         why = ("prior_weight is 0" if not self.prior_weight else
                "the defense is deterministic: its likelihood is a zero-noise limit, not a density"
                if threat.defense.deterministic else
-               "no sentences of the attacker's own (ThreatModel.auxiliary)"
-               if threat.auxiliary is None or not len(threat.auxiliary) else
                f"the vocabulary has {model.vocab_size} tokens, more than a dense table's {DENSE_PRIOR}"
                if model.vocab_size > DENSE_PRIOR else None)
-        if why is not None:
-            extras["prior"] = f"none: {why}"
+        bigram = None if why else Bigram.of_attacker(threat)
+        if bigram is None:
+            extras["prior"] = "none: " + (why or "no sentences of the attacker's own (ThreatModel.auxiliary)")
             return None
-        assert threat.auxiliary is not None
-        bigram = Bigram(threat.auxiliary.images[threat.auxiliary.indices], model.vocab_size, model.pad_id,
-                        device=threat.device)
-        extras["prior"] = f"bigram of {len(threat.auxiliary)} sentences, weight {self.prior_weight:g}"
+        extras["prior"] = f"bigram of {len(cast(Any, threat.auxiliary))} sentences, weight {self.prior_weight:g}"
         return bigram, bigram.log_table()
-
-    def unsupported_defense(self, defense: Defense) -> str | None:
-        if defense.has_likelihood():
-            return None
-        return f"bayes_text: defense {defense.name!r} declares no log_likelihood"
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
         relaxed = replace(threat, model=SoftTokens(model))
         labels = text_labels(observed, threat, generator)
-        observed = SharedUpdate([t.to(threat.device) for t in observed.tensors], observed.names,
-                                observed.batch_size, observed.metadata)
+        observed = observed.to(threat.device)
         length = sequence_length(observed, model, threat.input_shape[0])
         logits = self.init_scale * torch.randn((observed.batch_size, length, model.vocab_size), generator=generator,
                                                device=generator.device).to(threat.device)
@@ -697,9 +701,7 @@ class BayesText(Attack):
                 moves += reorder(logits, optimiser, score, length, self.candidates, generator)
 
         trace = descend(logits, negative_log_posterior, self.iterations, self.lr, discrete)
-        rows = torch.full((observed.batch_size, threat.input_shape[0]), model.pad_id, dtype=torch.long,
-                          device=threat.device)
-        rows[:, :length] = logits.detach().argmax(-1)
+        rows = padded_rows(logits.detach().argmax(-1), threat.input_shape[0], model.pad_id)
         return Reconstruction(rows, labels, trace, 0.0, {"reorderings": moves, **extras})
 
 

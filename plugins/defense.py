@@ -26,6 +26,10 @@ class SharedUpdate:
     def flat(self) -> Tensor:
         return torch.cat([t.reshape(-1) for t in self.tensors])
 
+    def to(self, device: torch.device | str) -> SharedUpdate:
+        """The same update with its tensors on ``device`` (where an attack computes)."""
+        return replace(self, tensors=[t.to(device) for t in self.tensors])
+
 
 @dataclass(frozen=True)
 class PrivacyProfile:

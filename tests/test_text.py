@@ -558,19 +558,27 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
             model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
 
 
-def test_lora_lamp_and_the_monitors_vocabulary_refuse_bad_settings_in_one_line_each(write_audit):
+def test_lora_lamp_bayes_text_the_corpus_and_the_monitors_vocabulary_refuse_bad_settings_in_one_line_each(
+        write_audit):
     from leakaudit.evaluator.audit.config import ConfigError, load_audit
 
     import leakaudit
 
     bad = {**TEXT_AUDIT, "defenses": [{"name": "none"}, {"name": "lora", "params": {"rank": 0, "alpha": 0.0}}],
-           "attacks": [{"name": "lamp", "params": {"every": 0, "candidates": 0, "lm_weight": -1}}]}
+           "data": {"dataset": "python_reference", "targets": 2, "params": {"test": 365}},
+           "attacks": [{"name": "lamp", "params": {"every": 0, "candidates": 0, "lm_weight": -1}},
+                       {"name": "bayes_text", "params": {"prior_weight": -1, "lr": 0.0}},
+                       {"name": "dager", "params": {"max_combinations": 0}}]}
     with pytest.raises(ConfigError) as err:
         load_audit(write_audit(bad))
     lines = sorted(line.split(": ", 1)[1] for line in str(err.value).splitlines())
     assert lines == ["attacks[0].params.candidates: 0 is below the minimum 1",
                      "attacks[0].params.every: 0 is below the minimum 1",
                      "attacks[0].params.lm_weight: -1 is below the minimum 0.0",
+                     "attacks[1].params.lr: 0.0 must be greater than 0.0",
+                     "attacks[1].params.prior_weight: -1 is below the minimum 0.0",
+                     "attacks[2].params.max_combinations: 0 is below the minimum 1",
+                     "data.params.test: 365 is above the maximum 364",
                      "defenses[1].params.alpha: 0.0 must be greater than 0.0",
                      "defenses[1].params.rank: 0 is below the minimum 1"]
     image = {"name": "img", "data": {"dataset": "digits", "targets": 1}, "model": {"name": "lenet_zhu"},

@@ -10,7 +10,7 @@ direction-only observation, whatever the defense really does (Balunovic et al. 2
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -24,7 +24,9 @@ from leakaudit.attacks.vectorised import (
     SharedModel,
     candidate_update,
     defense_candidate,
+    Plain,
     one_at_a_time,
+    refuse_reconstruct_alone,
     optimise,
     prior_sum,
     problem_hyper,
@@ -93,21 +95,20 @@ class LikelihoodAttack(Attack):
                                 threat: ThreatModel) -> Tensor:
         raise NotImplementedError
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_reconstruct_alone(cls)
+
+    #: The settings that may differ between problems solved in one pass (each row's step size, decay and prior
+    #: weights); any other setting a subclass adds separates its problems (``like_problems``).
+    per_problem: ClassVar[frozenset[str]] = frozenset({"lr", "lr_decay", "priors"})
+
     @classmethod
     def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Problems with like settings optimised together, ``max_problems`` at a time (Monte Carlo draws and
-        starts from each problem's own generator)."""
-        if any(getattr(cls, n) is not getattr(LikelihoodAttack, n) for n in ("reconstruct", "_objective")):
-            return super().reconstruct_all(problems, max_problems)
-        return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
-                         build=cls._batch, images=lambda p: p.attack.samples)
-
-    @staticmethod
-    def _group_key(p: Problem) -> tuple:
-        a, t = p.attack, p.threat
-        return (vectorisable(t), id(t.model), repr(t.defense), t.protocol, t.batch_size, a.iterations, a.samples,
-                a.radius, a.warmup, a.signed, tuple(sorted(a.priors)), a.label_method, tuple(p.observed.names),
-                getattr(a, "layer_weights", None))
+        starts from each problem's own generator); both paths minimise ``objective``."""
+        return solve_all(cls, problems, max_problems, per_problem=cls.per_problem, can_vectorise=vectorisable,
+                         build=cls._batch, model=id, images=lambda p: p.attack.samples)
 
     @classmethod
     def _batch(cls, problems: list[Problem[Self]]) -> tuple[Batch | None, Any]:
@@ -133,18 +134,11 @@ class LikelihoodAttack(Attack):
         first, threat, template = batch.problems[0].attack, batch.problems[0].threat, batch.problems[0].observed
         shared = SharedModel.of(threat.model, threat)
         lo, hi = threat.box()
-        own = cls is BayesOptimal and defense_candidate(threat.defense)
 
         def objective(images, labels, target, metadata, hyper, unknowns, weight, direction=None, u=None):
-            observed = batch.observed(target, metadata, template)
             points = images.unsqueeze(0) if direction is None else ball_points(images, first.radius, direction, u)
-            total = images.new_zeros(())
-            for x in points:
-                candidate = (threat.defense.candidate_update(threat, x, labels) if own
-                             else candidate_update(shared, threat, x, labels))
-                total = total + weight * first.negative_log_likelihood(observed, candidate, threat)
-                total = total + prior_sum(x, hyper, lo, hi)
-            return total / len(points)
+            return first.objective(points, labels, batch.observed(target, metadata, template), threat, weight,
+                                   lambda x, y: candidate_update(shared, threat, x, y), lambda x: prior_sum(x, hyper, lo, hi))
 
         # the likelihood's weight at every iteration, made once on the device: a compiled step takes it as an input
         weights = torch.tensor([min(1.0, 1e-3 * 1e3 ** (it / first.warmup)) if first.warmup else 1.0
@@ -164,9 +158,20 @@ class LikelihoodAttack(Attack):
         return [Reconstruction(p.threat.to_pixels(images[i].detach()), labels[i], trace[:, i].tolist(), 0.0)
                 for i, p in enumerate(batch.problems)]
 
-    def candidate(self, threat: ThreatModel, images: Tensor, labels: Tensor) -> list[Tensor]:
-        """The candidate's clean update, as the distance sees it (the plain one)."""
-        return threat.candidate_update(images, labels)
+    def candidate(self, threat: ThreatModel, images: Tensor, labels: Tensor, plain: Plain) -> list[Tensor]:
+        """The candidate's clean update as the likelihood sees it: ``plain``'s (the model's update on this path)."""
+        return plain(images, labels)
+
+    def objective(self, points: Tensor, labels: Tensor, observed: SharedUpdate, threat: ThreatModel,
+                  weight: Tensor | float, plain: Plain, prior: Callable[[Tensor], Tensor | float]) -> Tensor:
+        """The loss both paths minimise: the mean over the ball's ``points`` of ``weight`` times the negative log
+        likelihood of their candidate updates, plus ``prior`` of each (one problem's; vmapped on the batched path)."""
+        total = points.new_zeros(())
+        for x in points:
+            total = total + weight * self.negative_log_likelihood(observed, self.candidate(threat, x, labels, plain),
+                                                                  threat)
+            total = total + prior(x)
+        return total / len(points)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         labels = recover_labels(observed, threat, self.label_method, generator)
@@ -189,13 +194,9 @@ class LikelihoodAttack(Attack):
         return Reconstruction(threat.to_pixels(images.detach()), labels, trace.tolist(), 0.0)
 
     def _objective(self, images, labels, observed, threat, weight, generator, lo, hi) -> Tensor:
-        total = images.new_zeros(())
-        points = sample_in_ball(images, self.radius, self.samples, generator)
-        for x in points:
-            candidate = self.candidate(threat, x, labels)
-            total = total + weight * self.negative_log_likelihood(observed, candidate, threat)
-            total = total + prior_penalty(x, self.priors, lo, hi)
-        return total / len(points)
+        """``objective`` of one problem by plain autograd, at this step's points of the ball."""
+        return self.objective(sample_in_ball(images, self.radius, self.samples, generator), labels, observed, threat,
+                              weight, threat.candidate_update, lambda x: prior_penalty(x, self.priors, lo, hi))
 
 
 class BayesOptimal(LikelihoodAttack):
@@ -214,8 +215,10 @@ class BayesOptimal(LikelihoodAttack):
         return (f"bayes: defense {defense.name!r} declares no log_likelihood (its noise is drawn inside the "
                 "model); use the attacks made for it (leakaudit plugins)")
 
-    def candidate(self, threat, images, labels) -> list[Tensor]:
-        return threat.defense.candidate_update(threat, images, labels)
+    def candidate(self, threat, images, labels, plain) -> list[Tensor]:
+        """The defense's own candidate where it centres its likelihood on one (DP-SGD's clipped mean)."""
+        return (threat.defense.candidate_update(threat, images, labels) if defense_candidate(threat.defense)
+                else plain(images, labels))
 
     def negative_log_likelihood(self, observed, candidate, threat) -> Tensor:
         return -threat.defense.log_likelihood(observed, candidate)

@@ -16,13 +16,14 @@ shared, or under FedAvg (each local step draws afresh).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
 from leakaudit.attacks.gradient_matching import InvertingGradients
+from leakaudit.attacks.vectorised import Plain
 from leakaudit.defenses.bayesian import Bayesian, bayesian_layers, collapse, given_noise
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.plugins import Param, hookimpl
@@ -165,11 +166,13 @@ class BayesianNoiseKL(InvertingGradients):
                        for shape in layer.noise_shapes(threat.batch_size)]
                 for name, layer in bayesian_layers(threat.model).items()}
 
-    def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
-                   keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:
-        with given_noise(threat.model, extra):
-            loss = super()._objective(images, labels, target, threat, keep, extra)
-        return loss + self.alpha_kl * sum(kl_to_standard_normal(e) for draws in extra.values() for e in draws)
+    def objective(self, images: Tensor, labels: Tensor, target: list[Tensor], unknowns: dict[str, list[Tensor]],
+                  keep: list[bool] | None, model: nn.Module, plain: Plain,
+                  prior: Callable[[Tensor], Tensor | float]) -> Tensor:
+        """The cosine match with the layers' noise given as ``unknowns``, plus their KL to N(0, 1)."""
+        with given_noise(model, unknowns):
+            loss = super().objective(images, labels, target, unknowns, keep, model, plain, prior)
+        return loss + self.alpha_kl * sum(kl_to_standard_normal(e) for draws in unknowns.values() for e in draws)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         return _noise_extras(super().reconstruct(observed, threat, generator))
@@ -180,21 +183,9 @@ class BayesianNoiseKL(InvertingGradients):
         return [_noise_extras(r) for r in super().reconstruct_all(problems, max_problems)]
 
     @classmethod
-    def _vectorised(cls) -> bool:
-        return True
-
-    @classmethod
     def _can_vectorise(cls, threat: ThreatModel) -> bool:
         """The layers' noise is given (an unknown), so the model is a pure function of it: only hooks prevent it."""
         return not any(m._backward_hooks or m._backward_pre_hooks for m in threat.model.modules())
-
-    @classmethod
-    def _with_unknowns(cls, matching, module, attack):
-        def objective(images, labels, target, metadata, hyper, unknowns):
-            with given_noise(module, unknowns):
-                loss = matching(images, labels, target, metadata, hyper, unknowns)
-            return loss + attack.alpha_kl * sum(kl_to_standard_normal(e) for draws in unknowns.values() for e in draws)
-        return objective
 
 
 def _noise_extras(result: Reconstruction) -> Reconstruction:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from typing import Any, Callable, cast
+from typing import Any, Callable, ClassVar, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
 from typing_extensions import Self
 
@@ -25,12 +25,13 @@ from leakaudit.attacks.vectorised import (
     SharedModel,
     batched,
     candidate_update,
-    model_key,
     optimise,
     prior_sum,
     problem_hyper,
     rows_of,
     solve_all,
+    refuse_reconstruct_alone,
+    Plain,
     split_metadata,
     stack_targets,
     stacked_state,
@@ -95,6 +96,14 @@ class InvertingGradients(Attack):
         super().__init__(**settings)
         check_priors(self.priors)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_reconstruct_alone(cls)
+
+    #: The settings that may differ between problems solved in one pass (each row's step size and prior weights);
+    #: any other setting a subclass adds separates its problems (``like_problems``).
+    per_problem: ClassVar[frozenset[str]] = frozenset({"lr", "priors"})
+
     @property
     def knows_defense(self) -> bool:
         return self.uses_defense or self.drop_defended
@@ -117,28 +126,14 @@ class InvertingGradients(Attack):
 
     @classmethod
     def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
-        """Problems with like settings (and their restarts) optimised together, ``max_problems`` at a time."""
-        if not cls._vectorised():
-            return super().reconstruct_all(problems, max_problems)
-        return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=cls._can_vectorise,
+        """Problems with like settings (and their restarts) optimised together, ``max_problems`` at a time; both
+        paths minimise ``objective``."""
+        return solve_all(cls, problems, max_problems, per_problem=cls.per_problem, can_vectorise=cls._can_vectorise,
                          build=cls._batch, rows=lambda p: p.attack.restarts)
 
     @classmethod
     def _can_vectorise(cls, threat: ThreatModel) -> bool:
         return vectorisable(threat)
-
-    @classmethod
-    def _vectorised(cls) -> bool:
-        """Subclasses that change the objective or the unknowns solve one problem at a time."""
-        return all(getattr(cls, n) is getattr(InvertingGradients, n)
-                   for n in ("reconstruct", "_objective", "_extra_variables", "_one_run"))
-
-    @staticmethod
-    def _group_key(p: Problem) -> tuple:
-        a, t = p.attack, p.threat
-        return (type(a)._can_vectorise(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size,
-                a.iterations, a.restarts, a.signed, a.drop_defended, tuple(sorted(a.priors)), a.label_method,
-                tuple(p.observed.names))
 
     @classmethod
     def _batch(cls, problems: list[Problem[Self]]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
@@ -168,11 +163,11 @@ class InvertingGradients(Attack):
         shared = SharedModel.of(threat.model, threat)
         lo, hi = threat.box()
 
-        def matching(images, labels, target, metadata, hyper, unknowns):
-            candidate = kept(candidate_update(shared, threat, images, labels, hyper["state"]), keep)
-            return cosine_distance(target, candidate) + prior_sum(images, hyper, lo, hi)
+        def objective(images, labels, target, metadata, hyper, unknowns):
+            return first.objective(images, labels, target, unknowns, keep, shared.module,
+                                   lambda x, y: candidate_update(shared, threat, x, y, hyper["state"]),
+                                   lambda x: prior_sum(x, hyper, lo, hi))
 
-        objective = cls._with_unknowns(matching, shared.module, first)
         milestones = step_decay_milestones(first.iterations)
         images, unknowns, trace = optimise(batch, objective, iterations=first.iterations, signed=first.signed,
                                            box=(lo, hi), lr_factor=lambda it: 0.1 ** bisect.bisect_right(milestones, it))
@@ -190,18 +185,21 @@ class InvertingGradients(Attack):
                                       0.0, extras))
         return out
 
-    @classmethod
-    def _with_unknowns(cls, matching: Callable[..., Tensor], module, attack) -> Callable[..., Tensor]:
-        """The vectorised objective: the matching loss, plus what the unknowns add (nothing here)."""
-        return matching
+    def objective(self, images: Tensor, labels: Tensor, target: list[Tensor], unknowns: dict[str, list[Tensor]],
+                  keep: list[bool] | None, model: nn.Module, plain: Plain,
+                  prior: Callable[[Tensor], Tensor | float]) -> Tensor:
+        """The loss both paths minimise: the cosine distance of ``plain``'s candidate update (the tensors ``keep``
+        marks) to ``target``, plus ``prior`` of the images. ``unknowns`` are optimised beside the images, in
+        ``model``, the module ``plain`` runs (one problem's; vmapped on the batched path)."""
+        return cosine_distance(target, kept(plain(images, labels), keep)) + prior(images)
 
     def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
                    keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:
-        """The matching loss of one candidate; ``extra`` holds the unknowns optimised beside the images."""
+        """``objective`` of one problem by plain autograd; ``extra`` holds the unknowns optimised beside the images."""
         lo, hi = threat.box()
         with torch.enable_grad():
-            candidate = kept(threat.candidate_update(images, labels), keep)
-            return cosine_distance(target, candidate) + prior_penalty(images, self.priors, lo, hi)
+            return self.objective(images, labels, target, extra, keep, threat.model, threat.candidate_update,
+                                  lambda x: prior_penalty(x, self.priors, lo, hi))
 
     def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> dict[str, list[Tensor]]:
         """Unknowns optimised beside the images (none here; drawn after the start image, so starts stay paired)."""
@@ -273,6 +271,14 @@ class DeepLeakage(Attack):
         super().__init__(**settings)
         check_priors(self.priors)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_reconstruct_alone(cls)
+
+    #: The settings that may differ between problems solved together (each keeps its own L-BFGS run, and its
+    #: prior weights); any other setting a subclass adds separates its problems (``like_problems``).
+    per_problem: ClassVar[frozenset[str]] = frozenset({"iterations", "lr", "restarts", "line_search", "priors"})
+
     def _labels(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor | None:
         """Fixed labels, or None when they are optimised jointly as soft labels."""
         return threat.labels.to(threat.device) if threat.labels is not None else None
@@ -284,28 +290,26 @@ class DeepLeakage(Attack):
 
         def evaluate(variables: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
             with torch.enable_grad():
-                labels = cast(Tensor, fixed) if len(variables) == 1 else torch.softmax(variables[1], dim=-1)
-                loss = (squared_distance(target, threat.candidate_update(variables[0], labels))
-                        + prior_penalty(variables[0], self.priors, lo, hi))
+                loss = self.objective(variables, fixed, target, threat.candidate_update,
+                                      lambda x: prior_penalty(x, self.priors, lo, hi))
                 return loss.detach(), list(torch.autograd.grad(loss, variables))
 
         return self._restarts(threat, generator, fixed, evaluate)
 
+    def objective(self, variables: list[Tensor], fixed: Tensor | None, target: list[Tensor], plain: Plain,
+                  prior: Callable[[Tensor], Tensor | float]) -> Tensor:
+        """The loss both paths minimise: the squared distance of ``plain``'s candidate update to ``target``, plus
+        ``prior`` of the image; the labels are ``fixed``, or the softmax of the soft labels ``variables[1]``."""
+        labels = fixed if fixed is not None else torch.softmax(variables[1], dim=-1)
+        return squared_distance(target, plain(variables[0], labels)) + prior(variables[0])
+
     @classmethod
     def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Like problems solved together: each keeps its own L-BFGS iterate and line search, and their evaluations
-        and two-loop recursions run as batched passes (``BatchedLBFGS``, benchmarks/lbfgs_batching.py)."""
-        if any(getattr(cls, n) is not getattr(DeepLeakage, n)
-               for n in ("reconstruct", "_restarts", "_one_run", "_solver", "_start", "_best")):
-            return super().reconstruct_all(problems, max_problems)
-        return solve_all(cls, problems, max_problems, key=cls._group_key, can_vectorise=vectorisable,
+        and two-loop recursions run as batched passes (``BatchedLBFGS``, benchmarks/lbfgs_batching.py); both paths
+        minimise ``objective``."""
+        return solve_all(cls, problems, max_problems, per_problem=cls.per_problem, can_vectorise=vectorisable,
                          build=cls._batch, cap=history_cap(problems, max_problems))
-
-    @staticmethod
-    def _group_key(p: Problem) -> tuple:
-        t = p.threat
-        return (vectorisable(t), model_key(t.model), repr(t.defense), t.protocol, t.batch_size, t.labels is None,
-                tuple(sorted(p.attack.priors)), tuple(p.observed.names))
 
     @classmethod
     def _batch(cls, problems: list[Problem[Self]], lock_step: bool = False
@@ -318,12 +322,12 @@ class DeepLeakage(Attack):
         hyper = {**problem_hyper([p.attack for p in problems], threat.device),
                  "state": stacked_state([p.threat.model for p in problems])}
         labels = None if fixed[0] is None else torch.stack(cast(list[Tensor], fixed))
-        shared, (lo, hi) = SharedModel.of(threat.model, threat), threat.box()
+        shared, (lo, hi), first = SharedModel.of(threat.model, threat), threat.box(), problems[0].attack
 
         def loss(variables, target, hyper, label):
-            y = label if label is not None else torch.softmax(variables[1], dim=-1)
-            candidate = candidate_update(shared, threat, variables[0], y, hyper["state"])
-            return squared_distance(target, candidate) + prior_sum(variables[0], hyper, lo, hi)
+            return first.objective(variables, label, target,
+                                   lambda x, y: candidate_update(shared, threat, x, y, hyper["state"]),
+                                   lambda x: prior_sum(x, hyper, lo, hi))
 
         step = vmap(grad_and_value(loss), in_dims=(0, 0, 0, None if labels is None else 0))
 

@@ -16,7 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Collection, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -400,6 +400,21 @@ def _iteration(objective: Callable[..., Tensor], names: list[tuple[str, int]], g
     return torch.compile(iteration, dynamic=False, mode="reduce-overhead" if _CUDA_GRAPHS else None)
 
 
+#: A model's clean update of candidate images with labels, on one path: plain autograd (``ThreatModel.candidate_update``)
+#: alone, torch.func's (``candidate_update``) on the batched path. A vectorised attack's ``objective`` takes it, so both
+#: paths minimise one loss.
+Plain = Callable[[Tensor, Tensor], list[Tensor]]
+
+
+def refuse_reconstruct_alone(cls: type[Attack]) -> None:
+    """Refuse, where it is defined, a subclass of a vectorised attack that overrides ``reconstruct`` but not
+    ``reconstruct_all``: the batched path would solve its problems without it."""
+    if "reconstruct" in vars(cls) and "reconstruct_all" not in vars(cls):
+        raise TypeError(f"{cls.__name__} overrides reconstruct but not reconstruct_all: {cls.__mro__[1].__name__} "
+                        "solves problems together through reconstruct_all, which would not run it; override "
+                        "objective (the loss both paths minimise), or reconstruct_all as well")
+
+
 def one_at_a_time(cls: type[Attack], problems: list[Problem]) -> list[Reconstruction]:
     """Each problem solved alone by ``cls``'s own ``reconstruct`` (plain autograd, the fastest path for one
     problem), timed and seeded as ``Attack.__call__`` does; ``max_problems: 1`` and large models on a CPU."""
@@ -413,11 +428,25 @@ def one_at_a_time(cls: type[Attack], problems: list[Problem]) -> list[Reconstruc
     return out
 
 
-def solve_all(cls: type, problems: list[Problem], max_problems: int | None, *, key: Callable[[Problem], Any],
+def like_problems(p: Problem, can_vectorise: Callable[[ThreatModel], bool], per_problem: Collection[str],
+                  model: Callable[[nn.Module], Any] = model_key) -> tuple:
+    """The key of the problems that run in one batched pass: one attack class with the same settings, except
+    ``per_problem`` ones (whose values each problem keeps: a dict's names stay in the key), on models with the same
+    ``model`` key, under one defense, protocol, batch size and update layout, all vectorisable or none. Generated
+    from the attack's ``settings``, so a setting a subclass adds separates its problems without being listed."""
+    a, t = p.attack, p.threat
+    settings = tuple((k, tuple(sorted(v)) if isinstance(v, dict) else None) if k in per_problem else (k, repr(v))
+                     for k, v in sorted(a.settings.items()))
+    return (type(a), can_vectorise(t), model(t.model), repr(t.defense), t.protocol, t.batch_size, t.labels is None,
+            tuple(p.observed.names), settings)
+
+
+def solve_all(cls: type, problems: list[Problem], max_problems: int | None, *, per_problem: Collection[str],
               can_vectorise: Callable[[ThreatModel], bool], build: Callable,
+              model: Callable[[nn.Module], Any] = model_key,
               images: Callable[[Problem], int] = lambda p: 1,
               rows: Callable[[Problem], int] = lambda p: 1, cap: int | None = None) -> list[Reconstruction]:
-    """Like problems (equal ``key``) solved together by ``build``'s batches, ``max_problems`` at a time.
+    """Like problems (``like_problems``) solved together by ``build``'s batches, ``max_problems`` at a time.
 
     ``images(p)`` and ``rows(p)`` scale one problem's footprint and count within its group (Monte Carlo
     points, restarts). Groups that cannot be vectorised, and chunks of one problem, are solved one at a
@@ -435,7 +464,7 @@ def solve_all(cls: type, problems: list[Problem], max_problems: int | None, *, k
             return one_at_a_time(cls, group)
         return run_chunks(group, build, per_chunk)
 
-    return solve_grouped(problems, key, solve_group)
+    return solve_grouped(problems, lambda p: like_problems(p, can_vectorise, per_problem, model), solve_group)
 
 
 def run_chunks(problems: list[Problem], build: Callable[[list[Problem]], tuple[Batch, Callable[[Batch], tuple]]],

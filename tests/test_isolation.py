@@ -1,6 +1,7 @@
 """Regression tests: what one call or one audit must not leak into the next, and outputs that must not go missing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,6 +13,7 @@ from torchvision.transforms import Normalize
 from leakaudit.attacks.bayesian import BayesianExact, BayesianNoiseKL
 from leakaudit.attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage, InvertingGradients
 from leakaudit.attacks.precode import PrecodeSample
+from leakaudit.attacks.vectorised import like_problems
 from leakaudit.defenses.bayesian import Bayesian
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.precode import Precode
@@ -307,3 +309,57 @@ def test_auto_chunk_size_counts_without_touching_the_model():
 def test_max_problems_is_auto_or_a_whole_number(write_audit, value):
     with pytest.raises(ConfigError, match="max_problems: "):
         load_audit(write_audit(small_audit(max_problems=value)))
+
+
+class _Shrunk(InvertingGradients):
+    """Inverting Gradients whose loss also pulls the images to zero: a subclass that changes only ``objective``."""
+
+    name = "shrunk_ig"
+
+    def objective(self, images, labels, target, unknowns, keep, model, plain, prior):
+        return super().objective(images, labels, target, unknowns, keep, model, plain, prior) + images.square().sum()
+
+
+def test_an_objective_a_subclass_overrides_is_minimised_on_both_paths():
+    """Solved alone (plain autograd) and together (vmapped), the subclass's own loss is the one minimised."""
+    model = lenet_zhu(1, 10, 16)
+    alone, together = _alone_and_together(NoDefense(), model, _Shrunk(iterations=20))
+    plain = InvertingGradients.reconstruct_all(problems_on(NoDefense(), model, InvertingGradients(iterations=20)))
+    for a, b, c in zip(alone, together, plain):
+        assert torch.allclose(a.images, b.images, atol=1e-4)
+        assert (b.images - c.images).abs().max() > 0.1  # the pull to zero moved them: the batched path ran it
+
+
+def test_a_subclass_that_overrides_reconstruct_alone_is_refused_where_it_is_defined():
+    with pytest.raises(TypeError, match="^Alone overrides reconstruct but not reconstruct_all: InvertingGradients "
+                                        "solves problems together"):
+        class Alone(InvertingGradients):
+            def reconstruct(self, observed, threat, generator):
+                return super().reconstruct(observed, threat, generator)
+
+
+def test_problems_whose_settings_differ_run_together_only_in_their_step_sizes_and_prior_weights():
+    """The grouping key comes from the settings: a setting a subclass adds (alpha_kl) separates problems, as an
+    added prior does; step sizes and prior weights do not."""
+    defense = Bayesian()
+    model = defense.wrap_model(lenet_zhu(1, 10, 16))
+    (p, *_), vectorisable = problems_on(defense, model, BayesianNoiseKL()), BayesianNoiseKL._can_vectorise
+
+    def key(**settings):
+        return like_problems(dataclasses.replace(p, attack=BayesianNoiseKL(**settings)), vectorisable,
+                             BayesianNoiseKL.per_problem)
+
+    assert key() == key(lr=0.3, priors={"tv": 0.5})
+    assert key() != key(alpha_kl=1.0) and key() != key(priors={"tv": 1e-2, "l2": 1e-3}) and key() != key(restarts=2)
+
+
+def test_bayesian_kl_trials_with_their_own_kl_weight_keep_it_when_solved_together():
+    defense = Bayesian()
+    model = defense.wrap_model(lenet_zhu(1, 10, 16))
+    problems = problems_on(defense, model, BayesianNoiseKL(iterations=10))
+    for k, p in enumerate(problems):
+        p.attack = BayesianNoiseKL(iterations=10, alpha_kl=[0.0, 10.0][k % 2])
+    alone = [p.attack(p.observed, p.threat, torch.Generator().manual_seed(100 + k)) for k, p in enumerate(problems)]
+    for a, b in zip(alone, BayesianNoiseKL.reconstruct_all(problems)):
+        assert all(torch.allclose(u, v, atol=1e-4) for n in a.extras["noise"]
+                   for u, v in zip(a.extras["noise"][n], b.extras["noise"][n]))

@@ -13,13 +13,13 @@ from typing import Any, Callable, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
-from leakaudit.attacks.labels import last_layer_gradients, recover_labels
+from leakaudit.attacks.labels import last_layer_gradients, output_layer, recover_labels
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step, parameter_names
 from leakaudit.plugins.spec import Param
-from leakaudit.plugins.text import TokenModel, adapter_names
+from leakaudit.plugins.text import IGNORE, TokenModel, adapter_names, next_token_targets, predicts_next_token
 
 #: Sequences whose second-layer inputs are computed at once while growing prefixes (bounds the memory).
 CHUNK = 4096
@@ -58,6 +58,73 @@ def text_labels(observed: SharedUpdate, threat: ThreatModel, generator: torch.Ge
     otherwise (Geng et al.'s dummy inputs are images, which a language model does not read)."""
     batch = threat.batch_size > 1 and last_layer_gradients(observed)[1] is not None
     return recover_labels(observed, threat, "feature_fit" if batch else "signs", generator)
+
+
+def labels_of(rows: Tensor, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Tensor:
+    """The labels beside recovered ``rows``: a next-token model's are the rows' own next tokens; a classifier's are
+    read from its head (``text_labels``)."""
+    if predicts_next_token(threat.model):
+        return next_token_targets(rows, cast(Any, threat.model).pad_id)
+    return text_labels(observed, threat, generator)
+
+
+def relaxed_targets(p: Tensor, pad_id: int) -> Tensor:
+    """A next-token model's targets of relaxed sentences ``p`` ``(B, L, vocab)``, as ``next_token_loss`` takes them
+    ``(B, vocab, L)``: position t's target is position t + 1's distribution less its padding mass (padding
+    predicts nothing), and the last position's is none."""
+    following = torch.cat([p[:, 1:], torch.zeros_like(p[:, :1])], 1)
+    keep = torch.ones(p.shape[-1], dtype=p.dtype, device=p.device)
+    keep[pad_id] = 0
+    return (following * keep).transpose(1, 2)
+
+
+def following_tokens(observed: SharedUpdate, threat: ThreatModel, rows: Tensor) -> Tensor | None:
+    """A next-token model's token after each row's last ``(B,)``, read from the output layer's weight gradient.
+    A row's last token is a target only (the position that reads it predicts padding), so the layers before the
+    head never see it; the head's gradient is ``(P - Y)^T H / N`` over the N positions with a target, and with the
+    rows as inputs everything in it is known but each row's last target: what is left, ``sum_b e_(u_b) h_b^T``,
+    is read against each row's last state ``h_b``. Exact under FedSGD where the rows are right (and the rows'
+    states apart); None where the update does not share the head's weight (frozen, LoRA)."""
+    model: Any = threat.model
+    head = output_layer(model)
+    name = {id(p): n for n, p in model.named_parameters()}.get(id(head.weight))
+    if name is None or name not in observed.names or not len(rows):
+        return None
+    states: list[Tensor] = []
+    hook = head.register_forward_hook(lambda module, inputs, output: states.append(inputs[0]))
+    try:
+        with torch.no_grad():
+            logits = model(rows)
+    finally:
+        hook.remove()
+    h = states[0].double()  # (B, T, width)
+    counts = (rows != model.pad_id).sum(1)
+    real = torch.arange(rows.shape[1], device=rows.device)[None] < counts[:, None]
+    known = next_token_targets(rows, model.pad_id)
+    error = logits.double().softmax(1).transpose(1, 2) - torch.nn.functional.one_hot(
+        known.clamp_min(0), model.vocab_size).double() * (known >= 0)[..., None]
+    explained = torch.einsum("btv,btd->vd", error * real[..., None], h)
+    scale = threat.protocol.gradient_scale(threat.batch_size)
+    left = explained - int(counts.sum()) * scale * gradient_of(observed, name).double().to(h.device)
+    last = h[torch.arange(len(rows), device=rows.device), (counts - 1).clamp_min(0)]
+    score = last @ left.T  # (B, vocab)
+    score[:, model.pad_id] = -math.inf
+    return score.argmax(1)
+
+
+def completed(observed: SharedUpdate, threat: ThreatModel, rows: Tensor) -> Tensor:
+    """A next-token model's rows with the token after each row's last (``following_tokens``) put in place, where
+    the row has room and the update shares the head; other models' rows as they are."""
+    if not predicts_next_token(threat.model):
+        return rows
+    after = following_tokens(observed, threat, rows)
+    if after is None:
+        return rows
+    rows = rows.clone()
+    counts = (rows != cast(Any, threat.model).pad_id).sum(1)
+    room = torch.nonzero((counts > 0) & (counts < rows.shape[1])).flatten()
+    rows[room, counts[room]] = after[room]
+    return rows
 
 
 def gradient_of(observed: SharedUpdate, name: str) -> Tensor:
@@ -151,7 +218,7 @@ class TokenSet(Attack):
         extras: dict[str, Any] = {"tokens": int((rows[0] != model.pad_id).sum())}  # what one row holds
         if model.embedding_name() not in observed.names:
             extras["note"] = "the update shares no gradient of the token embedding (frozen): no tokens to read"
-        return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
+        return Reconstruction(rows, labels_of(rows, observed, threat, generator), [], 0.0, extras)
 
 
 class Dager(Attack):
@@ -206,7 +273,9 @@ class Dager(Attack):
             rows = self._read(observed, model, batch, length, threat.device, extras)
             if rows is None:  # no span, or one that holds any sequence (the note says which)
                 rows = token_rows(token_set(observed, model), model, batch, length, threat.device)
-        return Reconstruction(rows, text_labels(observed, threat, generator), [], 0.0, extras)
+            else:  # a next-token model's last tokens reach only its head
+                rows = completed(observed, threat, rows)
+        return Reconstruction(rows, labels_of(rows, observed, threat, generator), [], 0.0, extras)
 
     def _read(self, observed: SharedUpdate, model: Any, batch: int, length: int, device: torch.device,
               extras: dict[str, Any]) -> Tensor | None:
@@ -326,17 +395,19 @@ class Matching:
     feeds embeddings, not ids). The update is FedSGD's gradient, or the protocol's unrolled local steps (FedAvg).
     There the candidate's embeddings stay as they are: exact for one local step; from the second on, the client
     reads embedding rows its earlier steps moved, so every later tensor differs from the candidate's by that move
-    (of the local learning rate's order)."""
+    (of the local learning rate's order). A next-token model's targets are the candidate's own next tokens (each
+    position's nearest, the last read from the head: ``following_tokens``), taken afresh at every step."""
 
     def __init__(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator, l1_weight: float):
         model: Any = threat.model
         self.model, self.threat, self.l1_weight, self.batch = model, threat, l1_weight, observed.batch_size
+        self.observed = observed
         self.embedding = dict(model.named_parameters())[model.embedding_name()].detach()
         named = [(n, p) for n, p in model.named_parameters() if n in observed.names and n != model.embedding_name()]
         self.params = [p for _, p in named]
         self.shared = [parameter_names(model).index(n) for n, _ in named]  # their places in the protocol's update
         self.targets = [gradient_of(observed, n).to(threat.device) for n, _ in named]
-        self.labels = text_labels(observed, threat, generator)
+        self.labels = None if predicts_next_token(model) else text_labels(observed, threat, generator)
         self.scale = self.embedding.norm(dim=1).mean()  # a token embedding's typical length
         self.length = sequence_length(observed, model, threat.input_shape[0])
         self.allowed = torch.arange(model.vocab_size, device=threat.device)
@@ -349,13 +420,24 @@ class Matching:
                         device=generator.device).to(self.threat.device)
         return x * self.scale / x.norm(dim=-1, keepdim=True)
 
+    def labels_for(self, x: Tensor) -> Tensor:
+        """The labels embeddings ``x`` are matched with: the classes read from the head, or a next-token model's
+        next tokens of the sentence ``x`` reads, the token after its last from the head (``IGNORE`` without one)."""
+        if self.labels is not None:
+            return self.labels
+        with torch.no_grad():
+            tokens = self.tokens(x)
+            after = following_tokens(self.observed, self.threat, self.rows(tokens))
+        last = torch.full_like(tokens[:, :1], IGNORE) if after is None else after[:, None]
+        return torch.cat([tokens[:, 1:], last], 1)
+
     def update(self, x: Tensor, create_graph: bool = True) -> list[Tensor]:
         """The matched tensors of the update that embeddings ``x`` ``(B, length, width)`` would produce."""
-        protocol = self.threat.protocol
+        protocol, labels = self.threat.protocol, self.labels_for(x)
         if protocol.sends_gradient:
-            return list(torch.autograd.grad(self.threat.loss_fn(self.model(x), self.labels), self.params,
+            return list(torch.autograd.grad(self.threat.loss_fn(self.model(x), labels), self.params,
                                             create_graph=create_graph))
-        update = protocol.attacker_update(self.model, self.threat.loss_fn, x, self.labels, create_graph)
+        update = protocol.attacker_update(self.model, self.threat.loss_fn, x, labels, create_graph)
         return [update[i] for i in self.shared]
 
     def distance(self, x: Tensor, create_graph: bool = True) -> Tensor:
@@ -372,6 +454,12 @@ class Matching:
     def rows(self, tokens: Tensor) -> Tensor:
         """Tokens ``(B, length)`` padded to the input's length."""
         return padded_rows(tokens.to(self.threat.device), self.threat.input_shape[0], self.model.pad_id)
+
+    def read(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of the tokens read (a next-token model's with the token after them: ``completed``) and their
+        labels."""
+        rows = completed(self.observed, self.threat, self.rows(tokens))
+        return rows, self.labels if self.labels is not None else next_token_targets(rows, self.model.pad_id)
 
 
 def descend(x: Tensor, loss_of: Callable[[Tensor], Tensor], iterations: int, lr: float,
@@ -421,7 +509,7 @@ class Tag(Attack):
         match = Matching(observed, threat, generator, self.l1_weight)
         x = match.start(1, generator)[0].requires_grad_(True)
         trace = descend(x, match.distance, self.iterations, self.lr)
-        return Reconstruction(match.rows(match.tokens(x, self.use_token_set)), match.labels, trace, 0.0)
+        return Reconstruction(*match.read(match.tokens(x, self.use_token_set)), trace, 0.0)
 
 
 class Bigram:
@@ -538,11 +626,10 @@ class Lamp(Tag):
 
         trace = descend(x, lambda v: match.distance(v) + self.embedding_weight * ((v.norm(dim=-1) - match.scale) ** 2)
                         .mean(), self.iterations, self.lr, discrete)
-        rows = match.rows(match.tokens(x, self.use_token_set))
         extras: dict[str, Any] = {"reorderings": moves}
         if prior is None:
             extras["note"] = "no sentences of the attacker's own (ThreatModel.auxiliary): reorderings ranked by the match alone"
-        return Reconstruction(rows, match.labels, trace, 0.0, extras)
+        return Reconstruction(*match.read(match.tokens(x, self.use_token_set)), trace, 0.0, extras)
 
     def _discrete_step(self, x: Tensor, optimiser: torch.optim.Adam, match: Matching, prior: Bigram | None,
                        generator: torch.Generator) -> bool:
@@ -669,9 +756,11 @@ class BayesText(Attack):
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
         relaxed = replace(threat, model=SoftTokens(model))
-        labels = text_labels(observed, threat, generator)
+        lm = predicts_next_token(model)
+        labels = None if lm else text_labels(observed, threat, generator)
         observed = observed.to(threat.device)
         length = sequence_length(observed, model, threat.input_shape[0])
+        length = min(length + 1, threat.input_shape[0]) if lm else length  # a last token that only the head reads
         logits = self.init_scale * torch.randn((observed.batch_size, length, model.vocab_size), generator=generator,
                                                device=generator.device).to(threat.device)
         logits.requires_grad_(True)
@@ -680,7 +769,8 @@ class BayesText(Attack):
 
         def negative_log_posterior(z: Tensor) -> Tensor:
             p = z.softmax(-1)
-            loss = -threat.defense.log_likelihood(observed, threat.defense.candidate_update(relaxed, p, labels))
+            targets = relaxed_targets(p, model.pad_id) if labels is None else labels
+            loss = -threat.defense.log_likelihood(observed, threat.defense.candidate_update(relaxed, p, targets))
             return loss if prior is None else loss + self.prior_weight * prior[0].expected_nll(p, prior[1])
 
         def score(sentence: int, orders: Tensor) -> Tensor:
@@ -702,6 +792,7 @@ class BayesText(Attack):
 
         trace = descend(logits, negative_log_posterior, self.iterations, self.lr, discrete)
         rows = padded_rows(logits.detach().argmax(-1), threat.input_shape[0], model.pad_id)
+        labels = next_token_targets(rows, model.pad_id) if labels is None else labels
         return Reconstruction(rows, labels, trace, 0.0, {"reorderings": moves, **extras})
 
 

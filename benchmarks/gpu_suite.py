@@ -166,8 +166,8 @@ def precision(device: str, smoke: bool, compiled: bool = False) -> list[dict[str
 def text(case: str, device: str, smoke: bool, compiled: bool = False) -> list[dict[str, Any]]:
     """One text audit on ``device``: DAGER at scale (``dager_scale``: 32 sentences per update on a model of GPT-2's
     width), TAG against LAMP at their full budget (``tag_lamp``: 2,500 iterations, updates of two sentences), or
-    the text quickstart with TAG and the Bayes adversary at that budget (``quickstart``); each setting's strongest attack and every
-    attack's ROUGE-2."""
+    the text quickstart with TAG and the Bayes adversary at that budget (``quickstart``), or the keyboard's language
+    model so (``keyboard``); each setting's strongest attack and every attack's ROUGE-2."""
     toy = {"data.targets": 2, "utility.train_steps": 1, "model.params": {"width": 32, "layers": 3, "heads": 4}}
     full = 2 if smoke else 2500
     cases = {
@@ -179,7 +179,8 @@ def text(case: str, device: str, smoke: bool, compiled: bool = False) -> list[di
         "quickstart": {"attacks.1.params.iterations": full, "attacks.3.params.iterations": full,
                        **(toy if smoke else {})},
     }
-    config = {"dager_scale": "text_dager_scale"}.get(case, "text_quickstart")
+    cases["keyboard"] = cases["quickstart"]  # the same attacks, in the same places of its file
+    config = {"dager_scale": "text_dager_scale", "keyboard": "keyboard"}.get(case, "text_quickstart")
     with tempfile.TemporaryDirectory() as tmp:
         summary, seconds = run_case(audit_dict(config, {**cases[case], "device": device, "compile": compiled}),
                                     Path(tmp))
@@ -256,7 +257,7 @@ def sections(device: str, smoke: bool, compiled: bool = False, ks: list[int] | N
         "quickstart": lambda: quickstart(device, smoke, compiled),
         "precision": lambda: precision(device, smoke, compiled),
         **{f"text_{case}": (lambda case=case: text(case, device, smoke, compiled))
-           for case in ("dager_scale", "tag_lamp", "quickstart")},
+           for case in ("dager_scale", "tag_lamp", "quickstart", "keyboard")},
         **{f"paper_{name}": (lambda name=name: paper_case(name, device, smoke, compiled)) for name in PAPER_CASES},
     }
 

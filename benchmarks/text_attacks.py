@@ -1,7 +1,8 @@
 """The text attacks' figures in docs/results.md, measured on this machine: the Bayes adversary on relaxed tokens
-against TAG under defenses and FedAvg, DAGER's exhaustive search on an encoder, and the attacks on the real corpus.
+against TAG under defenses and FedAvg, DAGER's exhaustive search on an encoder, the attacks on the real corpus, and
+a keyboard's language model (next-token targets) beside the classifier.
 
-    python benchmarks/text_attacks.py [--section bayes|encoder|corpus] [--iterations 300]
+    python benchmarks/text_attacks.py [--section bayes|encoder|corpus|keyboard] [--iterations 300]
 
 Every model is the zoo's, untrained, seeded (torch.manual_seed(0)); every attack starts from seed 0. Prints
 markdown rows with each attack's ROUGE-1 / ROUGE-2 and its wall time on this CPU.
@@ -13,18 +14,19 @@ import time
 
 import torch
 
-from leakaudit.attacks.text import BayesText, Dager, Tag
+from leakaudit.attacks.text import BayesText, Dager, Lamp, Tag
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.defenses.pruning import RandomPrune, TopK
 from leakaudit.evaluator.zoo.text import (TinyTransformer, classification_loss, load_pii_sentences,
                                           load_python_reference, rouge, text_assignment)
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
+from leakaudit.plugins.text import next_token_loss
 
 
 def threat_of(model, data, batch: int, defense, protocol=FEDSGD, labels=None) -> ThreatModel:
-    length = data.length
-    return ThreatModel(model, classification_loss, (length,), torch.zeros(1), torch.ones(1), data.num_classes,
+    length, loss = data.length, next_token_loss if data.task == "next_token" else classification_loss
+    return ThreatModel(model, loss, (length,), torch.zeros(1), torch.ones(1), data.num_classes,
                        batch, defense, labels=labels, protocol=protocol)
 
 
@@ -106,7 +108,56 @@ def corpus(iterations: int) -> None:
                   f"{scored(rows, xi)} | {seconds:.1f} | |")
 
 
-SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus}
+def keyboard(iterations: int) -> None:
+    """The same PII sentences on the classifier (tiny_gpt, one intent per sentence) and on a keyboard's language
+    model (tiny_gpt_lm, the next word at every position): TAG, LAMP and bayes_text on four sentences of 10 to 14
+    tokens one at a time (2 layers, width 128), bayes_text under Gaussian noise, DAGER on batches (3 layers)."""
+    tasks = {"classifier": load_pii_sentences(length=16), "keyboard": load_pii_sentences(length=16, task="next_token")}
+    picks = [next(i for i in range(200) if int((tasks["classifier"].test_x[i] != 0).sum()) == n) for n in (10, 11, 12, 14)]
+
+    def cases(data, defense, layers: int = 2):
+        for i in picks:
+            torch.manual_seed(0)
+            model = TinyTransformer(data.vocab_size, data.num_classes, 16, layers=layers,
+                                    next_token=data.task == "next_token")
+            x, y = data.test_x[i:i + 1], data.test_y[i:i + 1]
+            update = defense.share(ClientStep(model, threat_of(model, data, 1, defense).loss_fn, x, y,
+                                              torch.Generator().manual_seed(1), FEDSGD))
+            yield x, update, threat_of(model, data, 1, defense)
+
+    def mean_of(attack, data, defense) -> tuple[str, float]:
+        runs = [(rouge(r, x, "rouge1").item(), rouge(r, x, "rouge2").item(), s)
+                for x, update, threat in cases(data, defense) for r, s, _ in [run(attack, update, threat)]]
+        r1, r2, seconds = (sum(v) / len(runs) for v in zip(*runs))
+        return f"{r1:.3f} / {r2:.3f}", seconds
+
+    print("| model | attack | defense | mean ROUGE-1 / ROUGE-2 (4 sentences) | seconds a sentence |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, data in tasks.items():
+        for attack in (Tag(iterations=iterations), Lamp(iterations=iterations), BayesText(iterations=iterations)):
+            scores, seconds = mean_of(attack, data, NoDefense())
+            print(f"| {name} | {attack.name} | none | {scores} | {seconds:.1f} |")
+        for sigma in (1e-2, 1e-1, 1.0):
+            scores, seconds = mean_of(BayesText(iterations=iterations), data, GaussianNoise(sigma=sigma))
+            print(f"| {name} | bayes_text | gaussian {sigma:g} | {scores} | {seconds:.1f} |")
+    print()
+    print("| model | batch | ranks | ROUGE-1 / ROUGE-2 | exact | seconds | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, data in tasks.items():
+        for batch in (8, 16):
+            torch.manual_seed(0)
+            model = TinyTransformer(data.vocab_size, data.num_classes, 16, width=128, layers=3,
+                                    next_token=data.task == "next_token")
+            x, y = data.test_x[:batch], data.test_y[:batch]
+            threat = threat_of(model, data, batch, NoDefense())
+            update = NoDefense().share(ClientStep(model, threat.loss_fn, x, y, torch.Generator(), FEDSGD))
+            rows, seconds, extras = run(Dager(), update, threat)
+            exact = (rows[text_assignment(rows, x)] == x).all(1).sum()
+            print(f"| {name} | {batch} | {extras.get('rank')} | {scored(rows, x)} | {int(exact)} of {batch} | "
+                  f"{seconds:.1f} | {extras.get('note', '')} |")
+
+
+SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus, "keyboard": keyboard}
 
 
 def main() -> None:

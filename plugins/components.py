@@ -59,6 +59,9 @@ class ModelSpec:
     #: The examples the model reads: "image" (built from channels, num_classes, image_size) or "text" (built from
     #: vocab_size, num_classes, length).
     modality: str = "image"
+    #: What it learns: "classify" (a class per example) or, for text, "next_token" (a language model's next token
+    #: at every position); the data's ``task`` must be the same.
+    task: str = "classify"
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Token sequences: what a text dataset holds, and what a language model shows the attacks that read its layers.
 
-A text example is a row of token ids, padded at its end with ``pad_id``; its label is a class (sequence
-classification, the setting of Deng et al. 2021, Balunovic et al. 2022 and Petrov et al. 2024). Attacks that
+A text example is a row of token ids, padded at its end with ``pad_id``. Its label is a class (``task:
+classify``: sequence classification, the setting of Deng et al. 2021, Balunovic et al. 2022 and Petrov et al. 2024)
+or, for a language model trained as a keyboard's is (``task: next_token``), the row's next token at each position
+(``next_token_targets``), scored by ``next_token_loss`` on logits ``(B, vocab, T)``. Attacks that
 read a transformer's layers (DAGER's span filters) reach it through ``TokenModel``, so they work on any model
 that names its embedding and attention weights and computes its layers' inputs, the zoo's or a user's.
 """
@@ -10,16 +12,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 #: The modalities an example can have; a dataset, model, metric or attack declares the one it applies to.
 MODALITIES = ("image", "text")
+#: What a text model learns from its examples: one class per sequence, or the next token at every position.
+TASKS = ("classify", "next_token")
+#: The target of a position that predicts nothing (padding, a sequence's last token): torch's cross-entropy skips it.
+IGNORE = -100
+
+
+def next_token_targets(ids: Tensor, pad_id: int) -> Tensor:
+    """The next-token targets ``(B, T)`` of token rows ``(B, T)``: each position's target is the token after it,
+    ``IGNORE`` where that is padding or past the row's end (a keyboard model's labels)."""
+    targets = torch.full_like(ids, IGNORE)
+    targets[:, :-1] = ids[:, 1:]
+    return targets.masked_fill(targets == pad_id, IGNORE)
+
+
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """The mean cross-entropy of a language model's next-token logits ``(B, vocab, T)`` over the positions that
+    have a target: ``targets`` are token ids ``(B, T)`` (``IGNORE`` where none), or distributions ``(B, vocab, T)``
+    whose mass weighs each position (relaxed tokens; 0 where none), which one-hot equals the ids' loss."""
+    if not targets.is_floating_point():
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+    return -(targets * logits.log_softmax(1)).sum() / targets.sum().clamp_min(1e-12)
+
+
+def predicts_next_token(model: object) -> bool:
+    """Whether a language model is trained on next-token prediction (``task: next_token``; its logits
+    ``(B, vocab, T)``): its ``predicts_next_token`` attribute, False where it has none (a classifier)."""
+    return bool(getattr(model, "predicts_next_token", False))
 
 
 @dataclass
 class TokenData:
-    """Train and test splits of token sequences ``(N, length)`` with class labels, the vocabulary that decodes
-    them, and, per example, the personal values its sentence holds (``pii``: what PII recall counts)."""
+    """Train and test splits of token sequences ``(N, length)`` with their labels (classes ``(N,)``, or under
+    ``task: next_token`` the next tokens ``(N, length)``), the vocabulary that decodes them, and, per example, the
+    personal values its sentence holds (``pii``: what PII recall counts)."""
 
     name: str
     train_x: Tensor
@@ -31,6 +63,7 @@ class TokenData:
     pad_id: int = 0
     train_pii: list[list[str]] = field(default_factory=list)
     test_pii: list[list[str]] = field(default_factory=list)
+    task: str = "classify"
 
     modality = "text"
 

@@ -17,7 +17,7 @@ def test_the_gpu_suite_runs_every_section_at_toy_sizes(tmp_path):
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert results["failed"] == {}
     assert set(results["sections"]) == {"throughput_lenet", "throughput_resnet18_224", "quickstart", "precision",
-                                        "text_dager_scale", "text_tag_lamp", "text_quickstart",
+                                        "text_dager_scale", "text_tag_lamp", "text_quickstart", "text_keyboard",
                                         *(f"paper_{name}" for name in suite.PAPER_CASES)}
     text = results["sections"]["text_dager_scale"]
     assert [(row["setting"], row["rouge1"]) for row in text] == [("none", 1.0), ("lora(rank=8)", 0.0)]

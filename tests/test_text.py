@@ -9,7 +9,7 @@ import pytest
 import torch
 
 
-from leakaudit.attacks.text import (BayesText, Bigram, Dager, Lamp, Matching, SoftTokens, Tag, TokenSet,
+from leakaudit.attacks.text import (BayesText, Bigram, Dager, Lamp, Matching, SoftTokens, Tag, TokenSet, completed,
                                    one_hot_logits, reorderings, sequence_length, span_basis, span_distance, token_set)
 from leakaudit.defenses.text import FrozenEmbeddings, Lora
 from leakaudit.defenses.noise import NoDefense
@@ -20,7 +20,8 @@ from leakaudit.evaluator.zoo.text import (CORPUS, UNK, TinyTransformer, classifi
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
-from leakaudit.plugins.text import TokenModel
+from leakaudit.evaluator.zoo.metrics import label_accuracy
+from leakaudit.plugins.text import IGNORE, TokenModel, next_token_loss, next_token_targets, predicts_next_token
 
 LENGTH = 16
 
@@ -471,7 +472,7 @@ def test_validation_refuses_what_does_not_apply_to_the_datas_examples_in_one_lin
         load_audit(write_audit(wrong))
     lines = str(err.value).splitlines()
     assert any("model.name: lenet_zhu reads image; data.dataset pii_sentences holds text (models for text: "
-               "tiny_bert, tiny_gpt)" in line for line in lines)
+               "tiny_bert, tiny_gpt, tiny_gpt_lm)" in line for line in lines)
     assert any("attacks[0]: inverting_gradients reconstructs image;" in line and "dager, lamp, tag" in line
                for line in lines)
     assert any("soteria applies to image;" in line for line in lines)
@@ -509,6 +510,16 @@ def test_audit_batch_attacks_a_language_models_batch_of_token_ids(data):
         "label_accuracy, rouge1, rouge2, rougeL, token_accuracy)"]
 
 
+def _train(model, optimizer, loader, loss, steps: int) -> None:
+    """A user's plain training loop: ``steps`` SGD steps of ``loss`` over the loader's batches."""
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        optimizer.zero_grad()
+        loss(model(x), y).backward()
+        optimizer.step()
+
+
 @pytest.mark.slow
 def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_sentences(data, tmp_path):
     """A text loop under LeakMonitor, unchanged: the first audited step's update is read back exactly by DAGER,
@@ -533,12 +544,7 @@ def test_the_monitor_attaches_to_a_language_models_training_loop_and_shows_its_s
     monitor = leakaudit.LeakMonitor(attacks=["dager", "token_set"], every=2, out=tmp_path / "run",
                                     vocabulary=data.vocabulary, personal_values=numbers)
     model, optimizer, loader = monitor.attach(model, optimizer, loader)
-    for step, (x, y) in enumerate(loader):
-        if step == 3:
-            break
-        optimizer.zero_grad()
-        classification_loss(model(x), y).backward()
-        optimizer.step()
+    _train(model, optimizer, loader, classification_loss, 3)
     summary = monitor.report()
     found = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert sorted({r["checkpoint"] for r in found}) == [0, 2]
@@ -593,3 +599,143 @@ def test_lora_lamp_bayes_text_the_corpus_and_the_monitors_vocabulary_refuse_bad_
         "LeakMonitor: personal_values: a list; expected a function of a sentence (its tokens joined by spaces) that "
         "returns the personal values it holds",
         "LeakMonitor: personal_values: reads sentences in words; give vocabulary= too (the token of each id)"]
+
+
+# A keyboard's language model: the next token at every position.
+
+@pytest.fixture(scope="module")
+def keyboard():
+    return load_pii_sentences(length=LENGTH, task="next_token")
+
+
+def test_a_keyboards_labels_are_each_positions_next_token_and_its_loss_counts_the_positions_that_have_one():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    targets = next_token_targets(ids, 0)
+    assert targets.tolist() == [[6, 7, IGNORE, IGNORE], [9, IGNORE, IGNORE, IGNORE]]
+    logits = torch.zeros(2, 10, 4)
+    logits[0, 6, 0] = math.log(9.0)  # position 0 of row 0 gives its target 9 / 18 = 0.5
+    expected = (math.log(2.0) + 2 * math.log(10.0)) / 3  # three positions have a target
+    assert next_token_loss(logits, targets).item() == pytest.approx(expected, rel=1e-6)
+    soft = torch.nn.functional.one_hot(targets.clamp_min(0), 10).float() * (targets >= 0)[..., None]
+    assert next_token_loss(logits, soft.transpose(1, 2)).item() == pytest.approx(expected, rel=1e-6)
+    assert label_accuracy(torch.tensor([[7, 6, IGNORE]]), targets) == pytest.approx(2 / 3)  # the words, in any order
+
+
+def test_the_keyboard_data_and_model_predict_every_positions_next_token(keyboard):
+    assert keyboard.task == "next_token" and keyboard.num_classes == keyboard.vocab_size
+    assert torch.equal(keyboard.test_y, next_token_targets(keyboard.test_x, keyboard.pad_id))
+    model = TinyTransformer(keyboard.vocab_size, keyboard.num_classes, LENGTH, width=32, layers=1, next_token=True)
+    x = keyboard.test_x[:2]
+    assert model(x).shape == (2, keyboard.vocab_size, LENGTH) and predicts_next_token(model)
+    changed = x.clone()
+    changed[:, 5] = 3  # a later token does not move an earlier position's prediction
+    assert torch.allclose(model(x)[..., :5], model(changed)[..., :5])
+
+
+def _keyboard_case(keyboard, batch: int, layers: int = 3, tokens: int | None = None):
+    """The exact FedSGD update of ``batch`` test sentences (or one of ``tokens`` tokens) on the keyboard model."""
+    torch.manual_seed(0)
+    model = TinyTransformer(keyboard.vocab_size, keyboard.num_classes, LENGTH, width=128, layers=layers,
+                            next_token=True)
+    if tokens is None:
+        x, y = keyboard.test_x[:batch], keyboard.test_y[:batch]
+    else:
+        x, y = _sentence(keyboard, tokens)
+    update = NoDefense().share(ClientStep(model, next_token_loss, x, y, torch.Generator().manual_seed(1), FEDSGD))
+    return x, update, ThreatModel(model, next_token_loss, (LENGTH,), torch.zeros(1), torch.ones(1),
+                                  keyboard.num_classes, len(x), NoDefense())
+
+
+def test_a_sentences_last_word_which_only_the_head_reads_comes_back_from_the_heads_gradient(keyboard):
+    x, update, threat = _keyboard_case(keyboard, 4)
+    assert sequence_length(update, threat.model, LENGTH) == int((x != 0).sum(1).max()) - 1  # never an input
+    cut = x.clone()
+    cut[torch.arange(4), (x != 0).sum(1) - 1] = 0
+    assert torch.equal(completed(update, threat, cut), x)
+
+
+def test_dager_reads_a_keyboards_batch_of_eight_exactly(keyboard):
+    x, update, threat = _keyboard_case(keyboard, 8)
+    rec = Dager()(update, threat, torch.Generator())
+    assert "note" not in rec.extras
+    assert rouge(rec.images[text_assignment(rec.images, x)], x, "rouge2").tolist() == [1.0] * 8
+    assert torch.equal(rec.labels, next_token_targets(rec.images, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attack", [Tag(iterations=300), BayesText(iterations=300)], ids=["tag", "bayes_text"])
+def test_tag_and_the_bayes_adversary_read_a_keyboards_sentence_back(keyboard, attack):
+    """One 14-token sentence on a 2-layer keyboard model: its next tokens are the candidate's own (TAG: the
+    words it reads; the Bayes adversary: its relaxed tokens), its last word the head's."""
+    x, update, threat = _keyboard_case(keyboard, 1, layers=2, tokens=14)
+    rows = attack(update, threat, torch.Generator().manual_seed(0)).images
+    assert rouge(rows, x, "rouge1").item() >= 0.9 and rouge(rows, x, "rouge2").item() >= 0.8
+    start = type(attack)(iterations=1)(update, threat, torch.Generator().manual_seed(0)).images
+    assert rouge(start, x, "rouge2").item() < 0.3
+
+
+def test_a_model_and_data_that_learn_different_things_are_refused_in_one_line(write_audit):
+    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+
+    lm_on_classes = {**TEXT_AUDIT, "model": {"name": "tiny_gpt_lm"}}
+    with pytest.raises(ConfigError, match=r"model.name: tiny_gpt_lm learns next_token; data.params.task is classify "
+                                          r"\(models for classify: tiny_bert, tiny_gpt\)$"):
+        load_audit(write_audit(lm_on_classes))
+    classes_on_words = {**TEXT_AUDIT, "data": {**TEXT_AUDIT["data"], "params": {"task": "next_token"}}}
+    with pytest.raises(ConfigError, match=r"model.name: tiny_gpt learns classify; data.params.task is next_token "
+                                          r"\(models for next_token: tiny_gpt_lm\)$"):
+        load_audit(write_audit(classes_on_words))
+    with pytest.raises(ConfigError, match=r"audit.yaml: data.params.task: 'words' is not one of the choices; choices: "
+                                          r"classify, next_token$"):
+        load_audit(write_audit({**TEXT_AUDIT, "data": {**TEXT_AUDIT["data"], "params": {"task": "words"}}}))
+
+
+@pytest.mark.slow
+def test_a_keyboard_audit_trains_on_next_words_and_reads_its_sentences_back(write_audit, tmp_path):
+    """End to end on the keyboard model: plain SGD learns the next word well above always guessing the most
+    frequent one, DAGER reads the undefended sentences back whole (their last words from the head), PII recall 1."""
+    import json
+
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.runner import run_audit
+
+    audit = {**TEXT_AUDIT, "data": {**TEXT_AUDIT["data"], "params": {**TEXT_AUDIT["data"]["params"],
+                                                                      "task": "next_token"}},
+             "model": {**TEXT_AUDIT["model"], "name": "tiny_gpt_lm"}, "defenses": [{"name": "none"}],
+             "utility": {"train_steps": 40, "batch_size": 16, "lr": 0.1}}
+    run_audit(load_audit(write_audit(audit)), tmp_path / "run", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [r["rouge2"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]
+    assert [r["pii_recall"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]
+    assert [r["label_accuracy"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]  # the predicted words
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    accuracy, chance = summary["utility"]["none"]["accuracy"], summary["chance_accuracy"]
+    assert accuracy > 1.5 * chance and chance < 0.1, (accuracy, chance)
+
+
+@pytest.mark.slow
+def test_the_monitor_and_audit_batch_read_a_keyboards_own_training_loop(keyboard, tmp_path):
+    """A keyboard's loop under LeakMonitor, trained on next_token_loss: DAGER reads the first audited step's
+    sentences back whole (their last words from the head), and audit_batch reads a batch the same way."""
+    import json
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import leakaudit
+    from leakaudit.evaluator.live.api import audit_batch
+
+    torch.manual_seed(0)
+    model = TinyTransformer(keyboard.vocab_size, keyboard.num_classes, LENGTH, width=64, layers=3, next_token=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(keyboard.train_x[:32], keyboard.train_y[:32]), batch_size=2,
+                        generator=torch.Generator().manual_seed(0), shuffle=True)
+    monitor = leakaudit.LeakMonitor(attacks=["dager"], every=2, out=tmp_path / "run",
+                                    vocabulary=keyboard.vocabulary)
+    model, optimizer, loader = monitor.attach(model, optimizer, loader)
+    _train(model, optimizer, loader, next_token_loss, 1)
+    monitor.report()
+    found = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [(r["checkpoint"], r["rouge2"], r["label_accuracy"]) for r in found] == [(0, 1.0, 1.0)]
+    x, y = keyboard.test_x[:2], keyboard.test_y[:2]
+    (result,) = audit_batch(model, next_token_loss, x, y, attacks=["dager"])
+    assert result.metrics["rouge2"] == 1.0 and result.metrics["token_accuracy"] == 1.0

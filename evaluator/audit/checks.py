@@ -31,6 +31,7 @@ from leakaudit.plugins.factories import import_factory, locate_factory
 from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD, PROTOCOLS, Protocol
 from leakaudit.plugins.spec import Param, check_params, did_you_mean, one_line
+from leakaudit.plugins.text import TASKS
 
 
 def section(value: Any, spec: dict[str, Param], path: str, problems: list[str]) -> dict[str, Any]:
@@ -582,6 +583,11 @@ def check_modality(modality: str, data: dict, model: dict, settings: list[Defens
                 registry.get("model", name).modality != modality:
             problems.append(f"{where}.name: {name} reads {registry.get('model', name).modality}; {holds} "
                             f"(models for {modality}: {fitting('model', lambda m: m.modality == modality)})")
+        elif modality == "text" and isinstance(name, str) and name in registry.entries["model"]:
+            task, learns = (data.get("params") or {}).get("task", "classify"), registry.get("model", name).task
+            if learns != task and task in TASKS:  # a task not among them is the data section's own line
+                problems.append(f"{where}.name: {name} learns {learns}; data.params.task is {task} (models for "
+                                f"{task}: {fitting('model', lambda m: m.modality == 'text' and m.task == task)})")
     for s in settings:
         for name, _ in s.members:
             if isinstance(name, str) and name in registry.entries["defense"] and \

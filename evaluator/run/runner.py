@@ -24,6 +24,7 @@ from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
 from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.plugins.text import IGNORE
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
 
@@ -62,6 +63,7 @@ def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict
              else f"cpu: {workers} worker process(es), one torch thread each" if workers > 1
              else f"cpu: one process, {torch.get_num_threads()} torch thread(s)")
     labels = scenario.data.test_y.long().cpu()
+    labels = labels[labels != IGNORE]  # a language model's positions that predict nothing
     return {"versions": versions(), "device": where, "device_type": device.type,
             "deterministic": scenario.audit.deterministic or device.type != "cuda",
             "audit_file": str(scenario.audit.path.resolve()),

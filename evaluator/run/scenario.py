@@ -19,7 +19,7 @@ from leakaudit.plugins.attack import AuxiliaryData, ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import Protocol
-from leakaudit.plugins.text import TokenData
+from leakaudit.plugins.text import TokenData, next_token_loss
 
 
 def round_generators(device: torch.device, seed: int, setting_key: str, checkpoint: int, index: int,
@@ -75,8 +75,9 @@ def process_flags(audit: Audit) -> Callable[[], None]:
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    """Softmax cross-entropy; ``targets`` are class indices or (soft) label distributions."""
-    return F.cross_entropy(logits, targets)
+    """Softmax cross-entropy; ``targets`` are class indices or (soft) label distributions; a language model's
+    next-token logits ``(B, vocab, T)`` are scored by ``next_token_loss`` (the positions with a target)."""
+    return next_token_loss(logits, targets) if logits.dim() == 3 else F.cross_entropy(logits, targets)
 
 
 class Scenario:

@@ -13,11 +13,13 @@ from leakaudit.evaluator.audit.types import DefenseSetting
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import TrainingRun, opacus_sample_rate
+from leakaudit.plugins.text import IGNORE
 
 
 @torch.no_grad()
 def accuracy(model: nn.Module, scenario: Scenario, batch: int = 256) -> float:
-    """Top-1 accuracy on the test split."""
+    """Top-1 accuracy on the test split: of its classes, or of a language model's next tokens (the positions that
+    have one: a keyboard's top-1 word accuracy)."""
     data = scenario.data
     was_training = model.training
     model.eval()
@@ -26,7 +28,7 @@ def accuracy(model: nn.Module, scenario: Scenario, batch: int = 256) -> float:
         x = scenario.normalise(data.test_x[i:i + batch].to(scenario.device))
         correct += (model(x).argmax(1) == data.test_y[i:i + batch].to(scenario.device)).sum()
     model.train(was_training)
-    return float(correct) / len(data.test_x)
+    return float(correct) / int((data.test_y != IGNORE).sum())
 
 
 def training_run(scenario: Scenario, setting: DefenseSetting, steps: int, defense: Defense) -> TrainingRun:

@@ -15,6 +15,7 @@ from torch import Tensor
 from leakaudit.evaluator.zoo.text import text_assignment
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.components import Metric, MetricUnavailable
+from leakaudit.plugins.text import IGNORE
 
 
 def mse(rec: Tensor, orig: Tensor) -> Tensor:
@@ -50,10 +51,11 @@ def ssim(rec: Tensor, orig: Tensor) -> Tensor:
 
 
 def label_accuracy(rec_labels: Tensor, true_labels: Tensor) -> float:
-    """Multiset accuracy: the share of true labels matched by a recovered one, order ignored."""
-    got = Counter(rec_labels.tolist())
-    want = Counter(true_labels.tolist())
-    return sum((got & want).values()) / max(1, len(true_labels))
+    """Multiset accuracy: the share of true labels matched by a recovered one, order ignored (a language model's
+    next-token labels: the share of the batch's predicted words, positions that predict nothing left out)."""
+    got = Counter(t for t in rec_labels.flatten().tolist() if t != IGNORE)
+    want = Counter(t for t in true_labels.flatten().tolist() if t != IGNORE)
+    return sum((got & want).values()) / max(1, sum(want.values()))
 
 
 def best_assignment(rec: Tensor, orig: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import DatasetSpec, Metric, ModelSpec
-from leakaudit.plugins.text import TokenData, decode_tokens
+from leakaudit.plugins.text import TASKS, TokenData, decode_tokens, next_token_targets
 
 PAD, UNK = "<pad>", "<unk>"
 
@@ -78,18 +78,29 @@ def encode(sentences: list[str], words: list[str], length: int) -> Tensor:
     return out
 
 
-def load_pii_sentences(length: int = 24, train: int = 2000, test: int = 200, seed: int = 0) -> TokenData:
+def token_data(name: str, x: Tensor, classes: Tensor, num_classes: int, words: list[str], train: int, task: str,
+               pii: list[list[str]] | None = None) -> TokenData:
+    """Token rows split at ``train``, labelled for ``task``: their classes, or their next tokens (a keyboard's)."""
+    if task not in TASKS:
+        raise ValueError(f"{name}: task must be one of {', '.join(TASKS)}, got {task!r}")
+    y, count = (classes, num_classes) if task == "classify" else (next_token_targets(x, 0), len(words))
+    pii = pii or []
+    return TokenData(name, x[:train], y[:train], x[train:], y[train:], count, words, train_pii=pii[:train],
+                     test_pii=pii[train:], task=task)
+
+
+def load_pii_sentences(length: int = 24, train: int = 2000, test: int = 200, seed: int = 0,
+                       task: str = "classify") -> TokenData:
     """Sentences a client would type to an assistant (payments, contacts, addresses, banking), made up from a
-    seeded generator (no real person's data), tokenized by a vocabulary built from the training split."""
+    seeded generator (no real person's data), tokenized by a vocabulary built from the training split; labelled
+    by their intent, or under ``task: next_token`` by their next words, as a keyboard learns them."""
     rng = random.Random(seed)
     rows = [pii_sentence(rng) for _ in range(train + test)]
     sentences = [s for s, _, _ in rows]
     words = vocabulary(sentences[:train])
-    x = encode(sentences, words, length)
     y = torch.tensor([label for _, label, _ in rows], dtype=torch.long)
-    pii = [p for _, _, p in rows]
-    return TokenData("pii_sentences", x[:train], y[:train], x[train:], y[train:], len(TEMPLATES), words,
-                     train_pii=pii[:train], test_pii=pii[train:])
+    return token_data("pii_sentences", encode(sentences, words, length), y, len(TEMPLATES), words, train, task,
+                      [p for _, _, p in rows])
 
 
 #: The corpus file: one sentence a line after its topic and a tab; its header says where it comes from, its licence
@@ -97,11 +108,12 @@ def load_pii_sentences(length: int = 24, train: int = 2000, test: int = 200, see
 CORPUS = Path(__file__).with_name("data") / "python_reference.tsv"
 
 
-def load_python_reference(length: int = 24, test: int = 60, seed: int = 0) -> TokenData:
+def load_python_reference(length: int = 24, test: int = 60, seed: int = 0, task: str = "classify") -> TokenData:
     """Sentences of the Python documentation, a real English corpus (365 sentences of the reference pages that
     Python's ``help()`` shows; PSF License 2), each classed by the page it comes from (8 pages), shuffled by
     ``seed`` and split, the last ``test`` for testing. Its words are tokenized by a vocabulary built from the
-    training split (test words outside it read ``<unk>``); the sentences hold no personal values."""
+    training split (test words outside it read ``<unk>``); the sentences hold no personal values. Under ``task:
+    next_token`` they are labelled by their next words instead of their page."""
     lines = [line.split("\t", 1) for line in CORPUS.read_text(encoding="utf-8").splitlines()
              if line and not line.startswith("#")]
     pages = list(dict.fromkeys(page for page, _ in lines))
@@ -113,8 +125,7 @@ def load_python_reference(length: int = 24, test: int = 60, seed: int = 0) -> To
     y = torch.tensor([pages.index(lines[i][0]) for i in order], dtype=torch.long)
     train = len(lines) - test
     words = vocabulary(sentences[:train])
-    x = encode(sentences, words, length)
-    return TokenData("python_reference", x[:train], y[:train], x[train:], y[train:], len(pages), words)
+    return token_data("python_reference", encode(sentences, words, length), y, len(pages), words, train, task)
 
 
 class Block(nn.Module):
@@ -145,16 +156,19 @@ class Block(nn.Module):
 
 class TinyTransformer(nn.Module):
     """A small sequence classifier of GPT-2's architecture (``causal``: the last real token's state is read) or
-    BERT's (bidirectional, padding masked, the first token's state is read). Takes token ids ``(B, T)``, or
-    embeddings ``(B, T, width)`` for attacks that optimise them (no padding then)."""
+    BERT's (bidirectional, padding masked, the first token's state is read); with ``next_token``, a causal
+    language model whose head gives every position's next-token logits, ``(B, vocab, T)`` (the class dimension
+    second, as torch's cross-entropy takes per-position classes). Takes token ids ``(B, T)``, or embeddings
+    ``(B, T, width)`` for attacks that optimise them (no padding then)."""
 
     def __init__(self, vocab_size: int, num_classes: int, length: int, width: int = 128, layers: int = 4,
-                 heads: int = 4, causal: bool = True, pad_id: int = 0):
+                 heads: int = 4, causal: bool = True, pad_id: int = 0, next_token: bool = False):
         super().__init__()
         self.width, self.vocab_size, self.depth, self.causal, self.pad_id = width, vocab_size, layers, causal, pad_id
+        self.predicts_next_token = next_token
         self.wte, self.wpe = nn.Embedding(vocab_size, width), nn.Embedding(length, width)
-        self.blocks = nn.ModuleList(Block(width, heads, causal) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, num_classes)
+        self.blocks = nn.ModuleList(Block(width, heads, causal or next_token) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, vocab_size if next_token else num_classes)
         for p in self.parameters():  # GPT-2's initialisation
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02)
@@ -186,6 +200,8 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             h = block(h, None if self.causal else mask)
         h = self.ln_f(h)
+        if self.predicts_next_token:  # padding needs no mask: it comes last, and predicts nothing
+            return self.head(h).transpose(1, 2)
         if not self.causal:
             return self.head(h[:, 0])
         last = (mask.sum(1) - 1).clamp_min(0) if mask is not None else torch.full((len(h),), h.shape[1] - 1)
@@ -265,11 +281,11 @@ def _loader(load):
     return call
 
 
-def _model(causal: bool):
+def _model(causal: bool, next_token: bool = False):
     def build(vocab_size: int, num_classes: int, length: int, width: int = 128, layers: int = 4,
               heads: int = 4) -> TinyTransformer:
         return TinyTransformer(vocab_size, num_classes, length, width=width, layers=layers, heads=heads,
-                               causal=causal)
+                               causal=causal, next_token=next_token)
     return build
 
 
@@ -281,16 +297,20 @@ TEXT_MODEL_PARAMS = {"width": Param(128, int, min=8, help="embedding width (a mu
 @hookimpl
 def register_datasets():
     length = Param(24, int, min=2, help="tokens per sequence, padding included (longer sentences are cut)")
+    task = Param("classify", str, choices=TASKS, help="the labels: each sentence's class, or its next tokens "
+                 "(next_token: a keyboard's language model, tiny_gpt_lm)")
     return [DatasetSpec("pii_sentences", _loader(load_pii_sentences), {
         "length": length,
         "train": Param(2000, int, min=1, help="training sentences"),
         "test": Param(200, int, min=1, help="test sentences"),
-        "seed": Param(0, int, min=0, help="the generator's seed")},
+        "seed": Param(0, int, min=0, help="the generator's seed"),
+        "task": task},
         summary=load_pii_sentences.__doc__.splitlines()[0], values=lambda s: 0, modality="text"),
         DatasetSpec("python_reference", _loader(load_python_reference), {
             "length": length,
             "test": Param(60, int, min=1, max=364, help="test sentences (of 365)"),
-            "seed": Param(0, int, min=0, help="the seed of the shuffle before the split")},
+            "seed": Param(0, int, min=0, help="the seed of the shuffle before the split"),
+            "task": task},
             summary="sentences of the Python documentation, a real English corpus (PSF License), classed by "
                     "their page", values=lambda s: 0, modality="text")]
 
@@ -300,7 +320,10 @@ def register_models():
     return [ModelSpec("tiny_gpt", _model(True), TEXT_MODEL_PARAMS, summary="a small causal transformer classifier "
                       "of GPT-2's architecture", paper="Radford et al. 2019", modality="text"),
             ModelSpec("tiny_bert", _model(False), TEXT_MODEL_PARAMS, summary="a small bidirectional transformer "
-                      "classifier of BERT's architecture", paper="Devlin et al. 2019", modality="text")]
+                      "classifier of BERT's architecture", paper="Devlin et al. 2019", modality="text"),
+            ModelSpec("tiny_gpt_lm", _model(True, next_token=True), TEXT_MODEL_PARAMS, summary="a small causal "
+                      "language model of GPT-2's architecture, trained on the next token (a keyboard's)",
+                      paper="Radford et al. 2019", modality="text", task="next_token")]
 
 
 @hookimpl

@@ -26,7 +26,7 @@ from leakaudit.attacks.vectorised import (
     defense_candidate,
     Plain,
     one_at_a_time,
-    refuse_reconstruct_alone,
+    refuse_one_path_overrides,
     optimise,
     prior_sum,
     problem_hyper,
@@ -97,7 +97,7 @@ class LikelihoodAttack(Attack):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        refuse_reconstruct_alone(cls)
+        refuse_one_path_overrides(cls, ("reconstruct", "_objective"))
 
     #: The settings that may differ between problems solved in one pass (each row's step size, decay and prior
     #: weights); any other setting a subclass adds separates its problems (``like_problems``).

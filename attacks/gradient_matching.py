@@ -30,7 +30,7 @@ from leakaudit.attacks.vectorised import (
     problem_hyper,
     rows_of,
     solve_all,
-    refuse_reconstruct_alone,
+    refuse_one_path_overrides,
     Plain,
     split_metadata,
     stack_targets,
@@ -98,7 +98,7 @@ class InvertingGradients(Attack):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        refuse_reconstruct_alone(cls)
+        refuse_one_path_overrides(cls, ("reconstruct", "_objective", "_one_run"))
 
     #: The settings that may differ between problems solved in one pass (each row's step size and prior weights);
     #: any other setting a subclass adds separates its problems (``like_problems``).
@@ -273,7 +273,7 @@ class DeepLeakage(Attack):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        refuse_reconstruct_alone(cls)
+        refuse_one_path_overrides(cls, ("reconstruct", "_restarts", "_one_run"))
 
     #: The settings that may differ between problems solved together (each keeps its own L-BFGS run, and its
     #: prior weights); any other setting a subclass adds separates its problems (``like_problems``).

@@ -81,14 +81,17 @@ def relaxed_targets(p: Tensor, pad_id: int) -> Tensor:
 def following_tokens(observed: SharedUpdate, threat: ThreatModel, rows: Tensor) -> Tensor | None:
     """A next-token model's token after each row's last ``(B,)``, read from the output layer's weight gradient.
     A row's last token is a target only (the position that reads it predicts padding), so the layers before the
-    head never see it; the head's gradient is ``(P - Y)^T H / N`` over the N positions with a target, and with the
-    rows as inputs everything in it is known but each row's last target: what is left, ``sum_b e_(u_b) h_b^T``,
-    is read against each row's last state ``h_b``. Exact under FedSGD where the rows are right (and the rows'
-    states apart); None where the update does not share the head's weight (frozen, LoRA)."""
+    head never see it. The head's gradient is ``(P - Y)^T H / N`` over the N positions with a target; with the
+    rows as inputs, all of it is known but each row's last target, and what is left, ``sum_b e_(u_b) h_b^T``, is
+    solved for each row's share on the rows' last states ``h_b`` (least squares). Exact under FedSGD where the
+    rows are right and their last states independent; None where the update does not share the head's own
+    weight (frozen, or tied to the token embedding, whose gradient then mixes in the inputs'). A row that fills
+    the input has no token after it (its own, ``pad_id``)."""
     model: Any = threat.model
     head = output_layer(model)
     name = {id(p): n for n, p in model.named_parameters()}.get(id(head.weight))
-    if name is None or name not in observed.names or not len(rows):
+    tied = head.weight is dict(model.named_parameters()).get(model.embedding_name())
+    if name is None or name not in observed.names or tied or not len(rows):
         return None
     states: list[Tensor] = []
     hook = head.register_forward_hook(lambda module, inputs, output: states.append(inputs[0]))
@@ -97,19 +100,25 @@ def following_tokens(observed: SharedUpdate, threat: ThreatModel, rows: Tensor) 
             logits = model(rows)
     finally:
         hook.remove()
-    h = states[0].double()  # (B, T, width)
+    h, length = states[0].double(), rows.shape[1]  # (B, T, width)
     counts = (rows != model.pad_id).sum(1)
-    real = torch.arange(rows.shape[1], device=rows.device)[None] < counts[:, None]
+    reach = counts.clamp_max(length - 1)  # the positions with a target; a full row's last has none
+    real = (torch.arange(length, device=rows.device)[None] < reach[:, None]).double()
     known = next_token_targets(rows, model.pad_id)
-    error = logits.double().softmax(1).transpose(1, 2) - torch.nn.functional.one_hot(
-        known.clamp_min(0), model.vocab_size).double() * (known >= 0)[..., None]
-    explained = torch.einsum("btv,btd->vd", error * real[..., None], h)
+    targets = torch.zeros(*known.shape, model.vocab_size, dtype=torch.float64, device=rows.device).scatter_(
+        2, known.clamp_min(0)[..., None], (known >= 0).double()[..., None])
+    error = (logits.double().softmax(1).transpose(1, 2) - targets) * real[..., None]
     scale = threat.protocol.gradient_scale(threat.batch_size)
-    left = explained - int(counts.sum()) * scale * gradient_of(observed, name).double().to(h.device)
-    last = h[torch.arange(len(rows), device=rows.device), (counts - 1).clamp_min(0)]
-    score = last @ left.T  # (B, vocab)
-    score[:, model.pad_id] = -math.inf
-    return score.argmax(1)
+    left = (torch.einsum("btv,btd->vd", error, h)
+            - reach.sum() * scale * gradient_of(observed, name).to(h.device, torch.float64))
+    open_rows = torch.nonzero((counts > 0) & (counts < length)).flatten()
+    after = torch.full_like(counts, model.pad_id)
+    if len(open_rows):
+        last = h[open_rows, counts[open_rows] - 1]  # (rows, width)
+        share = torch.linalg.pinv(last.T) @ left.T  # each open row's share of every word, (rows, vocab)
+        share[:, model.pad_id] = -math.inf
+        after[open_rows] = share.argmax(1)
+    return after
 
 
 def completed(observed: SharedUpdate, threat: ThreatModel, rows: Tensor) -> Tensor:
@@ -428,7 +437,8 @@ class Matching:
         with torch.no_grad():
             tokens = self.tokens(x)
             after = following_tokens(self.observed, self.threat, self.rows(tokens))
-        last = torch.full_like(tokens[:, :1], IGNORE) if after is None else after[:, None]
+        last = torch.full_like(tokens[:, :1], IGNORE) if after is None else after.masked_fill(
+            after == self.model.pad_id, IGNORE)[:, None]
         return torch.cat([tokens[:, 1:], last], 1)
 
     def update(self, x: Tensor, create_graph: bool = True) -> list[Tensor]:
@@ -447,8 +457,11 @@ class Matching:
                             for g, t in zip(grads, self.targets)]).sum()
 
     def tokens(self, x: Tensor, restrict: bool = True) -> Tensor:
-        """Each position's nearest token by cosine, among the revealed set where ``restrict``."""
+        """Each position's nearest token by cosine, among the revealed set where ``restrict`` (never padding in a
+        next-token model's sentence: a sentence's positions that reach the loss are its words)."""
         allowed = self.allowed if restrict else torch.arange(self.model.vocab_size, device=x.device)
+        if self.labels is None:
+            allowed = allowed[allowed != self.model.pad_id]
         return allowed[nearest_tokens(x.detach(), self.embedding[allowed])]
 
     def rows(self, tokens: Tensor) -> Tensor:

@@ -406,11 +406,13 @@ def _iteration(objective: Callable[..., Tensor], names: list[tuple[str, int]], g
 Plain = Callable[[Tensor, Tensor], list[Tensor]]
 
 
-def refuse_reconstruct_alone(cls: type[Attack]) -> None:
-    """Refuse, where it is defined, a subclass of a vectorised attack that overrides ``reconstruct`` but not
-    ``reconstruct_all``: the batched path would solve its problems without it."""
-    if "reconstruct" in vars(cls) and "reconstruct_all" not in vars(cls):
-        raise TypeError(f"{cls.__name__} overrides reconstruct but not reconstruct_all: {cls.__mro__[1].__name__} "
+def refuse_one_path_overrides(cls: type[Attack], one_problem_only: tuple[str, ...]) -> None:
+    """Refuse, where it is defined, a subclass of a vectorised attack that overrides a method only its one-problem
+    path runs (``one_problem_only``: ``reconstruct`` and its helpers) but not ``reconstruct_all``: the batched path
+    would solve its problems without it."""
+    overridden = [name for name in one_problem_only if name in vars(cls)]
+    if overridden and "reconstruct_all" not in vars(cls):
+        raise TypeError(f"{cls.__name__} overrides {overridden[0]} but not reconstruct_all: {cls.__mro__[1].__name__} "
                         "solves problems together through reconstruct_all, which would not run it; override "
                         "objective (the loss both paths minimise), or reconstruct_all as well")
 

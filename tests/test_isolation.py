@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import Normalize
 
+from leakaudit.attacks.bayes import BayesOptimal
 from leakaudit.attacks.bayesian import BayesianExact, BayesianNoiseKL
 from leakaudit.attacks.gradient_matching import DeepLeakage, ImprovedDeepLeakage, InvertingGradients
 from leakaudit.attacks.precode import PrecodeSample
@@ -330,12 +331,13 @@ def test_an_objective_a_subclass_overrides_is_minimised_on_both_paths():
         assert (b.images - c.images).abs().max() > 0.1  # the pull to zero moved them: the batched path ran it
 
 
-def test_a_subclass_that_overrides_reconstruct_alone_is_refused_where_it_is_defined():
-    with pytest.raises(TypeError, match="^Alone overrides reconstruct but not reconstruct_all: InvertingGradients "
+@pytest.mark.parametrize("family,method", [(InvertingGradients, "reconstruct"), (InvertingGradients, "_one_run"),
+                                           (DeepLeakage, "_restarts"), (BayesOptimal, "_objective")])
+def test_a_subclass_that_overrides_what_only_one_problem_runs_is_refused_where_it_is_defined(family, method):
+    with pytest.raises(TypeError, match=f"^Alone overrides {method} but not reconstruct_all: {family.__name__} "
                                         "solves problems together"):
-        class Alone(InvertingGradients):
-            def reconstruct(self, observed, threat, generator):
-                return super().reconstruct(observed, threat, generator)
+        type("Alone", (family,), {method: lambda self, *args: None})
+    type("Both", (family,), {method: lambda self, *args: None, "reconstruct_all": classmethod(lambda cls, p: [])})
 
 
 def test_problems_whose_settings_differ_run_together_only_in_their_step_sizes_and_prior_weights():

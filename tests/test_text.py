@@ -652,6 +652,16 @@ def test_a_sentences_last_word_which_only_the_head_reads_comes_back_from_the_hea
     cut = x.clone()
     cut[torch.arange(4), (x != 0).sum(1) - 1] = 0
     assert torch.equal(completed(update, threat, cut), x)
+    short = load_pii_sentences(length=12, train=10, test=8, task="next_token")  # 4 rows fill the input
+    torch.manual_seed(0)
+    model = TinyTransformer(short.vocab_size, short.num_classes, 12, width=64, layers=1, next_token=True)
+    x, y = short.test_x, short.test_y
+    update = NoDefense().share(ClientStep(model, next_token_loss, x, y, torch.Generator(), FEDSGD))
+    threat = ThreatModel(model, next_token_loss, (12,), torch.zeros(1), torch.ones(1), short.num_classes, 8, NoDefense())
+    full = (x != 0).all(1)
+    cut = x.clone()
+    cut[~full, (x[~full] != 0).sum(1) - 1] = 0
+    assert 0 < int(full.sum()) < 8 and torch.equal(completed(update, threat, cut), x)
 
 
 def test_dager_reads_a_keyboards_batch_of_eight_exactly(keyboard):

@@ -164,10 +164,11 @@ class TinyTransformer(nn.Module):
     def __init__(self, vocab_size: int, num_classes: int, length: int, width: int = 128, layers: int = 4,
                  heads: int = 4, causal: bool = True, pad_id: int = 0, next_token: bool = False):
         super().__init__()
+        causal = causal or next_token  # a language model reads each position from the ones before it
         self.width, self.vocab_size, self.depth, self.causal, self.pad_id = width, vocab_size, layers, causal, pad_id
         self.predicts_next_token = next_token
         self.wte, self.wpe = nn.Embedding(vocab_size, width), nn.Embedding(length, width)
-        self.blocks = nn.ModuleList(Block(width, heads, causal or next_token) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, causal) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, vocab_size if next_token else num_classes)
         for p in self.parameters():  # GPT-2's initialisation
             if p.dim() > 1:

@@ -1,8 +1,8 @@
 """The text attacks' figures in docs/results.md, measured on this machine: the Bayes adversary on relaxed tokens
 against TAG under defenses and FedAvg, DAGER's exhaustive search on an encoder, the attacks on the real corpus, and
-a keyboard's language model (next-token targets) beside the classifier.
+a keyboard's language model (next-token targets) beside the classifier, and both under DP-SGD.
 
-    python benchmarks/text_attacks.py [--section bayes|encoder|corpus|keyboard] [--iterations 300]
+    python benchmarks/text_attacks.py [--section bayes|encoder|corpus|keyboard|dpsgd] [--iterations 300]
 
 Every model is the zoo's, untrained, seeded (torch.manual_seed(0)); every attack starts from seed 0. Prints
 markdown rows with each attack's ROUGE-1 / ROUGE-2 and its wall time on this CPU.
@@ -15,6 +15,7 @@ import time
 import torch
 
 from leakaudit.attacks.text import BayesText, Dager, Lamp, Tag
+from leakaudit.defenses.dpsgd import DPSGD
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.defenses.pruning import RandomPrune, TopK
 from leakaudit.evaluator.zoo.text import (TinyTransformer, classification_loss, load_pii_sentences,
@@ -157,7 +158,31 @@ def keyboard(iterations: int) -> None:
                   f"{seconds:.1f} | {extras.get('note', '')} |")
 
 
-SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus, "keyboard": keyboard}
+def dpsgd(iterations: int) -> None:
+    """bayes_text through DP-SGD's own likelihood (Opacus's update, clipping norm 1) on the classifier and the
+    keyboard's language model: two PII sentences of 12 and 14 tokens, one per update, 2 layers, width 128."""
+    print("| model | noise multiplier | ROUGE-1 / ROUGE-2 (mean of 2 sentences) | seconds a sentence |")
+    print("| --- | --- | --- | --- |")
+    for task in ("classify", "next_token"):
+        data = load_pii_sentences(length=16, task=task)
+        picks = [next(i for i in range(200) if int((data.test_x[i] != 0).sum()) == n) for n in (12, 14)]
+        for multiplier in (0.01, 0.1, 1.0):
+            runs = []
+            for i in picks:
+                torch.manual_seed(0)
+                model = TinyTransformer(data.vocab_size, data.num_classes, 16, layers=2, next_token=task == "next_token")
+                x, y = data.test_x[i:i + 1], data.test_y[i:i + 1]
+                defense = DPSGD(noise_multiplier=multiplier, max_grad_norm=1.0)
+                threat = threat_of(model, data, 1, defense)
+                update = defense.share(ClientStep(model, threat.loss_fn, x, y, torch.Generator().manual_seed(1), FEDSGD))
+                rows, seconds, _ = run(BayesText(iterations=iterations), update, threat)
+                runs.append((rouge(rows, x, "rouge1").item(), rouge(rows, x, "rouge2").item(), seconds))
+            r1, r2, seconds = (sum(v) / len(runs) for v in zip(*runs))
+            print(f"| {'keyboard' if task == 'next_token' else 'classifier'} | {multiplier:g} | {r1:.3f} / {r2:.3f} | "
+                  f"{seconds:.1f} |")
+
+
+SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus, "keyboard": keyboard, "dpsgd": dpsgd}
 
 
 def main() -> None:

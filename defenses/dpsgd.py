@@ -30,6 +30,7 @@ from leakaudit.plugins.protocol import (
     quiet_hooks,
     trainable,
 )
+from leakaudit.plugins.text import example_shares
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 
@@ -43,7 +44,7 @@ class DPSGD(Defense):
     """
 
     name = "dpsgd"
-    modalities = ("image",)  # Opacus on the text models is not yet checked
+    modalities = ("image", "text")
     paper = "Abadi et al. 2016"
     mirrors_dp_optimizer = True
     params = {
@@ -187,7 +188,8 @@ def opacus_noisy_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Ten
 
 def clipped_mean_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Tensor,
                           max_grad_norm: float) -> list[Tensor]:
-    """Mean over the batch of each example's gradient scaled by min(1, C / ||g_i||); torch.func, differentiable."""
+    """Mean over the batch of each example's gradient scaled by min(1, C / ||g_i||); torch.func, differentiable.
+    A language model's example gradient is its share of the batch's mean loss (``example_shares``), as Opacus's."""
     names = parameter_names(model)
     params: dict[str, Tensor] = dict(zip(names, trainable(model)))
     frozen = {k: v for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
@@ -199,6 +201,9 @@ def clipped_mean_gradient(model: nn.Module, loss_fn, inputs: Tensor, labels: Ten
 
     per_example = vmap(grad(example_loss), in_dims=(None, 0, 0))(params, inputs, labels)
     grads = [per_example[n] for n in names]
+    shares = example_shares(labels)  # a sequence's examples weigh by their positions, as Opacus's gradients do
+    if shares is not None:
+        grads = [g * shares.view(-1, *([1] * (g.dim() - 1))) for g in grads]
     norms = torch.sqrt(cast(Tensor, sum(g.flatten(1).pow(2).sum(1) for g in grads)))
     factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     return [(g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for g in grads]

@@ -41,6 +41,20 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return -(targets * logits.log_softmax(1)).sum() / targets.sum().clamp_min(1e-12)
 
 
+def example_shares(labels: Tensor) -> Tensor | None:
+    """Each example's share of a batch's ``next_token_loss``, times the batch size ``(B,)``: its positions with a
+    target (a relaxed target's mass) over the batch's mean. The batch's gradient is the mean of the examples' own
+    (mean-over-their-positions) gradients weighted by it, and Opacus's per-sample gradients of a mean loss carry
+    it. None for class labels, where every share is 1."""
+    if labels.dim() == 3 and labels.is_floating_point():
+        mass = labels.sum((1, 2))
+    elif labels.dim() == 2 and not labels.is_floating_point():
+        mass = (labels != IGNORE).sum(1).to(torch.get_default_dtype())
+    else:
+        return None
+    return mass * len(mass) / mass.sum().clamp_min(1e-12)
+
+
 def predicts_next_token(model: object) -> bool:
     """Whether a language model is trained on next-token prediction (``task: next_token``; its logits
     ``(B, vocab, T)``): its ``predicts_next_token`` attribute, False where it has none (a classifier)."""

@@ -12,6 +12,7 @@ import torch
 from leakaudit.attacks.text import (BayesText, Bigram, Dager, Lamp, Matching, SoftTokens, Tag, TokenSet, completed,
                                    one_hot_logits, reorderings, sequence_length, span_basis, span_distance, token_set)
 from leakaudit.defenses.text import FrozenEmbeddings, Lora
+from leakaudit.defenses.dpsgd import DPSGD
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.defenses.pruning import RandomPrune
 from leakaudit.evaluator.zoo.text import (CORPUS, UNK, TinyTransformer, classification_loss, exact_sequence,
@@ -21,7 +22,8 @@ from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg
 from leakaudit.evaluator.zoo.metrics import label_accuracy
-from leakaudit.plugins.text import IGNORE, TokenModel, next_token_loss, next_token_targets, predicts_next_token
+from leakaudit.plugins.text import (IGNORE, TokenModel, example_shares, next_token_loss, next_token_targets,
+                                   predicts_next_token)
 
 LENGTH = 16
 
@@ -703,7 +705,8 @@ def test_a_model_and_data_that_learn_different_things_are_refused_in_one_line(wr
 @pytest.mark.slow
 def test_a_keyboard_audit_trains_on_next_words_and_reads_its_sentences_back(write_audit, tmp_path):
     """End to end on the keyboard model: plain SGD learns the next word well above always guessing the most
-    frequent one, DAGER reads the undefended sentences back whole (their last words from the head), PII recall 1."""
+    frequent one, DAGER reads the undefended sentences back whole (their last words from the head), PII recall 1;
+    DP-SGD trains it through Opacus, with its epsilon."""
     import json
 
     from leakaudit.evaluator.audit.config import load_audit
@@ -711,16 +714,18 @@ def test_a_keyboard_audit_trains_on_next_words_and_reads_its_sentences_back(writ
 
     audit = {**TEXT_AUDIT, "data": {**TEXT_AUDIT["data"], "params": {**TEXT_AUDIT["data"]["params"],
                                                                       "task": "next_token"}},
-             "model": {**TEXT_AUDIT["model"], "name": "tiny_gpt_lm"}, "defenses": [{"name": "none"}],
+             "model": {**TEXT_AUDIT["model"], "name": "tiny_gpt_lm"},
+             "defenses": [{"name": "none"}, {"name": "dpsgd", "params": {"noise_multiplier": 1.0}}],
              "utility": {"train_steps": 40, "batch_size": 16, "lr": 0.1}}
     run_audit(load_audit(write_audit(audit)), tmp_path / "run", progress=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
-    assert [r["rouge2"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]
-    assert [r["pii_recall"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]
-    assert [r["label_accuracy"] for r in rows if r["attack"] == "dager"] == [1.0, 1.0]  # the predicted words
+    dager = [r for r in rows if r["attack"] == "dager" and r["setting"] == "none"]
+    assert [(r["rouge2"], r["pii_recall"], r["label_accuracy"]) for r in dager] == [(1.0, 1.0, 1.0)] * 2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     accuracy, chance = summary["utility"]["none"]["accuracy"], summary["chance_accuracy"]
     assert accuracy > 1.5 * chance and chance < 0.1, (accuracy, chance)
+    private = summary["utility"]["dpsgd(noise_multiplier=1.0)"]  # trained by Opacus's PrivacyEngine
+    assert 0 < private["epsilon"] < math.inf and private["accuracy"] < accuracy
 
 
 @pytest.mark.slow
@@ -749,3 +754,32 @@ def test_the_monitor_and_audit_batch_read_a_keyboards_own_training_loop(keyboard
     x, y = keyboard.test_x[:2], keyboard.test_y[:2]
     (result,) = audit_batch(model, next_token_loss, x, y, attacks=["dager"])
     assert result.metrics["rouge2"] == 1.0 and result.metrics["token_accuracy"] == 1.0
+
+
+def test_dpsgd_shares_a_keyboards_update_as_its_likelihood_centres_it(keyboard):
+    """Opacus's per-sample gradients of the mean next-token loss weigh each sentence by its positions; the
+    candidate the Bayes adversary's likelihood is centred on does too, clipped or not."""
+    torch.manual_seed(0)
+    model = TinyTransformer(keyboard.vocab_size, keyboard.num_classes, LENGTH, width=32, layers=2, next_token=True)
+    x, y = keyboard.test_x[:4], keyboard.test_y[:4]
+    assert example_shares(y).tolist() == pytest.approx((4 * (y >= 0).sum(1) / (y >= 0).sum()).tolist())
+    for norm in (0.5, 100.0):  # every example clipped; none
+        defense = DPSGD(noise_multiplier=0.0, max_grad_norm=norm)
+        sent = defense.share(ClientStep(model, next_token_loss, x, y, torch.Generator(), FEDSGD)).tensors
+        threat = ThreatModel(model, next_token_loss, (LENGTH,), torch.zeros(1), torch.ones(1), keyboard.num_classes,
+                             4, defense)
+        centre = defense.candidate_update(threat, x, y)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(sent, centre))
+
+
+@pytest.mark.slow
+def test_the_bayes_adversary_reads_a_keyboards_sentence_through_dpsgds_own_likelihood(keyboard):
+    x, y = _sentence(keyboard, 12)
+    torch.manual_seed(0)
+    model = TinyTransformer(keyboard.vocab_size, keyboard.num_classes, LENGTH, width=64, layers=2, next_token=True)
+    defense = DPSGD(noise_multiplier=0.01, max_grad_norm=1.0)
+    update = defense.share(ClientStep(model, next_token_loss, x, y, torch.Generator().manual_seed(1), FEDSGD))
+    threat = ThreatModel(model, next_token_loss, (LENGTH,), torch.zeros(1), torch.ones(1), keyboard.num_classes, 1,
+                         defense)
+    rows = BayesText(iterations=200)(update, threat, torch.Generator().manual_seed(0)).images
+    assert rouge(rows, x, "rouge1").item() >= 0.8

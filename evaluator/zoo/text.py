@@ -175,7 +175,8 @@ class TinyTransformer(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        positions = self.wpe.weight[: x.shape[1]]
+        # through the module, one row of positions per example, so that Opacus sees each example's use of them
+        positions = self.wpe(torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1))
         if x.dtype == torch.long:
             return self.wte(x) + positions, x != self.pad_id
         return x + positions, None

@@ -129,10 +129,10 @@ def completed(observed: SharedUpdate, threat: ThreatModel, rows: Tensor) -> Tens
     after = following_tokens(observed, threat, rows)
     if after is None:
         return rows
+    pad = cast(Any, threat.model).pad_id
     rows = rows.clone()
-    counts = (rows != cast(Any, threat.model).pad_id).sum(1)
-    room = torch.nonzero((counts > 0) & (counts < rows.shape[1])).flatten()
-    rows[room, counts[room]] = after[room]
+    room = torch.nonzero(after != pad).flatten()  # following_tokens gives padding to a row without room
+    rows[room, (rows[room] != pad).sum(1)] = after[room]
     return rows
 
 

@@ -726,6 +726,9 @@ def test_a_keyboard_audit_trains_on_next_words_and_reads_its_sentences_back(writ
     assert accuracy > 1.5 * chance and chance < 0.1, (accuracy, chance)
     private = summary["utility"]["dpsgd(noise_multiplier=1.0)"]  # trained by Opacus's PrivacyEngine
     assert 0 < private["epsilon"] < math.inf and private["accuracy"] < accuracy
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "the most frequent next word&#39;s share of the test split" in page
+    assert "each sentence&#39;s own next words" in page
 
 
 @pytest.mark.slow

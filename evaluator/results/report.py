@@ -103,7 +103,9 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
          "transformer's LayerNorm keeps no batch statistics" if unit == "sentence" else
          "train: BatchNorm uses each update's batch statistics (model.mode)" if audit.model.mode == "train" else
          "eval: BatchNorm uses the running statistics, as Geiping et al.'s code attacks (model.mode)"),
-        ("Labels", "given to the attacker (threat.known_labels)" if audit.threat.known_labels
+        ("Labels", "each sentence's own next words: each attack reads them off the sentence it rebuilds (the last "
+         "word from the output layer's gradient)" if learns_next_token(audit) else
+         "given to the attacker (threat.known_labels)" if audit.threat.known_labels
          else "not given: each attack recovers them from the update"),
         ("Protocol", protocol.name + (f" ({params_text(fields)})" if fields else "") + seen),
         ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
@@ -225,7 +227,8 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
         trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None,
-        sentences=sentences, unit=unit, rule=rule_text(summary, audit.data.targets, unit))
+        sentences=sentences, unit=unit, rule=rule_text(summary, audit.data.targets, unit, *(
+            ["the most frequent next word's share"] if learns_next_token(audit) else [])))
     folder.write_text(REPORT, page)
     return summary
 
@@ -235,6 +238,12 @@ def modality(audit: Audit) -> str:
     if audit.live is not None:
         return audit.live.get("modality", "image")
     return data_modality(as_dict(audit.data), audit.registry)
+
+
+def learns_next_token(audit: Audit) -> bool:
+    """Whether the audit's model is a registered language model trained on the next token (a keyboard's)."""
+    name = audit.model.name
+    return name in audit.registry.names("model") and audit.registry.get("model", name).task == "next_token"
 
 
 def example_unit(audit: Audit) -> str:

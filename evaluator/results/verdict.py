@@ -27,10 +27,10 @@ STILL_IMPROVING = 0.01
 BUDGET_FACTOR = 2.5
 
 
-def rule_text(summary: Summary, targets: int, unit: str = "image") -> str:
+def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: str = "the majority class's share") -> str:
     """The verdict rule with this audit's own thresholds, as the report states it under its verdicts (the rule
     itself: ``judge`` and ``calibrate``; in prose: docs/verdicts.md); ``unit`` names an example ("image",
-    "sentence")."""
+    "sentence"), ``chance_of`` what chance accuracy is."""
     o, t = summary.verdict_options, summary.leak_threshold
     beats = (f"beats {t.value:.4g}: the best guess made without the gradient ({t.guess}, {t.guess_score:.4g}) "
              f"{'plus' if summary.higher_is_more_leakage else 'minus'} a margin of {t.margin:.3g}" if t else
@@ -42,7 +42,7 @@ def rule_text(summary: Summary, targets: int, unit: str = "image") -> str:
         "what the classes alone explain)")
     usable = "chance plus the margin" if summary.min_accuracy is None else f"{summary.min_accuracy:.3g}"
     chance = "" if summary.chance_accuracy is None else (
-        f" (chance: {summary.chance_accuracy:.3g}, the majority class's share of the test split)")
+        f" (chance: {summary.chance_accuracy:.3g}, {chance_of} of the test split)")
     named = "" if targets < 2 else (
         f' "Identifiable": the share of reconstructions whose nearest original among the audit\'s targets, by '
         f"{summary.identifiable_by}, is their own (a guess scores about 1 in {targets}).")

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what a type checker sees (each name re-exported): the modul
         Protocol as Protocol, TrainingRun as TrainingRun,
     )
     from leakaudit.plugins.stochastic import StochasticModule as StochasticModule
+    from leakaudit.plugins.text import CausalLM as CausalLM, TokenModel as TokenModel
 
 try:
     __version__ = _version("leakaudit")
@@ -68,6 +69,7 @@ _LAZY = {
     **dict.fromkeys(("ClientStep", "FedAvg", "FedSGD", "LossFn", "OwnStep", "Protocol", "TrainingRun"),
                     "leakaudit.plugins.protocol"),
     "StochasticModule": "leakaudit.plugins.stochastic",
+    **dict.fromkeys(("CausalLM", "TokenModel"), "leakaudit.plugins.text"),
     **dict.fromkeys(("audit_batch", "BatchAudit"), "leakaudit.evaluator.live.api"),
     "LeakMonitor": "leakaudit.evaluator.live.monitor",
     **dict.fromkeys(("run_audit", "RunError", "report_folder"), "leakaudit.evaluator.run.runner"),

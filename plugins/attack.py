@@ -232,3 +232,13 @@ class Attack:
         vectorised attacks override this to optimise many problems in one batched pass.
         """
         return [p.attack(p.observed, p.threat, p.generator) for p in problems]
+
+
+def solve(problems: list[Problem[Any]], max_problems: int | None = None) -> list[Reconstruction]:
+    """The reconstructions of ``problems`` (all of one attack), run as the engine runs every attack: under the
+    math kernel of ``scaled_dot_product_attention``, since the fused kernels (flash, memory-efficient; nanoGPT's
+    and GPT-2's attention) have no double backward, and gradient matching differentiates the update itself."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return type(problems[0].attack).reconstruct_all(problems, max_problems)

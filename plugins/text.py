@@ -10,11 +10,11 @@ that names its embedding and attention weights and computes its layers' inputs, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 #: The modalities an example can have; a dataset, model, metric or attack declares the one it applies to.
 MODALITIES = ("image", "text")
@@ -125,6 +125,88 @@ class TokenModel(Protocol):
     def embedding_name(self) -> str: ...
 
     def position_name(self) -> str: ...
+
+
+class CausalLM(nn.Module):
+    """Your causal language model as a ``TokenModel``, for the monitor and the text attacks: a nanoGPT- or
+    GPT-2-style model named by its parts (token and position embeddings, blocks, each block's attention
+    projection and the norm before it, the final norm, the head), its own weights shared, not copied.
+
+    The forward pass is the one every such model runs: token embedding (or the embeddings an attack optimises,
+    ``(B, T, width)``) plus position embedding, the blocks in order, the final norm and the head, giving next-token
+    logits ``(B, vocab, T)``; a block may return a tuple (Hugging Face's), its first item read. Dropout between
+    the parts is not applied (the attacker does not know the client's masks). The attention projection must be an
+    ``nn.Linear`` (nanoGPT's ``c_attn``); Hugging Face GPT-2's ``Conv1D`` keeps its weight transposed and is refused.
+
+    Example:
+        monitor.attach(CausalLM(gpt), optimizer, loader)   # train ``gpt`` as before
+    """
+
+    predicts_next_token = True
+    causal = True
+
+    def __init__(self, model: nn.Module, *, embedding: str = "transformer.wte", positions: str = "transformer.wpe",
+                 blocks: str = "transformer.h", norm: str = "ln_1", attention: str = "attn.c_attn",
+                 final_norm: str = "transformer.ln_f", head: str = "lm_head", pad_id: int = 0) -> None:
+        super().__init__()
+        self.model, self.pad_id = model, pad_id
+        self._names = {"embedding": embedding, "positions": positions, "blocks": blocks, "final_norm": final_norm,
+                       "head": head}
+        parts = {k: _submodule(model, v, k) for k, v in self._names.items()}
+        self._norm, self._attention = norm, attention
+        wte, blocks_list = parts["embedding"], parts["blocks"]
+        if not isinstance(wte, nn.Embedding) or not isinstance(parts["positions"], nn.Embedding):
+            raise TypeError(f"CausalLM: embedding {embedding!r} and positions {positions!r} must be nn.Embedding")
+        projection = _submodule(blocks_list[0], attention, "attention")
+        if not isinstance(projection, nn.Linear):
+            raise TypeError(f"CausalLM: attention {blocks}.0.{attention} is a {type(projection).__name__}; the "
+                            "attacks read an nn.Linear's weight (outputs, width)")
+        _submodule(blocks_list[0], norm, "norm")
+        self.width, self.vocab_size, self.depth = wte.embedding_dim, wte.num_embeddings, len(blocks_list)
+
+    def _part(self, key: str) -> Any:
+        return self.model.get_submodule(self._names[key])
+
+    def _embed(self, x: Tensor) -> Tensor:
+        positions = self._part("positions")(torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1))
+        return (self._part("embedding")(x) if x.dtype == torch.long else x) + positions
+
+    @staticmethod
+    def _through(block: nn.Module, h: Tensor) -> Tensor:
+        out = block(h)
+        return out[0] if isinstance(out, tuple) else out
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self._embed(x)
+        for block in self._part("blocks"):
+            h = self._through(block, h)
+        return self._part("head")(self._part("final_norm")(h)).transpose(1, 2)
+
+    def layer_inputs(self, ids: Tensor, layer: int) -> Tensor:
+        """What block ``layer``'s attention projection reads at each position (``TokenModel``)."""
+        h, blocks = self._embed(ids), self._part("blocks")
+        for block in list(blocks)[:layer]:
+            h = self._through(block, h)
+        return blocks[layer].get_submodule(self._norm)(h)
+
+    def attention_name(self, layer: int) -> str:
+        return f"model.{self._names['blocks']}.{layer}.{self._attention}.weight"
+
+    def embedding_name(self) -> str:
+        return f"model.{self._names['embedding']}.weight"
+
+    def position_name(self) -> str:
+        return f"model.{self._names['positions']}.weight"
+
+
+def _submodule(model: nn.Module, name: str, role: str) -> Any:
+    """``model``'s submodule ``name``; a TypeError naming the role and the model's top-level children otherwise."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        children = ", ".join(n for n, _ in model.named_children())
+        raise TypeError(f"CausalLM: {role}: the model has no submodule {name!r} (its children: {children}); name "
+                        f"it with {role}=") from None
 
 
 def adapter_names(weight: str) -> tuple[str, str]:

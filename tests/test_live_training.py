@@ -93,19 +93,31 @@ def test_watched_training_is_bit_identical_on_a_dropout_model(digits, tmp_path):
         "the client's masks (p = 0.25, 0.5) are not known to the attacker")
 
 
-def test_a_client_of_one_image_can_leak(digits, tmp_path):
-    """The guess without the update never sees the attacked image: with one image per client the bar is the
-    noise and grey guesses (and the mean of the rest of the data), not the target itself."""
+def test_a_client_of_one_image_is_judged_against_the_attackers_own_data(digits, tmp_path):
+    """The guess without the update never sees the attacked image. A client whose whole data is the batch leaves
+    no mean image to guess with: beating noise and grey alone is not called a leak (it was, at 9.49 dB against
+    9.08 on a Flower client); given the attacker's own images (prior=), the same update is judged against their
+    mean, as an audit judges it, and leaks."""
     x, y = _tensors(digits, 1)
-    model = build_model()
-    monitor = leakaudit.LeakMonitor(attacks=STRONG, every=1, out=tmp_path / "run", mean=digits.mean,
-                                    std=digits.std, known_labels=True)
-    model, optimizer, loader = monitor.attach(model, torch.optim.SGD(model.parameters(), lr=LR),
-                                              DataLoader(TensorDataset(x, y), batch_size=1))
-    _loop(model, optimizer, loader, 1)
-    summary = monitor.report()
-    assert summary.leak_threshold.value < 20  # it was 201 dB: the target's own image was the "mean" guess
-    assert summary.verdicts[0].verdict == "leaks"
+
+    def judged(out: str, **prior):
+        model = build_model()
+        monitor = leakaudit.LeakMonitor(attacks=STRONG, every=1, out=tmp_path / out, mean=digits.mean,
+                                        std=digits.std, known_labels=True, **prior)
+        model, optimizer, loader = monitor.attach(model, torch.optim.SGD(model.parameters(), lr=LR),
+                                                  DataLoader(TensorDataset(x, y), batch_size=1))
+        _loop(model, optimizer, loader, 1)
+        return monitor.report()
+
+    alone = judged("alone")
+    assert alone.leak_threshold.missing == ("mean",) and alone.leak_threshold.guess in ("random", "grey")
+    verdict = alone.verdicts[0]
+    assert verdict.verdict == "inconclusive" and verdict.alone == "leaks"
+    assert "the mean guess could not be made (the attacker holds no data besides the attacked batch)" in verdict.reason
+    given = judged("given", prior=TensorDataset(*_tensors(digits, 65)))
+    assert given.leak_threshold.guess == "mean" and not given.leak_threshold.missing
+    assert given.leak_threshold.value < 20  # it was 201 dB when the target's own image was the "mean" guess
+    assert given.verdicts[0].verdict == "leaks"
 
 
 def test_verdict_lines_and_scalars_reach_the_log_and_the_loggers(digits, tmp_path, caplog):

@@ -7,13 +7,19 @@ knowing the literature; ``leakaudit validate`` prints the choice and why each ot
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 from torch import nn
 
 from leakaudit.evaluator.audit.checks import data_modality
 from leakaudit.evaluator.audit.materials import check_data_memory, initial_model, load_data, model_section
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, as_dict, call_label
+from leakaudit.plugins.attack import Attack
 from leakaudit.plugins.components import ImageData
+from leakaudit.plugins.defense import Defense
+from leakaudit.plugins.protocol import Protocol
+from leakaudit.plugins.manager import Registry
 
 AUTO = "auto"
 
@@ -24,19 +30,40 @@ def choose_attacks(audit: Audit, user_code: bool = True) -> tuple[list[AttackSpe
     settings of a factory model (or of factory data) are then checked on their models when the audit runs."""
     data = _data(audit, user_code)
     models: dict[str, nn.Module | None] = {}
+
+    def why_not(attack: Attack, setting: DefenseSetting) -> str | None:
+        return _why_not(attack, setting, audit, data, models, user_code)
+
+    def build(cls: type, name: str, params: dict) -> Attack:
+        return _build(cls, name, params, audit)
+
+    chosen, lines = auto_choice(audit.registry, data_modality(as_dict(audit.data), audit.registry),
+                                torch.device(audit.device).type, audit.settings, why_not, build)
+    if not chosen:
+        raise ConfigError([f"{audit.path}: attacks: auto found no registered attack that applies to this audit "
+                           f"({'; '.join(lines)}); list the attacks yourself"])
+    return chosen, lines
+
+
+def auto_choice(registry: Registry, modality: str, device_type: str, settings: Sequence[DefenseSetting],
+                why_not: Callable[[Attack, DefenseSetting], str | None],
+                build: Callable[[type, str, dict], Attack]) -> tuple[list[AttackSpec], tuple[str, ...]]:
+    """Every registered attack of ``modality`` at its auto budget for ``device_type`` that ``why_not`` lets run on
+    one of ``settings`` at least, restricted to those; and one line per attack on the choice. An audit file and a
+    monitor choose through this one rule, each asking of its own models (``why_not``)."""
     chosen, lines = [], []
-    for name, entry in sorted(audit.registry.entries["attack"].items()):
-        if entry.obj.modality != data_modality(as_dict(audit.data), audit.registry):
+    for name, entry in sorted(registry.entries["attack"].items()):
+        if entry.obj.modality != modality:
             lines.append(f"{name}: left out: it reconstructs {entry.obj.modality}")
             continue
-        params = entry.obj.auto_settings(torch.device(audit.device).type)
+        params = entry.obj.auto_settings(device_type)
         if params is None:
             lines.append(f"{name}: left out: {entry.obj.auto_skip}")
             continue
-        attack = _build(entry.obj, name, params, audit)
+        attack = build(entry.obj, name, params)
         fits, misfits = set(), {}
-        for setting in audit.settings:
-            why = _why_not(attack, setting, audit, data, models, user_code)
+        for setting in settings:
+            why = why_not(attack, setting)
             if why is None:
                 fits.add(setting.identity)
             else:
@@ -48,9 +75,6 @@ def choose_attacks(audit: Audit, user_code: bool = True) -> tuple[list[AttackSpe
         chosen.append(AttackSpec(name, params, name, role=role, chosen_for=frozenset(fits) if misfits else None))
         lines.append(f"{name}: chosen, {call_label(name, params)}"
                      + "".join(f"; not on {', '.join(keys)}: {why}" for why, keys in misfits.items()))
-    if not chosen:
-        raise ConfigError([f"{audit.path}: attacks: auto found no registered attack that applies to this audit "
-                           f"({'; '.join(lines)}); list the attacks yourself"])
     return chosen, tuple(lines)
 
 
@@ -75,15 +99,24 @@ def _why_not(attack, setting: DefenseSetting, audit: Audit, data: ImageData | No
              models: dict[str, nn.Module | None], user_code: bool) -> str | None:
     """Why ``attack`` cannot run on ``setting``, in the attack's own words; None where it can (or where the
     setting's model is the user's and cannot be built yet)."""
-    if attack.needs_defense and setting.is_baseline(audit.registry):
-        return f"{attack.name} reads what a defense adds to the model, and the undefended update has nothing"
     defense = setting.build(audit.registry)
+    return misfit(attack, setting.is_baseline(audit.registry), defense,
+                  lambda: _model(audit, setting, defense, data, models, user_code), audit.batch_size_of(setting),
+                  audit.protocol_of(setting))
+
+
+def misfit(attack: Attack, baseline: bool, defense: Defense, model: Callable[[], nn.Module | None], batch_size: int,
+           protocol: Protocol) -> str | None:
+    """Why ``attack`` cannot run on an update of ``defense`` (``baseline``: the undefended one) from ``model()``
+    (built only if the defense lets the attack run; None: not known here), in the attack's own words; None where
+    it can."""
+    if attack.needs_defense and baseline:
+        return f"{attack.name} reads what a defense adds to the model, and the undefended update has nothing"
     why = attack.unsupported_defense(defense)
     if why:
         return why
-    model = _model(audit, setting, defense, data, models, user_code)
-    return None if model is None else attack.unsupported(model, audit.batch_size_of(setting),
-                                                          audit.protocol_of(setting))
+    built = model()
+    return None if built is None else attack.unsupported(built, batch_size, protocol)
 
 
 def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | None,

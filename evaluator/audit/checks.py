@@ -154,10 +154,11 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
     return [(f"{what}[{i}]", item) for i, item in enumerate(value)]
 
 
-def expand_defenses(value: Any, registry: Registry, problems: list[str], protocol: Protocol = FEDSGD,
+def expand_defenses(value: Any, registry: Registry, problems: list[str], protocol: Protocol | None = FEDSGD,
                     data: dict | None = None, frontiers: list[FrontierSpec] | None = None) -> list[DefenseSetting]:
     """Every setting the ``defenses:`` entries expand to (sweeps, chains, own models, numbers of clients, the
-    ends of each ``frontier:`` search, whose specs go to ``frontiers``)."""
+    ends of each ``frontier:`` search, whose specs go to ``frontiers``). ``protocol`` None: not known yet (a
+    monitor before it is attached), so the names and parameters are checked, and what the protocol allows is not."""
     settings: list[DefenseSetting] = []
     for where, item in _items(value, "defenses", problems):
         item, ok = checked_section(item, DEFENSE, where, problems)
@@ -200,7 +201,8 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str], protoco
             _check_architecture(own_model, registry, f"{where}.model", problems)
             if len(problems) > found:
                 continue
-        crowds = _client_counts(item.get("clients"), protocol, data, f"{where}.clients", problems)
+        crowds = [None] if protocol is None else _client_counts(item.get("clients"), protocol, data,
+                                                               f"{where}.clients", problems)
         if not crowds:
             continue
         combos = list(itertools.product(*options, crowds))
@@ -209,7 +211,8 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str], protoco
                                      None if own_model is None else ModelSection(**own_model), item["must_protect"],
                                      clients=clients)
             try:
-                why = setting.build(registry).unsupported(with_clients(protocol, clients))
+                built = setting.build(registry)
+                why = None if protocol is None else built.unsupported(with_clients(protocol, clients))
             except (ValueError, TypeError) as exc:
                 why = str(exc)
             except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line

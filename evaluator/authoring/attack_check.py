@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.authoring.cases import case_or_tiny, check_threat, seeded_generator
 from leakaudit.evaluator.zoo.metrics import best_assignment, psnr
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, solve
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, OwnStep, Protocol, trainable
 
 
@@ -87,8 +87,8 @@ def check_attack(attack: Attack, model: nn.Module | None = None, batch: tuple[Te
         threat = check_threat(model, pixels, labels, defense, protocol, known_labels)
         where = f"protocol {protocol.name}"
         try:
-            runs = [type(attack).reconstruct_all([Problem(observed, threat, seeded_generator(pixels.device, seed),
-                                                          attack)])[0] for _ in range(2)]
+            runs = [solve([Problem(observed, threat, seeded_generator(pixels.device, seed), attack)])[0]
+                    for _ in range(2)]
         except Exception as exc:  # an attack must refuse in unsupported() what it cannot do, not fail mid-audit
             check.problems.append(f"{where}: raised {type(exc).__name__}: {exc} (refuse what the attack cannot do "
                                   "in its unsupported())")

@@ -13,15 +13,17 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from leakaudit.evaluator.audit.auto import AUTO, auto_choice, misfit
 from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, check_modality, expand_defenses
 from leakaudit.evaluator.audit.specs import DEFAULT_METRICS, DEFAULT_TEXT_METRICS
 from leakaudit.evaluator.audit.types import AttackSpec, ConfigError, DefenseSetting
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import Scores, score
-from leakaudit.plugins.attack import Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import AuxiliaryData, Problem, Reconstruction, ThreatModel, solve
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
+from leakaudit.plugins.spec import one_line
 
 PIXEL_SLACK = 0.02  # how far outside [0, 1] denormalised inputs may stray (resampling overshoot) before it is an error
 
@@ -128,6 +130,12 @@ class Prepared:
     defenses: list[tuple[DefenseSetting, Any]]
     specs: list[AttackSpec]
     scorers: list[Any]
+    choice: tuple[str, ...] = ()  # attacks: auto's lines, as validate prints them (empty for a list of attacks)
+
+    @property
+    def attack_entries(self) -> list[dict[str, Any]]:
+        """The attacks as audit-file entries (``attacks: auto``'s choice written out)."""
+        return [{"name": s.name, "params": dict(s.params)} for s in self.specs]
 
 
 def live_metrics(registry: Registry, modality: str = "image") -> list[str]:
@@ -149,9 +157,11 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     metrics = live_metrics(registry, modality) if metrics is None else metrics
     entry = {"name": defense} if isinstance(defense, str) else defense
     settings = expand_defenses([entry], registry, problems, protocol)
-    specs = check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
-    problems += [f"attacks[{i}].checkpoints: {caller} attacks {scope}; leave checkpoints out"
-                 for i, item in enumerate(attacks) if isinstance(item, dict) and "checkpoints" in item]
+    auto = attacks == AUTO
+    specs = [] if auto else check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry,
+                                          problems, None)
+    problems += [] if auto else [f"attacks[{i}].checkpoints: {caller} attacks {scope}; leave checkpoints out"
+                                 for i, item in enumerate(attacks) if isinstance(item, dict) and "checkpoints" in item]
     check_metrics(list(metrics), registry, problems, image_size)
     problems += [f"attacks: {s.label}: tune needs the attacker's own images; tune in a YAML audit" for s in specs if s.tune]
     problems += [f"defense: {s.key}: model: {caller} attacks the model you pass; leave model out"
@@ -163,6 +173,11 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
         problems += [p.replace("defenses (", "defense (", 1) for p in mismatched]
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
     defenses = [(s, s.build(registry)) for s in settings]
+    choice: tuple[str, ...] = ()
+    if auto:
+        specs, choice = live_choice(registry, model, defenses, batch_size, protocol, modality)
+        problems += [] if specs else [f"attacks: auto found no registered attack that applies here "
+                                      f"({'; '.join(choice)}); list the attacks yourself"]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
                  "build your model with it, or audit from YAML" for s, d in defenses if _changes_architecture(d, model)]
     problems += [f"attacks: {s.label}: {why}" for s in specs
@@ -171,7 +186,36 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
                  if a.applies_to(setting) and (why := a.build(registry).unsupported_defense(d))]
     if problems:
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
-    return Prepared(registry, defenses, specs, [registry.get("metric", m) for m in metrics])
+    return Prepared(registry, defenses, specs, [registry.get("metric", m) for m in metrics], choice)
+
+
+def live_choice(registry: Registry, model: nn.Module, defenses: list[tuple[DefenseSetting, Any]], batch_size: int,
+                protocol, modality: str) -> tuple[list[AttackSpec], tuple[str, ...]]:
+    """``attacks: auto`` on a live model: the audit file's rule (``auto_choice``: each registered attack at its
+    budget for the model's device, where its own declarations let it run), asked of this model and defense."""
+    built = {s.identity: d for s, d in defenses}
+    device_type = next(model.parameters()).device.type
+
+    def why_not(attack, setting: DefenseSetting) -> str | None:
+        return misfit(attack, setting.is_baseline(registry), built[setting.identity], lambda: model, batch_size,
+                      protocol)
+
+    def build(cls: type, name: str, params: dict) -> Any:
+        return cls(**params)
+
+    return auto_choice(registry, modality, device_type, [s for s, _ in defenses], why_not, build)
+
+
+def named_problems(defense: Any, attacks: Any, metrics: Sequence[str] | None, plugins_dirs: Sequence[str]) -> list[str]:
+    """What is wrong with a monitor's names and parameters (defense, attacks, metrics), one line each: what can be
+    checked before the model and the loop are known, so that a misspelt attack fails where the monitor is made."""
+    registry, problems = load_registry(list(plugins_dirs)), []
+    expand_defenses([{"name": defense} if isinstance(defense, str) else defense], registry, problems, None)
+    if attacks != AUTO:
+        check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
+    if metrics is not None:
+        check_metrics(list(metrics), registry, problems)
+    return [p.replace("defenses[0]", "defense") for p in problems]
 
 
 def attacked_inputs(inputs: Tensor, stats: Any, text: bool, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
@@ -196,27 +240,38 @@ def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batc
 
 
 def live_threat(model: nn.Module, loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor,
-                defense, known_labels: bool, protocol) -> ThreatModel:
+                defense, known_labels: bool, protocol, auxiliary: AuxiliaryData | None = None) -> ThreatModel:
     """The server's knowledge of a live model and a batch of ``pixels`` in [0, 1] normalised by ``mean``, ``std``
-    (its classes counted by one forward pass); token ids (integers) are read as they are."""
+    (its classes counted by one forward pass); token ids (integers) are read as they are. ``auxiliary``: the
+    attacker's own data, for the attacks that learn from it."""
     with torch.no_grad():
         num_classes = model((pixels if not pixels.is_floating_point() else (pixels - mean) / std)[:1]).shape[1]
     return ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(pixels.shape[1:]), mean=mean, std=std,
                        num_classes=num_classes, batch_size=len(pixels), defense=defense,
-                       labels=labels if known_labels else None, device=pixels.device, protocol=protocol)
+                       labels=labels if known_labels else None, device=pixels.device, protocol=protocol,
+                       auxiliary=auxiliary)
 
 
 def attack_shared(prepared: Prepared, setting: DefenseSetting, defense_obj, observed: SharedUpdate, model: nn.Module,
                   loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor, known_labels: bool,
-                  protocol, attack_gen: Callable[[], torch.Generator]
+                  protocol, attack_gen: Callable[[], torch.Generator], auxiliary: AuxiliaryData | None = None,
+                  failed: list[tuple[AttackSpec, str]] | None = None,
                   ) -> list[tuple[AttackSpec, Reconstruction, Scores]]:
     """Run every attack of ``setting`` on one shared update and score it against ``pixels``: the attacks see
-    ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``."""
-    threat = live_threat(model, loss_fn, pixels, labels, mean, std, defense_obj, known_labels, protocol)
+    ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``. With ``failed``,
+    an attack that raises is listed there (its error on one line) and the others still run, as a monitor must:
+    watching a training never fails it; without, the error propagates."""
+    threat = live_threat(model, loss_fn, pixels, labels, mean, std, defense_obj, known_labels, protocol, auxiliary)
     out = []
     for spec in (s for s in prepared.specs if s.applies_to(setting)):
         attack = spec.build(prepared.registry)
-        (rec,) = type(attack).reconstruct_all([Problem(observed, threat, attack_gen(), attack)])  # as the runner
+        try:
+            (rec,) = solve([Problem(observed, threat, attack_gen(), attack)])  # as the runner
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed.append((spec, one_line(exc)))
+            continue
         out.append((spec, rec, score(prepared.scorers, rec.images, pixels, rec.labels, labels)))
     return out
 

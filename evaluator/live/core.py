@@ -23,7 +23,15 @@ from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.api import Stats, attack_shared, attacked_inputs, channel_stats, pixels_of, prepare
+from leakaudit.evaluator.live.api import (
+    Stats,
+    attack_shared,
+    attacked_inputs,
+    channel_stats,
+    named_problems,
+    pixels_of,
+    prepare,
+)
 from leakaudit.evaluator.results.report import judged
 from leakaudit.evaluator.results.rundir import (
     ARCHITECTURE,
@@ -40,14 +48,17 @@ from leakaudit.evaluator.run.runner import warn_old_torch
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
 from leakaudit.evaluator.zoo.text import pii_recall
+from leakaudit.plugins.attack import AuxiliaryData
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, opacus_hooks_off, parameter_names, trainable
+from leakaudit.plugins.spec import one_line
 from leakaudit.plugins.text import decode_tokens
 
 
-RECORDED = ("steps", "fits", "rounds", "skipped", "undone", "sampled")  # monitor.json's record of the run so far
+RECORDED = ("steps", "fits", "rounds", "skipped", "undone", "sampled", "failed")  # monitor.json's record of the run so far
 MAX_ROUND_IMAGES = 64  # a federated round over more images is attacked on a seeded sample of this many
 PRIOR_SAMPLE = 256  # items of the attacker's data averaged into the mean-image guess the verdict compares with
+ATTACKER_SAMPLE = 1024  # items of the attacker's data drawn for the attacks that learn from it (the first 256: the guess)
 CAPTURED = "cache/monitor"  # the attacker's sample, kept for reports rebuilt without the dataset
 ATTACKER_DEFAULTS = {"memory": True}  # the server keeps every update the client sent
 LOGGER = logging.getLogger("leakaudit.monitor")
@@ -141,7 +152,7 @@ class MonitorCore:
     and the report. ``StepMonitor`` and ``RoundMonitor`` say which updates are attacked."""
 
     def __init__(self, defense: str | dict[str, Any] = "none",
-                 attacks: Sequence[str | dict[str, Any]] = ("inverting_gradients",), *, every: int = 100,
+                 attacks: str | Sequence[str | dict[str, Any]] = "auto", *, every: int = 100,
                  out: str | Path = "runs/monitor", mean: Stats | None = None, std: Stats | None = None,
                  loss_fn: LossFn = F.cross_entropy, known_labels: bool = False,
                  metrics: Sequence[str] | None = None, seed: int = 0, delta: float = 1e-5,
@@ -170,13 +181,17 @@ class MonitorCore:
             "joined by spaces) that returns the personal values it holds"]
         problems += [] if personal_values is None or vocabulary is not None else [
             "personal_values: reads sentences in words; give vocabulary= too (the token of each id)"]
+        if attacks != "auto" and (isinstance(attacks, str) or not isinstance(attacks, Sequence)):
+            problems.append(f"attacks: {attacks!r}; expected auto or a list of attack names or entries")
+        elif not problems:  # names and parameters now, where the monitor is made; the rest at attach
+            problems += named_problems(defense, attacks, metrics, plugins_dirs)
         if problems:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.vocabulary = None if vocabulary is None else list(vocabulary)
         self.personal_values = personal_values
         self._text = False  # token ids, once attached to a loop that trains on them
         self.defense = {"name": defense} if isinstance(defense, str) else defense
-        self.attacks = [{"name": a} if isinstance(a, str) else a for a in attacks]
+        self.attacks: Any = attacks if attacks == "auto" else [{"name": a} if isinstance(a, str) else a for a in attacks]
         self.every, self.out = every, Path(out)
         self.mean, self.std, self.loss_fn, self.known_labels = mean, std, loss_fn, known_labels
         self.metrics = None if metrics is None else list(metrics)  # None: live_metrics, once the plugins load
@@ -205,6 +220,7 @@ class MonitorCore:
         self._handles: list[Any] = []
         self._model: nn.Module | None = None
         self._described: dict[str, Any] = {"steps": []}  # monitor.json, once attached
+        self._sample: tuple[Tensor, Tensor] | None = None  # the attacker's data, once drawn (_attacker_sample)
 
 
     def _setup(self, model: nn.Module, dataset: Any, loader: Any, defense: Any, protocol: Any, batch_size: int,
@@ -226,6 +242,9 @@ class MonitorCore:
                                      problems, caller="LeakMonitor", scope=scope,
                                      modality="text" if self._text else "image")
             self.metrics = [m.name for m in self._prepared.scorers]
+        if self._prepared.choice:  # attacks: auto, written out as a list, as validate prints it
+            self.attacks = self._prepared.attack_entries
+            self.log.info("LeakMonitor: attacks: auto chose, for %s:\n  %s", scope, "\n  ".join(self._prepared.choice))
         if self.leakage_metric is not None:
             check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong := [])
             if wrong:
@@ -299,6 +318,23 @@ class MonitorCore:
             self._attack_seconds += seconds
             self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
 
+    def record_failure(self, step: int, what: str, why: str) -> None:
+        """Record that ``what`` failed at step (or round) ``step`` and why, in monitor.json's ``failed`` and as one
+        log line: the training it watches goes on as unwatched."""
+        self._described.setdefault("failed", {}).setdefault(str(step), []).append(f"{what}: {why}")
+        if self._folder is not None:
+            self._folder.write_json(MONITOR, self._described)
+        self.log.warning("LeakMonitor %s %d: %s failed, recorded in monitor.json; training goes on: %s",
+                         self._unit, step, what, why)
+
+    def audit_safely(self, step: int, audit: Callable[[], None]) -> None:
+        """Run one step's (or round's) audit; whatever it raises is recorded (``record_failure``), never passed
+        to the training loop around it."""
+        try:
+            audit()
+        except Exception as exc:
+            self.record_failure(step, "the audit", one_line(exc))
+
     def skip(self, step: int, why: str) -> None:
         """Record that step (or round) ``step`` is not attacked and why, in monitor.json and on the log."""
         self._described.setdefault("skipped", {})[str(step)] = why
@@ -328,10 +364,13 @@ class MonitorCore:
             what = "the undefended update" if setting.is_baseline else f"the update under {setting.key}"
             attacks = ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting))
             self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step, what, n, attacks)
+            failed: list[tuple[Any, str]] = []
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
-                                                                      step, 0)[1])
+                                                                      step, 0)[1], self._auxiliary(pixels), failed)
+            for spec, why in failed:
+                self.record_failure(step, f"{spec.label} on {setting.key}", why)
             for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
                 row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
                                                list(range(n)), epsilon)  # one update per step: no bound to test
@@ -452,31 +491,55 @@ class MonitorCore:
     def _frequent_tokens(self, pad_id: int) -> Tensor:
         """The most frequent token at each position among up to 256 seeded sequences the attacker may hold
         (``prior``, else the training set): a guess made without the update."""
-        source = self.prior if self.prior is not None else self._dataset
-        source = getattr(source, "dataset", source)
-        gen = generator(torch.device("cpu"), self.seed, "mean_image")
-        picks = torch.randperm(len(source), generator=gen)[:PRIOR_SAMPLE].tolist()
-        ids = torch.stack([torch.as_tensor(inputs_labels(source[i], single=True)[0]).long().cpu() for i in picks])
-        return frequent_tokens(ids, pad_id)
+        sample = self._attacker_sample()
+        assert sample is not None, "a text loop's training set is indexable (_holds_token_ids)"
+        return frequent_tokens(sample[0][:PRIOR_SAMPLE], pad_id)
 
     def _prior_pixels(self) -> Tensor | None:
-        """Pixels of up to 256 seeded items of the data the attacker may hold (``prior``, else the training set),
-        drawn once and kept in the run folder; None without an indexable dataset."""
-        path = self.out / CAPTURED / "prior.pt"
-        if path.exists():
-            return torch.load(path, weights_only=True)
+        """Pixels of up to 256 seeded items of the data the attacker may hold, the mean-image guess's; None without
+        an indexable dataset."""
+        sample = self._attacker_sample()
+        return None if sample is None else sample[0][:PRIOR_SAMPLE]
+
+    def _auxiliary(self, attacked: Tensor) -> AuxiliaryData | None:
+        """The attacker's own data for the attacks that learn from it (``ThreatModel.auxiliary``), as an audit
+        gives them: the seeded sample of ``prior`` (else the training set) less the attacked batch's own items;
+        None where nothing else is left."""
+        sample = self._attacker_sample()
+        if sample is None:
+            return None
+        keep = outside(sample[0], attacked)
+        return AuxiliaryData(sample[0], sample[1], keep.nonzero().flatten()) if keep.any() else None
+
+    def _attacker_sample(self) -> tuple[Tensor, Tensor] | None:
+        """Up to ``ATTACKER_SAMPLE`` seeded items of the data the attacker may hold (``prior``, else the training
+        set) as the attacks see them (pixels in [0, 1], or token ids) with their labels, on the CPU: drawn once and
+        kept in the run folder (the first ``PRIOR_SAMPLE`` make the mean-image guess); None without an indexable
+        dataset."""
+        path = self.out / CAPTURED / "attacker.pt"
+        if self._sample is None and path.exists():
+            saved = torch.load(path, weights_only=True)
+            self._sample = saved["inputs"], saved["labels"]
+        if self._sample is not None:
+            return self._sample
         source = self.prior if self.prior is not None else self._dataset
         source = getattr(source, "dataset", source)
         if source is None or not hasattr(source, "__len__") or not hasattr(source, "__getitem__") or not len(source):
             return None
         gen = generator(torch.device("cpu"), self.seed, "mean_image")
-        picks = torch.randperm(len(source), generator=gen)[:PRIOR_SAMPLE].tolist()
-        x = torch.stack([torch.as_tensor(inputs_labels(source[i], single=True)[0]).float().cpu() for i in picks])
-        mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
-        pixels = (x * std + mean).clamp(0, 1)
+        picks = torch.randperm(len(source), generator=gen)[:ATTACKER_SAMPLE].tolist()
+        items = [inputs_labels(source[i], single=True) for i in picks]
+        x = torch.stack([torch.as_tensor(i).cpu() for i, _ in items])
+        labels = torch.stack([torch.as_tensor(label).long().cpu() for _, label in items])
+        if self._text:
+            x = x.long()
+        else:
+            mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
+            x = (x.float() * std + mean).clamp(0, 1)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(pixels, path)
-        return pixels
+        torch.save({"inputs": x, "labels": labels}, path)
+        self._sample = x, labels
+        return self._sample
 
     def _epsilon(self) -> float | None:
         """Epsilon at ``delta`` spent so far (this step included) under Opacus: from the accountant its
@@ -578,11 +641,17 @@ def mean_without(prior: Tensor | None, pixels: Tensor) -> Tensor | None:
     must not be handed the very images it is scored against (a client of one image, say); None when none is left."""
     if prior is None:
         return None
-    keep = torch.ones(len(prior), dtype=torch.bool)
-    flat = prior.flatten(1)
-    for image in pixels.detach().cpu().flatten(1):
-        keep &= (flat - image).abs().amax(dim=1) > 1e-5
+    keep = outside(prior, pixels)
     return prior[keep].mean(dim=0) if keep.any() else None
+
+
+def outside(items: Tensor, attacked: Tensor) -> Tensor:
+    """Which of ``items`` (CPU) are none of the ``attacked`` ones (the same pixels within 1e-5, or token ids)."""
+    keep = torch.ones(len(items), dtype=torch.bool)
+    flat = items.flatten(1).float()
+    for item in attacked.detach().cpu().flatten(1).float():
+        keep &= (flat - item).abs().amax(dim=1) > 1e-5
+    return keep
 
 
 def _sink_kind(sink: Any) -> str | None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.monitor import MAX_ROUND_IMAGES, LeakMonitor
+from leakaudit.plugins.spec import one_line
 
 try:
     from flwr.app import Message, MessageType
@@ -70,9 +71,12 @@ class LeakAuditMod:
             reply = call_next(msg, context)
         if reply.has_error() or not reply.content.array_records:
             return reply
-        model = self.model()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        monitor.finish_round(local, model, next(iter(reply.content.array_records.values())).to_numpy_ndarrays())
+        try:  # a client's failed audit never costs its reply: the error is logged, and the reply leaves as it is
+            model = self.model()
+            model.load_state_dict(arrays.to_torch_state_dict())
+            monitor.finish_round(local, model, next(iter(reply.content.array_records.values())).to_numpy_ndarrays())
+        except Exception as exc:
+            monitor.log.warning("LeakAuditMod: client %s, round %d not audited: %s", name, number, one_line(exc))
         return reply
 
 

@@ -171,7 +171,7 @@ class RoundMonitor(MonitorCore):
                 handle.remove()
             self._round = None
         if audited:
-            self._audit_round(local)
+            self.audit_safely(number, lambda: self._audit_round(local))
         self._folder.write_json(MONITOR, self._described)
 
     @contextmanager
@@ -206,7 +206,7 @@ class RoundMonitor(MonitorCore):
         self._described["fits"] += 1
         local.before, local.buffers = model_state(model)
         local.sent = sent
-        self._audit_round(local)
+        self.audit_safely(local.number, lambda: self._audit_round(local))
         self._folder.write_json(MONITOR, self._described)
 
     def _round_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -100,7 +100,7 @@ class StepMonitor(MonitorCore):
         self._physical = []
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._audit(pending)
+            self.audit_safely(pending.step, lambda: self._audit(pending))
 
     def _audit(self, pending: _Pending) -> None:
         """Attack one step's update: the step's own gradient where the server undoes the optimizer (memory), else

@@ -179,7 +179,8 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
             monitor = self._monitor(r.name, population)
             if r.sampled:
                 monitor.sampled(server_round, r.sampled)
-            monitor.attack_round(server_round, before, buffers, r.update, r.batch, r.protocol)
+            monitor.audit_safely(server_round, lambda: monitor.attack_round(server_round, before, buffers, r.update,
+                                                                            r.batch, r.protocol))
         if self.aggregate and len(rounds) > 1:
             self._attack_mean(server_round, before, buffers, rounds, population)
 
@@ -243,7 +244,9 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         mean = [torch.stack(parts).mean(0) for parts in zip(*(r.update for r in rounds))]
         batch = (torch.cat([r.batch[0] for r in rounds]), torch.cat([r.batch[1] for r in rounds]))
         joint = dataclasses.replace(protocols.pop(), clients=len(rounds))
-        self._monitor(AGGREGATE, population).attack_round(server_round, before, buffers, mean, batch, joint)
+        monitor = self._monitor(AGGREGATE, population)
+        monitor.audit_safely(server_round, lambda: monitor.attack_round(server_round, before, buffers, mean, batch,
+                                                                        joint))
 
 
 def _trained(reply: Any) -> tuple[dict[str, Any], int, list[Any]]:

@@ -51,12 +51,21 @@ class WorstImage:
 
 @dataclass(frozen=True)
 class LeakThreshold:
-    """The score an attack must beat to leak: the better no-gradient guess (name, score) plus the margin."""
+    """The score an attack must beat to leak: the better no-gradient guess (name, score) plus the margin.
+    ``missing``: guesses that could not be made (the mean image, where the attacker holds no data besides the
+    attacked batch), so that the bar may be too low; written to summary.json only where some are."""
 
     value: float
     guess: str
     guess_score: float
     margin: float
+    missing: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        if not self.missing:
+            record.pop("missing")
+        return record
 
 
 class _Scored:
@@ -378,7 +387,7 @@ class Summary:
     def to_json(self) -> dict[str, Any]:
         record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         record.update(verdict_options=dataclasses.asdict(self.verdict_options),
-                      leak_threshold=_record(self.leak_threshold),
+                      leak_threshold=None if self.leak_threshold is None else self.leak_threshold.to_json(),
                       utility={k: _record(u) for k, u in self.utility.items()}, decision=_record(self.decision),
                       **{k: [x.to_json() if hasattr(x, "to_json") else _record(x) for x in getattr(self, k)]
                          for k in ("cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "frontier")})
@@ -394,7 +403,8 @@ class Summary:
         metrics, threshold = record["metrics"], record.get("leak_threshold")
         return cls(**{**_known(cls, record), "version": version},
                    verdict_options=VerdictSection(**_known(VerdictSection, record["verdict_options"])),
-                   leak_threshold=LeakThreshold(**threshold) if threshold else None,
+                   leak_threshold=LeakThreshold(**{**threshold, "missing": tuple(threshold.get("missing", ()))})
+                   if threshold else None,
                    utility={k: SettingUtility(**_known(SettingUtility, u)) for k, u in record["utility"].items()},
                    cells=[CellResult.from_json(c, metrics) for c in record["cells"]],
                    worst_case=[WorstCase.from_json(w) for w in record["worst_case"]],

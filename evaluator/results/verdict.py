@@ -128,15 +128,17 @@ def intervals_overlap(a: CellResult, b: CellResult, metric: str) -> bool:
 
 def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric,
                    margin: float | None) -> LeakThreshold | None:
-    """The score an attack must beat to leak: the better no-gradient guess, plus the margin. None without guesses."""
-    guesses = {name: scores.get(metric.name) for name, scores in baselines.items()}
-    guesses = {name: v for name, v in guesses.items() if v is not None and math.isfinite(v)}
+    """The score an attack must beat to leak: the better no-gradient guess, plus the margin. None without guesses.
+    A guess that scores nothing where the others score (``guess_scores``' mean image, made without the attacker's
+    data) is named ``missing``: the bar may stand too low, and ``judge`` does not call a leak on it alone."""
+    scored = {name: scores.get(metric.name) for name, scores in baselines.items()}
+    guesses = {name: v for name, v in scored.items() if v is not None and math.isfinite(v)}
     if not guesses:
         return None
     best = max(guesses, key=guesses.get) if metric.higher_is_better else min(guesses, key=guesses.get)
     margin = metric.margin if margin is None else margin
     value = guesses[best] + margin if metric.higher_is_better else guesses[best] - margin
-    return LeakThreshold(value, best, guesses[best], margin)
+    return LeakThreshold(value, best, guesses[best], margin, tuple(n for n in scored if n not in guesses))
 
 
 def min_accuracy(options: dict[str, Any], chance: float | None) -> float | None:
@@ -184,6 +186,12 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     beats = metric.better(value, threshold.value)
     bar = (f"{_fmt(threshold.value)} ({threshold.guess} guess {_fmt(threshold.guess_score)} "
            f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold.margin)})")
+    if beats and threshold.missing and named is None:
+        return StepVerdict(**out, verdict=INCONCLUSIVE, alone=LEAKS, reason=(
+            f"{evidence}; its {what} beats the leak threshold {bar}, but the {' and '.join(threshold.missing)} "
+            f"guess could not be made (the attacker holds no data besides the attacked batch), so the bar stands on "
+            f"the other guesses alone ({threshold.guess} the best) and a reconstruction no closer than the data's "
+            "mean image would pass it; give the attacker data of its own (a monitor's prior=) to settle it"))
     if beats:
         return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; its {what} beats the leak threshold {bar}")
     if named is not None:

@@ -18,7 +18,7 @@ from leakaudit.evaluator.results.verdict import identification_bound, prior_free
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn, round_generators
 from leakaudit.evaluator.run.utility import privacy_spent, train_under_defense
 from leakaudit.evaluator.zoo.metrics import score
-from leakaudit.plugins.attack import Problem, Reconstruction
+from leakaudit.plugins.attack import Problem, Reconstruction, solve
 from leakaudit.plugins.protocol import ClientStep
 from leakaudit.plugins.spec import one_line
 
@@ -156,7 +156,7 @@ def _reconstruct(audit: Audit, job, attack, problems: list[Problem], what: str) 
     """The attack's reconstructions of ``problems``; an attack that raises is an AttackFailed naming it, its
     origin and the job, on one line."""
     try:
-        return type(attack).reconstruct_all(problems, audit.max_problems)
+        return solve(problems, audit.max_problems)
     except Exception as exc:
         origin = audit.registry.entries["attack"][job.attack.name].origin
         raise AttackFailed(f"attack {job.attack.key!r} ({origin}) failed on {job.setting.key}, step {job.checkpoint} "

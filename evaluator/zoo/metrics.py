@@ -195,16 +195,19 @@ def guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]]
     (drawn from ``generator``), a flat grey image, and ``mean_image`` when given (or ``mean_image(pixels)``, a
     batch's own, where it is not None)."""
     out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
+    missing = False  # a batch whose mean image could not be made: the guess is marked unscored (None) for all
     for pixels, labels in batches:
         average = mean_image(pixels) if callable(mean_image) else mean_image
+        missing |= average is None and mean_image is not None
         guesses = {"random": torch.rand(pixels.shape, generator=generator, device=pixels.device),
                    "grey": torch.full_like(pixels, 0.5),
                    **({"mean": average.to(pixels.device).expand_as(pixels)} if average is not None else {})}
         for name, guess in guesses.items():
             for m, v in score(metrics, guess, pixels, labels, labels).values.items():
                 out[name].setdefault(m, []).append(v)
-    return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()}
-            for name, d in out.items() if d}
+    scored = {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()}
+              for name, d in out.items() if d}
+    return scored | ({"mean": dict.fromkeys(scored["grey"])} if missing and "grey" in scored else {})
 
 
 def frequent_tokens(ids: Tensor, pad_id: int = 0) -> Tensor:

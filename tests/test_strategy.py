@@ -132,3 +132,35 @@ def test_bad_settings_are_one_line_each_before_any_round():
     assert info.value.lines == ["LeakAuditStrategy: strategy: a str; expected a Flower Strategy "
                                 "(flwr.serverapp.strategy or flwr.server.strategy)",
                                 "LeakAuditStrategy: local_epochs: 0; expected a whole number >= 1"]
+
+
+def test_a_client_and_the_server_judge_one_update_alike(tmp_path):
+    """A client whose whole data is the attacked batch and the server that receives its update, each given the
+    attacker's own images (prior=): one guess, one threshold, one verdict (they were 9.08 against 11.86)."""
+    data = load_registry(entry_points=False).get("dataset", "digits").load(image_size=16, root=None, download=False)
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    x = (data.train_x[:68] - mean) / std
+    loader = DataLoader(TensorDataset(x[:4], data.train_y[:4]), batch_size=4)
+    prior = TensorDataset(x[4:], data.train_y[4:68])
+    audit = {"attacks": [{"name": "inverting_gradients", "params": {"iterations": 30}}], "mean": mean.flatten(),
+             "std": std.flatten(), "prior": prior}
+    from leakaudit import LeakMonitor
+
+    model = _model()
+    start = [v.detach().numpy().copy() for v in model.state_dict().values()]
+    client = LeakMonitor(out=tmp_path / "client", **audit)
+    watched = client.watch(loader)
+    client.bind_rounds(model, loader)
+    with client.local_round(1):
+        sent = _fit(model, start, watched, {"lr": LR, "local_epochs": 1})
+    config = {"lr": LR, "local_epochs": 1}
+    server = LeakAuditStrategy(FedAvg(min_fit_clients=1, min_available_clients=1, on_fit_config_fn=lambda r: config),
+                               _model(), {"0": loader}.__getitem__, out=tmp_path / "server", **audit)
+    manager = SimpleClientManager()
+    manager.register(Proxy("node-0"))
+    ((proxy, ins),) = server.configure_fit(1, ndarrays_to_parameters(start), manager)
+    server.aggregate_fit(1, [(proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), 4,
+                                            {"partition": "0"}))], [])
+    mine, theirs = client.report(), server.report()["0"]
+    assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "mean"
+    assert [(v.verdict, v.reason) for v in mine.verdicts] == [(v.verdict, v.reason) for v in theirs.verdicts]

@@ -124,3 +124,48 @@ def test_causal_lm_computes_the_models_own_logits_and_reads_its_layers():
     assert model.embedding_name() in names and model.position_name() in names
     torch.testing.assert_close(model.layer_inputs(x, 0), gpt.transformer.h[0].ln_1(
         gpt.transformer.wte(x) + gpt.transformer.wpe(torch.arange(LENGTH))))
+
+
+def test_a_monitor_given_the_attackers_data_runs_auto_learning_to_invert_included(tmp_path, monkeypatch):
+    """No attacks named: the audit file's automatic choice on the live model (budgets cut here to keep the test
+    short), Learning to Invert trained on the attacker's own images (prior=), judged against their mean image."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "own_training"))
+    from digits_client import build_model, load_data
+
+    from leakaudit.attacks.bayes import BayesOptimal
+    from leakaudit.attacks.cinet import CINet
+    from leakaudit.attacks.gradient_matching import InvertingGradients
+    from leakaudit.attacks.learned import LearningToInvert
+
+    for cls in (BayesOptimal, CINet, InvertingGradients):
+        monkeypatch.setattr(cls, "auto_params", {"cpu": {"iterations": 3}})
+    monkeypatch.setattr(LearningToInvert, "auto_params", {"cpu": {"updates": 32, "iterations": 5, "width": 16}})
+    data = load_data()
+    mean, std = data.mean.view(-1, 1, 1), data.std.view(-1, 1, 1)
+    own = TensorDataset((data.train_x[:16] - mean) / std, data.train_y[:16])
+    prior = TensorDataset((data.train_x[16:200] - mean) / std, data.train_y[16:200])
+    model = build_model()
+    monitor = leakaudit.LeakMonitor(every=1, out=tmp_path / "run", mean=data.mean, std=data.std, prior=prior)
+    model, optimizer, loader = monitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                              DataLoader(own, batch_size=16))
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    described = json.loads((tmp_path / "run" / "monitor.json").read_text())
+    chosen = [a["name"] for a in described["attacks"]]
+    assert {"inverting_gradients", "learning_to_invert"} <= set(chosen) and "dager" not in chosen
+    assert "failed" not in described  # learning_to_invert had the attacker's images to learn from
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["attack"] for r in rows) == sorted(chosen)
+    summary = monitor.report()
+    from leakaudit.evaluator.zoo.metrics import psnr
+
+    prior_mean = (prior.tensors[0] * std + mean).clamp(0, 1).mean(0)  # the audit's guess: their mean image
+    pixels = (own.tensors[0] * std + mean).clamp(0, 1)
+    assert summary.leak_threshold.guess == "mean"
+    assert summary.leak_threshold.guess_score == pytest.approx(float(psnr(prior_mean.expand_as(pixels), pixels).mean()),
+                                                               abs=1e-3)

@@ -134,20 +134,28 @@ TORCHVISION_FILES = {"cifar10": "cifar-10-batches-py/", "cifar100": "cifar-100-p
 
 
 def _check_root(name: str) -> Callable[[dict[str, Any]], list[str]]:
+    """The check of ``data.root`` before any work: what to put where, and a hint that works (imagefolder reads
+    the user's own folders, so it never downloads)."""
+    own = name not in TORCHVISION_FILES
+    where = "train/<class>/ and test/<class>/ (image files, one subfolder per class)" if own else TORCHVISION_FILES[name]
+    fetch = "" if own else ", or set download: true"
+
     def check(section: dict[str, Any]) -> list[str]:
         root = section.get("root")
+        if own and section.get("download"):
+            return [f"data.download: dataset {name!r} reads your own folders and has nothing to download; remove "
+                    f"download: true and put {where} under root"]
         if root is None:
-            return [f"data.root: dataset {name!r} needs a root folder; set root: to a folder "
-                    f"(with download: true to fetch it there)"]
-        where = TORCHVISION_FILES.get(name, "train/<class>/*.png and test/<class>/*.png")
+            return [f"data.root: dataset {name!r} needs a root folder; set root: to a folder"
+                    + (f" holding {where}" if own else " (with download: true to fetch it there)")]
         if section.get("download"):
             return []
         if not Path(root).is_dir():
-            return [f"data.root: folder {root} does not exist; put {where} there, or set download: true"]
-        needed = [TORCHVISION_FILES[name]] if name in TORCHVISION_FILES else ["train/", "test/"]
+            return [f"data.root: folder {root} does not exist; put {where} there{fetch}"]
+        needed = ["train/", "test/"] if own else [TORCHVISION_FILES[name]]
         missing = [n for n in needed if not (Path(root) / n).is_dir()]
         if missing:
-            return [f"data.root: folder {root} has no {' or '.join(missing)}; put {where} there, or set download: true"]
+            return [f"data.root: folder {root} has no {' or '.join(missing)}; put {where} there{fetch}"]
         return []
     return check
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leakaudit.evaluator.zoo.shipped import shipped
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import DatasetSpec, ImageData
 
@@ -90,18 +91,15 @@ FOOLBOX_SETS = {"cifar10_samples": ("cifar10", 10), "cifar100_samples": ("cifar1
 
 
 def foolbox_data_dir() -> Path | None:
-    """The ``foolbox/data`` folder of an installed foolbox wheel, found without importing foolbox."""
-    spec = importlib.util.find_spec("foolbox")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(list(spec.submodule_search_locations)[0]) / "data"
-    return folder if folder.is_dir() else None
+    """The ``foolbox/data`` folder of the foolbox wheel: fetched by ``leakaudit fetch-data`` (shipped.py), or in
+    an installed copy, found without importing foolbox."""
+    return shipped("foolbox", "data")
 
 
 def _check_foolbox(_: dict[str, Any]) -> list[str]:
     if foolbox_data_dir() is None:
-        return ["the *_samples datasets read the test images shipped in the foolbox wheel, which is not "
-                "installed; run: pip install --no-deps foolbox"]
+        return ["the *_samples datasets read the test images shipped in the foolbox wheel, which are not "
+                "fetched; run: leakaudit fetch-data"]
     return []
 
 

@@ -40,9 +40,11 @@ class RandomPrune(Defense):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
-        if (self.noise == "none") != (self.scale == 0):
-            raise ValueError(f"prune: noise {self.noise!r} needs scale "
-                             f"{'> 0' if self.noise != 'none' else '0 (no noise)'}, got {self.scale}")
+        if self.noise != "none" and self.scale == 0:
+            raise ValueError(f"prune: noise {self.noise!r} needs scale > 0, got {self.scale}")
+        if self.noise == "none" and self.scale != 0:
+            raise ValueError(f"prune: scale {self.scale} is the noise's scale and noise is 'none'; set noise: gaussian "
+                             "or laplace (or scale: 0 for no noise)")
 
     def _masks(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
         if self.mask == "fixed":

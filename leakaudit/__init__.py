@@ -21,10 +21,19 @@ Plugin authors need only the names below; the rooms under ``leakaudit.plugins``,
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from pathlib import Path as _Path
 from typing import TYPE_CHECKING
 
-from leakaudit.plugins import Param, PluginError, hookimpl
-from leakaudit.plugins.manager import load_registry
+# Imported from the repository itself (``python -m pytest`` at its root puts the root first on sys.path, ahead of
+# an installed tree): the rooms are found in their own folders beside this one, as pyproject.toml's package-dir
+# maps them. An installed copy holds them inside this folder and is left as it is.
+_REPOSITORY = _Path(__file__).parent.parent
+if (_REPOSITORY / "pyproject.toml").is_file() and (_REPOSITORY / "plugins" / "__init__.py").is_file() \
+        and not (_Path(__file__).parent / "plugins").is_dir():
+    __path__.append(str(_REPOSITORY))
+
+from leakaudit.plugins import Param, PluginError, hookimpl  # noqa: E402
+from leakaudit.plugins.manager import load_registry  # noqa: E402
 
 if TYPE_CHECKING:  # what a type checker sees (each name re-exported): the modules _LAZY imports from at run time
     from leakaudit.evaluator.audit.config import Audit as Audit, ConfigError as ConfigError, load_audit as load_audit

@@ -91,6 +91,12 @@ CASES = [
     (_with("data", {"dataset": "photos", "params": {"crops": 0}, "targets": 2}), "data.params.crops: 0 is below"),
     (_with("data", {"dataset": "cifar10", "targets": 2}), "data.root: dataset 'cifar10' needs a root folder"),
     (_with("data", {"dataset": "cifar10", "root": "/nonexistent/x", "targets": 2}), "data.root: folder /nonexistent/x"),
+    (_with("data", {"dataset": "imagefolder", "root": "/nonexistent/x", "targets": 2}),
+     "data.root: folder /nonexistent/x does not exist; put train/<class>/ and test/<class>/ (image files, one "
+     "subfolder per class) there"),
+    (_with("data", {"dataset": "imagefolder", "root": "/nonexistent/x", "targets": 2, "download": True}),
+     "data.download: dataset 'imagefolder' reads your own folders and has nothing to download; remove download: "
+     "true"),
     (_with("data", {"factory": "no_such_module_x:load", "targets": 2}), "data.factory: cannot import module"),
     (_with("data", {"factory": "nocolon", "targets": 2}), "data.factory: 'nocolon' is not of the form"),
     (_with("data", {"factory": "math:pi", "targets": 2}), "data.factory: 'math:pi' is a float, not a function"),
@@ -138,6 +144,14 @@ CASES = [
     (_with("defenses.1", {"name": "gaussian", "sweep": {"sigma": 0.1}}), "defenses[1].sweep.sigma: expected a non-empty list"),
     (_with("defenses.1", {"name": "gaussian", "sweep": {"sigma": [0.1, -1]}}), "defenses[1].sweep.sigma[1]: -1 must be"),
     (_with("defenses.1", {**GAUSS, "sweep": {"scale": [1]}}), "defenses[1].sweep.scale: unknown parameter"),
+    (_with("defenses.1", {**GAUSS, "sweep": {"sigma": [0.1, 1.0]}}),
+     "defenses[1].sweep.sigma: given twice, in defenses[1].params and in defenses[1].sweep; keep one: params for one "
+     "value, sweep for a list of them"),
+    (_with("defenses.1", {"name": "gaussian", "sweep": {"sigmaa": [0.1, 1.0]}}),
+     "defenses[1].sweep.sigmaa: unknown parameter (did you mean 'sigma'?); choices: sigma"),
+    (_with("defenses.1", {"name": "prune", "frontier": {"param": "scale", "range": [0.1, 1.0]}}),
+     "defenses[1]: prune(scale=0.1): prune: scale 0.1 is the noise's scale and noise is 'none'; set noise: "
+     "gaussian or laplace"),
     (_with("defenses.1", {"name": "none"}), "defenses[1]: setting none appears twice"),
     (_with("defenses.1", {"name": "gaussian", "chain": [GAUSS]}), "defenses[1]: give either name"),
     (_with("defenses.1", {"chain": [GAUSS, {"name": "gausian"}]}), "defenses[1].chain[1].name: 'gausian'"),
@@ -252,8 +266,19 @@ TEXTS = [
     ("# only a comment\n", "the file is empty"),
     ("- name: a\n- name: b\n", "the file holds a list; an audit is a mapping"),
     ("just text\n", "the file holds a str; an audit is a mapping"),
-    ("name: [unclosed\n", "line 2: not valid YAML"),
-    ("name: a\n  bad: indent\n", "line 2: not valid YAML"),
+    ("name: [unclosed\n", "line 1: the '[' opened here is not closed; end it with ']'"),
+    ("name: a\n  bad: indent\n", "line 2: 'bad: indent' is indented deeper than 'name: a' on line 1, which already "
+                                  "has a value"),
+    ("name: a\ndata:\n  dataset: digits\n targets: 2\n", "line 4: 'targets: 2' is indented 1 space, which lines up "
+                                                          "with no key or list above it ('dataset: digits' on line 3 "
+                                                          "has its key at 2)"),
+    ("defenses:\n  - name: none\n  params: {}\n", "line 3: 'params: {}' is indented 2 spaces, which lines up with no "
+                                                 "key or list above it ('- name: none' on line 2 has its dash at 2, "
+                                                 "its keys at 4)"),
+    ("name: a\ndata\n  dataset: digits\n", "line 2: 'data' is a key without a ':' after it; write 'data:'"),
+    ("name: a\ndata:\n\tdataset: digits\n", "line 3: a tab in the indentation; YAML indents with spaces only"),
+    ("name: 'a\nseed: 1\n", "line 1: the quote opened here is not closed"),
+    ("name: a: b\n", "line 1: 'name: a: b' holds a second ': ' in one value; put the value in quotes"),
     ("name: a\nseed: 0\nseed: 7\n", "line 3: not valid YAML: key 'seed' appears twice (first at line 2); keep one"),
     ("name: a\ndata: {dataset: digits, dataset: lfw}\n", "line 2: not valid YAML: key 'dataset' appears twice"),
     ("name: !!python/object:os.system x\n", "line 1: not valid YAML"),

@@ -158,7 +158,8 @@ def test_not_yaml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
     (line,) = problems(bad)
-    assert line.startswith(f"{bad}: line ") and "not valid YAML" in line
+    assert line == f"{bad}: line 1: the '[' opened here is not closed; end it with ']' on the same line, or write " \
+                   "one item per line"
     assert problems(tmp_path / "absent.yaml") == [f"{tmp_path / 'absent.yaml'}: file not found"]
 
 

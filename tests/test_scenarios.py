@@ -1,7 +1,6 @@
 """Models of the zoo and offline datasets: shapes, initialisation, determinism, clear errors."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -77,7 +76,7 @@ def test_offline_datasets(loader, channels, classes):
     assert torch.equal(data.test_x, again.test_x)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("foolbox") is None, reason="foolbox wheel not installed")
+@pytest.mark.skipif(datasets.foolbox_data_dir() is None, reason="the foolbox wheel's images: leakaudit fetch-data")
 def test_real_cifar10_samples_from_the_foolbox_wheel():
     data = datasets.BUILTIN[3].load(image_size=32)
     assert data.name == "cifar10_samples" and data.train_x.shape == (10, 3, 32, 32) and len(data.test_x) == 10
@@ -90,7 +89,7 @@ def test_missing_foolbox_is_one_clear_line(monkeypatch, write_audit):
     with pytest.raises(ConfigError) as info:
         load_audit(path)
     assert info.value.lines == [f"{path}: the *_samples datasets read the test images shipped in the foolbox wheel, "
-                                "which is not installed; run: pip install --no-deps foolbox"]
+                                "which are not fetched; run: leakaudit fetch-data"]
 
 
 def test_imagefolder_reads_a_local_folder(tmp_path):

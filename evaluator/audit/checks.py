@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import difflib
 import importlib.util
 import inspect
 import itertools
@@ -170,7 +171,8 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str], protoco
             if spec is None:
                 continue
             item = {**item, "frontier": None, "sweep": {spec.knob: [spec.low, spec.high]}, "label": None}
-            ends = expand_defenses([item], registry, problems, protocol, data)
+            ends = expand_defenses([item], registry, (at_ends := []), protocol, data)
+            problems.extend(_frontier_problems(at_ends, where))
             if len(problems) == found:
                 spec = dataclasses.replace(spec, model=ends[0].model, clients=ends[0].clients)
                 settings.extend(spec.setting(v) for v in (spec.low, spec.high))
@@ -268,6 +270,17 @@ def _frontier(item: dict, registry: Registry, where: str, problems: list[str]) -
                         spec["tolerance"], spec["probes"], knob.protects, knob.type is int)
 
 
+def _frontier_problems(found: list[str], where: str) -> list[str]:
+    """The problems of a frontier's two ends, expanded as the one entry ``defenses[0]``: named by the entry's own
+    place, and a line the ends share (a setting neither end can build) said once, for the first."""
+    out: list[str] = []
+    for line in found:
+        line = where + line.removeprefix("defenses[0]")
+        if not (line.startswith(f"{where}: ") and any(o.startswith(f"{where}: ") for o in out)):
+            out.append(line)
+    return out
+
+
 def _client_counts(value: Any, protocol: Protocol, data: dict | None, path: str,
                    problems: list[str]) -> list[int | None]:
     """The numbers of clients an entry's ``clients:`` names ([None]: the protocol's); [] after a problem."""
@@ -344,16 +357,25 @@ def _member_options(item: dict, registry: Registry, where: str, problems: list[s
 
 
 def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) -> list[str]:
-    out = check_params({k: p for k, p in spec.items() if k not in sweep}, params, f"{where}.params")
+    """A sweep and the params beside it: one line per key, a key in both named once (which to keep), a misspelt
+    sweep key with its did-you-mean (and the parameter it was meant for not reported missing from params)."""
+    out = []
+    meant = set()
     for key, values in sweep.items():
         if key not in spec:
-            out.append(f"{where}.sweep.{key}: unknown parameter; choices: {', '.join(sorted(spec)) or '(none)'}")
+            meant.update(difflib.get_close_matches(key, list(spec), n=1, cutoff=0.6))  # what did_you_mean names
+            out.append(f"{where}.sweep.{key}: unknown parameter{did_you_mean(key, spec)}; choices: {', '.join(sorted(spec)) or '(none)'}")
+        elif key in params:
+            out.append(f"{where}.sweep.{key}: given twice, in {where}.params and in {where}.sweep; keep one: "
+                       f"params for one value, sweep for a list of them")
         elif not isinstance(values, list) or not values:
             out.append(f"{where}.sweep.{key}: expected a non-empty list of values, got {values!r}")
         else:
             out.extend(f"{where}.sweep.{key}[{i}]: {why}" for i, v in enumerate(values)
                        if (why := spec[key].problem(v)))
-    return out
+    rest = {k: p for k, p in spec.items() if k not in sweep and k not in meant}
+    return check_params(rest, {k: v for k, v in params.items() if k not in sweep or k not in spec},
+                        f"{where}.params") + out
 
 
 def check_attacks(value: Any, registry: Registry, problems: list[str],

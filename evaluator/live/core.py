@@ -361,7 +361,9 @@ class MonitorCore:
                 sent, public = defense.apply(update, share_gen)
                 observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
             epsilon = None if setting.calibrates is not None else self._epsilon()
-            what = "the undefended update" if setting.is_baseline else f"the update under {setting.key}"
+            what = ("the DP-SGD update (Opacus's)" if self._dp is not None and setting.calibrates is None
+                    else "the undefended update" if setting.is_baseline(self._prepared.registry)
+                    else f"the update under {setting.key}")
             attacks = ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting))
             self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step, what, n, attacks)
             failed: list[tuple[Any, str]] = []

@@ -226,11 +226,29 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
         threat=threat_model(audit), provenance=provenance(audit, run_info), clients=leakage_by_clients(audit, summary),
         metrics=audit.metrics, leak=summary.leakage_metric,
         second=[m for m in second_views(audit.registry) if m in audit.metrics and m != summary.leakage_metric],
-        trained=audit.utility.train_steps > 0, max_images=MAX_GRID_IMAGES, live=audit.live is not None,
+        trained=audit.utility.train_steps > 0 or audit.live is not None, train_steps=trained_steps(audit, utility),
+        update_sizes=update_sizes(audit, rows), max_images=MAX_GRID_IMAGES, live=audit.live is not None,
         sentences=sentences, unit=unit, rule=rule_text(summary, audit.data.targets, unit, *(
             ["the most frequent next word's share"] if learns_next_token(audit) else [])))
     folder.write_text(REPORT, page)
     return summary
+
+
+def trained_steps(audit: Audit, utility: list[dict]) -> int:
+    """The training steps the accuracy was measured after: the audit's utility training, or the steps a monitor
+    watched (its last measure's)."""
+    if audit.live is None:
+        return audit.utility.train_steps
+    return max((int(u.get("train_steps") or 0) for u in utility), default=0)
+
+
+def update_sizes(audit: Audit, rows: list[dict]) -> str:
+    """The sizes of the attacked updates: the audit's batch size, or what a monitor really attacked (Poisson
+    batches under Opacus, a round's images), a range where they vary."""
+    sizes = sorted({len(r["images"]) for r in rows if r.get("images")}) if audit.live is not None else []
+    if not sizes:
+        return str(audit.data.batch_size)
+    return str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}"
 
 
 def modality(audit: Audit) -> str:

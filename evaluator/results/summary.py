@@ -74,6 +74,13 @@ def _worst_image(rows: list[dict], metric) -> WorstImage | None:
     return best
 
 
+def _unmeasured_live(utility: list[dict]) -> str:
+    """Why a monitored run's setting has no accuracy: no eval_loader, or it is a reference, attacked, not trained."""
+    if not utility:
+        return "give the monitor an eval_loader of held-out batches"
+    return "a reference is attacked, not trained: the monitor measures the accuracy of the model it watches"
+
+
 def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
               baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
               identifiable: tuple[str, dict[tuple, list | None]] | None = None) -> Summary:
@@ -81,8 +88,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
-    options = {**as_dict(audit.verdict),
-               **({"no_utility": "give the monitor an eval_loader of held-out batches"} if audit.live else {})}
+    options = {**as_dict(audit.verdict), **({"no_utility": _unmeasured_live(utility)} if audit.live else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}

@@ -18,6 +18,7 @@ Flower is imported where it is used; without it, each defense is refused in one 
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import contextmanager
 from importlib.util import find_spec
 from typing import Any, Iterator, Sequence
@@ -176,6 +177,17 @@ class FlowerLocalDp(FlowerDefense):
 
     def noise_std(self) -> float:
         return self.sensitivity * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+
+    @classmethod
+    def mirrored_settings(cls, mechanism: Any) -> dict[str, Any] | None:
+        """A Flower ``LocalDpMod`` (the Message API's ``flwr.clientapp.mod`` or the older ``flwr.client.mod``):
+        its clipping_norm, sensitivity, epsilon and delta. Flower is not imported here: an object of its classes
+        means it is loaded already."""
+        kinds = tuple(getattr(sys.modules[m], "LocalDpMod") for m in ("flwr.clientapp.mod", "flwr.client.mod")
+                      if m in sys.modules and hasattr(sys.modules[m], "LocalDpMod"))
+        if not kinds or not isinstance(mechanism, kinds):
+            return None
+        return {k: float(getattr(mechanism, k)) for k in ("clipping_norm", "sensitivity", "epsilon", "delta")}
 
     def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
         """Flower's ``compute_clip_model_update``, then its ``add_localdp_gaussian_noise_to_params``."""

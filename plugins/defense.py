@@ -244,6 +244,13 @@ class Defense:
         return None
 
     @classmethod
+    def mirrored_settings(cls, mechanism: Any) -> dict[str, Any] | None:
+        """This defense's settings where ``mechanism``, a framework's own privacy object (a Flower ``LocalDpMod``),
+        is what the defense computes; None where it mirrors no such object. A monitor that finds the object where
+        training runs audits it as this defense (``LeakAuditMod(mods=[...])``)."""
+        return None
+
+    @classmethod
     def declares_likelihood(cls) -> bool:
         """Whether the class overrides ``log_likelihood`` (precode and bayesian draw noise inside the model: no)."""
         return cls.log_likelihood is not Defense.log_likelihood

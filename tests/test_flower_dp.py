@@ -3,7 +3,10 @@ exact likelihood around the clipped update, the guarantee as configured and its 
 line where Flower is missing. check_defense on each runs in tests/test_checks.py (BUILTIN_SETTINGS)."""
 from __future__ import annotations
 
+import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +131,50 @@ def test_auto_chooses_bayes_and_a_missing_flower_is_one_line_before_any_work(wri
     with pytest.raises(ConfigError) as exc:
         load_audit(write_audit(audit))
     assert "flower_local_dp needs Flower: pip install 'leakaudit[flower]'" in str(exc.value)
+
+
+FLOWER_APP = Path(__file__).parents[1] / "examples" / "own_training" / "flower_app"
+
+
+def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, monkeypatch):
+    """LocalDpMod run inside LeakAuditMod: the reply is the mod's (clipped), the round audited is the app's clean
+    update under flower_local_dp with the mod's settings; a mod leakaudit cannot read is one line."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for field in ("_run_id", "_node_id", "_task_id"):  # what a SuperNode sets before it runs the app
+        monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
+    for name, value in (("FLOWER_APP_IMAGES", 40), ("FLOWER_APP_ITERATIONS", 5), ("FLOWER_APP_RUNS", tmp_path)):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.syspath_prepend(str(FLOWER_APP))
+    for module in ("task", "client_app", "server_app"):
+        sys.modules.pop(module, None)
+    import client_app
+    from task import Net
+
+    from leakaudit.flower import LeakAuditMod
+
+    audit = {**client_app.AUDIT, "attacks": [{"name": "inverting_gradients", "params": {"iterations": 5}}]}
+    with pytest.raises(ConfigError) as info:
+        LeakAuditMod(Net, mods=[fixedclipping_mod], **audit)
+    assert info.value.lines == ["LeakAuditMod: mods[0]: leakaudit cannot see what fixedclipping_mod does to the "
+                                "update (the defenses that read a mod: flower_local_dp); leave it out of mods"]
+    dp = LocalDpMod(clipping_norm=1e-3, sensitivity=0.0, epsilon=1.0, delta=1e-5)  # no noise: the clip shows exactly
+    mod = LeakAuditMod(Net, mods=[dp], **audit)
+    start = Net()
+    message = Message(content=RecordDict({"arrays": ArrayRecord(start.state_dict()),
+                                          "config": ConfigRecord({"lr": 0.01, "server-round": 1})}),
+                      dst_node_id=7, message_type=MessageType.TRAIN)
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2},
+                      state=RecordDict(), run_config={})
+    reply = mod(message, context, client_app.train)
+    returned = reply.content["arrays"].to_torch_state_dict()
+    sent = [start.state_dict()[n] - returned[n] for n, _ in start.named_parameters()]
+    clean = mod.monitors["0"].last_update
+    norm = float(torch.sqrt(sum((u ** 2).sum() for u in clean)))
+    assert norm > 1e-2 and float(torch.sqrt(sum((s ** 2).sum() for s in sent))) == pytest.approx(1e-3, rel=1e-3)
+    assert all(torch.allclose(s, u * (1e-3 / norm), atol=1e-7) for s, u in zip(sent, clean))
+    described = json.loads((tmp_path / "clients" / "client-0" / "monitor.json").read_text())
+    assert described["defense"] == {"name": "flower_local_dp", "params": {
+        "clipping_norm": 1e-3, "sensitivity": 0.0, "epsilon": 1.0, "delta": 1e-5}}

@@ -178,3 +178,7 @@ def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, mon
     described = json.loads((tmp_path / "clients" / "client-0" / "monitor.json").read_text())
     assert described["defense"] == {"name": "flower_local_dp", "params": {
         "clipping_norm": 1e-3, "sensitivity": 0.0, "epsilon": 1.0, "delta": 1e-5}}
+    summary = json.loads((tmp_path / "clients" / "client-0" / "summary.json").read_text())
+    privacy = next(w["privacy"] for w in summary["worst_case"] if w["setting"].startswith("flower_local_dp"))
+    assert privacy["mechanism"].startswith("Flower LocalDpMod: clip 0.001, noise std 0 ") and privacy["mu"] == float("inf")
+    assert "WARNING: no noise: no guarantee" in privacy["mechanism"]

@@ -144,7 +144,7 @@ class FlowerDefense(Defense):
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         """Epsilon at ``delta`` after ``steps`` rounds: each a fresh Gaussian release of the clipped update,
         composed exactly as GDP (no credit for the sampling of clients, which the attacked client's rounds lack)."""
-        return PrivacyProfile(mu=self.mu()).epsilon(delta, max(steps, 1))
+        return PrivacyProfile(mu=self.mu()).epsilon(delta, steps) if steps >= 1 else 0.0
 
 
 class FlowerLocalDp(FlowerDefense):
@@ -333,7 +333,7 @@ class FlowerAdaptiveClipping(FlowerDefense):
 
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         """Epsilon at ``delta`` after ``steps`` rounds of update and count: ``sqrt(steps) / noise_multiplier``-GDP."""
-        return self.privacy_profile().epsilon(delta, max(steps, 1))
+        return self.privacy_profile().epsilon(delta, steps) if steps >= 1 else 0.0
 
 
 @hookimpl

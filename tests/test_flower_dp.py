@@ -87,6 +87,7 @@ def test_epsilon_of_a_gdp_profile_is_opacus_at_moderate_mu_and_finite_far_past_i
                                                                              rel=1e-9)
     fixed = FlowerFixedClipping(clipping_norm=1.0, noise_multiplier=1.0, num_sampled_clients=10)
     assert fixed.privacy_spent(4, 1.0, 1e-5) == pytest.approx(eps_from_mu(mu=2.0, delta=1e-5), rel=1e-9)
+    assert fixed.privacy_spent(0, 1.0, 1e-5) == 0.0  # no round run, nothing spent
     huge = PrivacyProfile(mu=2e4).epsilon(1e-5)
     assert 2e8 < huge < 2.01e8  # about mu^2 / 2: Opacus's bracket [0, 500] cannot hold it
 

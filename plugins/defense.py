@@ -62,6 +62,42 @@ class PrivacyProfile:
             bounds.append(1.0 if math.isinf(self.mu) else normal.cdf(normal.inv_cdf(kappa) + self.mu))
         return min(bounds)
 
+    def epsilon(self, delta: float, releases: int = 1) -> float:
+        """The least epsilon at ``delta`` of ``releases`` such updates composed: mu-GDP composes to
+        ``sqrt(releases) mu``-GDP, whose (epsilon, delta) curve is delta(epsilon) = Phi(-epsilon/mu + mu/2) -
+        e^epsilon Phi(-epsilon/mu - mu/2) (Dong et al. 2022, Cor. 2.13), solved by bisection in log space so that
+        a mu of thousands gives its epsilon of millions; from ``pairs`` alone, the composition of the best pair
+        (Dwork & Roth 2014, Thm. 3.16). inf where the profile allows no such delta."""
+        if not 0 < delta < 1 or releases < 1:
+            raise ValueError(f"PrivacyProfile.epsilon: delta {delta!r} (in (0, 1)) and releases {releases!r} (>= 1)")
+        best = min((releases * e for e, d in self.pairs if releases * d <= delta), default=math.inf)
+        if self.mu is None:
+            return best
+        mu = math.sqrt(releases) * self.mu
+        if math.isinf(mu):
+            return best
+        if mu == 0:
+            return 0.0
+        from scipy.special import log_ndtr, ndtr
+
+        def excess(eps: float) -> float:  # delta(eps) - delta, decreasing in eps
+            return float(ndtr(-eps / mu + mu / 2) - math.exp(eps + log_ndtr(-eps / mu - mu / 2))) - delta
+
+        if excess(0.0) <= 0:
+            return 0.0
+        low, high = 0.0, max(1.0, mu * mu)
+        while excess(high) > 0:
+            low, high = high, 2 * high
+        for _ in range(200):
+            mid = (low + high) / 2
+            if excess(mid) > 0:
+                low = mid
+            else:
+                high = mid
+            if high - low <= 1e-12 * high:
+                break
+        return min(best, high)
+
 
 class Defense:
     """Base class: subclasses set ``name``, ``params`` and override what their defense changes.
@@ -205,6 +241,13 @@ class Defense:
         gives none). ``radius`` bounds the L2 norm of the update the defense receives (a ``clip`` before it in a
         chain); None where nothing bounds it. The report holds every attack's identification rate to the bound
         it implies, and ``check_defense`` checks it against what ``share`` sends."""
+        return None
+
+    @classmethod
+    def mirrored_settings(cls, mechanism: Any) -> dict[str, Any] | None:
+        """This defense's settings where ``mechanism``, a framework's own privacy object (a Flower ``LocalDpMod``),
+        is what the defense computes; None where it mirrors no such object. A monitor that finds the object where
+        training runs audits it as this defense (``LeakAuditMod(mods=[...])``)."""
         return None
 
     @classmethod

@@ -28,6 +28,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.defenses.bayesian",
     "leakaudit.defenses.compression",
     "leakaudit.defenses.text",
+    "leakaudit.defenses.flower",
     "leakaudit.attacks.gradient_matching",
     "leakaudit.attacks.analytic",
     "leakaudit.attacks.bayes",

@@ -55,8 +55,10 @@ def test_plugins_of_one_kind(capsys):
     (("plugins", "defence"), "leakaudit: error: plugins: KIND 'defence' is not a kind (did you mean 'defense'?); "
                              "choices: defense, attack, metric, model, dataset"),
     (("plugins", "defense", "gausian"), "leakaudit: error: plugins: defense 'gausian' is not registered (did you "
-                                        "mean 'gaussian'?); defenses: ats, bayesian, clip, dpsgd, frozen_embeddings, "
-                                        "gaussian, laplace, lora, none, precode, prune, qsgd, signsgd, soteria, topk"),
+                                        "mean 'gaussian'?); defenses: ats, bayesian, clip, dpsgd, "
+                                        "flower_adaptive_clipping, flower_fixed_clipping, flower_local_dp, "
+                                        "frozen_embeddings, gaussian, laplace, lora, none, precode, prune, qsgd, "
+                                        "signsgd, soteria, topk"),
 ])
 def test_plugins_typos_are_one_line(capsys, argv, line):
     code, out, err = _run(capsys, *argv)

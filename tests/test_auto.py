@@ -77,7 +77,8 @@ OFFLINE = {"cifar10": "cifar10_samples", "cifar100": "cifar100_samples", "mnist"
 TINY = {"iterations": 1, "updates": 16, "width": 8, "minibatch": 8, "samples": 4096, "dense_limit": 1,
         "cg_iterations": 5}
 #: Configs whose models take over 10 s here even so (64 images through a deep network): run with --runheavy.
-HEAVY = {"cinet_batch64", "imprint", "bayesian_full_budget", "text_dager_scale"}
+HEAVY = {"cinet_batch64", "imprint", "bayesian_full_budget", "text_dager_scale",
+         "flower_local_dp"}  # the quickstart's model again: tests/test_flower_dp.py checks auto on Flower's DP
 
 
 def _auto_version(path: Path, tmp_path: Path) -> Path:

@@ -32,6 +32,11 @@ BUILTIN_SETTINGS = {
     "bayesian": ({}, "no likelihood"),
     "frozen_embeddings": ({}, "exact"),  # a text defense: checked on a small causal transformer's sentences
     "lora": ({"rank": 4}, "exact"),
+    # Flower's mechanisms, computed by Flower (leakaudit[flower]): the noise a tenth of the clip, which is under
+    # the tiny case's update norm (1.8), so the clip is active
+    "flower_local_dp": ({"clipping_norm": 0.5, "sensitivity": 0.5, "epsilon": 10.0, "delta": 1e-5}, "noisy"),
+    "flower_fixed_clipping": ({"clipping_norm": 0.5, "noise_multiplier": 0.1, "num_sampled_clients": 4}, "noisy"),
+    "flower_adaptive_clipping": ({"clipping_norm": 0.5, "noise_multiplier": 0.1, "num_sampled_clients": 20}, "noisy"),
 }
 
 

@@ -308,6 +308,8 @@ def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkey
         assert sorted(described["steps"]) == [1, 2], folder
         images = 128 if folder.name == "aggregate" else 64
         assert all(len(r["per_image"]["psnr"]) == images for r in rows(folder))
+        if folder.parent.name == "clients":  # the app's LocalDpMod, read inside LeakAuditMod, is the defense
+            assert described["defense"]["name"] == "flower_local_dp"
         if folder.name != "aggregate":
             assert described["sampled"]["1"].startswith(
                 "it trained on 96 images, more than max_images=64: attacked on a seeded sample, 2 of its 3 "

@@ -196,8 +196,10 @@ def _offline(audit: dict, path) -> dict:
 SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
 # slow to run even reduced; covered by default by their twins (table1_resnet20, ats_training, cinet_cpu) and, for
 # adaptive_defenses, by tests/test_adaptive_defenses.py's end-to-end audit
+# flower_local_dp: the quickstart's model under a frontier search of up to 7 probes; its defense is checked by
+# tests/test_flower_dp.py and tests/test_checks.py, a frontier run by configs/frontier.yaml's
 SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper", "cinet_batch64",
-               "text_dager_scale"}
+               "text_dager_scale", "flower_local_dp"}
 
 
 @pytest.mark.slow

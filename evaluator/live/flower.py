@@ -6,26 +6,56 @@ iterates yields, then attacks the arrays the reply returns as the round's FedAvg
 message brought (``LeakMonitor.observe_round``). ``LeakAuditClient`` wraps an older app's ``NumPyClient`` the
 same way around its ``fit``, over the batches of the loader the monitor watches (``LeakMonitor.local_round``).
 Rounds are numbered by the round the server sends in the config (``server-round``, ``server_round``), else
-by the client's own count of rounds it took part in, kept in its run folder.
+by the client's own count of rounds it took part in, kept in its run folder. Flower mods that change the update
+(``LocalDpMod``) run inside ``LeakAuditMod(mods=[...])`` on train messages: the round's clean update is taken before
+them and audited under the defense that reads their mechanism (``Defense.mirrored_settings``), with its likelihood
+and epsilon; a mod no defense reads is refused in one line.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.monitor import MAX_ROUND_IMAGES, LeakMonitor
+from leakaudit.plugins.defense import Defense
+from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.spec import one_line
 
 try:
     from flwr.app import Message, MessageType
     from flwr.client import NumPyClient
+    from flwr.client.mod.utils import make_ffn
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("leakaudit's Flower client needs Flower: pip install 'leakaudit[flower]'") from exc
 
 ROUND_KEYS = ("server-round", "server_round")  # where strategies put the round's number in the config
+
+
+def mirrored_defense(mods: Sequence[Any], plugins_dirs: Sequence[str]) -> tuple[dict[str, Any] | None, list[str]]:
+    """The defense (name, params) whose ``mirrored_settings`` reads the mechanism of ``mods`` (None where none
+    does), and one line per mod it cannot audit: one that no defense reads, or a second mechanism."""
+    if not mods:
+        return None, []
+    registry = load_registry(plugins_dirs)
+    kinds = [registry.get("defense", n) for n in registry.names("defense")]
+    readers = ", ".join(k.name for k in kinds  # those that override mirrored_settings
+                        if k.mirrored_settings.__func__ is not Defense.mirrored_settings.__func__)
+    found: dict[str, Any] | None = None
+    problems = []
+    for i, mod in enumerate(mods):
+        what = getattr(mod, "__name__", type(mod).__name__)
+        read = next(((k.name, p) for k in kinds if (p := k.mirrored_settings(mod)) is not None), None)
+        if read is None:
+            problems.append(f"mods[{i}]: leakaudit cannot see what {what} does to the update (the defenses that "
+                            f"read a mod: {readers or 'none'}); leave it out of mods")
+        elif found is not None:
+            problems.append(f"mods[{i}]: a second mechanism ({what}); leakaudit audits one")
+        else:
+            found = {"name": read[0], "params": read[1]}
+    return found, problems
 
 
 class LeakAuditMod:
@@ -37,19 +67,31 @@ class LeakAuditMod:
     else its node id. A round over more than ``max_images`` images is attacked on a seeded sample of its
     minibatches. The remaining keywords configure each client's ``LeakMonitor`` (defense, attacks, mean, std,
     metrics, leakage_metric, loggers, ...); they are checked now, one line per problem.
+
+    ``mods`` are Flower mods run inside this one around the train function, as ``@app.train(mods=[...])`` runs
+    them: a ``LocalDpMod`` among them is the audited defense (``flower_local_dp`` with its settings), its update
+    drawn again by Flower's functions from the round's clean update on the monitor's own generator (the reply
+    carries the mod's own draw); a mod leakaudit cannot read is refused in one line.
     """
 
     def __init__(self, model: Callable[[], nn.Module], *, out: str | Path = "runs/flower_clients", every: int = 1,
-                 client_key: str = "partition-id", max_images: int = MAX_ROUND_IMAGES, **monitor: Any) -> None:
+                 client_key: str = "partition-id", max_images: int = MAX_ROUND_IMAGES, mods: Sequence[Any] = (),
+                 **monitor: Any) -> None:
         problems = [] if callable(model) else [f"model: a {type(model).__name__}; expected what makes the network "
                                                "the app trains (its class, say)"]
         problems += [] if isinstance(max_images, int) and max_images >= 1 else [
             f"max_images: {max_images!r}; expected a whole number >= 1"]
+        mirrored, unread = mirrored_defense(mods, monitor.get("plugins_dirs", ()))
+        problems += unread + (["defense: given beside mods; the mod's mechanism is the defense audited"]
+                              if mirrored is not None and "defense" in monitor else [])
+        if mirrored is not None:
+            monitor["defense"] = mirrored
         if problems:
             raise ConfigError([f"LeakAuditMod: {p}" for p in problems])
         LeakMonitor(**monitor, every=every, out=out)  # checks the settings now; writes nothing
         self.model, self.out, self.every, self.client_key = model, Path(out), every, client_key
         self.max_images, self._settings = max_images, monitor
+        self.mods = list(mods)
         self._fits: dict[str, int] = {}
         #: Each client's monitor of its last audited round in this process, by name (``monitors["0"].report()``).
         self.monitors: dict[str, LeakMonitor] = {}
@@ -62,19 +104,27 @@ class LeakAuditMod:
         self._fits[name] = self._fits.get(name, 0) + 1
         number = next((int(config[k]) for k in ROUND_KEYS if k in config), self._fits[name])
         if (number - 1) % self.every:
-            return call_next(msg, context)
+            return make_ffn(call_next, self.mods)(msg, context)
         monitor = self.monitors[name] = LeakMonitor(**self._settings, every=self.every,
                                                     out=self.out / f"client-{name}")
         monitor.max_images = self.max_images
         arrays = next(iter(msg.content.array_records.values()))
+        clean: list[Any] = []
+
+        def app(inner: Message, ctx: Any) -> Message:  # the app's own reply, before the mods inside change it
+            out = call_next(inner, ctx)
+            if not out.has_error() and out.content.array_records:
+                clean.append(next(iter(out.content.array_records.values())).to_numpy_ndarrays())
+            return out
+
         with monitor.observe_round(number) as local:
-            reply = call_next(msg, context)
-        if reply.has_error() or not reply.content.array_records:
+            reply = make_ffn(app, self.mods)(msg, context)
+        if reply.has_error() or not clean:
             return reply
         try:  # a client's failed audit never costs its reply: the error is logged, and the reply leaves as it is
             model = self.model()
             model.load_state_dict(arrays.to_torch_state_dict())
-            monitor.finish_round(local, model, next(iter(reply.content.array_records.values())).to_numpy_ndarrays())
+            monitor.finish_round(local, model, clean[0])
         except Exception as exc:
             monitor.log.warning("LeakAuditMod: client %s, round %d not audited: %s", name, number, one_line(exc))
         return reply

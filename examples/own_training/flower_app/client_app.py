@@ -2,11 +2,15 @@
 
 Each round's update is attacked before the reply leaves the client (``LeakAuditMod``), into
 ``runs/flower_app/clients/client-N``; a round over more than 64 images is attacked on a seeded sample of
-its minibatches.
+its minibatches. The app's own privacy, Flower's ``LocalDpMod``, runs inside the audit (``mods=[DP]``): the round
+is audited under that mechanism (``flower_local_dp``), with its likelihood and the epsilon it really spends. Its
+settings are FLIP's shipped defaults (sensitivity 1e-4 beside clipping_norm 1.0): the report's privacy table warns
+that the noise is orders of magnitude under the update.
 """
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import LocalDpMod
 
 from leakaudit.flower import LeakAuditMod  # leakaudit
 from task import IMAGES, ITERATIONS, RUNS, Net, load_data
@@ -16,7 +20,8 @@ from task import train as train_fn
 AUDIT = {"attacks": [{"name": "inverting_gradients", "params": {"iterations": ITERATIONS}}],  # leakaudit
          "mean": 0.5, "std": 0.5, "out": f"{RUNS}/clients"}                                   # leakaudit
 
-app = ClientApp(mods=[LeakAuditMod(Net, **AUDIT)])  # leakaudit: the quickstart's `app = ClientApp()`
+DP = LocalDpMod(clipping_norm=1.0, sensitivity=1e-4, epsilon=10.0, delta=1e-5)  # the app's own local DP
+app = ClientApp(mods=[LeakAuditMod(Net, mods=[DP], **AUDIT)])  # leakaudit: was ClientApp(), @app.train(mods=[DP])
 
 
 @app.train()

@@ -1,0 +1,341 @@
+"""Flower's differential privacy as a team switches it on: LocalDpMod, and the fixed and adaptive clipping of the
+DifferentialPrivacy{ClientSide,ServerSide}{Fixed,Adaptive}Clipping strategies (Flower 1.42, ``leakaudit[flower]``).
+
+The update is computed by Flower's own functions (``flwr.supercore.differential_privacy``: the clip of the model's
+change, the Gaussian noise and its standard deviation), called on the update as arrays with the server's weights
+at zero, so that what leaves is exactly what Flower makes of it; Flower draws its noise from NumPy's global
+generator, which is seeded from the round's generator for the call and put back after it. Each likelihood is the
+Gaussian of that noise around the clipped candidate update, so ``bayes`` attacks it with its exact p(g|x).
+
+Each guarantee is the one the configuration really gives, not the one it names: the clip bounds the update's norm,
+so one release is ``clipping_norm / std``-GDP (Dong et al. 2022), whatever ``sensitivity`` or ``epsilon`` say; its
+mechanism text (the report's privacy table) gives the epsilon per round and over the rounds and warns where the
+noise is orders of magnitude under the update it hides or the epsilon is past any meaningful range (FLIP's
+defaults, londonaicentre/FLIP #833: sensitivity 1e-4 beside clipping_norm 1.0, a std of 5e-5).
+
+Flower is imported where it is used; without it, each defense is refused in one line naming the extra.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import contextmanager
+from importlib.util import find_spec
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from leakaudit.plugins import Param, hookimpl
+from leakaudit.plugins.defense import Defense, PrivacyProfile, SharedUpdate, squared_distance
+from leakaudit.plugins.protocol import FedAvg, Protocol
+
+#: Past this epsilon per round a guarantee says nothing an attacker would notice (e^10: odds moved 22,000-fold).
+MEANINGFUL_EPSILON = 10.0
+#: The noise is "orders of magnitude" under the update it hides when the clip is this many stds or more.
+NOISE_UNDER = 100.0
+#: The delta the mechanism text states epsilon at where the configuration names none.
+REPORT_DELTA = 1e-5
+
+
+def flower_missing() -> str | None:
+    """Why Flower's mechanisms cannot run here (None: they can), found without importing Flower."""
+    return None if find_spec("flwr") else "needs Flower: pip install 'leakaudit[flower]'"
+
+
+def flower_dp() -> Any:
+    """Flower's differential-privacy functions (``flwr.supercore.differential_privacy``; older releases:
+    ``flwr.common.differential_privacy``)."""
+    try:
+        from flwr.supercore import differential_privacy
+    except ImportError:
+        from flwr.common import differential_privacy  # type: ignore[no-redef]
+    return differential_privacy
+
+
+@contextmanager
+def numpy_draws_from(generator: torch.Generator) -> Iterator[None]:
+    """NumPy's global generator (where Flower draws its noise) seeded from ``generator``, put back after."""
+    import numpy as np
+
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator, device=generator.device).item())
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(state)
+
+
+def to_arrays(update: Sequence[Tensor]) -> list[Any]:
+    return [t.detach().cpu().numpy().copy() for t in update]
+
+
+def from_arrays(arrays: Sequence[Any], like: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.as_tensor(a.copy()).to(t) for a, t in zip(arrays, like)]
+
+
+def flower_clip(update: Sequence[Any], clipping_norm: float) -> list[Any]:
+    """The update clipped by Flower's ``compute_clip_model_update`` (the model's change, server weights at zero)."""
+    import numpy as np
+
+    sent = list(update)
+    flower_dp().compute_clip_model_update(sent, [np.zeros_like(a) for a in sent], clipping_norm)
+    return sent
+
+
+def clipped(update: Sequence[Tensor], clipping_norm: float) -> list[Tensor]:
+    """The likelihood's centre: the update scaled to L2 norm at most ``clipping_norm``, as Flower's FlatClip
+    (McMahan et al. 2018), differentiably."""
+    norm = torch.sqrt(sum((g ** 2).sum() for g in update))  # type: ignore[arg-type]
+    factor = torch.clamp(clipping_norm / norm.clamp_min(1e-30), max=1.0)
+    return [g * factor for g in update]
+
+
+def guarantee_notes(mu: float, std: float, clip: float, rounds: int) -> list[str]:
+    """What a configuration's guarantee really says: epsilon per round and over ``rounds``, the noise against the
+    update, and a warning where either is past a meaningful range."""
+    one = PrivacyProfile(mu=mu)
+    per_round, total = one.epsilon(REPORT_DELTA), one.epsilon(REPORT_DELTA, rounds)
+    out = [f"epsilon {per_round:.3g} per round, {total:.3g} over {rounds} rounds (delta {REPORT_DELTA:g})"]
+    if std == 0:
+        out.append("WARNING: no noise: no guarantee")
+    elif clip / std >= NOISE_UNDER:
+        out.append(f"WARNING: noise std {std:.3g} is {clip / std:.3g} times under the clipped update's norm "
+                   f"{clip:g}: it hides nothing")
+    if std > 0 and per_round > MEANINGFUL_EPSILON:
+        out.append(f"WARNING: epsilon {per_round:.3g} per round is past any meaningful range (above "
+                   f"{MEANINGFUL_EPSILON:g})")
+    return out
+
+
+class FlowerDefense(Defense):
+    """What Flower's three mechanisms share: the extra, the rounds their epsilon is stated over, the likelihood."""
+
+    paper = "Beutel et al. 2020"
+    clipping_norm: float
+    rounds: int
+
+    def unsupported(self, protocol: Protocol) -> str | None:
+        missing = flower_missing()
+        if missing:
+            return f"{self.name} {missing}"
+        if isinstance(protocol, FedAvg) and protocol.clients > 1:
+            return (f"{self.name} clips one client's update; with clients: {protocol.clients} the protocol would "
+                    "clip their mean: use clients: 1")
+        return None
+
+    def noise_std(self) -> float:
+        """The standard deviation of the noise on the update, as Flower computes it."""
+        raise NotImplementedError
+
+    def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
+        """Gaussian with Flower's std around the candidate clipped to ``clipping_norm`` (zero-noise limit at 0)."""
+        distance = squared_distance(observed.tensors, clipped(candidate, self.clipping_norm))
+        std = self.noise_std()
+        return -0.5 * distance if std == 0 else -distance / (2 * std ** 2)
+
+    def mu(self, radius: float | None = None) -> float:
+        """One release's GDP parameter: the clip's bound (or a tighter one before it) over the noise's std."""
+        clip = self.clipping_norm if radius is None else min(radius, self.clipping_norm)
+        std = self.noise_std()
+        return math.inf if std == 0 else clip / std
+
+    def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
+        """Epsilon at ``delta`` after ``steps`` rounds: each a fresh Gaussian release of the clipped update,
+        composed exactly as GDP (no credit for the sampling of clients, which the attacked client's rounds lack)."""
+        return PrivacyProfile(mu=self.mu()).epsilon(delta, steps) if steps >= 1 else 0.0
+
+
+class FlowerLocalDp(FlowerDefense):
+    """Flower's LocalDpMod: the client's change over the round clipped to ``clipping_norm`` (FlatClip), then
+    Gaussian noise of std ``sensitivity * sqrt(2 ln(1.25 / delta)) / epsilon`` (Dwork & Roth 2014, Thm. A.1) on
+    every parameter, by Flower's own functions. The guarantee is the clip's: ``clipping_norm / std``-GDP per round;
+    the configured epsilon holds only where ``sensitivity`` is at least ``clipping_norm`` (and epsilon < 1).
+    Audit it under ``protocol: fedavg`` (the change Flower clips); under fedsgd the gradient is clipped as a change
+    at learning rate 1. Needs ``leakaudit[flower]``."""
+
+    name = "flower_local_dp"
+    params = {
+        "clipping_norm": Param(type=float, min=0.0, exclusive_min=True, help="LocalDpMod's clipping_norm",
+                               example=1.0),
+        "sensitivity": Param(type=float, min=0.0, help="LocalDpMod's sensitivity (the noise's scale)", example=1.0),
+        "epsilon": Param(type=float, min=0.0, exclusive_min=True, protects="lower", help="LocalDpMod's epsilon",
+                         example=1.0),
+        "delta": Param(type=float, min=0.0, max=1.0, exclusive_min=True, help="LocalDpMod's delta (below 1)",
+                       example=1e-5),
+        "rounds": Param(1, int, min=1, help="server rounds the epsilon is stated over in the report"),
+    }
+    sensitivity: float
+    epsilon: float
+    delta: float
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        if self.delta >= 1:
+            raise ValueError(f"flower_local_dp: delta {self.delta!r}; expected below 1 (ln(1.25 / delta) > 0)")
+
+    def noise_std(self) -> float:
+        return self.sensitivity * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+
+    @classmethod
+    def mirrored_settings(cls, mechanism: Any) -> dict[str, Any] | None:
+        """A Flower ``LocalDpMod`` (the Message API's ``flwr.clientapp.mod`` or the older ``flwr.client.mod``):
+        its clipping_norm, sensitivity, epsilon and delta. Flower is not imported here: an object of its classes
+        means it is loaded already."""
+        kinds = tuple(getattr(sys.modules[m], "LocalDpMod") for m in ("flwr.clientapp.mod", "flwr.client.mod")
+                      if m in sys.modules and hasattr(sys.modules[m], "LocalDpMod"))
+        if not kinds or not isinstance(mechanism, kinds):
+            return None
+        return {k: float(getattr(mechanism, k)) for k in ("clipping_norm", "sensitivity", "epsilon", "delta")}
+
+    def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
+        """Flower's ``compute_clip_model_update``, then its ``add_localdp_gaussian_noise_to_params``."""
+        from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+
+        sent = flower_clip(to_arrays(update), self.clipping_norm)
+        with numpy_draws_from(generator):
+            noisy = flower_dp().add_localdp_gaussian_noise_to_params(
+                ndarrays_to_parameters(sent), self.sensitivity, self.epsilon, self.delta)
+        return from_arrays(parameters_to_ndarrays(noisy), update)
+
+    def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
+        std, mu = self.noise_std(), self.mu(radius)
+        notes = guarantee_notes(mu, std, self.clipping_norm if radius is None else min(radius, self.clipping_norm),
+                         self.rounds)
+        if self.sensitivity < self.clipping_norm:
+            notes.append(f"sensitivity {self.sensitivity:g} is under clipping_norm {self.clipping_norm:g}: the "
+                         f"configured epsilon {self.epsilon:g} is not what a round spends")
+        return PrivacyProfile(mu=mu, mechanism=f"Flower LocalDpMod: clip {self.clipping_norm:g}, noise std {std:.3g} "
+                                               f"(sensitivity {self.sensitivity:g}, epsilon {self.epsilon:g}, delta "
+                                               f"{self.delta:g}); " + "; ".join(notes))
+
+
+class FlowerFixedClipping(FlowerDefense):
+    """Flower's DifferentialPrivacy{ClientSide,ServerSide}FixedClipping (central DP, McMahan et al. 2018): each
+    client's change clipped to ``clipping_norm`` (``fixedclipping_mod`` on the client, or the server), the mean of
+    ``num_sampled_clients`` clipped changes plus Gaussian noise of std ``noise_multiplier * clipping_norm /
+    num_sampled_clients`` (Flower's ``compute_stdv``). Shared: what an observer of the noisy mean who knows the
+    other clients learns of this one, the mean's share of it scaled back by the number of clients (the clipped
+    change plus noise of std ``noise_multiplier * clipping_norm``); ``1 / noise_multiplier``-GDP per round. The
+    guarantee covers the released mean, not the server: server side, the server itself receives the change
+    unclipped (audit it as ``none``); client side, clipped (``clip``). Needs ``leakaudit[flower]``."""
+
+    name = "flower_fixed_clipping"
+    params = {
+        "clipping_norm": Param(type=float, min=0.0, exclusive_min=True, help="the strategy's clipping_norm",
+                               example=1.0),
+        "noise_multiplier": Param(type=float, min=0.0, protects="higher", help="the strategy's noise_multiplier",
+                                  example=1.0),
+        "num_sampled_clients": Param(type=int, min=1, help="the strategy's num_sampled_clients", example=10),
+        "side": Param("client", str, choices=("client", "server"), help="who clips: the client's "
+                      "fixedclipping_mod or the server (it then sees the change unclipped)"),
+        "rounds": Param(1, int, min=1, help="server rounds the epsilon is stated over in the report"),
+    }
+    noise_multiplier: float
+    num_sampled_clients: int
+    side: str
+
+    def noise_std(self) -> float:
+        return self.noise_multiplier * self.clipping_norm
+
+    def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
+        """Flower's ``compute_clip_model_update``; the mean's share (1 / num_sampled_clients) noised by its
+        ``add_gaussian_noise_inplace`` at ``compute_stdv``, scaled back."""
+        dp, n = flower_dp(), self.num_sampled_clients
+        share = [a / n for a in flower_clip(to_arrays(update), self.clipping_norm)]
+        with numpy_draws_from(generator):
+            dp.add_gaussian_noise_inplace(share, dp.compute_stdv(self.noise_multiplier, self.clipping_norm, n))
+        return from_arrays([a * n for a in share], update)
+
+    def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
+        notes = guarantee_notes(self.mu(radius), self.noise_std(), self.clipping_norm, self.rounds)
+        seen = "unclipped" if self.side == "server" else f"clipped to {self.clipping_norm:g}, without noise"
+        return PrivacyProfile(mu=self.mu(radius), mechanism=(
+            f"Flower {self.side}-side fixed clipping: clip {self.clipping_norm:g}, noise multiplier "
+            f"{self.noise_multiplier:g} on the mean of {self.num_sampled_clients} (std "
+            f"{self.noise_std() / self.num_sampled_clients:.3g}); " + "; ".join(notes)
+            + f"; the server itself sees the update {seen}"))
+
+
+class FlowerAdaptiveClipping(FlowerDefense):
+    """Flower's DifferentialPrivacy{ClientSide,ServerSide}AdaptiveClipping (Andrew et al. 2021) at one round: the
+    change clipped to that round's ``clipping_norm`` (``compute_adaptive_clip_model_update``), the mean of
+    ``num_sampled_clients`` noised at the multiplier that Flower's ``compute_adaptive_noise_params`` leaves once the
+    count of clipped clients (noise std ``clipped_count_stddev``, default num_sampled_clients / 20) has taken its
+    share; shared as ``flower_fixed_clipping`` shares (the mean's share scaled back). The guarantee of update and
+    count together is ``1 / noise_multiplier``-GDP per round; the likelihood covers the update (the clipped bit goes
+    into the server's noisy count, not to the attacker of this update). Needs ``leakaudit[flower]``."""
+
+    name = "flower_adaptive_clipping"
+    params = {
+        "clipping_norm": Param(0.1, float, min=0.0, exclusive_min=True,
+                               help="the round's clipping norm (Flower's initial_clipping_norm at round 1)"),
+        "noise_multiplier": Param(type=float, min=0.0, protects="higher", help="the strategy's noise_multiplier",
+                                  example=0.5),
+        "num_sampled_clients": Param(type=int, min=1, help="the strategy's num_sampled_clients", example=100),
+        "clipped_count_stddev": Param(None, float, min=0.0, exclusive_min=True,
+                                      help="noise on the count of clipped clients (default num_sampled_clients / 20)"),
+        "side": Param("client", str, choices=("client", "server"), help="who clips: the client's "
+                      "adaptiveclipping_mod or the server (it then sees the change unclipped)"),
+        "rounds": Param(1, int, min=1, help="server rounds the epsilon is stated over in the report"),
+    }
+    noise_multiplier: float
+    num_sampled_clients: int
+    clipped_count_stddev: float | None
+    side: str
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        count = self.count_stddev()
+        if self.noise_multiplier > 0 and self.noise_multiplier >= 2 * count:
+            raise ValueError(f"flower_adaptive_clipping: noise_multiplier {self.noise_multiplier:g} needs "
+                             f"clipped_count_stddev above {self.noise_multiplier / 2:g} (it is {count:g}); raise "
+                             "clipped_count_stddev or lower noise_multiplier")
+
+    def count_stddev(self) -> float:
+        given = self.clipped_count_stddev
+        return (self.num_sampled_clients / 20 if self.noise_multiplier > 0 else 0.0) if given is None else given
+
+    def update_multiplier(self) -> float:
+        """The update's own noise multiplier: (z^-2 - (2 sigma_b)^-2)^(-1/2), as Flower's
+        ``compute_adaptive_noise_params`` computes it."""
+        if self.noise_multiplier == 0:
+            return 0.0
+        return (self.noise_multiplier ** -2 - (2 * self.count_stddev()) ** -2) ** -0.5
+
+    def noise_std(self) -> float:
+        return self.update_multiplier() * self.clipping_norm
+
+    def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
+        """Flower's ``compute_adaptive_clip_model_update``; the mean's share noised by ``add_gaussian_noise_inplace``
+        at ``compute_stdv`` of the multiplier ``compute_adaptive_noise_params`` returns, scaled back."""
+        import numpy as np
+
+        dp, n = flower_dp(), self.num_sampled_clients
+        _, multiplier = dp.compute_adaptive_noise_params(self.noise_multiplier, n, self.clipped_count_stddev)
+        sent = to_arrays(update)
+        dp.compute_adaptive_clip_model_update(sent, [np.zeros_like(a) for a in sent], self.clipping_norm)
+        share = [a / n for a in sent]
+        with numpy_draws_from(generator):
+            dp.add_gaussian_noise_inplace(share, dp.compute_stdv(multiplier, self.clipping_norm, n))
+        return from_arrays([a * n for a in share], update)
+
+    def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
+        mu = math.inf if self.noise_multiplier == 0 else 1 / self.noise_multiplier
+        notes = guarantee_notes(mu, self.noise_std(), self.clipping_norm, self.rounds)
+        seen = "unclipped" if self.side == "server" else f"clipped to {self.clipping_norm:g}, without noise"
+        return PrivacyProfile(mu=mu, mechanism=(
+            f"Flower {self.side}-side adaptive clipping at clip {self.clipping_norm:g}: noise multiplier "
+            f"{self.noise_multiplier:g} ({self.update_multiplier():.3g} on the update, count std "
+            f"{self.count_stddev():g}) on the mean of {self.num_sampled_clients}; " + "; ".join(notes)
+            + f"; the server itself sees the update {seen}"))
+
+    def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
+        """Epsilon at ``delta`` after ``steps`` rounds of update and count: ``sqrt(steps) / noise_multiplier``-GDP."""
+        return self.privacy_profile().epsilon(delta, steps) if steps >= 1 else 0.0
+
+
+@hookimpl
+def register_defenses():
+    return [FlowerLocalDp, FlowerFixedClipping, FlowerAdaptiveClipping]

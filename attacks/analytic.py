@@ -1,7 +1,7 @@
 """Analytic inversion of a fully connected input layer (Geiping et al. 2020, Prop. 3.1 and its supplement)."""
 from __future__ import annotations
 
-from typing import Callable, cast
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ class AnalyticInversion(Attack):
 
     name = "analytic"
     paper = "Geiping et al. 2020"
-    auto_params = {"cpu": {}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {}}
 
     def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         """Why this attack cannot apply to the scenario, or None."""

@@ -13,6 +13,8 @@ local SGD step), which is why secure aggregation does not stop it.
 """
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -68,7 +70,7 @@ class Imprint(Attack):
 
     name = "imprint"
     paper = "Fowl et al. 2022"
-    auto_params = {"cpu": {}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {}}
     brings = "a malicious server's imprint block (model: imprint), where the threat model allows one"
     params = {"label_method": LABEL_METHOD}
     label_method: str

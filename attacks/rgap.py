@@ -14,7 +14,7 @@ Linear layers, with a biased last layer.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -80,7 +80,7 @@ class LayerwiseInversion(Attack):
 
     name = "rgap"
     paper = "Zhu & Blaschko 2021"
-    auto_params = {"cpu": {}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {}}
     solves_linear_systems = True
     params = {
         "dense_limit": Param(60_000_000, int, min=1, help="largest system solved densely (entries); larger "
@@ -152,7 +152,7 @@ class HybridInversion(LayerwiseInversion):
 
     name = "hybrid"
     paper = "Chen & Campbell 2022"
-    auto_params = {}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {}
     auto_skip = ("at its defaults it is rgap, which runs; its correction is set per model "
                  "(configs/linear_systems.yaml)")
     params = {

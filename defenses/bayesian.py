@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +92,7 @@ class BayesianLayer(StochasticModule):
             noise = [self.standard_normal(shape, x) for shape in self.noise_shapes(len(x))]
         pairs = self.pairs()
         sampled = [mu + F.softplus(rho) * eps for (mu, rho), eps in zip(pairs, noise)]
-        self._kl_term = lambda: self.kl_divergence(pairs)
+        self._kl_term: Callable[[], Tensor] | None = lambda: self.kl_divergence(pairs)
         weight, bias = sampled[0], (sampled[1] if len(sampled) > 1 else None)
         return self.apply_weights(x, weight, bias)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from leakaudit import __version__
 from leakaudit.plugins.spec import PluginError, one_line
@@ -301,8 +302,8 @@ def _check_report_options(args, audit) -> list[str]:
         try:
             page_template(args.template)
         except jinja2.TemplateError as exc:
-            line = f" line {exc.lineno}:" if getattr(exc, "lineno", None) else ""
-            problems.append(f"--template: {args.template}:{line} {exc.message or exc}")
+            line = f" line {getattr(exc, 'lineno')}:" if getattr(exc, "lineno", None) else ""
+            problems.append(f"--template: {args.template}:{line} {getattr(exc, 'message', None) or exc}")
     if args.allow_inconclusive and not args.fail_on_leak:
         problems.append("--allow-inconclusive: only applies with --fail-on-leak")
     if args.fail_on_leak and not any(s.must_protect for s in audit.settings):
@@ -428,12 +429,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _one_line_error(exc: Exception, known: tuple[type, ...]) -> int:
+def _one_line_error(exc: Any, known: tuple[type, ...]) -> int:
     """An error as the one line it is: an audit's problems, a failed attack (status 4), a closed pipe (quiet),
     and anything unforeseen as an internal error with the way to its traceback."""
     config_error, attack_failed = known[:2]
     if isinstance(exc, config_error):
-        return _fail(exc.lines)
+        return _fail(getattr(exc, "lines"))
     if isinstance(exc, attack_failed):
         _fail([str(exc)])
         return EXIT_ATTACK_FAILED

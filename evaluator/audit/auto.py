@@ -61,7 +61,8 @@ def auto_choice(registry: Registry, modality: str, device_type: str, settings: S
             lines.append(f"{name}: left out: {entry.obj.auto_skip}")
             continue
         attack = build(entry.obj, name, params)
-        fits, misfits = set(), {}
+        fits: set[str] = set()
+        misfits: dict[str, list[str]] = {}
         for setting in settings:
             why = why_not(attack, setting)
             if why is None:

@@ -133,7 +133,7 @@ def _check_architecture(model: dict, registry: Registry, where: str, problems: l
     source = _one_of(model, ("name", "factory"), where, problems)
     if source is None:
         return
-    if source == "factory" or ":" in name:
+    if source == "factory" or ":" in (name or ""):
         _check_factory(model, source, f"{where}.{source}", problems)
         model["name"] = model[source]  # a factory path is the model's name in reports
         return
@@ -171,7 +171,8 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str], protoco
             if spec is None:
                 continue
             item = {**item, "frontier": None, "sweep": {spec.knob: [spec.low, spec.high]}, "label": None}
-            ends = expand_defenses([item], registry, (at_ends := []), protocol, data)
+            at_ends: list[str] = []
+            ends = expand_defenses([item], registry, at_ends, protocol, data)
             problems.extend(_frontier_problems(at_ends, where))
             if len(problems) == found:
                 spec = dataclasses.replace(spec, model=ends[0].model, clients=ends[0].clients)
@@ -353,7 +354,8 @@ def _member_options(item: dict, registry: Registry, where: str, problems: list[s
         problems.extend(found)
         return []
     keys = sorted(sweep)
-    return [(name, {**item["params"], **dict(zip(keys, combo))}) for combo in itertools.product(*(sweep[k] for k in keys))]
+    return [(str(name), {**item["params"], **dict(zip(keys, combo))})
+            for combo in itertools.product(*(sweep[k] for k in keys))]
 
 
 def _check_sweep(spec: dict[str, Param], params: dict, sweep: dict, where: str) -> list[str]:
@@ -400,7 +402,7 @@ def check_attacks(value: Any, registry: Registry, problems: list[str],
             problems.append(f"{where}.params: {exc}")
             continue
         except Exception as exc:  # a plugin's constructor failing otherwise: named, on one line
-            problems.append(f"{where}.params: {_origin(registry, 'attack', name)} raised {one_line(exc)}")
+            problems.append(f"{where}.params: {_origin(registry, 'attack', str(name))} raised {one_line(exc)}")
             continue
         defenses = _defense_names(item["defenses"], f"{where}.defenses", problems)
         tune = None

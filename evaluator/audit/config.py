@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import yaml
@@ -52,7 +52,7 @@ def _strip_dot(path: str) -> str:
     return path[1:] if path.startswith(".") else path
 
 
-def load_audit(path: str | Path, plugins_dirs: list[str | Path] = (), registry: Registry | None = None,
+def load_audit(path: str | Path, plugins_dirs: Sequence[str | Path] = (), registry: Registry | None = None,
                text: str | None = None, import_user_code: bool = True) -> Audit:
     """Read, validate and expand an audit file.
 
@@ -157,7 +157,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     return audit
 
 
-def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: list[str | Path] = (),
+def monitor_audit(described: dict[str, Any], path: Path, plugins_dirs: Sequence[str | Path] = (),
                   registry: Registry | None = None) -> Audit:
     """The audit a LeakMonitor's run folder stands for, from its ``monitor.json``: the live training's attacked
     steps as checkpoints and one batch per step, so that the report and ``leakaudit report`` read the folder

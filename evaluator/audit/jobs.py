@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.tuning import candidates, scan_best, scan_candidates
@@ -85,7 +85,7 @@ def trial_key(row: dict[str, Any]) -> tuple:
     return (row["setting"], row["attack"], row["checkpoint"], row["trial"])
 
 
-def tune_jobs_of(audit: Audit, tried: list[dict] = ()) -> list[TuneJob]:
+def tune_jobs_of(audit: Audit, tried: Sequence[dict] = ()) -> list[TuneJob]:
     """Every tuning trial known so far: a scanning search's grid trials appear once ``tried`` (the tuning
     rows) holds its whole scan."""
     jobs = []

@@ -116,16 +116,16 @@ def _swept(spec: Mapping[str, Param]) -> Schema:
     params = _section(spec)
     params.pop("required", None)
     sweep = {"type": "object", "properties": {k: _values_of(p) for k, p in spec.items()}, "additionalProperties": False}
-    rules = []
+    rules: list[Schema] = []
     for key, p in spec.items():
-        fixed = {"required": ["params"], "properties": {"params": {"required": [key]}}}
-        varied = {"required": ["sweep"], "properties": {"sweep": {"required": [key]}}}
-        searched = {"required": ["frontier"], "properties": {"frontier": {"properties": {"param": {"const": key}}}}}
+        fixed: Schema = {"required": ["params"], "properties": {"params": {"required": [key]}}}
+        varied: Schema = {"required": ["sweep"], "properties": {"sweep": {"required": [key]}}}
+        searched: Schema = {"required": ["frontier"], "properties": {"frontier": {"properties": {"param": {"const": key}}}}}
         rules.append({"not": {"allOf": [fixed, varied]}})
         if p.required:
             rules.append({"anyOf": [fixed, varied, searched]})
     knobs = [k for k, p in spec.items() if p.protects]
-    frontier = {"properties": {"param": {"enum": knobs}}} if knobs else {"not": {}}  # no knob: no search
+    frontier: Schema = {"properties": {"param": {"enum": knobs}}} if knobs else {"not": {}}  # no knob: no search
     return {"properties": {"params": params, "sweep": sweep, "frontier": frontier},
             **({"allOf": rules} if rules else {})}
 
@@ -133,7 +133,7 @@ def _swept(spec: Mapping[str, Param]) -> Schema:
 def _tuned(spec: Mapping[str, Param]) -> Schema:
     """What an attack name asks of its entry: its ``params``, and ``tune`` searching only its own parameters
     (``priors.tv``: a key inside one)."""
-    own = ({"type": "string", "pattern": f"^(?:{'|'.join(map(re.escape, spec))})(?:\\..*)?$"} if spec
+    own: Schema = ({"type": "string", "pattern": f"^(?:{'|'.join(map(re.escape, spec))})(?:\\..*)?$"} if spec
            else {"not": {}})
     tune = {"properties": {"space": {"propertyNames": own, "properties": {k: _values_of(p) for k, p in spec.items()}},
                            "scan": {"properties": {"param": own}}}}

@@ -16,11 +16,12 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from leakaudit.evaluator.audit.specs import DEFAULT_LEAKAGE_METRIC
+from leakaudit.plugins.attack import Attack
 from leakaudit.plugins.spec import Param, check_params
 
 
@@ -98,9 +99,9 @@ def with_value(params: dict[str, Any], dotted: str, value: Any) -> dict[str, Any
 def scan_candidates(spec: TuneSpec, base: dict[str, Any], defaults: dict[str, Any]) -> list[dict[str, Any]]:
     """The first stage of a scanning search: the untuned parameters, then each scan value with the rest untuned."""
     start = {**defaults, **base}
-    out = [start]
-    for v in spec.scan.values() if spec.scan else []:
-        params = with_value(start, spec.scan.param, v)
+    out, scan = [start], spec.scan
+    for v in scan.values() if scan is not None else []:
+        params = with_value(start, cast(ScanSpec, scan).param, v)
         if params not in out:
             out.append(params)
     return out
@@ -136,10 +137,10 @@ def scan_best(spec: TuneSpec, trials: list[dict[str, Any]], scanned: int, regist
     if len({t["trial"] for t in first}) < scanned:
         return None
     (row,) = winners(first, registry).values()
-    return value_at(row["params"], spec.scan.param)
+    return value_at(row["params"], cast(ScanSpec, spec.scan).param)
 
 
-def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: dict, where: str) -> tuple[
+def check_tune(section: Any, attack_cls: type[Attack], base: dict[str, Any], metrics: dict, where: str) -> tuple[
         TuneSpec | None, list[str]]:
     """Validate a ``tune:`` mapping against the attack's parameters; every value is tried on the attack."""
     if not isinstance(section, dict):
@@ -169,11 +170,11 @@ def check_tune(section: Any, attack_cls: type, base: dict[str, Any], metrics: di
                         f"{', '.join(sorted(n for n, m in metrics.items() if m.on == 'images'))}")
     if problems:
         return None, problems
-    return TuneSpec(space=dict(space), budget=section.get("budget", 8), metric=metric,
+    return TuneSpec(space=dict(space or {}), budget=section.get("budget", 8), metric=metric,
                     targets=section.get("targets", 1), scan=scan), []
 
 
-def _check_scan(section: Any, attack_cls: type, base: dict[str, Any], tune: dict, where: str,
+def _check_scan(section: Any, attack_cls: type[Attack], base: dict[str, Any], tune: dict, where: str,
                 problems: list[str]) -> ScanSpec | None:
     """Validate a ``tune.scan`` mapping; its problems are appended to ``problems``."""
     if not isinstance(section, dict):

@@ -344,4 +344,4 @@ def world(setting: DefenseSetting) -> tuple[str, int | None]:
 
 def model_label(model: ModelSection | None) -> str:
     """A setting's own model as text ("" for the audit's): settings of one model share a reference."""
-    return "" if model is None else call_label(model.name, model.params)
+    return "" if model is None else call_label(model.name or "", model.params)

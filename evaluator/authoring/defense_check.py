@@ -66,7 +66,7 @@ class DefenseCheck:
         text = f"{self.defense}: {self.kind}, {self.shares} shares x {self.directions} directions"
         text += f" ({self.flat_directions} flat)" if self.flat_directions else ""
         if self.scale_ratio is not None:
-            lo, hi = self.scale_interval
+            lo, hi = self.scale_interval or (math.nan, math.nan)
             text += (f"; largest |z| of the score at the true candidate {self.centre_z:.2f}; score variance / "
                      f"curvature {self.scale_ratio:.3f} ({CONFIDENCE:.1%} interval {lo:.3f}-{hi:.3f})")
         if self.privacy_test is not None:
@@ -244,7 +244,7 @@ class Slopes:
         scores, curvature = [], []
         for share in shares:
             slope = torch.func.grad(lambda x: defense.log_likelihood(share, _unflat(x, like)).double().reshape(()))
-            gradient, bends = torch.func.vmap(lambda d: torch.func.jvp(slope, (truth,), (d,)))(directions)
+            gradient, bends = torch.func.vmap(lambda d: torch.func.jvp(slope, (truth,), (d,)))(directions)[:2]
             scores.append((gradient * directions).sum(-1))
             curvature.append(-(bends * directions).sum(-1))
         return cls(torch.stack(scores), torch.stack(curvature))
@@ -395,6 +395,7 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     named = _directions(truth, offset, directions, gen)
     names, unit = [what for what, _ in named], torch.stack([d for _, d in named])
     check.directions = len(names)
+    first: Slopes | Moves
     if defense.bounded_support:
         try:
             first = Slopes.measure(defense, drawn, truth, like, unit)
@@ -406,9 +407,10 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
         check.kind = "noisy"
     else:
         spread = (torch.stack([s.flat() for s in drawn]) @ unit.T).std(0)
-        first = Moves.measure(defense, drawn, truth, like, unit,
+        moves = Moves.measure(defense, drawn, truth, like, unit,
                               torch.where(spread > 1e-9 * (1 + truth.norm()), spread / 2, 1e-3 * (1 + truth.norm())))
-        exact, found = _exact_problems(first)
+        first = moves
+        exact, found = _exact_problems(moves)
         check.kind = "exact" if exact else "noisy"
         if exact:
             check.problems += found

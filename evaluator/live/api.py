@@ -209,7 +209,7 @@ def live_choice(registry: Registry, model: nn.Module, defenses: list[tuple[Defen
 def named_problems(defense: Any, attacks: Any, metrics: Sequence[str] | None, plugins_dirs: Sequence[str]) -> list[str]:
     """What is wrong with a monitor's names and parameters (defense, attacks, metrics), one line each: what can be
     checked before the model and the loop are known, so that a misspelt attack fails where the monitor is made."""
-    registry, problems = load_registry(list(plugins_dirs)), []
+    registry, problems = load_registry(list(plugins_dirs)), list[str]()
     expand_defenses([{"name": defense} if isinstance(defense, str) else defense], registry, problems, None)
     if attacks != AUTO:
         check_attacks([{"name": a} if isinstance(a, str) else a for a in attacks], registry, problems, None)
@@ -223,7 +223,8 @@ def attacked_inputs(inputs: Tensor, stats: Any, text: bool, caller: str = "audit
     undo (``text``), or the pixels of normalised images (``pixels_of`` with ``stats``, the mean and std)."""
     if text:
         return inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
-    return pixels_of(inputs, *stats, caller=caller)
+    mean, std = stats
+    return pixels_of(inputs, mean, std, caller=caller)
 
 
 def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:

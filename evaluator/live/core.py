@@ -102,7 +102,7 @@ def loaders_observed(monitor: "MonitorCore") -> Iterator[None]:
     thread = threading.get_ident()
     with _OBSERVED:
         if not _OBSERVERS:
-            DataLoader.__iter__ = _observed_iter
+            DataLoader.__iter__ = _observed_iter  # type: ignore[method-assign,assignment]
         _OBSERVERS[thread] = monitor
     try:
         yield
@@ -110,7 +110,7 @@ def loaders_observed(monitor: "MonitorCore") -> Iterator[None]:
         with _OBSERVED:
             _OBSERVERS.pop(thread, None)
             if not _OBSERVERS:
-                DataLoader.__iter__ = _PLAIN_ITER
+                DataLoader.__iter__ = _PLAIN_ITER  # type: ignore[method-assign]
 
 
 def _observed_iter(loader: DataLoader) -> Iterator[Any]:
@@ -214,7 +214,8 @@ class MonitorCore:
         self.max_images = MAX_ROUND_IMAGES
         self._inner: torch.optim.Optimizer | None = None  # the hooked optimizer (StepMonitor)
         self._federated = False  # bound to federated rounds (RoundMonitor)
-        self._folder: RunFolder | None = None  # once attached or bound
+        self._folder: RunFolder | None = None  # once attached or bound (``folder``)
+        self._dp: dict[str, Any] | None = None  # Opacus's settings, under its DPOptimizer (steps.py)
         self._pending: Any = None  # the step whose update is awaited (steps.py's record)
         self._accountant: Any = None  # Opacus's, when its PrivacyEngine made the optimizer
         self._handles: list[Any] = []
@@ -246,7 +247,8 @@ class MonitorCore:
             self.attacks = self._prepared.attack_entries
             self.log.info("LeakMonitor: attacks: auto chose, for %s:\n  %s", scope, "\n  ".join(self._prepared.choice))
         if self.leakage_metric is not None:
-            check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong := [])
+            wrong: list[str] = []
+            check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong)
             if wrong:
                 raise ConfigError([f"LeakMonitor: {line}" for line in wrong])
         if shape is not None and not self._text:  # the first training input: a wrong normalisation caught early
@@ -256,9 +258,23 @@ class MonitorCore:
         self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
         if self._text and self.vocabulary is not None:
-            self._folder.write_json(VOCABULARY, self.vocabulary)
+            self.folder.write_json(VOCABULARY, self.vocabulary)
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
-        self._defenses = [(s, s.build(self._prepared.registry)) for s in self._folder.audit.settings]
+        self._defenses = [(s, s.build(self._prepared.registry)) for s in self.folder.audit.settings]
+
+    @property
+    def folder(self) -> RunFolder:
+        """The run folder, once the monitor is attached (or bound to rounds)."""
+        if self._folder is None:
+            raise RunError("LeakMonitor: attach the monitor (or bind it to rounds) first")
+        return self._folder
+
+    @property
+    def model(self) -> nn.Module:
+        """The model the monitor watches, once attached."""
+        if self._model is None:
+            raise RunError("LeakMonitor: attach the monitor (or bind it to rounds) first")
+        return self._model
 
     def detach(self) -> None:
         """Remove the optimizer hooks (the model and optimizer are as they were before ``attach``)."""
@@ -316,14 +332,14 @@ class MonitorCore:
                 self.log.info("LeakMonitor: auditing %s %d took %.0f s; each audited %s (every %d) costs about as "
                               "much", self._unit, step, seconds, self._unit, self.every)
             self._attack_seconds += seconds
-            self._folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
+            self.folder.finish_session(self._attack_seconds)  # the report's run time: the time spent attacking
 
     def record_failure(self, step: int, what: str, why: str) -> None:
         """Record that ``what`` failed at step (or round) ``step`` and why, in monitor.json's ``failed`` and as one
         log line: the training it watches goes on as unwatched."""
         self._described.setdefault("failed", {}).setdefault(str(step), []).append(f"{what}: {why}")
         if self._folder is not None:
-            self._folder.write_json(MONITOR, self._described)
+            self.folder.write_json(MONITOR, self._described)
         self.log.warning("LeakMonitor %s %d: %s failed, recorded in monitor.json; training goes on: %s",
                          self._unit, step, what, why)
 
@@ -338,7 +354,7 @@ class MonitorCore:
     def skip(self, step: int, why: str) -> None:
         """Record that step (or round) ``step`` is not attacked and why, in monitor.json and on the log."""
         self._described.setdefault("skipped", {})[str(step)] = why
-        self._folder.write_json(MONITOR, self._described)
+        self.folder.write_json(MONITOR, self._described)
         self.log.warning("LeakMonitor %s %d not attacked: %s", self._unit, step, why)
 
     @property
@@ -374,17 +390,17 @@ class MonitorCore:
             for spec, why in failed:
                 self.record_failure(step, f"{spec.label} on {setting.key}", why)
             for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
-                row = self._folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
+                row = self.folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
                                                list(range(n)), epsilon)  # one update per step: no bound to test
                 recall = self._pii_recall(rec.images[scores.order], pixels, plain) if self._text else None
                 if recall is not None:
                     row["pii_recall"] = recall
-                self._folder.results.append(row)
-                self._folder.results_csv.append(row)
+                self.folder.results.append(row)
+                self.folder.results_csv.append(row)
                 shown = ", ".join(f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float))
                 self.log.info("  %s: %s (%.0f s)", spec.label, shown, rec.seconds)
         self._described["steps"].append(step)
-        self._folder.write_json(MONITOR, self._described)
+        self.folder.write_json(MONITOR, self._described)
         self._write_baselines()
 
     def _pii_recall(self, recovered: Tensor, originals: Tensor, plain: nn.Module) -> float | None:
@@ -429,7 +445,7 @@ class MonitorCore:
     @property
     def _monitored(self) -> str:
         """The key of the setting this monitor audits (the others are its undefended reference)."""
-        return self._folder.audit.settings[0].key  # the references are added after it
+        return self.folder.audit.settings[0].key  # the references are added after it
 
     @torch.no_grad()
     def _write_utility(self, plain: nn.Module, step: int) -> None:
@@ -447,13 +463,14 @@ class MonitorCore:
         finally:
             plain.train(was_training)
         labels = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.long)
-        path = self._folder.utility.path
-        earlier = next(iter(self._folder.utility.read()), {}).get("checkpoint_accuracy") or {}
+        path = self.folder.utility.path
+        first: dict[str, Any] = next(iter(self.folder.utility.read()), {})
+        earlier = first.get("checkpoint_accuracy") or {}
         accuracy = right / max(len(labels), 1)
         if not earlier:  # the first measure: chance (the majority class's share), below which it is unusable
-            info = self._folder.read_json(RUN_INFO)
+            info = self.folder.read_json(RUN_INFO)
             info["chance_accuracy"] = float(labels.bincount().max()) / len(labels) if len(labels) else None
-            self._folder.write_json(RUN_INFO, info)
+            self.folder.write_json(RUN_INFO, info)
         row = {"setting": self._monitored, "accuracy": accuracy, "train_steps": self.steps_taken,
                "epsilon": self._epsilon(), "delta": self.delta, "model_changes": [],
                "checkpoint_accuracy": {**earlier, str(step): accuracy}}
@@ -473,7 +490,8 @@ class MonitorCore:
         """Scores of guesses made without the update (noise, grey, the mean image of the attacker's data less
         the batch's own images; for text, uniform tokens and the attacker's most frequent token at each position)
         on every attacked batch so far: the verdict's bar."""
-        folder, audit = self._folder, self._folder.audit
+        folder = self.folder
+        audit = folder.audit
         records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
                    for step in self.audited_steps)
         batches = [(r["original"], r["labels"]) for r in records if r is not None]
@@ -622,7 +640,7 @@ class MonitorCore:
             folder.write_json(ARCHITECTURE, [])
         from leakaudit.evaluator.run.runner import versions
 
-        device = next(self._model.parameters()).device.type
+        device = next(self.model.parameters()).device.type
         folder.start_session({"versions": versions(), "device": f"{device}: inside the training process (LeakMonitor)",
                               "device_type": device, "deterministic": True, "audit_file": str(saved),
                               "chance_accuracy": None})

@@ -100,7 +100,7 @@ class LeakAuditMod:
         if msg.metadata.message_type != MessageType.TRAIN:
             return call_next(msg, context)
         name = str(context.node_config.get(self.client_key, context.node_id))
-        config = next(iter(msg.content.config_records.values()), {})
+        config: dict[str, Any] = dict(next(iter(msg.content.config_records.values()), {}))
         self._fits[name] = self._fits.get(name, 0) + 1
         number = next((int(config[k]) for k in ROUND_KEYS if k in config), self._fits[name])
         if (number - 1) % self.every:

@@ -230,6 +230,7 @@ class RoundMonitor(MonitorCore):
             warnings.warn(f"LeakMonitor: round {local.number} not attacked: {found}", stacklevel=3)
             return
         protocol, batch, update, optimizer = found
+        assert local.before is not None and local.buffers is not None, "kept at the round's first step"
         self.attack_round(local.number, local.before, local.buffers, update, batch, protocol, optimizer)
 
     def attack_round(self, number: int, before: list[Tensor], buffers: dict[str, Tensor], update: list[Tensor],
@@ -262,6 +263,8 @@ class RoundMonitor(MonitorCore):
         if any(n != size for n in sizes[0][:-1]) or sizes[0][-1] > size:
             return f"batch sizes {sizes[0]}: FedAvg's minibatches are all the same size but the last"
         protocol = FedAvg(local_epochs=len(passes), local_batch_size=size, local_lr=lrs.pop())
+        if local.before is None or local.buffers is None:
+            return "the weights before the round were not kept"
         if sum(len(y) for _, y in passes[0]) > self.max_images:
             batch, protocol, update, how = sample_round(
                 self._model, self.loss_fn, local.before, local.buffers, passes[0], protocol, self.max_images,

@@ -33,6 +33,8 @@ class StepMonitor(MonitorCore):
     """A monitor hooked to one optimizer's steps (``attach``, ``bind``): every ``every``-th step's update is
     attacked, the step's own gradient where the server undoes the optimizer, DP-SGD's under Opacus."""
 
+    _pending: _Pending | None
+
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> tuple[nn.Module, Any, Any]:
         """Hook ``optimizer``'s steps and ``loader``'s batches; returns ``(model, optimizer, loader)`` to train
         with as before. Raises ConfigError, one line per problem, before any training step."""
@@ -42,7 +44,7 @@ class StepMonitor(MonitorCore):
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, loader: Any = None) -> None:
         """``attach`` for loops that hand the monitor each batch themselves (``observe_batch``): Lightning."""
         self.detach()
-        self._physical = []
+        self._physical: list[Any] = []
         self._inner = getattr(optimizer, "original_optimizer", optimizer)  # Opacus's DPOptimizer wraps one
         self._accountant = opacus_accountant(optimizer)
         self._dp = self._dp_settings(optimizer, loader)
@@ -77,7 +79,8 @@ class StepMonitor(MonitorCore):
             return
         plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
         memory = remember(self._inner, trainable(plain)) if self._undo else None
-        self._pending = _Pending(step, *model_state(plain), batch, memory)
+        before, buffers = model_state(plain)
+        self._pending = _Pending(step, before, buffers, batch, memory)
 
     def _step_batch(self, step: int) -> Any | None:
         """The batch step ``step`` trained on: the physical batches since the last step together under Opacus
@@ -98,7 +101,8 @@ class StepMonitor(MonitorCore):
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_taken += 1
         self._physical = []
-        pending, self._pending = self._pending, None
+        pending: _Pending | None = self._pending
+        self._pending = None
         if pending is not None:
             self.audit_safely(pending.step, lambda: self._audit(pending))
 

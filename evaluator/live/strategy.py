@@ -148,7 +148,8 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         return self.strategy.evaluate(server_round, parameters)
 
     def summary(self) -> None:
-        self.strategy.summary()
+        if isinstance(self.strategy, MessageStrategy):  # an older strategy has none to print
+            self.strategy.summary()
 
     def report(self) -> dict[str, Any]:
         """Each run folder's report.html and summary.json: the typed summaries by folder name."""
@@ -261,7 +262,8 @@ def _population(rounds: list[ClientRound]) -> Any:
     """The clients' images of a round together, as one loader: the data an attacker's guess without the update
     draws its mean image from (less the attacked batch's own images, ``core.mean_without``)."""
     loaders = [r.loader for r in rounds]
-    datasets = [getattr(loader, "dataset", None) for loader in loaders]
-    if any(d is None for d in datasets):
+    found = [getattr(loader, "dataset", None) for loader in loaders]
+    datasets = [d for d in found if d is not None]
+    if len(datasets) < len(found):
         return loaders[0]
     return DataLoader(ConcatDataset(datasets), batch_size=getattr(loaders[0], "batch_size", None) or 1)

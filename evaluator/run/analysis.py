@@ -51,7 +51,7 @@ def cache_dir() -> Path:
     return cache_root() / "analysis"
 
 
-def _cache_file(scenario: Scenario, section: dict) -> Path | None:
+def _cache_file(scenario: Scenario, section: Any) -> Path | None:
     """The cache entry of a zoo model at this input shape and class count (ranks do not depend on the
     weights); None for a user's factory, whose code may change under the same name."""
     if ":" in section.name:

@@ -12,6 +12,7 @@ seed and the cell (``scenario.round_generators``), never on the node or the orde
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import sys
@@ -115,7 +116,7 @@ class RayPool:
                 raise cannot_join(refused)
             try:
                 with _stderr_kept_back(bool(address)) as kept:  # Ray's core retries aloud, a line a second
-                    ray.init(address=ex.address, include_dashboard=False, logging_level="warning")
+                    ray.init(address=ex.address, include_dashboard=False, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
                 raise cannot_join(one_line(exc)[:300]) from None
             if kept:  # joined: what Ray said on the way is worth reading

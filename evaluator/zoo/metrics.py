@@ -5,7 +5,7 @@ import pickle
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,7 @@ class LPIPS:
     """Learned perceptual distance (Zhang et al. 2018), AlexNet backbone with the v0.1 linear heads."""
 
     def __init__(self) -> None:
-        self._net = None
+        self._net: Any = None
 
     def _load(self, device) -> torch.nn.Module:
         if self._net is None:

@@ -55,7 +55,8 @@ def lecun_normal_(model: nn.Module) -> nn.Module:
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             s = std / m.weight[0].numel() ** 0.5
             nn.init.trunc_normal_(m.weight, std=s, a=-2 * s, b=2 * s)
-            nn.init.zeros_(m.bias)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
     return model
 
 

@@ -81,8 +81,9 @@ def _kept(archive: Archive, path: Path) -> Iterator[tuple[str, bytes]]:
     with tarfile.open(path) as t:
         for member in t:
             inside = wanted(member.name.split("/", 1)[-1]) if member.isfile() else None
-            if inside is not None:
-                yield inside, t.extractfile(member).read()
+            content = None if inside is None else t.extractfile(member)
+            if inside is not None and content is not None:
+                yield inside, content.read()
 
 
 def extract(archive: Archive, path: Path, home: Path) -> list[Path]:

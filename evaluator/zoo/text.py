@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -186,7 +187,8 @@ class TinyTransformer(nn.Module):
         h, mask = self._embed(ids)
         for block in self.blocks[:layer]:
             h = block(h, None if self.causal else mask)
-        return self.blocks[layer].ln_1(h)
+        last: Any = self.blocks[layer]
+        return last.ln_1(h)
 
     def attention_name(self, layer: int) -> str:
         return f"blocks.{layer}.qkv.weight"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -206,10 +207,15 @@ def test_the_leakage_metric_is_a_choice_and_report_config_rejudges_a_monitor_fol
         report_folder(tmp_path / "run", str(judging))
 
 
-def test_an_old_torch_is_warned_of(monkeypatch):
+def test_an_old_torch_is_warned_of_once_per_process(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.8.0")
-    with pytest.warns(UserWarning, match=r"^leakaudit: torch 2.8.0 is installed; leakaudit supports torch >= 2\.\d+"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         leakaudit.LeakMonitor(attacks=QUICK)
+        leakaudit.LeakMonitor(attacks=QUICK)  # a second client in the same process: no second warning
+    found = [w for w in caught if "torch 2.8.0" in str(w.message)]
+    assert len(found) == 1 and found[0].filename == "leakaudit"  # one line, no source line printed beside it
+    assert re.match(r"^leakaudit: torch 2.8.0 is installed; leakaudit supports torch >= 2\.\d+", str(found[0].message))
 
 
 def _private(digits, n: int, batch_size: int, accountant: str = "prv"):

@@ -153,14 +153,17 @@ def test_a_client_and_the_server_judge_one_update_alike(tmp_path):
     client.bind_rounds(model, loader)
     with client.local_round(1):
         sent = _fit(model, start, watched, {"lr": LR, "local_epochs": 1})
-    config = {"lr": LR, "local_epochs": 1}
-    server = LeakAuditStrategy(FedAvg(min_fit_clients=1, min_available_clients=1, on_fit_config_fn=lambda r: config),
-                               _model(), {"0": loader}.__getitem__, out=tmp_path / "server", **audit)
+    config, aggregated = {"lr": LR, "local_epochs": 1}, []
+    wrapped = FedAvg(min_fit_clients=1, min_available_clients=1, on_fit_config_fn=lambda r: config,
+                     fit_metrics_aggregation_fn=lambda metrics: aggregated.extend(metrics) or {})
+    server = LeakAuditStrategy(wrapped, _model(), {"0": loader}.__getitem__, out=tmp_path / "server", **audit)
     manager = SimpleClientManager()
     manager.register(Proxy("node-0"))
     ((proxy, ins),) = server.configure_fit(1, ndarrays_to_parameters(start), manager)
     server.aggregate_fit(1, [(proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), 4,
-                                            {"partition": "0"}))], [])
+                                            {"partition": "0", "loss": 0.5}))], [])
+    assert aggregated == [(4, {"loss": 0.5})]  # the client's name reached the audit, not Flower's metrics
+    assert json.loads((tmp_path / "server" / "client-0" / "monitor.json").read_text())["every"] == 1
     mine, theirs = client.report(), server.report()["0"]
     assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "mean"
     assert [(v.verdict, v.reason) for v in mine.verdicts] == [(v.verdict, v.reason) for v in theirs.verdicts]

@@ -111,11 +111,15 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         return instructions
 
     def aggregate_fit(self, server_round, results, failures):
-        """The wrapped strategy's aggregate, unchanged; then, in an audited round, each update attacked."""
+        """The wrapped strategy's aggregate, unchanged; then, in an audited round, each update attacked. The
+        client's name (``client_key`` in its metrics) is read here and kept out of the metrics aggregated."""
+        trained = [(proxy.cid, dict(res.metrics), res.num_examples, parameters_to_ndarrays(res.parameters))
+                   for proxy, res in results] if server_round in self._sent else []
+        results = [(proxy, dataclasses.replace(res, metrics={k: v for k, v in res.metrics.items()
+                                                             if k != self.client_key})) for proxy, res in results]
         aggregated = self.strategy.aggregate_fit(server_round, results, failures)
         if server_round in self._sent:
-            self._audit(server_round, [(proxy.cid, res.metrics, res.num_examples,
-                                        parameters_to_ndarrays(res.parameters)) for proxy, res in results])
+            self._audit(server_round, trained)
         return aggregated
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -132,10 +136,14 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         """The wrapped strategy's aggregate of the replies, unchanged; then, in an audited round, each update
         attacked."""
         replies = list(replies)
+        trained = [(reply.metadata.src_node_id, *_trained(reply)) for reply in replies
+                   if not reply.has_error()] if server_round in self._sent else []
+        for reply in replies:  # the client's name is leakaudit's: kept out of the metrics Flower aggregates
+            for record in ([] if reply.has_error() else reply.content.metric_records.values()):
+                record.pop(self.client_key, None)
         aggregated = self.strategy.aggregate_train(server_round, replies)
         if server_round in self._sent:
-            self._audit(server_round, [(reply.metadata.src_node_id, *_trained(reply)) for reply in replies
-                                       if not reply.has_error()])
+            self._audit(server_round, trained)
         return aggregated
 
     def configure_evaluate(self, server_round, *args):
@@ -227,7 +235,7 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         makes)."""
         if name not in self._monitors:
             folder = self.out / (name if name == AGGREGATE else f"client-{name}")
-            monitor = LeakMonitor(**self._settings, out=folder)
+            monitor = LeakMonitor(**self._settings, every=self.every, out=folder)
             monitor.bind_rounds(self.model, loader, self.max_images)
             self._monitors[name] = monitor
         return self._monitors[name]

@@ -13,6 +13,7 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from leakaudit.evaluator.audit.jobs import AttackJob, job_at
 from leakaudit.evaluator.audit.types import params_text, value_text
@@ -196,8 +197,9 @@ def _strongest_by_step(summary: Summary) -> dict[str, dict[int, CellResult]]:
     return best
 
 
-def plot_leakage_by_step(summary: Summary, path: Path) -> bool:
-    """The strongest attack's leakage against training step, with intervals, one line per setting."""
+def plot_leakage_by_step(summary: Summary, path: Path, unit: str = "training step") -> bool:
+    """The strongest attack's leakage against training step (a federated client's: ``unit`` "round"), with
+    intervals, one line per setting; the steps are whole numbers, and so are the ticks."""
     if len(summary.checkpoints) < 2:
         return False
     metric = summary.leakage_metric
@@ -207,7 +209,8 @@ def plot_leakage_by_step(summary: Summary, path: Path) -> bool:
         ax.errorbar(sorted(by_step), [c.mean(metric) for c in cells], yerr=_yerr(cells, metric), marker="o",
                     capsize=3, label=textwrap.shorten(setting, 40))
     _threshold_line(ax, summary, metric)
-    _style(ax, "training step of the attacked model", _axis_label(metric, summary.higher_is_more_leakage))
+    _style(ax, f"{unit} of the attacked model", _axis_label(metric, summary.higher_is_more_leakage))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _save(fig, path)
     return True
 

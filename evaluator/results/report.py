@@ -204,7 +204,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     for name, draw in (("privacy_utility", lambda p: plot_privacy_utility(summary, p, audit.registry)),
                        ("leakage_by_epsilon", lambda p: plot_leakage_by_epsilon(summary, p)),
                        ("identification_bound", lambda p: plot_identification_bound(summary, p)),
-                       ("leakage_by_step", lambda p: plot_leakage_by_step(summary, p)),
+                       ("leakage_by_step", lambda p: plot_leakage_by_step(summary, p, step_unit(audit))),
                        ("worst_images", lambda p: not text and plot_worst_images(folder, summary, p))):
         path = out_dir / f"{name}.png"
         figures[name] = _data_uri(path) if draw(path) else None
@@ -232,6 +232,11 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
             ["the most frequent next word's share"] if learns_next_token(audit) else [])))
     folder.write_text(REPORT, page)
     return summary
+
+
+def step_unit(audit: Audit) -> str:
+    """What a checkpoint counts: a federated client's rounds (a monitor bound to rounds), else training steps."""
+    return "round" if audit.live is not None and "fits" in audit.live else "training step"
 
 
 def trained_steps(audit: Audit, utility: list[dict]) -> int:

@@ -92,9 +92,12 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+_TORCH_WARNED: list[str] = []  # the version warned of in this process (a Flower simulation's workers: once each)
+
+
 def warn_old_torch() -> None:
-    """Warn once when the installed torch is older than the one leakaudit declares (an app's pinned
-    dependencies, say): its numbers are not the tested ones."""
+    """Warn once per process, on one line, when the installed torch is older than the one leakaudit declares (an
+    app's pinned dependencies, say): its numbers are not the tested ones."""
     from importlib.metadata import PackageNotFoundError, requires
 
     from torch.torch_version import TorchVersion
@@ -106,12 +109,13 @@ def warn_old_torch() -> None:
     if needed is None:
         return
     wanted = needed.split(">=")[1].split(",")[0].split(";")[0].strip()
-    if TorchVersion(torch.__version__) < wanted:  # torch's own version ordering (2.8.0 < 2.11, 2.11.0a0 < 2.11)
+    if TorchVersion(torch.__version__) < wanted and torch.__version__ not in _TORCH_WARNED:  # torch's own ordering
         import warnings
 
-        warnings.warn(f"leakaudit: torch {torch.__version__} is installed; leakaudit supports torch >= {wanted} "
-                      "and its verdicts are tested there (an app's pinned dependencies may hold torch back)",
-                      stacklevel=3)
+        _TORCH_WARNED.append(torch.__version__)
+        warnings.warn_explicit(f"leakaudit: torch {torch.__version__} is installed; leakaudit supports torch >= "
+                               f"{wanted} and its verdicts are tested there (an app's pinned dependencies may hold "
+                               "torch back)", UserWarning, "leakaudit", 0)  # no source line to print beside it
 
 
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,

@@ -92,6 +92,19 @@ def clipped(update: Sequence[Tensor], clipping_norm: float) -> list[Tensor]:
     return [g * factor for g in update]
 
 
+def dp_strategy(mechanism: Any, kind: str) -> str | None:
+    """"client" or "server": who clips under the Flower central-DP strategy ``mechanism`` of ``kind`` ("Fixed" or
+    "Adaptive"), from the Message API's ``flwr.serverapp.strategy`` or the older ``flwr.server.strategy``; None for
+    anything else. Flower is not imported here: an object of its classes means it is loaded already."""
+    for side in ("Client", "Server"):
+        name = f"DifferentialPrivacy{side}Side{kind}Clipping"
+        kinds = tuple(getattr(sys.modules[m], name) for m in ("flwr.serverapp.strategy", "flwr.server.strategy")
+                      if m in sys.modules and hasattr(sys.modules[m], name))
+        if kinds and isinstance(mechanism, kinds):
+            return side.lower()
+    return None
+
+
 def guarantee_notes(mu: float, std: float, clip: float, rounds: int) -> list[str]:
     """What a configuration's guarantee really says: epsilon per round and over ``rounds``, the noise against the
     update, and a warning where either is past a meaningful range."""
@@ -239,6 +252,16 @@ class FlowerFixedClipping(FlowerDefense):
     def noise_std(self) -> float:
         return self.noise_multiplier * self.clipping_norm
 
+    @classmethod
+    def mirrored_settings(cls, mechanism: Any) -> dict[str, Any] | None:
+        """A Flower ``DifferentialPrivacy{ClientSide,ServerSide}FixedClipping`` strategy: its clipping norm, noise
+        multiplier, number of sampled clients, and who clips."""
+        side = dp_strategy(mechanism, "Fixed")
+        if side is None:
+            return None
+        return {"clipping_norm": float(mechanism.clipping_norm), "noise_multiplier": float(mechanism.noise_multiplier),
+                "num_sampled_clients": int(mechanism.num_sampled_clients), "side": side}
+
     def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
         """Flower's ``compute_clip_model_update``; the mean's share (1 / num_sampled_clients) noised by its
         ``add_gaussian_noise_inplace`` at ``compute_stdv``, scaled back."""
@@ -306,6 +329,17 @@ class FlowerAdaptiveClipping(FlowerDefense):
 
     def noise_std(self) -> float:
         return self.update_multiplier() * self.clipping_norm
+
+    @classmethod
+    def mirrored_settings(cls, mechanism: Any) -> dict[str, Any] | None:
+        """A Flower ``DifferentialPrivacy{ClientSide,ServerSide}AdaptiveClipping`` strategy at its current round: its
+        clipping norm, noise multiplier, number of sampled clients, the count's noise, and who clips."""
+        side = dp_strategy(mechanism, "Adaptive")
+        if side is None:
+            return None
+        return {"clipping_norm": float(mechanism.clipping_norm), "noise_multiplier": float(mechanism.noise_multiplier),
+                "num_sampled_clients": int(mechanism.num_sampled_clients),
+                "clipped_count_stddev": float(mechanism.clipped_count_stddev), "side": side}
 
     def perturb(self, update: list[Tensor], generator: torch.Generator) -> list[Tensor]:
         """Flower's ``compute_adaptive_clip_model_update``; the mean's share noised by ``add_gaussian_noise_inplace``

@@ -17,6 +17,7 @@ from flwr.server.client_manager import SimpleClientManager  # noqa: E402
 from flwr.server.client_proxy import ClientProxy  # noqa: E402
 from flwr.server.strategy import FedAvg  # noqa: E402
 
+import leakaudit  # noqa: E402
 from leakaudit.flower import LeakAuditStrategy  # noqa: E402
 from leakaudit.plugins.manager import load_registry  # noqa: E402
 
@@ -167,3 +168,31 @@ def test_a_client_and_the_server_judge_one_update_alike(tmp_path):
     mine, theirs = client.report(), server.report()["0"]
     assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "mean"
     assert [(v.verdict, v.reason) for v in mine.verdicts] == [(v.verdict, v.reason) for v in theirs.verdicts]
+
+
+def test_a_wrapped_flower_dp_strategy_is_read_and_each_update_attacked_as_the_global_model_shows_it(tmp_path):
+    """DifferentialPrivacyServerSideFixedClipping noises the mean after the server holds each update: the client's
+    update is attacked under flower_fixed_clipping with the strategy's own settings, beside the update as held."""
+    from flwr.server.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    loaders, mean, std = _loaders()
+    model = _model()
+    start = [v.detach().numpy().copy() for v in model.state_dict().values()]
+    config = {"lr": LR, "local_epochs": 1}
+    dp = DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(min_fit_clients=1, min_available_clients=1, on_fit_config_fn=lambda r: config),
+        noise_multiplier=0.8, clipping_norm=0.5, num_sampled_clients=1)
+    server = LeakAuditStrategy(dp, model, loaders.__getitem__, out=tmp_path, mean=mean, std=std, aggregate=False,
+                               attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}])
+    with pytest.raises(leakaudit.ConfigError, match="^LeakAuditStrategy: defense: given beside "
+                                                       "DifferentialPrivacyServerSideFixedClipping"):
+        LeakAuditStrategy(dp, model, loaders.__getitem__, out=tmp_path, defense="none")
+    manager = SimpleClientManager()
+    manager.register(Proxy("node-0"))
+    ((proxy, ins),) = server.configure_fit(1, ndarrays_to_parameters(start), manager)
+    sent = _fit(_model(), start, loaders["0"], config)
+    server.aggregate_fit(1, [(proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), 1,
+                                            {"partition": "0"}))], [])
+    settings = {json.loads(line)["setting"] for line in (tmp_path / "client-0" / "results.jsonl").read_text().splitlines()}
+    assert settings == {"none", "flower_fixed_clipping(clipping_norm=0.5,noise_multiplier=0.8,num_sampled_clients=1,"
+                                "side=server)"}

@@ -29,7 +29,15 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.core import MAX_ROUND_IMAGES, inputs_labels, joined, load_model_state, model_state
+from leakaudit.evaluator.live.core import (
+    MAX_ROUND_IMAGES,
+    inputs_labels,
+    joined,
+    load_model_state,
+    model_state,
+    monitor_logger,
+)
+from leakaudit.evaluator.live.flower import mirrored_defense
 from leakaudit.evaluator.live.monitor import LeakMonitor
 from leakaudit.evaluator.live.rounds import sample_round, sent_weights
 from leakaudit.plugins.protocol import FedAvg
@@ -71,6 +79,12 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
     more than ``max_images`` images is attacked on a seeded sample of its minibatches, through the update the
     sample makes from the round's weights (said in its monitor.json and on the log). The remaining keywords
     configure each client's ``LeakMonitor`` (defense, attacks, metrics, mean, std, known_labels, seed, ...).
+
+    A Flower central-DP strategy (``DifferentialPrivacy{ClientSide,ServerSide}{Fixed,Adaptive}Clipping``) is read
+    where it is wrapped: it noises the mean after this server holds each update, so each client's update is
+    attacked as the global model's observers see it (``flower_fixed_clipping`` or ``flower_adaptive_clipping`` with
+    the strategy's settings), beside the update as the server itself holds it (the undefended reference); the mean
+    of the round is attacked as the server holds it, before its noise.
     """
 
     def __init__(self, strategy: Strategy | MessageStrategy, model: nn.Module, client_loader: Callable[[str], Any],
@@ -84,9 +98,18 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
             "flwr.server.strategy)"]
         problems += [] if isinstance(local_epochs, int) and local_epochs >= 1 else [
             f"local_epochs: {local_epochs!r}; expected a whole number >= 1"]
+        self._mirrored, _ = mirrored_defense([strategy], monitor.get("plugins_dirs", ()))  # a Flower DP strategy
+        problems += [] if self._mirrored is None or "defense" not in monitor else [
+            f"defense: given beside {type(strategy).__name__}, whose mechanism is the defense audited; leave it out"]
         if problems:
             raise ConfigError([f"LeakAuditStrategy: {p}" for p in problems])
         LeakMonitor(**monitor, out=Path(out) / AGGREGATE)  # the monitor's settings, checked before any round
+        if self._mirrored is not None:
+            LeakMonitor(**monitor, defense=self._mirrored, out=Path(out) / AGGREGATE)
+            monitor_logger().info("LeakAuditStrategy: %s noises the mean after this server holds each update: each "
+                                  "client's update is attacked as the global model's observers see it (%s %s), "
+                                  "beside the update as the server holds it", type(strategy).__name__,
+                                  self._mirrored["name"], self._mirrored["params"])
         self.strategy, self.model, self.client_loader = strategy, copy.deepcopy(model), client_loader
         self.out, self.every, self.aggregate, self.max_images = Path(out), every, aggregate, max_images
         self.lr_key, self.epochs_key, self.client_key = lr_key, epochs_key, client_key
@@ -235,7 +258,8 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         makes)."""
         if name not in self._monitors:
             folder = self.out / (name if name == AGGREGATE else f"client-{name}")
-            monitor = LeakMonitor(**self._settings, every=self.every, out=folder)
+            own = {} if self._mirrored is None or name == AGGREGATE else {"defense": self._mirrored}
+            monitor = LeakMonitor(**self._settings, **own, every=self.every, out=folder)
             monitor.bind_rounds(self.model, loader, self.max_images)
             self._monitors[name] = monitor
         return self._monitors[name]

@@ -38,7 +38,7 @@ class ThreatModel:
 
     model: nn.Module
     loss_fn: LossFn
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]  # (C, H, W) of an image, (T,) of token ids
     mean: Tensor
     std: Tensor
     num_classes: int

@@ -160,7 +160,8 @@ def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, mon
     with pytest.raises(ConfigError) as info:
         LeakAuditMod(Net, mods=[fixedclipping_mod], **audit)
     assert info.value.lines == ["LeakAuditMod: mods[0]: leakaudit cannot see what fixedclipping_mod does to the "
-                                "update (the defenses that read a mod: flower_local_dp); leave it out of mods"]
+                                "update (the defenses that read a framework's mechanism: flower_adaptive_clipping, "
+                                "flower_fixed_clipping, flower_local_dp); leave it out of mods"]
     dp = LocalDpMod(clipping_norm=1e-3, sensitivity=0.0, epsilon=1.0, delta=1e-5)  # no noise: the clip shows exactly
     mod = LeakAuditMod(Net, mods=[dp], **audit)
     start = Net()

@@ -310,7 +310,7 @@ class MonitorCore:
         """Attack ``update`` with the model at the weights and buffers it was computed at, then put back the
         model's own."""
         inputs, labels = inputs_labels(batch)
-        with opacus_hooks_off(self._model) as plain:
+        with opacus_hooks_off(self.model) as plain:
             params = trainable(plain)
             device = params[0].device
             inputs, labels = torch.as_tensor(inputs).to(device), torch.as_tensor(labels).to(device)
@@ -439,8 +439,8 @@ class MonitorCore:
     def _judged(self) -> Summary:
         """The run folder's summary with every step so far judged, no report drawn."""
         folder = RunFolder(self.out, saved_audit(self.out, None, self.plugins_dirs))  # the audit of its steps so far
-        return judged(folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES),
-                      folder.read_json(RUN_INFO))
+        return judged(folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES) or {},
+                      folder.read_json(RUN_INFO) or {})
 
     @property
     def _monitored(self) -> str:
@@ -468,7 +468,7 @@ class MonitorCore:
         earlier = first.get("checkpoint_accuracy") or {}
         accuracy = right / max(len(labels), 1)
         if not earlier:  # the first measure: chance (the majority class's share), below which it is unusable
-            info = self.folder.read_json(RUN_INFO)
+            info = self.folder.read_json(RUN_INFO) or {}
             info["chance_accuracy"] = float(labels.bincount().max()) / len(labels) if len(labels) else None
             self.folder.write_json(RUN_INFO, info)
         row = {"setting": self._monitored, "accuracy": accuracy, "train_steps": self.steps_taken,

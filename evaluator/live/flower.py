@@ -41,8 +41,9 @@ def mirrored_defense(mods: Sequence[Any], plugins_dirs: Sequence[str]) -> tuple[
         return None, []
     registry = load_registry(plugins_dirs)
     kinds = [registry.get("defense", n) for n in registry.names("defense")]
+    plain = getattr(Defense.mirrored_settings, "__func__", None)
     readers = ", ".join(k.name for k in kinds  # those that override mirrored_settings
-                        if k.mirrored_settings.__func__ is not Defense.mirrored_settings.__func__)
+                        if getattr(k.mirrored_settings, "__func__", None) is not plain)
     found: dict[str, Any] | None = None
     problems = []
     for i, mod in enumerate(mods):
@@ -50,7 +51,7 @@ def mirrored_defense(mods: Sequence[Any], plugins_dirs: Sequence[str]) -> tuple[
         read = next(((k.name, p) for k in kinds if (p := k.mirrored_settings(mod)) is not None), None)
         if read is None:
             problems.append(f"mods[{i}]: leakaudit cannot see what {what} does to the update (the defenses that "
-                            f"read a mod: {readers or 'none'}); leave it out of mods")
+                            f"read a framework's mechanism: {readers or 'none'}); leave it out of mods")
         elif found is not None:
             problems.append(f"mods[{i}]: a second mechanism ({what}); leakaudit audits one")
         else:

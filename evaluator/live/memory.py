@@ -15,6 +15,7 @@ attacker. Other optimizers are attacked on the raw update, and the monitor says 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -34,7 +35,7 @@ class OptimizerMemory:
     state: list[dict[str, Tensor]]
 
 
-def param_groups(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[dict]:
+def param_groups(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> list[dict]:
     """Each parameter's param group (its lr and the optimizer's other settings for it)."""
     group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     return [group[id(p)] for p in params]
@@ -57,7 +58,7 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def remember(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> OptimizerMemory:
+def remember(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> OptimizerMemory:
     """The optimizer's settings and state for ``params`` before its next step (``unsupported`` must be None)."""
     state = [{k: (v.detach().clone() if isinstance(v, Tensor) else torch.tensor(float(v)))
               for k, v in optimizer.state.get(p, {}).items()} for p in params]

@@ -145,7 +145,7 @@ class RoundMonitor(MonitorCore):
                     FedAvg(local_batch_size=batch_size), batch_size, problems, "each round's update", federated=True)
         self._described["undone"] = ("not needed: each round's update is its local training, attacked as FedAvg's "
                                      "(the client makes its optimizer anew each round)")
-        self._folder.write_json(MONITOR, self._described)
+        self.folder.write_json(MONITOR, self._described)
 
     @contextmanager
     def local_round(self, server_round: int | None = None) -> Iterator[LocalRound]:
@@ -160,7 +160,7 @@ class RoundMonitor(MonitorCore):
             raise RunError("LeakMonitor.local_round: call bind_rounds(model, loader) first")
         self._described["fits"] += 1
         number = self._described["fits"] if server_round is None else int(server_round)
-        local = LocalRound(number, {id(p) for p in self._model.parameters()})
+        local = LocalRound(number, {id(p) for p in self.model.parameters()})
         audited = (number - 1) % self.every == 0 and number not in self._described["steps"]
         self._batch, self._round = None, local if audited else None
         handle = register_optimizer_step_pre_hook(self._round_step) if audited else None
@@ -172,7 +172,7 @@ class RoundMonitor(MonitorCore):
             self._round = None
         if audited:
             self.audit_safely(number, lambda: self._audit_round(local))
-        self._folder.write_json(MONITOR, self._described)
+        self.folder.write_json(MONITOR, self._described)
 
     @contextmanager
     def observe_round(self, number: int) -> Iterator[LocalRound]:
@@ -207,7 +207,7 @@ class RoundMonitor(MonitorCore):
         local.before, local.buffers = model_state(model)
         local.sent = sent
         self.audit_safely(local.number, lambda: self._audit_round(local))
-        self._folder.write_json(MONITOR, self._described)
+        self.folder.write_json(MONITOR, self._described)
 
     def _round_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before each optimizer step in an audited round: the first keeps the weights; each keeps its batch."""
@@ -217,7 +217,7 @@ class RoundMonitor(MonitorCore):
                              and not any(id(p) in local.params for g in groups for p in g["params"])):
             return
         if local.before is None and local.params is not None:
-            local.before, local.buffers = model_state(self._model)
+            local.before, local.buffers = model_state(self.model)
         if not local.steps:
             local.loader, local.device = self._source, groups[0]["params"][0].device
         local.steps.append(_RoundStep(self._batch, self._passes, tuple(float(g["lr"]) for g in groups),
@@ -267,11 +267,11 @@ class RoundMonitor(MonitorCore):
             return "the weights before the round were not kept"
         if sum(len(y) for _, y in passes[0]) > self.max_images:
             batch, protocol, update, how = sample_round(
-                self._model, self.loss_fn, local.before, local.buffers, passes[0], protocol, self.max_images,
+                self.model, self.loss_fn, local.before, local.buffers, passes[0], protocol, self.max_images,
                 generator(torch.device("cpu"), self.seed, "round-sample", local.number))
             self.sampled(local.number, how)
             return protocol, batch, update, steps[0].optimizer
-        after = sent_weights(self._model, local.sent)
+        after = sent_weights(self.model, local.sent)
         if isinstance(after, str):
             return after
         update = [b - a for b, a in zip(local.before, after)]

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from leakaudit.evaluator.live.core import MonitorCore, MonitoredLoader, inputs_labels, joined, model_state
 from leakaudit.evaluator.live.memory import OptimizerMemory, param_groups, recover, remember, unsupported
-from leakaudit.evaluator.results.rundir import MONITOR
+from leakaudit.evaluator.results.rundir import MONITOR, RunError
 from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import FEDSGD, trainable
 
@@ -34,6 +34,13 @@ class StepMonitor(MonitorCore):
     attacked, the step's own gradient where the server undoes the optimizer, DP-SGD's under Opacus."""
 
     _pending: _Pending | None
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The optimizer whose steps are hooked (the one Opacus's DPOptimizer wraps), once attached."""
+        if self._inner is None:
+            raise RunError("LeakMonitor: attach the monitor to an optimizer first")
+        return self._inner
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> tuple[nn.Module, Any, Any]:
         """Hook ``optimizer``'s steps and ``loader``'s batches; returns ``(model, optimizer, loader)`` to train
@@ -61,7 +68,7 @@ class StepMonitor(MonitorCore):
             else f"{why}: the server attacks the raw update")
         if self.attacker["memory"] and why is not None:
             warnings.warn(f"LeakMonitor: attacker memory: {why}; the raw update is attacked", stacklevel=3)
-        self._folder.write_json(MONITOR, self._described)
+        self.folder.write_json(MONITOR, self._described)
 
     def observe_batch(self, batch: Any) -> None:
         """A batch the next optimizer step trains on; under Opacus's ``BatchMemoryManager`` the physical batches
@@ -77,8 +84,8 @@ class StepMonitor(MonitorCore):
         batch = self._step_batch(step)
         if batch is None:
             return
-        plain = getattr(self._model, "_module", self._model)  # under an Opacus GradSampleModule: its module
-        memory = remember(self._inner, trainable(plain)) if self._undo else None
+        plain = getattr(self.model, "_module", self.model)  # under an Opacus GradSampleModule: its module
+        memory = remember(self.inner, trainable(plain)) if self._undo else None
         before, buffers = model_state(plain)
         self._pending = _Pending(step, before, buffers, batch, memory)
 
@@ -109,11 +116,11 @@ class StepMonitor(MonitorCore):
     def _audit(self, pending: _Pending) -> None:
         """Attack one step's update: the step's own gradient where the server undoes the optimizer (memory), else
         ``(theta_before - theta_after) / lr`` with each parameter's own lr."""
-        params = trainable(getattr(self._model, "_module", self._model))
+        params = trainable(getattr(self.model, "_module", self.model))
         if pending.memory is not None:
             update = recover(pending.memory, pending.before, [p.detach() for p in params])
         else:
-            lrs = [float(g["lr"]) for g in param_groups(self._inner, params)]
+            lrs = [float(g["lr"]) for g in param_groups(self.inner, params)]
             update = [(b - a.detach()) / lr for b, a, lr in zip(pending.before, params, lrs)]
         self._attack_at(pending.step, pending.before, pending.buffers, update, pending.batch, FEDSGD)
 
@@ -146,9 +153,9 @@ class StepMonitor(MonitorCore):
 
     def _unoptimised(self, model: nn.Module) -> list[str]:
         """Trainable parameters the optimizer does not step (their update cannot be read off the weights)."""
-        stepped = {id(p) for g in self._inner.param_groups for p in g["params"]}
+        stepped = {id(p) for g in self.inner.param_groups for p in g["params"]}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
-        zero = [i for i, g in enumerate(self._inner.param_groups) if not g.get("lr")]
+        zero = [i for i, g in enumerate(self.inner.param_groups) if not g.get("lr")]
         return ([f"optimizer: does not step {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; give it "
                  "every trainable parameter of the model"] if missing else []) + (
             [f"optimizer: param_groups {zero} have lr 0; the update is read as (before - after) / lr"] if zero else [])

@@ -258,7 +258,7 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         makes)."""
         if name not in self._monitors:
             folder = self.out / (name if name == AGGREGATE else f"client-{name}")
-            own = {} if self._mirrored is None or name == AGGREGATE else {"defense": self._mirrored}
+            own: dict[str, Any] = {} if self._mirrored is None or name == AGGREGATE else {"defense": self._mirrored}
             monitor = LeakMonitor(**self._settings, **own, every=self.every, out=folder)
             monitor.bind_rounds(self.model, loader, self.max_images)
             self._monitors[name] = monitor

@@ -137,12 +137,12 @@ class LPIPS:
 
 
 BUILTIN = [
-    Metric("psnr", psnr, True, summary=psnr.__doc__, margin=1.0, view_rank=2),
-    Metric("ssim", ssim, True, summary=ssim.__doc__, margin=0.05, view_rank=1),
-    Metric("mse", mse, False, summary=mse.__doc__, margin=0.01, distance_rank=1),
-    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__, min_size=31, margin=0.05, view_rank=0,
+    Metric("psnr", psnr, True, summary=psnr.__doc__ or "", margin=1.0, view_rank=2),
+    Metric("ssim", ssim, True, summary=ssim.__doc__ or "", margin=0.05, view_rank=1),
+    Metric("mse", mse, False, summary=mse.__doc__ or "", margin=0.01, distance_rank=1),
+    Metric("lpips", LPIPS(), False, summary=LPIPS.__doc__ or "", min_size=31, margin=0.05, view_rank=0,
            distance_rank=0),  # AlexNet's pools need >= 31 px
-    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__, margin=0.1,
+    Metric("label_accuracy", label_accuracy, True, on="labels", summary=label_accuracy.__doc__ or "", margin=0.1,
            modality="any"),
 ]
 

@@ -221,15 +221,15 @@ RESNET_PARAMS = {"stem": Param("auto", str, choices=STEMS, help="first layers: c
                  "activation": ACTIVATION}
 
 ZOO = [
-    ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__, paper="Zhu et al. 2019"),
+    ModelSpec("lenet_zhu", lenet_zhu, summary=lenet_zhu.__doc__ or "", paper="Zhu et al. 2019"),
     ModelSpec("convnet", convnet, {"width": Param(64, int, min=1, help="channels of the first block"),
                                    "activation": ACTIVATION},
-              summary=convnet.__doc__, paper="Geiping et al. 2020"),
-    ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__, paper="Balunovic et al. 2022"),
-    ModelSpec("convbig", convbig, summary=convbig.__doc__, paper="Balunovic et al. 2022"),
+              summary=convnet.__doc__ or "", paper="Geiping et al. 2020"),
+    ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__ or "", paper="Balunovic et al. 2022"),
+    ModelSpec("convbig", convbig, summary=convbig.__doc__ or "", paper="Balunovic et al. 2022"),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1, help="units of each hidden layer"),
                            "depth": Param(2, int, min=0, help="hidden layers")}, summary=mlp.__doc__),
-    *(ModelSpec(f.__name__, f, RESNET_PARAMS, summary=f.__doc__, paper="He et al. 2016")
+    *(ModelSpec(f.__name__, f, RESNET_PARAMS, summary=f.__doc__ or "", paper="He et al. 2016")
       for f in (resnet18, resnet34, resnet50)),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
               summary=resnet20.__doc__, paper="He et al. 2016"),
@@ -251,7 +251,7 @@ def imprint(channels: int, num_classes: int, image_size: int, base: str = "lenet
 ZOO.append(ModelSpec("imprint", imprint, {
     "base": Param("lenet_zhu", str, choices=tuple(IMPRINT_BASES), help="the network behind the imprint block"),
     "bins": Param(1024, int, min=2, help="the block's bins: more bins, fewer images sharing one")},
-    summary=imprint.__doc__, paper="Fowl et al. 2022",
+    summary=imprint.__doc__ or "", paper="Fowl et al. 2022",
     malicious="the server sent a model with an imprint block in front of it (Fowl et al. 2022)"))
 
 

@@ -37,6 +37,11 @@ BUILTIN_SETTINGS = {
     "flower_local_dp": ({"clipping_norm": 0.5, "sensitivity": 0.5, "epsilon": 10.0, "delta": 1e-5}, "noisy"),
     "flower_fixed_clipping": ({"clipping_norm": 0.5, "noise_multiplier": 0.1, "num_sampled_clients": 4}, "noisy"),
     "flower_adaptive_clipping": ({"clipping_norm": 0.5, "noise_multiplier": 0.1, "num_sampled_clients": 20}, "noisy"),
+    # FLARE's filters, computed by FLARE (leakaudit[nvflare]): gamma 0.1 clips some of the tiny case's coordinates
+    "nvflare_percentile": ({"percentile": 30.0, "gamma": 0.1}, "exact"),
+    "nvflare_exclude_vars": ({"exclude_vars": ["3.weight"]}, "exact"),
+    # half the coordinates sent, none clipped, Laplace(2 gamma / noise_var = 0.1) on each
+    "nvflare_svt": ({"fraction": 0.5, "gamma": 10.0, "noise_var": 200.0}, "noisy"),
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from leakaudit.defenses.chain import Chain
 from leakaudit.defenses.flower import MEANINGFUL_EPSILON, from_arrays, numpy_draws_from, to_arrays
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.defense import Defense, DeterministicDefense, PrivacyProfile, SharedUpdate
@@ -318,6 +319,93 @@ class FlareSvt(Defense):
         return None if count is None else steps * self.budget(count)["worst"]
 
 
+#: FLARE's filter classes an NVFlare job may name in its task_result_filters, and the defense each is audited as.
+JOB_FILTERS: dict[str, type[Defense]] = {"ExcludeVars": FlareExcludeVars, "PercentilePrivacy": FlarePercentile,
+                                         "SVTPrivacy": FlareSvt}
+
+
+def job_filters(path: str, task: str) -> list[Defense]:
+    """The defenses of the filters an NVFlare job's client configuration (its config_fed_client.json) applies to
+    ``task``'s result, in order: each ``task_result_filters`` entry whose ``tasks`` name it (or "*"), each filter
+    by its ``path`` (or ``name``) and ``args``. ValueError, on one line, for a file that is not such JSON, a filter
+    other than FLARE's privacy filters, or an argument leakaudit does not read."""
+    import json
+    from pathlib import Path
+
+    try:
+        job = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"nvflare_job: path {path!r} is not an NVFlare job's JSON ({one_line(error)})") from None
+    entries = job.get("task_result_filters", []) if isinstance(job, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError("nvflare_job: the job's task_result_filters is not a list")
+    members: list[Defense] = []
+    for i, entry in enumerate(entries):
+        tasks = entry.get("tasks", []) if isinstance(entry, dict) else []
+        if task not in tasks and "*" not in tasks:
+            continue
+        for j, given in enumerate(entry.get("filters", [])):
+            where = f"nvflare_job: task_result_filters[{i}].filters[{j}]"
+            if not isinstance(given, dict):
+                raise ValueError(f"{where} is not a component ({{path, args}})")
+            named = str(given.get("path") or given.get("name") or "").rsplit(".", 1)[-1]  # the class
+            kind = JOB_FILTERS.get(named)
+            if kind is None:
+                raise ValueError(f"{where}: filter {named!r} is not one leakaudit audits; choices: "
+                                 f"{', '.join(sorted(JOB_FILTERS))}")
+            args = given.get("args", {}) or {}
+            unknown = [k for k in args if k not in kind.params or k in OWN]
+            if unknown:
+                raise ValueError(f"{where}: {named}'s {', '.join(unknown)} is not read by "
+                                 f"leakaudit; choices: {', '.join(k for k in kind.params if k not in OWN)}")
+            try:
+                members.append(kind(**args))
+            except ValueError as error:
+                raise ValueError(f"{where}: {one_line(error)}") from None
+    if not members:
+        raise ValueError(f"nvflare_job: the job filters no result of task {task!r}: its update is sent as it is "
+                         "(audit it as defense none)")
+    for j, m in enumerate(members[:-1]):
+        if not m.deterministic:
+            raise ValueError(f"nvflare_job: {m.name} (filter {j + 1} of {len(members)}) is random; only the "
+                             "last filter may be (its likelihood is that of the filters before it applied to the "
+                             "candidate)")
+    return members
+
+
+#: Parameters of the nvflare_* defenses that are leakaudit's own, not a FLARE filter's argument.
+OWN = ("parameters", "rounds")
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+class FlareJob(Chain):
+    """An NVFlare job's result filters as configured: the filters its client configuration
+    (``config_fed_client.json``) applies to ``task``'s result, read from ``path`` before any work (an unknown filter
+    is one line naming it), applied in order as a chain of the ``nvflare_*`` defenses (the last may be random:
+    SVTPrivacy). Needs ``leakaudit[nvflare]``."""
+
+    name = "nvflare_job"
+    paper = "Roth et al. 2022"
+    params = {
+        "path": Param(type=str, example="config_fed_client.json",
+                      help="the job's client configuration (JSON with task_result_filters)"),
+        "task": Param("train", str, help="the task whose result is audited"),
+    }
+    path: str
+    task: str
+
+    def __init__(self, **settings: Any) -> None:
+        Defense.__init__(self, **settings)
+        self.members = job_filters(self.path, self.task)
+        self.deterministic = all(m.deterministic for m in self.members)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"FlareJob({self.path}: " + " > ".join(map(repr, self.members)) + ")"
+
+
 @hookimpl
 def register_defenses():
-    return [FlarePercentile, FlareExcludeVars, FlareSvt]
+    return [FlarePercentile, FlareExcludeVars, FlareSvt, FlareJob]

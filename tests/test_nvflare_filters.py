@@ -3,6 +3,7 @@ classes, the likelihood's centre equal to what FLARE sends, the guarantee as con
 line where FLARE is missing. check_defense on each runs in tests/test_checks.py (BUILTIN_SETTINGS)."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -11,7 +12,10 @@ import torch
 from torch import nn
 
 from leakaudit.defenses import nvflare as flare_defenses
-from leakaudit.defenses.nvflare import FlareExcludeVars, FlarePercentile, FlareSvt, numpy_percentile, svt_epsilons
+from leakaudit.defenses.nvflare import (FlareExcludeVars, FlareJob, FlarePercentile, FlareSvt, numpy_percentile,
+                                       svt_epsilons)
+from leakaudit.evaluator.audit.config import load_audit
+from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, FedAvg
 
@@ -134,3 +138,55 @@ def test_svt_epsilon_at_flares_defaults_is_flips_figure_for_seven_million_parame
     wrapped = FlareSvt()
     wrapped.wrap_model(nn.Linear(60, 40))
     assert wrapped.privacy_profile().pairs == ((svt_epsilons(0.1, 0.1, 0.1, 2440)["worst"], 0.0),)
+
+
+def _job(tmp_path, filters: list, tasks=("train",)) -> str:
+    path = tmp_path / "config_fed_client.json"
+    path.write_text(json.dumps({"format_version": 2, "executors": [],
+                                "task_result_filters": [{"tasks": list(tasks), "filters": filters}],
+                                "task_data_filters": [], "components": []}))
+    return str(path)
+
+
+def test_an_nvflare_jobs_result_filters_are_the_audited_defense(tmp_path, write_audit):
+    path = _job(tmp_path, [{"path": "nvflare.app_common.filters.PercentilePrivacy", "args": {"percentile": 20}},
+                           {"name": "SVTPrivacy", "args": {"fraction": 0.5, "gamma": 0.04}}])
+    audit = {"name": "nvflare", "seed": 0, "device": "cpu",
+             "data": {"dataset": "digits", "image_size": 8, "targets": 2, "batch_size": 1},
+             "model": {"name": "mlp", "checkpoints": [0]}, "protocol": {"name": "fedsgd"},
+             "defenses": [{"name": "nvflare_job", "params": {"path": path}}], "metrics": ["psnr"]}
+    loaded = load_audit(write_audit(audit))
+    job = next(s for s in loaded.settings if not s.added).build(loaded.registry)
+    assert [m.settings for m in job.members] == [{"percentile": 20, "gamma": 0.01}, {**FlareSvt().settings,
+                                                                                     "fraction": 0.5, "gamma": 0.04}]
+    update = _update()
+    sent, _ = job.apply(update, torch.Generator().manual_seed(2))
+    by_hand = job.members[1].perturb(job.members[0].perturb(update, torch.Generator()), torch.Generator().manual_seed(2))
+    assert all(torch.equal(a, b) for a, b in zip(sent, by_hand))
+    shared = SharedUpdate(sent, ["a", "b"], 1)
+    assert float(job.log_likelihood(shared, update)) == float(job.members[1].log_likelihood(
+        shared, job.members[0].transform(update)))
+    assert not job.deterministic and job.has_likelihood()
+
+
+def test_a_job_filter_leakaudit_cannot_read_is_one_line_before_any_work(tmp_path, write_audit):
+    audit = {"name": "nvflare", "seed": 0, "device": "cpu",
+             "data": {"dataset": "digits", "image_size": 8, "targets": 2, "batch_size": 1},
+             "model": {"name": "mlp", "checkpoints": [0]}, "protocol": {"name": "fedsgd"}, "metrics": ["psnr"]}
+    cases = [([{"path": "nvflare.app_common.filters.statistics_privacy_filter.StatisticsPrivacyFilter"}], "filter "
+              "'StatisticsPrivacyFilter' is not one leakaudit audits; choices: ExcludeVars, PercentilePrivacy, "
+              "SVTPrivacy"),
+             ([{"name": "PercentilePrivacy", "args": {"data_kinds": ["WEIGHTS"]}}], "PercentilePrivacy's data_kinds "
+              "is not read by leakaudit; choices: percentile, gamma"),
+             ([{"name": "SVTPrivacy"}, {"name": "ExcludeVars", "args": {"exclude_vars": "fc"}}], "svt (filter 1 of 2) "
+              "is random; only the last filter may be")]
+    for filters, line in cases:
+        path = _job(tmp_path, filters)
+        with pytest.raises(ConfigError) as exc:
+            load_audit(write_audit({**audit, "defenses": [{"name": "nvflare_job", "params": {"path": path}}]}))
+        assert line in str(exc.value) and len(exc.value.lines) == 1
+    path = _job(tmp_path, [{"name": "PercentilePrivacy"}], tasks=("validate",))
+    with pytest.raises(ValueError) as info:
+        FlareJob(path=path)
+    assert str(info.value) == ("nvflare_job: the job filters no result of task 'train': its update is sent as it is "
+                               "(audit it as defense none)")

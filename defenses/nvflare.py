@@ -391,7 +391,8 @@ class FlareJob(Chain):
     paper = "Roth et al. 2022"
     params = {
         "path": Param(type=str, example="config_fed_client.json",
-                      help="the job's client configuration (JSON with task_result_filters)"),
+                      help="the job's client configuration (JSON with task_result_filters; relative: "
+                           "to the working directory)"),
         "task": Param("train", str, help="the task whose result is audited"),
     }
     path: str

@@ -324,10 +324,10 @@ JOB_FILTERS: dict[str, type[Defense]] = {"ExcludeVars": FlareExcludeVars, "Perce
                                          "SVTPrivacy": FlareSvt}
 
 
-def job_filters(path: str, task: str) -> list[Defense]:
+def job_filters(path: str, task: str, parameters: int | None = None) -> list[Defense]:
     """The defenses of the filters an NVFlare job's client configuration (its config_fed_client.json) applies to
     ``task``'s result, in order: each ``task_result_filters`` entry whose ``tasks`` name it (or "*"), each filter
-    by its ``path`` (or ``name``) and ``args``. ValueError, on one line, for a file that is not such JSON, a filter
+    by its ``path`` (or ``name``) and ``args`` (``parameters``, where given, to SVTPrivacy's). ValueError, on one line, for a file that is not such JSON, a filter
     other than FLARE's privacy filters, or an argument leakaudit does not read."""
     import json
     from pathlib import Path
@@ -359,7 +359,8 @@ def job_filters(path: str, task: str) -> list[Defense]:
                 raise ValueError(f"{where}: {named}'s {', '.join(unknown)} is not read by "
                                  f"leakaudit; choices: {', '.join(k for k in kind.params if k not in OWN)}")
             try:
-                members.append(kind(**args))
+                members.append(kind(**args, **({"parameters": parameters} if kind is FlareSvt and parameters
+                                                else {})))
             except ValueError as error:
                 raise ValueError(f"{where}: {one_line(error)}") from None
     if not members:
@@ -394,13 +395,16 @@ class FlareJob(Chain):
                       help="the job's client configuration (JSON with task_result_filters; relative: "
                            "to the working directory)"),
         "task": Param("train", str, help="the task whose result is audited"),
+        "parameters": Param(None, int, min=1, help="an SVTPrivacy filter's parameters (nvflare_svt's): the "
+                                                   "coordinates its epsilon is stated for"),
     }
     path: str
     task: str
+    parameters: int | None
 
     def __init__(self, **settings: Any) -> None:
         Defense.__init__(self, **settings)
-        self.members = job_filters(self.path, self.task)
+        self.members = job_filters(self.path, self.task, self.parameters)
         self.deterministic = all(m.deterministic for m in self.members)  # type: ignore[misc]
 
     def __repr__(self) -> str:

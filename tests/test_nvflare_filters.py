@@ -167,6 +167,8 @@ def test_an_nvflare_jobs_result_filters_are_the_audited_defense(tmp_path, write_
     assert float(job.log_likelihood(shared, update)) == float(job.members[1].log_likelihood(
         shared, job.members[0].transform(update)))
     assert not job.deterministic and job.has_likelihood()
+    stated = FlareJob(path=path, parameters=2410).privacy_profile()  # SVTPrivacy's, for 2410 coordinates
+    assert stated.pairs == ((svt_epsilons(0.5, 0.1, 0.1, 2410)["worst"], 0.0),)
 
 
 def test_a_job_filter_leakaudit_cannot_read_is_one_line_before_any_work(tmp_path, write_audit):

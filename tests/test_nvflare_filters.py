@@ -192,3 +192,15 @@ def test_a_job_filter_leakaudit_cannot_read_is_one_line_before_any_work(tmp_path
         FlareJob(path=path)
     assert str(info.value) == ("nvflare_job: the job filters no result of task 'train': its update is sent as it is "
                                "(audit it as defense none)")
+
+
+def test_a_missing_flare_is_one_line_before_any_work(write_audit, monkeypatch):
+    monkeypatch.setattr(flare_defenses, "find_spec", lambda name: None)
+    audit = {"name": "nvflare", "seed": 0, "device": "cpu",
+             "data": {"dataset": "digits", "image_size": 8, "targets": 2, "batch_size": 1},
+             "model": {"name": "mlp", "checkpoints": [0]}, "protocol": {"name": "fedsgd"},
+             "defenses": [{"name": "nvflare_svt"}], "metrics": ["psnr"]}
+    with pytest.raises(ConfigError) as exc:
+        load_audit(write_audit(audit))
+    assert exc.value.lines[0].endswith("defenses[0]: nvflare_svt: nvflare_svt needs NVIDIA FLARE: pip install "
+                                       "'leakaudit[nvflare]'")

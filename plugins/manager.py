@@ -29,6 +29,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.defenses.compression",
     "leakaudit.defenses.text",
     "leakaudit.defenses.flower",
+    "leakaudit.defenses.nvflare",
     "leakaudit.attacks.gradient_matching",
     "leakaudit.attacks.analytic",
     "leakaudit.attacks.bayes",

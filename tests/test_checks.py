@@ -3,6 +3,7 @@ check_attack (an undefended image, every protocol an attack does not refuse)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,13 @@ BUILTIN_SETTINGS = {
     "flower_local_dp": ({"clipping_norm": 0.5, "sensitivity": 0.5, "epsilon": 10.0, "delta": 1e-5}, "noisy"),
     "flower_fixed_clipping": ({"clipping_norm": 0.5, "noise_multiplier": 0.1, "num_sampled_clients": 4}, "noisy"),
     "flower_adaptive_clipping": ({"clipping_norm": 0.5, "noise_multiplier": 0.1, "num_sampled_clients": 20}, "noisy"),
+    # FLARE's filters, computed by FLARE (leakaudit[nvflare]): gamma 0.1 clips some of the tiny case's coordinates
+    "nvflare_percentile": ({"percentile": 30.0, "gamma": 0.1}, "exact"),
+    "nvflare_exclude_vars": ({"exclude_vars": ["3.weight"]}, "exact"),
+    # half the coordinates sent, none clipped, Laplace(2 gamma / noise_var = 0.1) on each
+    "nvflare_svt": ({"fraction": 0.5, "gamma": 10.0, "noise_var": 200.0}, "noisy"),
+    # a job's client configuration whose result filter leaves the tiny case's last layer out
+    "nvflare_job": ({"path": str(Path(__file__).parent / "data" / "nvflare_config_fed_client.json")}, "exact"),
 }
 
 

@@ -170,7 +170,8 @@ def _reduced(audit: dict) -> dict:
 
 
 #: The token budget of every attack parameter of that name.
-TOKEN = {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0, "cg_iterations": 2, "updates": 16, "width": 16}
+TOKEN = {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0, "cg_iterations": 2, "updates": 16, "width": 16,
+         "starts": 8, "steps": 2, "rounds": 1}
 
 
 def token_budget(cls) -> dict:

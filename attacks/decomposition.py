@@ -8,6 +8,10 @@ row space holds the inputs. Two ways to split it:
   unit inactive, so among the directions of the gradient's column space the true ``g_i`` are the sparse ones.
   Drawing rows of a rank-``b`` factor and taking the sparsest direction of what they annihilate finds them; the
   bias gradient fixes their scales, and the inputs follow exactly.
+- spear_span takes the inputs out one by one at batches SPEAR's draws cannot reach: the inputs span the weight
+  gradient's row space and their hidden activations the next fully connected layer's, so an input is a point of
+  the first span whose activation lies in the second; many starts descend on that share at once, are solved
+  exactly on their ReLU pattern, and each input found (with its output gradient's direction) narrows the search.
 - The Cocktail Party attack (Kariyappa et al. 2023) treats the rows of the gradient as mixtures of the inputs,
   which are independent and far from Gaussian, and unmixes them by independent component analysis; it needs no
   activation and works on large batches and on the mean of many clients' updates (secure aggregation).
@@ -297,6 +301,119 @@ class Spear(Attack):
         return _answer(self, observed, threat, generator, inputs, info)
 
 
+def next_layer(model: nn.Module) -> tuple[str, nn.Linear] | None:
+    """The fully connected layer that reads the first layer's ReLU (the next parametrised module after it), with
+    its name; None where the next one is not nn.Linear."""
+    modules = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    first_name, _, _ = input_layer(model)
+    after = [i for i, (n, _) in enumerate(modules) if n == first_name][0] + 1
+    following = next(((n, m) for n, m in modules[after + 1:] if any(True for _ in m.parameters(recurse=False))), None)
+    return following if following is not None and isinstance(following[1], nn.Linear) else None
+
+
+def row_space(matrix: Tensor, rank: int) -> Tensor:
+    """An orthonormal basis (columns) of the span of ``matrix``'s rows, from its ``rank`` leading singular vectors."""
+    return torch.linalg.svd(matrix, full_matrices=False).Vh[:rank].T
+
+
+def _off_span(h: Tensor, span: Tensor) -> Tensor:
+    """Each row of ``h`` less its projection on the orthonormal columns of ``span``."""
+    return h - (h @ span) @ span.T
+
+
+def _descend(starts: Tensor, pre_w: Tensor, bias: Tensor, span: Tensor, steps: int, lr: float) -> Tensor:
+    """Adam on many starts at once (rows of ``starts``, coordinates of candidate inputs): the share of each
+    candidate's hidden activation ``relu(pre_w c + bias)`` outside ``span``, zero at every input of the batch."""
+    c = starts.float().clone().requires_grad_(True)
+    pre_w, bias, span = pre_w.float(), bias.float(), span.float()
+    opt = torch.optim.Adam([c], lr=lr)
+    for _ in range(steps):
+        h = torch.relu(c @ pre_w.T + bias)
+        loss = _off_span(h, span).pow(2).sum(1) / (h.pow(2).sum(1) + 1e-12)
+        opt.zero_grad()
+        loss.sum().backward()
+        opt.step()
+    return c.detach().to(starts.dtype)
+
+
+def _snap(c: Tensor, pre_w: Tensor, bias: Tensor, span: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+    """Each candidate made exact where its units' pattern is right: with the pattern held, ``relu`` is linear, so
+    the candidate whose activation lies in ``span`` is one least-squares solve (repeated ``steps`` times); with the
+    pattern each last solve held."""
+    active = torch.zeros(len(c), len(bias), dtype=torch.bool, device=c.device)
+    for _ in range(steps):
+        active = c @ pre_w.T + bias > 0
+        dv, db = active[..., None] * pre_w, active * bias  # (K, units, d), (K, units)
+        system = dv - span @ (span.T @ dv)
+        c = torch.linalg.lstsq(system, -_off_span(db, span)[..., None]).solution[..., 0]
+    return c, active
+
+
+def span_inputs(weight_grad: Tensor, next_grad: Tensor, layer: nn.Linear, count: int, starts: int, steps: int,
+                rounds: int, lr: float, tolerance: float, generator: torch.Generator) -> tuple[Tensor, dict]:
+    """The inputs of a linear-then-ReLU ``layer`` found one by one from its weight gradient and the next layer's
+    (``next_grad``), and a boolean per row: found exactly.
+
+    The inputs span the weight gradient's row space, and their hidden activations the next layer's: a candidate
+    input there is one of the batch where its activation lies in the second span. Many starts descend on that
+    share at once and are then solved exactly with their ReLU pattern held (a candidate whose pattern is right
+    lands on an input to float precision, which the spans confirm). Each input found takes its output-gradient
+    direction ``q_i`` with it (what its inactive units annihilate in the weight gradient's factor), and since the
+    other inputs' coordinates are at right angles to it, the next round searches a space one smaller per input
+    found: the found inputs' basins are gone, and the search narrows as it goes.
+    """
+    factor, rows, _, rest = low_rank(weight_grad, count)
+    info: dict = {"rounds": 0, "found": 0, "exact": False}
+    if not rest <= LOOSE * tolerance:  # noise or more examples than said: no exact span to test against
+        info["rank_share"] = rest
+        return weight_grad.new_zeros(count, weight_grad.shape[1]), info
+    span = row_space(next_grad, count)
+    pre_w = layer.weight.detach().to(rows) @ rows.T  # (units, count): the layer on the row space's coordinates
+    bias = layer.bias.detach().to(rows)
+    found = rows.new_zeros(0, count)
+    directions = rows.new_zeros(0, count)
+    while info["rounds"] < rounds and len(found) < count:
+        info["rounds"] += 1
+        free = torch.linalg.svd(directions, full_matrices=True).Vh[len(directions):].T if len(directions) \
+            else torch.eye(count, dtype=rows.dtype, device=rows.device)  # (count, d): where the rest lie
+        if free.shape[1] == 0:
+            break
+        draws = torch.randn(starts, rows.shape[1], generator=generator, device=rows.device, dtype=rows.dtype)
+        c = _descend(draws @ rows.T @ free, pre_w @ free, bias, span, steps, lr)
+        c, active = _snap(c, pre_w @ free, bias, span, 5)
+        found, directions = _accept(c @ free.T, active, pre_w, bias, span, factor, found, directions, tolerance)
+    info["found"], info["exact"] = len(found), len(found) == count
+    inputs = torch.cat([found @ rows, rows.new_zeros(count - len(found), rows.shape[1])])
+    return inputs, info
+
+
+def _accept(candidates: Tensor, active: Tensor, pre_w: Tensor, bias: Tensor, span: Tensor, factor: Tensor,
+            found: Tensor, directions: Tensor, tolerance: float) -> tuple[Tensor, Tensor]:
+    """``found`` and ``directions`` grown by the candidates that are inputs: activation in ``span`` to
+    ``LOOSE * tolerance`` of its size, the pattern the last solve held, new; each with what its inactive units
+    annihilate in ``factor``."""
+    pre = candidates @ pre_w.T + bias
+    h = torch.relu(pre)
+    share = _off_span(h, span).norm(dim=1) / h.norm(dim=1).clamp_min(torch.finfo(h.dtype).tiny)
+    clear = pre.abs() > tolerance * pre.abs().amax(dim=1, keepdim=True)
+    held = ((pre > 0) == active) | ~clear
+    for i in torch.nonzero((share <= LOOSE * tolerance) & held.all(dim=1) & active.any(dim=1)).flatten().tolist():
+        a = candidates[i]
+        if len(found) == factor.shape[1]:
+            break
+        if len(found) and (found - a).norm(dim=1).min() <= LOOSE * tolerance * a.norm():
+            continue
+        inactive = pre[i] < 0
+        if int(inactive.sum()) < factor.shape[1] - 1:  # too few zeros to pin its direction: keep the input only
+            direction = None
+        else:
+            direction = torch.linalg.svd(factor[inactive], full_matrices=True).Vh[-1]
+        found = torch.cat([found, a[None]])
+        if direction is not None:
+            directions = torch.cat([directions, direction[None]])
+    return found, directions
+
+
 def edges(rows: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Each row's image (``shape``: channels, height, width) as its horizontal and vertical differences, flat."""
     images = rows.reshape(len(rows), *shape)
@@ -362,20 +479,74 @@ class CocktailParty(Attack):
         return _answer(self, observed, threat, generator, inputs, info)
 
 
-def _answer(attack: Spear | CocktailParty, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator,
+def _answer(attack: Spear | SpearSpan | CocktailParty, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator,
             inputs: Tensor | None, info: dict) -> Reconstruction:
     """The reconstruction of recovered normalised ``inputs`` (the data's mean image where none came back)."""
     shape = (threat.batch_size, *threat.input_shape)
     normalised = torch.zeros(shape, device=threat.device) if inputs is None else \
         inputs.to(torch.float32).view(shape)
     labels = labels_from_inputs(observed, threat, normalised) \
-        if attack.label_method == "inputs" and inputs is not None else None
+        if attack.label_method == "inputs" and inputs is not None and info.get("found", len(inputs)) == len(inputs) \
+        else None
     if labels is None:  # another method asked for, or no inputs to read the labels with
         method = "auto" if attack.label_method == "inputs" else attack.label_method
         labels = recover_labels(observed, threat, method, generator)
     return Reconstruction(threat.to_pixels(normalised), labels, [], 0.0, info)
 
 
+class SpearSpan(Attack):
+    """Exact inputs of a linear-then-ReLU first layer at large batches: each input is where its hidden activation
+    lies in the next fully connected layer's gradient row space, found by many starts at once, solved exactly on
+    its ReLU pattern, and taken out of the search once found (leakaudit's own search, built on SPEAR's low-rank
+    view, Dimitrov et al. 2024)."""
+
+    name = "spear_span"
+    paper = "Dimitrov et al. 2024"
+    auto_params = {"cpu": {"starts": 128, "rounds": 12}}
+    brings = "exact inputs of a fully connected ReLU first layer at 64 and more images per update"
+    noise_free_only = True
+    params = {
+        "starts": Param(256, int, min=1, max=1_000_000, help="candidate inputs searched together each round"),
+        "steps": Param(200, int, min=0, max=100_000, help="Adam steps of each round before the exact solves"),
+        "rounds": Param(16, int, min=1, max=1000, help="most rounds; each takes the inputs found out of the search"),
+        "lr": Param(0.05, float, min=0.0, exclusive_min=True, help="Adam's step size"),
+        "tolerance": Param(1e-6, float, min=0.0, exclusive_min=True,
+                           help="an input is exact where its activation leaves the span by 100 times this share"),
+        "label_method": LABEL_METHOD,
+    }
+    starts: int
+    steps: int
+    rounds: int
+    lr: float
+    tolerance: float
+    label_method: str
+
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        problem = _one_step_problem(self.name, model, batch_size, protocol, needs_relu=True)
+        if problem is not None:
+            return problem
+        following = next_layer(model)
+        if following is None:
+            return f"{self.name}: the first layer's ReLU must feed a fully connected layer, whose gradient it reads"
+        name, layer = following
+        if not layer.weight.requires_grad:
+            return f"{self.name}: the layer after the first ReLU ({name}) is frozen, so the update carries no gradient of it"
+        if batch_size >= layer.out_features:
+            return (f"{self.name}: {batch_size} images per update need more than the {layer.out_features} units of "
+                    f"the layer after the first ReLU ({name}), whose gradient's row space tests each image's "
+                    "activation (all of them it would pass anything)")
+        return None
+
+    def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        weight_grad, _ = layer_gradients(observed, threat)
+        _, layer, _ = input_layer(threat.model)
+        name, _ = next_layer(threat.model) or ("", None)
+        next_grad = dict(zip(observed.names, observed.tensors))[f"{name}.weight"].to(threat.device, torch.float64)
+        inputs, info = span_inputs(weight_grad, next_grad, layer, threat.batch_size, self.starts, self.steps,
+                                   self.rounds, self.lr, self.tolerance, generator_on(threat.device, generator))
+        return _answer(self, observed, threat, generator, inputs if info["found"] else None, info)
+
+
 @hookimpl
 def register_attacks():
-    return [Spear, CocktailParty]
+    return [Spear, SpearSpan, CocktailParty]

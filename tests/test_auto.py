@@ -28,7 +28,8 @@ MLP_AUDIT = {
 def test_no_attacks_key_means_every_attack_that_applies(write_audit):
     audit = load_audit(write_audit(MLP_AUDIT))
     chosen = {a.name: a for a in audit.attacks}
-    assert sorted(chosen) == ["bayes", "cinet", "cocktail_party", "inverting_gradients", "learning_to_invert", "spear"]
+    assert sorted(chosen) == ["bayes", "cinet", "cocktail_party", "inverting_gradients", "learning_to_invert", "spear",
+                              "spear_span"]
     assert chosen["inverting_gradients"].params == {"iterations": 1000}  # the CPU's budget
     assert chosen["learning_to_invert"].role == "adaptive" and chosen["spear"].role == "naive"
     by_key = {s.key: s for s in audit.settings}
@@ -64,7 +65,7 @@ def test_validate_lists_the_choice_and_the_reasons(write_audit, capsys):
 
     assert main(["validate", str(write_audit({**MLP_AUDIT, "attacks": "auto"}))]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == ("  attacks: auto chose 6 of 23 registered attacks, at their budgets for cpu (list them under "
+    assert out[1] == ("  attacks: auto chose 7 of 24 registered attacks, at their budgets for cpu (list them under "
                       "attacks: to pin the choice):")
     assert "    spear: chosen, spear" in out
     assert "    dager: left out: it reconstructs text" in out  # the data are images
@@ -75,7 +76,7 @@ def test_validate_lists_the_choice_and_the_reasons(write_audit, capsys):
 OFFLINE = {"cifar10": "cifar10_samples", "cifar100": "cifar100_samples", "mnist": "mnist_samples"}
 #: Budgets small enough to run every chosen attack once per config (the test checks that they run, not how well).
 TINY = {"iterations": 1, "updates": 16, "width": 8, "minibatch": 8, "samples": 4096, "dense_limit": 1,
-        "cg_iterations": 5}
+        "cg_iterations": 5, "starts": 8, "steps": 2, "rounds": 1}
 #: Configs whose models take over 10 s here even so (64 images through a deep network): run with --runheavy.
 HEAVY = {"cinet_batch64", "imprint", "bayesian_full_budget", "text_dager_scale",
          "flower_local_dp"}  # the quickstart's model again: tests/test_flower_dp.py checks auto on Flower's DP
@@ -127,6 +128,7 @@ def test_the_report_names_what_auto_chose(write_audit):
     audit = load_audit(write_audit(MLP_AUDIT))
     rows = dict(provenance(audit, {"attack_choice": list(audit.attack_choice)}))
     assert rows["Attacks"] == ("attacks: auto chose bayes, cinet, cocktail_party, inverting_gradients, "
-                               "learning_to_invert, spear; the other 17 registered attacks do not apply here or "
+                               "learning_to_invert, spear, spear_span; the other 17 registered attacks do not apply "
+                               "here or "
                                "another does their work (leakaudit validate says why)")
     assert "Attacks" not in dict(provenance(audit, {}))  # a file that lists its attacks

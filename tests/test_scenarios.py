@@ -92,6 +92,57 @@ def test_missing_foolbox_is_one_clear_line(monkeypatch, write_audit):
                                 "which are not fetched; run: leakaudit fetch-data"]
 
 
+def _write_idx(path, array) -> None:
+    """``array`` (unsigned bytes) as a gzipped idx file, LeCun's format that Debian's Fashion-MNIST ships."""
+    import gzip
+
+    import numpy as np
+
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+def test_fashion_mnist_reads_debians_idx_files_without_root(tmp_path, monkeypatch):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for part, n in (("train", 30), ("test", 12)):
+        images, labels = datasets.FASHION_FILES[part]
+        _write_idx(tmp_path / images, rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(tmp_path / labels, np.arange(n) % 10)
+    monkeypatch.setattr(datasets, "FASHION_DIR", tmp_path)
+    spec = next(s for s in datasets.BUILTIN if s.name == "fashion_mnist")
+    assert spec.check({}) == []
+    data = spec.load(image_size=16, max_train=20)
+    assert data.train_x.shape == (20, 1, 16, 16) and data.test_x.shape == (12, 1, 16, 16) and data.num_classes == 10
+    assert 0 <= data.train_x.min() and data.train_x.max() <= 1 and data.test_y.tolist() == list(range(10)) + [0, 1]
+    full = datasets.read_idx(tmp_path / datasets.FASHION_FILES["test"][0])
+    assert torch.allclose(spec.load(image_size=28).test_x[:, 0], torch.tensor(full / 255.0, dtype=torch.float32))
+    (tmp_path / datasets.FASHION_FILES["test"][1]).write_bytes(b"not gzip")
+    with pytest.raises(OSError):
+        spec.load(image_size=16)
+
+
+def test_missing_fashion_mnist_says_how_to_install_it_in_one_line(tmp_path, monkeypatch, write_audit):
+    monkeypatch.setattr(datasets, "FASHION_DIR", tmp_path / "absent")
+    path = write_audit(small_audit(data={"dataset": "fashion_mnist", "targets": 2}))
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    assert info.value.lines == [f"{path}: data.dataset: fashion_mnist reads Debian's files in {tmp_path / 'absent'}, "
+                                "which has no train-images-idx3-ubyte.gz; install them with: apt-get install -y "
+                                "dataset-fashion-mnist (or set root: to a torchvision FashionMNIST folder)"]
+
+
+@pytest.mark.skipif(not (datasets.FASHION_DIR / "t10k-images-idx3-ubyte.gz").is_file(),
+                    reason="Debian's dataset-fashion-mnist is not installed (.ci/run installs it)")
+def test_real_fashion_mnist_from_debians_package():
+    data = next(s for s in datasets.BUILTIN if s.name == "fashion_mnist").load(image_size=16, max_train=500,
+                                                                              max_test=100)
+    assert data.train_x.shape == (500, 1, 16, 16) and len(data.test_x) == 100
+    assert set(data.train_y.unique().tolist()) == set(range(10)) and 0.2 < data.train_x.mean() < 0.4
+
+
 def test_imagefolder_reads_a_local_folder(tmp_path):
     from PIL import Image
 

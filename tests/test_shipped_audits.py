@@ -13,6 +13,7 @@ from leakaudit.evaluator.audit.jobs import jobs_of
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.run.runner import run_audit
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario
+from leakaudit.evaluator.zoo import datasets
 from leakaudit.plugins.manager import load_registry
 
 from conftest import ROOT
@@ -36,8 +37,12 @@ def _psnr(summary, setting: str, attack: str) -> float:
 
 
 def _needs_absent_data(path) -> bool:
-    """Whether a shipped file reads a torchvision set from a ``root:`` that this machine lacks."""
-    root = (yaml.safe_load(path.read_text())["data"] or {}).get("root")
+    """Whether a shipped file reads a torchvision set from a ``root:`` that this machine lacks, or Debian's
+    Fashion-MNIST files where they are not installed."""
+    data = yaml.safe_load(path.read_text())["data"] or {}
+    root = data.get("root")
+    if root is None and data.get("dataset") == "fashion_mnist":
+        return not (datasets.FASHION_DIR / datasets.FASHION_FILES["train"][0]).is_file()
     return root is not None and not Path(root).is_dir()
 
 
@@ -50,7 +55,8 @@ def test_every_shipped_audit_is_valid():
     for path in paths:
         if _needs_absent_data(path):
             with pytest.raises(ConfigError, match=r"data\.root: folder .* does not exist; put (MNIST/raw|"
-                                                  r"cifar-10-batches-py)/ there"):
+                                                  r"cifar-10-batches-py)/ there|data\.dataset: fashion_mnist reads "
+                                                  r"Debian's files .*; install them with: apt-get install"):
                 load_audit(path)
             continue
         audit = load_audit(path)
@@ -164,7 +170,8 @@ def _reduced(audit: dict) -> dict:
 
 
 #: The token budget of every attack parameter of that name.
-TOKEN = {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0, "cg_iterations": 2, "updates": 16, "width": 16}
+TOKEN = {"iterations": 2, "restarts": 1, "samples": 1, "warmup": 0, "cg_iterations": 2, "updates": 16, "width": 16,
+         "starts": 8, "steps": 2, "rounds": 1}
 
 
 def token_budget(cls) -> dict:
@@ -181,7 +188,7 @@ def token_auto_budgets(monkeypatch) -> None:
                                                            for device, params in entry.obj.auto_params.items()})
 
 
-STAND_INS = {"mnist": "mnist_samples", "cifar10": "cifar10_samples"}  # the foolbox wheel's real images
+STAND_INS = {"mnist": "mnist_samples", "cifar10": "cifar10_samples", "fashion_mnist": "fashion_mnist_samples"}  # the foolbox wheel's real images
 
 
 def _offline(audit: dict, path) -> dict:
@@ -195,11 +202,12 @@ def _offline(audit: dict, path) -> dict:
 #: per-step feature scores over its training, the Bayesian network at its full budget.
 SLOW_TO_ANALYSE = {"linear_systems", "soteria_training", "bayesian_full_budget"}
 # slow to run even reduced; covered by default by their twins (table1_resnet20, ats_training, cinet_cpu) and, for
-# adaptive_defenses, by tests/test_adaptive_defenses.py's end-to-end audit
+# adaptive_defenses, by tests/test_adaptive_defenses.py's end-to-end audit; the Fashion-MNIST twins of
+# realistic_cnn16 and realistic_clients by theirs and by realistic_mlp64_fashion
 # flower_local_dp: the quickstart's model under a frontier search of up to 7 probes; its defense is checked by
 # tests/test_flower_dp.py and tests/test_checks.py, a frontier run by configs/frontier.yaml's
 SLOW_TO_RUN = {"adaptive_defenses", "table1_resnet20_paper", "ats_training_paper", "cinet_batch64",
-               "text_dager_scale", "flower_local_dp"}
+               "text_dager_scale", "flower_local_dp", "realistic_cnn16_fashion", "realistic_clients_fashion"}
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """Image datasets: offline built-ins first, torchvision sets from a local ``root:`` folder."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -191,6 +193,57 @@ def _torchvision_loader(name: str) -> Callable[..., ImageData]:
     return load
 
 
+#: Where Debian's package dataset-fashion-mnist puts Fashion-MNIST's original idx files (Xiao et al. 2017).
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+                 "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+FASHION_INSTALL = "apt-get install -y dataset-fashion-mnist"
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """One gzipped idx file (LeCun's format: magic 0x0000 0x08 ndim, big-endian sizes, unsigned bytes) as an array."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[:3] != b"\0\0\x08":
+        raise ValueError(f"{path} is not an idx file of unsigned bytes")
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != math.prod(shape):
+        raise ValueError(f"{path} holds {data.size} values, not the {math.prod(shape)} its header says")
+    return data.reshape(shape)
+
+
+def _fashion_split(part: str, limit: int, image_size: int) -> tuple[Tensor, Tensor]:
+    """``limit`` images of one of Debian's Fashion-MNIST splits (a fixed seeded subset, in file order), resized."""
+    images, labels = (read_idx(FASHION_DIR / f) for f in FASHION_FILES[part])
+    n = min(limit, len(images))
+    idx = torch.randperm(len(images), generator=torch.Generator().manual_seed(SPLIT_SEED))[:n].sort().values.numpy()
+    x = torch.from_numpy(images[idx].astype(np.float32) / 255.0).unsqueeze(1)
+    return resize(x, image_size), torch.from_numpy(labels[idx].astype(np.int64))
+
+
+def load_fashion_mnist(image_size: int, root: str | None = None, download: bool = False, max_train: int = 10000,
+                       max_test: int = 2000, **params: Any) -> ImageData:
+    """Fashion-MNIST (Xiao et al. 2017: 70,000 greyscale 28x28 photographs of clothes, 10 classes): Debian's
+    dataset-fashion-mnist files without root:, torchvision's FashionMNIST from a root: folder."""
+    if root is not None:
+        return _torchvision_loader("fashion_mnist")(image_size, root, download, max_train, max_test, **params)
+    (trx, try_), (tex, tey) = _fashion_split("train", max_train, image_size), _fashion_split("test", max_test, image_size)
+    return ImageData("fashion_mnist", trx, try_, tex, tey, 10)
+
+
+def _check_fashion(section: dict[str, Any]) -> list[str]:
+    """Debian's files where no root: is set (one line saying how to install them), else the root: folder's."""
+    if section.get("root") is not None:
+        return _check_root("fashion_mnist")(section)
+    missing = [f for pair in FASHION_FILES.values() for f in pair if not (FASHION_DIR / f).is_file()]
+    if missing:
+        return [f"data.dataset: fashion_mnist reads Debian's files in {FASHION_DIR}, which has no {missing[0]}; "
+                f"install them with: {FASHION_INSTALL} (or set root: to a torchvision FashionMNIST folder)"]
+    return []
+
+
 def _kept(section: dict[str, Any]) -> int:
     params = section.get("params", {})
     return params.get("max_train", LIMITS["max_train"].default) + params.get("max_test", LIMITS["max_test"].default)
@@ -210,7 +263,9 @@ BUILTIN = [
                   values=lambda s: 3 * 20) for n in FOOLBOX_SETS),
     *(DatasetSpec(n, _torchvision_loader(n), dict(LIMITS), summary=_torchvision_loader(n).__doc__,
                   check=_check_root(n), values=lambda s, c=CHANNELS[n]: c * _kept(s))
-      for n in (*TORCHVISION_SETS, "imagefolder")),
+      for n in (*TORCHVISION_SETS, "imagefolder") if n != "fashion_mnist"),
+    DatasetSpec("fashion_mnist", load_fashion_mnist, dict(LIMITS), summary=load_fashion_mnist.__doc__,
+                check=_check_fashion, values=lambda s: _kept(s)),
 ]
 
 

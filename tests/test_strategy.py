@@ -162,5 +162,6 @@ def test_a_client_and_the_server_judge_one_update_alike(tmp_path):
     server.aggregate_fit(1, [(proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), 4,
                                             {"partition": "0"}))], [])
     mine, theirs = client.report(), server.report()["0"]
-    assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "mean"
+    assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "class_mean"
+    assert mine.label_threshold == theirs.label_threshold and mine.label_threshold.guess == "mean"
     assert [(v.verdict, v.reason) for v in mine.verdicts] == [(v.verdict, v.reason) for v in theirs.verdicts]

@@ -36,6 +36,7 @@ from leakaudit.evaluator.results.verdict import (
     finite,
     identification_bound,
     judge,
+    label_threshold,
     leak_threshold,
     min_accuracy,
     overall,
@@ -82,7 +83,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
     options = {**as_dict(audit.verdict),
-               **({"no_utility": "give the monitor an eval_loader of held-out batches"} if audit.live else {})}
+               **({"no_utility": "give the monitor an eval_loader of held-out batches"} if audit.live else {}),}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}
@@ -92,9 +93,10 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key) or (None, None, None), identified_by,
                    profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
+    labels_bar = label_threshold(baselines, leakage, options["margin"])
     chance = run_info.get("chance_accuracy")
     needed = min_accuracy(options, chance)
-    bars = (leakage, threshold, needed, chance, options)
+    bars = (leakage, threshold, needed, chance, options, labels_bar)
     untried = run_info.get("untried_attacks", "")
     alone = {s.key: _judged_steps(audit, s, cells, acc, bars) for s in audit.settings}
     verdicts, worst_case = [], []
@@ -121,7 +123,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         audit=audit.name, leakage_metric=leakage.name, higher_is_more_leakage=leakage.higher_is_better,
         dataset=audit.data.dataset or audit.data.factory, model=audit.model.name, device=audit.device,
         seed=audit.seed, metrics=audit.metrics, checkpoints=audit.checkpoints, verdict_options=audit.verdict,
-        leak_threshold=threshold, chance_accuracy=chance, min_accuracy=needed, identifiable_by=identified_by,
+        leak_threshold=threshold, label_threshold=labels_bar, chance_accuracy=chance, min_accuracy=needed, identifiable_by=identified_by,
         utility={u["setting"]: SettingUtility(**{k: u.get(k) for k in (
             "accuracy", "train_steps", "epsilon", "delta", "model_changes", "checkpoint_accuracy")}) for u in utility},
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
@@ -224,14 +226,15 @@ def _batch_options(options: dict, batch: int) -> dict:
 def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: tuple,
                   attacks: set[str] | None = None) -> list[StepVerdict]:
     """A setting's verdict, judged alone, at each step it has a finite score, from its cells (those of
-    ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance and the
-    verdict options."""
-    leakage, threshold, needed, chance, options = bars
+    ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance, the
+    verdict options and the bar of a leak of labels."""
+    leakage, threshold, needed, chance, options, labels_bar = bars
     options = _batch_options(options, audit.batch_size_of(setting))
     mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
             and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")
-    return [judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed, chance, options)
+    return [judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed, chance, options,
+                  labels_bar)
             for ckpt in audit.checkpoints if any(c.checkpoint == ckpt for c in mine)]
 
 
@@ -289,7 +292,7 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
         attack=top.attack, checkpoint=top.checkpoint,
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
-        verdict_checkpoint=final.checkpoint, still_improving=final.still_improving,
+        verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
         settling_iterations=final.settling_iterations,
         privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
         worst_image=_worst_image(own_rows, leakage))

@@ -17,6 +17,7 @@ from leakaudit.evaluator.results.verdict import (
     LABELS,
     LEAKS,
     NOTHING,
+    PERSONAL,
     PROTECTS,
     calibrate,
     judge,
@@ -24,7 +25,7 @@ from leakaudit.evaluator.results.verdict import (
     leak_threshold,
     overall,
 )
-from leakaudit.evaluator.zoo.metrics import class_mean_guess, guess_scores, psnr
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, guess_scores, psnr, text_guess_scores
 from leakaudit.plugins.components import Metric
 from leakaudit.testing import assert_protects
 
@@ -71,6 +72,29 @@ def test_a_leak_is_of_individuals_above_the_class_means_and_of_labels_between():
     assert judge([_cell(14.2)], PSNR, leak_threshold(plain, PSNR, None), None, None, None, OPTIONS).level == INDIVIDUALS
     # over the steps a leak of individuals is worse than one of labels
     assert overall([templates, dataclasses.replace(individuals, checkpoint=1)]).level == INDIVIDUALS
+
+
+ROUGE = Metric("rouge1", None, True, margin=0.05)
+
+
+def test_personal_values_beyond_a_guess_leak_whatever_the_rouge():
+    """A sentence whose ROUGE stays under the bar but that holds a client's name and a number verbatim leaks
+    personal values; one that holds no more of them than a guess from the attacker's sentences does not."""
+    bar = leak_threshold({"random": {"rouge1": 0.05}, "frequent": {"rouge1": 0.4}}, ROUGE, None)
+    noisy = dataclasses.replace(_cell(0.3), scores={"rouge1": Scores(mean=0.3, ci=[0.25, 0.35], n=4)},
+                                pii_recall=0.17)
+    leaked = judge([noisy], ROUGE, bar, 0.9, 0.5, 0.4, {**OPTIONS, "pii_guess": 0.0})
+    assert (leaked.verdict, leaked.level) == (LEAKS, PERSONAL)
+    assert leaked.reason.endswith("ig's reconstructions hold 17% of the targets' personal values verbatim (names, "
+                                  "numbers), where a guess from the attacker's own sentences holds 0%: beyond it by "
+                                  "more than the 5% margin, personal values leak whatever the rouge1")
+    assert judge([noisy], ROUGE, bar, 0.9, 0.5, 0.4, {**OPTIONS, "pii_guess": 0.15}).verdict == PROTECTS
+    assert judge([noisy], ROUGE, bar, 0.9, 0.5, 0.4, OPTIONS).verdict == PROTECTS  # no guess scored them
+    # the guesses score what they hold of each batch's personal values
+    ids = torch.tensor([[5, 6, 0], [7, 8, 9]])
+    guessed = text_guess_scores([], [(ids, torch.tensor([0, 1]))], torch.tensor([5, 6, 9]), 10, torch.Generator(),
+                                recall=lambda guess, index: float((guess == ids).all(1).float().mean()))
+    assert guessed["frequent"]["pii_recall"] == 0.5
 
 
 def _verdict(setting: str, verdict: str, level: str | None) -> StepVerdict:

@@ -82,8 +82,10 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
+    guessed = finite(scores.get("pii_recall") for scores in (baselines or {}).values())
     options = {**as_dict(audit.verdict),
-               **({"no_utility": "give the monitor an eval_loader of held-out batches"} if audit.live else {}),}
+               **({"no_utility": "give the monitor an eval_loader of held-out batches"} if audit.live else {}),
+               **({"pii_guess": max(guessed)} if guessed else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}
@@ -267,7 +269,8 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         decoy_hits=None if decoys is None else decoys[0], decoy_p=None if decoys is None else decoys[2],
         bound_violated=beats_bound(named, n, bound, options["confidence"]), late_gain=gain,
         still_improving=None if not gains else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
-        seconds_mean=float(np.mean([r["seconds"] for r in rs])))
+        seconds_mean=float(np.mean([r["seconds"] for r in rs])),
+        pii_recall=float(np.mean(recalls)) if (recalls := finite(r.get("pii_recall") for r in rs)) else None)
 
 
 def _iterations(audit: Audit, attack: str, rows: list[dict]) -> int | None:

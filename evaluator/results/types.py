@@ -118,9 +118,12 @@ class CellResult(_Scored):
     still_improving: bool | None = None
     iterations: int | None = None
     seconds_mean: float | None = None
+    #: Text: the mean share of the targets' personal values (names, numbers) the reconstructions hold verbatim;
+    #: None where the data marks none (and left out of summary.json there).
+    pii_recall: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("worst_image")
+        head, tail = self._around_scores("worst_image", *(() if self.pii_recall is not None else ("pii_recall",)))
         flat = {k: v for m, s in self.scores.items() for k, v in s.flat(m).items()}
         return {**head, **flat, "worst_image": _record(self.worst_image), **tail}
 

@@ -25,8 +25,11 @@ VERDICTS = (LEAKS, INCONCLUSIVE, UNUSABLE, PROTECTS)  # worst first
 #: What a verdict says leaks: the individuals (reconstructions closer than the class-aware guess, or that name
 #: their originals among same-class decoys), the labels or class composition alone (closer than the guesses that
 #: read nothing of the update, no closer than each target's class mean), or nothing. Worst first.
-INDIVIDUALS, LABELS, NOTHING = "individuals", "labels", "nothing"
-LEVELS = (INDIVIDUALS, LABELS, NOTHING)
+INDIVIDUALS, PERSONAL, LABELS, NOTHING = "individuals", "personal values", "labels", "nothing"
+LEVELS = (INDIVIDUALS, PERSONAL, LABELS, NOTHING)
+#: Text: reconstructions leak personal values where they hold more of the targets' names and numbers verbatim
+#: than the better guess from the attacker's own sentences, by more than this share.
+PII_MARGIN = 0.05
 #: An attack is still improving where its loss fell by more than this share of its whole drop in its last fifth.
 STILL_IMPROVING = 0.01
 #: How much larger a budget a still-improving attack is advised to rerun with.
@@ -226,6 +229,10 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     if named is not None:
         return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, reason=(
             f"{evidence}; its {what} does not beat the leak threshold {bar}, but {named}"))
+    personal = _personal_values(cells, options, name)
+    if personal is not None:
+        return StepVerdict(**out, verdict=LEAKS, level=PERSONAL, reason=(
+            f"{evidence}; its {what} does not beat the leak threshold {bar}, but {personal}"))
     if labels_bar is not None and metric.better(value, labels_bar.value):
         return StepVerdict(**out, verdict=LEAKS, level=LABELS, reason=(
             f"{evidence}; its {what} beats the bar of the guesses that read nothing of the update, "
@@ -247,6 +254,22 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     else:
         reason += f"; test accuracy {accuracy:.3f} is at least {needed:.3f}"
     return StepVerdict(**out, verdict=PROTECTS, level=NOTHING, reason=reason)
+
+
+def _personal_values(cells: list[CellResult], options: dict[str, Any], metric: str) -> str | None:
+    """Why some attack's reconstructions recover personal values beyond a guess (None where none does, or where
+    no guess scored them): the most any attack holds verbatim of the targets' names and numbers exceeds what the
+    better guess from the attacker's own sentences holds (``pii_guess``) by more than ``PII_MARGIN``."""
+    guess = options.get("pii_guess")
+    scored = [c for c in cells if c.pii_recall is not None]
+    if guess is None or not scored:
+        return None
+    top = max(scored, key=lambda c: c.pii_recall)
+    if top.pii_recall <= guess + PII_MARGIN:
+        return None
+    return (f"{top.attack}'s reconstructions hold {top.pii_recall:.0%} of the targets' personal values verbatim "
+            f"(names, numbers), where a guess from the attacker's own sentences holds {guess:.0%}: beyond it by more "
+            f"than the {PII_MARGIN:.0%} margin, personal values leak whatever the {metric}")
 
 
 def _bar(threshold: LeakThreshold, metric: Metric) -> str:
@@ -487,8 +510,9 @@ def decoy_test(own: list[np.ndarray], decoys: list[np.ndarray], groups: list[lis
     return hits, len(chances), float(min(1.0, tail[hits:].sum()))
 
 
-#: What ``--fail-on-leak`` fails on: each level, with the levels it takes in (labels: individuals too).
-GATE_LEVELS = {INDIVIDUALS: (INDIVIDUALS,), LABELS: (INDIVIDUALS, LABELS)}
+#: What ``--fail-on-leak`` fails on: each level, with the levels it takes in (individuals: their personal values
+#: too; labels: every leak).
+GATE_LEVELS = {INDIVIDUALS: (INDIVIDUALS, PERSONAL), LABELS: (INDIVIDUALS, PERSONAL, LABELS)}
 
 
 def gate_failures(summary: Summary, allow_inconclusive: bool = False,

@@ -300,7 +300,8 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
     if scenario.text:  # the most frequent token at each position, and uniform draws
         frequent = frequent_tokens(scenario.data.train_x, scenario.data.pad_id)
         return text_guess_scores(metrics, batches, frequent, scenario.data.vocab_size,
-                                 generator("cpu", audit.seed, "baseline"), scenario.data.pad_id)
+                                 generator("cpu", audit.seed, "baseline"), scenario.data.pad_id,
+                                 lambda guess, t: scenario.pii_recall(guess.cpu(), scenario.target_ids(t).tolist()))
     train_x, train_y = scenario.data.train_x.float(), scenario.data.train_y.reshape(-1)
     average = train_x.mean(dim=0).to(scenario.device)
     classes = train_y.unique()

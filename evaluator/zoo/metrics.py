@@ -245,12 +245,15 @@ def frequent_tokens(ids: Tensor, pad_id: int = 0) -> Tensor:
 
 
 def text_guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]], frequent: Tensor,
-                      vocab_size: int, generator: torch.Generator, pad_id: int = 0) -> dict[str, dict[str, float | None]]:
+                      vocab_size: int, generator: torch.Generator, pad_id: int = 0,
+                      recall: Callable[[Tensor, int], float | None] | None = None) -> dict[str, dict[str, float | None]]:
     """Mean scores over ``batches`` of ``(ids, labels)`` of sequences guessed without the update: tokens drawn
     uniformly (from ``generator``), and ``frequent``, the training split's most frequent token at each position,
-    each at the original's length (padding where it pads)."""
+    each at the original's length (padding where it pads). With ``recall`` (a guess of batch ``index`` -> the
+    share of that batch's personal values it holds verbatim, None where it holds none), each guess also scores
+    ``pii_recall``: what a guess from the attacker's own sentences recovers of the names and numbers."""
     out: dict[str, dict[str, list]] = {"random": {}, "frequent": {}}
-    for ids, labels in batches:
+    for index, (ids, labels) in enumerate(batches):
         real = ids != pad_id
         drawn = torch.randint(pad_id + 1, vocab_size, ids.shape, generator=generator, device=generator.device)
         guesses = {"random": torch.where(real, drawn.to(ids.device), ids),
@@ -258,4 +261,7 @@ def text_guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Ten
         for name, guess in guesses.items():
             for m, v in score(metrics, guess, ids, labels, labels).values.items():
                 out[name].setdefault(m, []).append(v)
+            found = None if recall is None else recall(guess, index)
+            if found is not None:
+                out[name].setdefault("pii_recall", []).append(found)
     return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()} for name, d in out.items()}

@@ -260,6 +260,9 @@ def cmd_validate(args) -> int:
               f"protects), to within a factor {spec.tolerance:g}: at most {probes} probes, both ends counted above; "
               f"up to {probes - 2} more, one after another, each {audit.utility.train_steps} training steps and "
               f"{per} attack jobs: up to {(probes - 2) * per} more jobs")
+    needs = {a.key: audit.registry.get("attack", a.name).attacker or "undeclared" for a in audit.attacks}
+    print("  threat models (the least attacker each attack needs, Carletti et al. 2025): "
+          + "; ".join(f"{key}: {who}" for key, who in needs.items()))
     added = [s.key for s in audit.settings if s.added]
     if added:
         print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "
@@ -408,7 +411,9 @@ def _verdict_line(w, leak: str, width: int) -> str:
         else f"no finite {leak}"
     said = (w.verdict or "not judged") + (f" {w.level}" if w.verdict == "leaks" and w.level else "")
     return (f"  {w.setting:<{width}}  {said.upper():<22} accuracy {acc:>5}  {score}\n"
-            f"    why: {w.reason}")
+            f"    why: {w.reason}"
+            + (f"\n    threat model: {w.threat or 'undeclared'} (Carletti et al. 2025: the attacker this verdict "
+               "holds against)" if w.threat is not None else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

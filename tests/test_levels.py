@@ -118,12 +118,13 @@ def test_a_reference_broken_only_at_the_class_level_leaves_individuals_inconclus
 CLASS_TEMPLATES = '''
 import torch
 import leakaudit
-from leakaudit.plugins.attack import Attack, Reconstruction
+from leakaudit.plugins.attack import HONEST_SERVER, Attack, Reconstruction
 
 
 class ClassTemplates(Attack):
     name = "class_templates"
     paper = "none: the class-template guess of issue 62"
+    attacker = HONEST_SERVER  # the labels (known_labels) and data of its own
 
     def reconstruct(self, observed, threat, generator):
         aux = threat.auxiliary
@@ -160,8 +161,10 @@ def test_class_templates_alone_are_a_leak_of_labels_not_individuals(write_audit,
         assert w["verdict"] == LEAKS and w["level"] == LABELS, (w["setting"], w["reason"])
         assert w["psnr"] < summary["leak_threshold"]["value"]
     printed = capsys.readouterr().out
-    assert " LEAKS LABELS " in printed
-    assert '<small class="level">labels</small>' in (out / "report.html").read_text()
+    assert " LEAKS LABELS " in printed and "    threat model: honest-but-curious server (" in printed
+    assert {w["threat"] for w in summary["worst_case"]} == {"honest-but-curious server"}
+    page = (out / "report.html").read_text()
+    assert '<small class="level">labels</small>' in page and ">honest-but-curious server</small>" in page
     assert main(["report", str(out), "--fail-on-leak", "labels"]) == 3
     assert "leakaudit: leak: none (must_protect) leaks labels at step 0" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="leaks labels"):
@@ -169,9 +172,21 @@ def test_class_templates_alone_are_a_leak_of_labels_not_individuals(write_audit,
     assert_protects(out)
 
 
+def test_every_registered_attack_declares_the_attacker_it_needs(registry):
+    from leakaudit.plugins.attack import ATTACKERS, MALICIOUS_SERVER
+    from leakaudit.plugins.manager import facts
+
+    declared = {name: registry.get("attack", name).attacker for name in registry.names("attack")}
+    assert all(who in ATTACKERS for who in declared.values()), declared
+    assert declared["imprint"] == MALICIOUS_SERVER and declared["inverting_gradients"] == "honest-but-curious server"
+    assert facts(registry.entries["attack"]["imprint"])["attacker"].startswith("malicious server: changes the model")
+
+
 def test_a_gate_level_that_is_not_one_is_one_line_naming_the_choices(write_audit, capsys):
     path = write_audit(small_audit(defenses=[{"name": "none", "must_protect": True}]))
     assert main(["validate", str(path)]) == 0
+    assert "threat models (the least attacker each attack needs, Carletti et al. 2025): inverting_gradients: " \
+           "honest-but-curious server" in capsys.readouterr().out
     assert main(["run", str(path), "--out", "unused", "--fail-on-leak", "label"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--fail-on-leak: 'label' is not a level (did you mean 'labels'?); choices: individuals, labels")

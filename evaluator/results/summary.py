@@ -2,6 +2,7 @@
 verdicts (calibrated against the undefended reference), the privacy bounds, naive against adaptive, tuning."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from statistics import NormalDist
@@ -29,6 +30,7 @@ from leakaudit.evaluator.results.types import (
     WorstImage,
 )
 from leakaudit.evaluator.results.verdict import (
+    LEAKS,
     STILL_IMPROVING,
     beats_bound,
     calibrate,
@@ -43,6 +45,7 @@ from leakaudit.evaluator.results.verdict import (
     strongest,
     training_bound,
 )
+from leakaudit.plugins.attack import ATTACKERS
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.manager import Registry
 
@@ -131,7 +134,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
         naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes,
         frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence) for spec in audit.frontiers],
-        decision=decide(worst_case, acc, needed, confidence))
+        decision=decide(worst_case, acc, needed, confidence, {
+            s.key: acc.get(ref.key, {}).get("accuracy") for s in audit.settings
+            if (ref := audit.reference_of(s)) is not None and ref is not s}))
 
 
 def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
@@ -169,9 +174,20 @@ def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, 
         margin=margin, status=found.status)
 
 
-def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float) -> Decision | None:
+def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float,
+           undefended: dict[str, float | None] | None = None) -> Decision | None:
     """The setting to ship: the one that protects at the highest accuracy; where none does, which constraint
-    binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement."""
+    binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement.
+    ``undefended``: each setting's undefended model's test accuracy, so that the decision states what the
+    defense costs against it."""
+    undefended = undefended or {}
+
+    def cost(w: WorstCase) -> str:
+        base = undefended.get(w.setting)
+        if base is None or w.accuracy is None:
+            return ""
+        return f"; it costs {base - w.accuracy:.3f} in test accuracy against the undefended model's {base:.3f}"
+
     defended = [w for w in worst_case if not w.baseline]
     if not defended:
         return None
@@ -183,14 +199,15 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
     if protecting:
         best, interval = most_accurate(protecting)
         return Decision(best.setting, best.verdict, best.accuracy, interval, None, f"of the {len(protecting)} "
-                        f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}); {best.reason}")
+                        f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}){cost(best)}; "
+                        f"{best.reason}")
     unusable = [w for w in defended if w.verdict == "protects but unusable"]
     if unusable:
         best, interval = most_accurate(unusable)
         return Decision(None, None, best.accuracy, interval, "utility",
                         f"no setting protects while usable: {_protecting(len(unusable))} stays under the "
                         f"accuracy a usable model needs ({_acc(needed)}); the most accurate of them, {best.setting}, "
-                        f"reaches {_acc(best.accuracy)}. Search between it and the strongest setting that leaks "
+                        f"reaches {_acc(best.accuracy)}{cost(best)}. Search between it and the strongest setting that leaks "
                         "(frontier:), or try a defense that costs less accuracy")
     leaking = [w for w in defended if w.verdict == "leaks"]
     if leaking:
@@ -235,9 +252,24 @@ def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bar
     mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
             and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")
-    return [judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed, chance, options,
-                  labels_bar)
+    return [_held_against(audit, judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed,
+                                       chance, options, labels_bar), [c for c in mine if c.checkpoint == ckpt])
             for ckpt in audit.checkpoints if any(c.checkpoint == ckpt for c in mine)]
+
+
+def _held_against(audit: Audit, verdict: StepVerdict, cells: list[CellResult]) -> StepVerdict:
+    """The verdict with the attacker it holds against (each attack's declared ``attacker``, Carletti et al. 2025):
+    a leak, the one its strongest attack needs; anything else, the strongest that the attacks run there need."""
+    def needs(attack: str) -> str:
+        spec = next((a for a in audit.attacks if a.key == attack), None)
+        return "" if spec is None else audit.registry.get("attack", spec.name).attacker
+
+    if verdict.verdict == LEAKS:
+        return dataclasses.replace(verdict, threat=needs(verdict.attack))
+    declared = [needs(c.attack) for c in cells]
+    known = [a for a in declared if a in ATTACKERS]
+    strongest = max(known, key=list(ATTACKERS).index) if known else ""
+    return dataclasses.replace(verdict, threat=strongest)
 
 
 def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
@@ -296,6 +328,7 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
+        threat=final.threat,
         settling_iterations=final.settling_iterations,
         privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
         worst_image=_worst_image(own_rows, leakage))

@@ -160,10 +160,13 @@ class StepVerdict:
     #: What the verdict says leaks: "individuals", "labels" (the classes alone) or "nothing"; None where it is not
     #: judged, or inconclusive.
     level: str | None = None
+    #: The attacker the verdict holds against (Carletti et al. 2025): for a leak, the least one its attack needs;
+    #: else the strongest that the attacks run need ("" where a plugin attack declares none).
+    threat: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = _fields(self)
-        for optional in ("alone", "calibrated_by", "level"):
+        for optional in ("alone", "calibrated_by", "level", "threat"):
             if record[optional] is None:
                 del record[optional]
         return record
@@ -224,15 +227,17 @@ class WorstCase(_Scored):
     worst_image: WorstImage | None = None
     clients: int | None = None  # secure aggregation: how many clients' mean the server saw (the entry's clients:)
     level: str | None = None  # what the verdict says leaks (StepVerdict.level)
+    threat: str | None = None  # the attacker it holds against (StepVerdict.threat)
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("privacy", "worst_image", "clients", "level")
+        head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat")
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
         return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
                 "worst_image": _record(self.worst_image) or {},
                 **({} if self.clients is None else {"clients": self.clients}),  # older summaries read back alike
-                **({} if self.level is None else {"level": self.level})}
+                **({} if self.level is None else {"level": self.level}),
+                **({} if self.threat is None else {"threat": self.threat})}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WorstCase:

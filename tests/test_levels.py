@@ -23,6 +23,7 @@ from leakaudit.evaluator.results.verdict import (
     judge,
     label_threshold,
     leak_threshold,
+    min_accuracy,
     overall,
 )
 from leakaudit.evaluator.zoo.metrics import class_mean_guess, guess_scores, psnr, text_guess_scores
@@ -190,3 +191,22 @@ def test_a_gate_level_that_is_not_one_is_one_line_naming_the_choices(write_audit
     assert main(["run", str(path), "--out", "unused", "--fail-on-leak", "label"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--fail-on-leak: 'label' is not a level (did you mean 'labels'?); choices: individuals, labels")
+
+
+def test_usable_is_relative_to_the_undefended_model():
+    """A defense that keeps 0.471 where the undefended model reaches 0.903 is far above chance (0.1 + 0.05) but
+    costs more than utility.max_drop: it is unusable, and the reason says by what rule."""
+    options = {**OPTIONS, "max_drop": 0.05, "undefended": 0.903}
+    needed = min_accuracy(options, 0.1, 0.903, 0.05)
+    assert needed == pytest.approx(0.853) and min_accuracy(options, 0.1) == pytest.approx(0.15)
+    assert min_accuracy({**options, "min_accuracy": 0.5}, 0.1, 0.903, 0.05) == 0.5  # min_accuracy overrides
+    costly = judge([_cell(9.0)], PSNR, leak_threshold(BASELINES, PSNR, None), 0.471, needed, 0.1, options)
+    assert costly.verdict == "protects but unusable"
+    assert costly.reason.endswith("but test accuracy 0.471 is under 0.853 (the undefended model's 0.903 - max_drop 0.05)")
+
+
+def test_a_max_drop_out_of_range_is_one_line_naming_the_key(write_audit, capsys):
+    path = write_audit(small_audit(utility={"train_steps": 0, "max_drop": 1.5}))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "utility.max_drop" in err[0] and "1.5" in err[0], err

@@ -136,7 +136,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence) for spec in audit.frontiers],
         decision=decide(worst_case, acc, needed, confidence, {
             s.key: acc.get(ref.key, {}).get("accuracy") for s in audit.settings
-            if (ref := audit.reference_of(s)) is not None and ref is not s}))
+            if (ref := audit.reference_of(s)) is not None and ref is not s},
+            audit.utility.max_drop if options.get("min_accuracy") is None else None))
 
 
 def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
@@ -175,18 +176,20 @@ def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, 
 
 
 def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float,
-           undefended: dict[str, float | None] | None = None) -> Decision | None:
+           undefended: dict[str, float | None] | None = None, max_drop: float | None = None) -> Decision | None:
     """The setting to ship: the one that protects at the highest accuracy; where none does, which constraint
     binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement.
     ``undefended``: each setting's undefended model's test accuracy, so that the decision states what the
-    defense costs against it."""
+    defense costs against it (``max_drop``: the most a usable setting may cost)."""
     undefended = undefended or {}
 
     def cost(w: WorstCase) -> str:
         base = undefended.get(w.setting)
         if base is None or w.accuracy is None:
             return ""
-        return f"; it costs {base - w.accuracy:.3f} in test accuracy against the undefended model's {base:.3f}"
+        allowed = "" if max_drop is None else f" (utility.max_drop allows {max_drop:.3g})"
+        return (f"; it costs {base - w.accuracy:.3f} in test accuracy against the undefended model's {base:.3f}"
+                f"{allowed}")
 
     defended = [w for w in worst_case if not w.baseline]
     if not defended:
@@ -206,7 +209,8 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
         best, interval = most_accurate(unusable)
         return Decision(None, None, best.accuracy, interval, "utility",
                         f"no setting protects while usable: {_protecting(len(unusable))} stays under the "
-                        f"accuracy a usable model needs ({_acc(needed)}); the most accurate of them, {best.setting}, "
+                        f"accuracy a usable model needs ({_acc(_needed_by(best, needed, undefended, max_drop))}); "
+                        f"the most accurate of them, {best.setting}, "
                         f"reaches {_acc(best.accuracy)}{cost(best)}. Search between it and the strongest setting that leaks "
                         "(frontier:), or try a defense that costs less accuracy")
     leaking = [w for w in defended if w.verdict == "leaks"]
@@ -217,6 +221,15 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
                         "try stronger settings")
     return Decision(None, None, None, None, "judgement", "no defended setting could be judged (inconclusive or "
                     "not judged: see each setting's reason); the audit cannot say which setting to ship")
+
+
+def _needed_by(w: WorstCase, needed: float | None, undefended: dict[str, float | None], max_drop: float | None):
+    """The accuracy setting ``w`` needs to be usable: ``needed``, raised to its undefended model's less
+    ``max_drop`` where both are known."""
+    base = undefended.get(w.setting)
+    if base is None or max_drop is None:
+        return needed
+    return max(base - max_drop, needed if needed is not None else 0.0)
 
 
 def _protecting(n: int) -> str:
@@ -249,6 +262,10 @@ def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bar
     verdict options and the bar of a leak of labels."""
     leakage, threshold, needed, chance, options, labels_bar = bars
     options = _batch_options(options, audit.batch_size_of(setting))
+    reference = audit.reference_of(setting)
+    undefended = None if reference is None else acc.get(reference.key, {}).get("accuracy")
+    options = {**options, "undefended": undefended, "max_drop": audit.utility.max_drop}
+    needed = min_accuracy(options, chance, undefended, audit.utility.max_drop)
     mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
             and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")

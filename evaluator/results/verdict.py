@@ -169,11 +169,17 @@ def label_threshold(baselines: dict[str, dict[str, float | None]], metric: Metri
     return None if bar is None or full is None or full.guess not in CLASS_AWARE else bar
 
 
-def min_accuracy(options: dict[str, Any], chance: float | None) -> float | None:
-    """The test accuracy a usable model needs: ``min_accuracy``, else chance plus ``utility_margin``."""
+def min_accuracy(options: dict[str, Any], chance: float | None, undefended: float | None = None,
+                 max_drop: float | None = None) -> float | None:
+    """The test accuracy a usable model needs: ``min_accuracy``; else chance plus ``utility_margin``, raised to
+    the ``undefended`` model's accuracy less ``max_drop`` where both are known (a defense that costs more than a
+    team accepts is unusable, however far above chance)."""
     if options.get("min_accuracy") is not None:
         return options["min_accuracy"]
-    return None if chance is None else chance + options["utility_margin"]
+    floor = None if chance is None else chance + options["utility_margin"]
+    if undefended is None or max_drop is None:
+        return floor
+    return max(undefended - max_drop, floor if floor is not None else 0.0)
 
 
 def _fmt(v: float) -> str:
@@ -241,8 +247,11 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
             "labels and class composition (class templates), not the individuals"))
     reason = f"{evidence}; its {what} does not beat the leak threshold {bar}"
     if accuracy is not None and needed is not None and accuracy < needed:
-        base = "min_accuracy" if options.get("min_accuracy") is not None else \
-            f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
+        undefended = options.get("undefended")
+        base = ("min_accuracy" if options.get("min_accuracy") is not None else
+                f"the undefended model's {undefended:.3f} - max_drop {_fmt(options['max_drop'])}"
+                if undefended is not None and needed == undefended - options["max_drop"] else
+                f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}")
         return StepVerdict(**out, verdict=UNUSABLE, level=NOTHING,
                            reason=f"{reason}{_still_improving(top)}; but test accuracy "
                                                            f"{accuracy:.3f} is under {needed:.3f} ({base})")

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol
 
@@ -42,6 +42,7 @@ def _input_layers(model: nn.Module) -> tuple[nn.Linear, nn.Module | None, nn.Lin
 
 class AnalyticInversion(Attack):
     """Closed-form input of a fully connected first layer from its weight and bias gradients (exact, one image)."""
+    attacker = HONEST_SERVER
 
     name = "analytic"
     paper = "Geiping et al. 2020"

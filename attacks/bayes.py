@@ -36,7 +36,7 @@ from leakaudit.attacks.vectorised import (
     vectorisable,
 )
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 
 
@@ -63,6 +63,7 @@ def sample_in_ball(centre: Tensor, radius: float, samples: int, generator: torch
 
 class LikelihoodAttack(Attack):
     """Shared optimiser of the likelihood-based attacks; subclasses define ``negative_log_likelihood``."""
+    attacker = HONEST_SERVER
 
     params = {
         "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS, help="Adam steps"),

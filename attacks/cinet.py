@@ -24,7 +24,7 @@ from torch.nn.utils.parametrizations import spectral_norm
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Reconstruction, ThreatModel, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 
 START = 4  # side of the first feature map
@@ -89,6 +89,7 @@ def parameter_count(module: nn.Module) -> int:
 
 class CINet(Attack):
     """A convolutional generator trained by Adam on signed gradients to match the batch's update in cosine."""
+    attacker = HONEST_SERVER
 
     name = "cinet"
     paper = "Zhang et al. 2023"

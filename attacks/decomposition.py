@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from leakaudit.attacks.labels import METHODS, labels_from_inputs, recover_labels
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, generator_on
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, generator_on, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step
 
@@ -267,6 +267,7 @@ def expected_draws(count: int) -> float:
 class Spear(Attack):
     """Exact batch recovery from a linear-then-ReLU first layer (Dimitrov et al. 2024): the sparse directions of
     the weight gradient's column space are the examples' output gradients, and the inputs follow from them."""
+    attacker = HONEST_SERVER
 
     name = "spear"
     paper = "Dimitrov et al. 2024"
@@ -449,6 +450,7 @@ def unmix_inputs(weight_grad: Tensor, bias_grad: Tensor, count: int, iterations:
 class CocktailParty(Attack):
     """The inputs of a fully connected first layer unmixed from its weight gradient by independent component
     analysis (Kariyappa et al. 2023): large batches and the mean of many clients' updates alike."""
+    attacker = HONEST_SERVER
 
     name = "cocktail_party"
     paper = "Kariyappa et al. 2023"

@@ -38,7 +38,7 @@ from leakaudit.attacks.vectorised import (
     vectorisable,
 )
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance, squared_distance
 
 
@@ -70,6 +70,7 @@ PRIOR_WEIGHTS = f"weights of image priors by name ({', '.join(PRIORS)})"
 
 class InvertingGradients(Attack):
     """Cosine gradient matching with total variation, signed Adam and a box constraint (Geiping et al.)."""
+    attacker = HONEST_SERVER
 
     name = "inverting_gradients"
     paper = "Geiping et al. 2020"
@@ -250,6 +251,7 @@ def history_cap(problems: list[Problem], max_problems: int | None) -> int:
 
 class DeepLeakage(Attack):
     """Euclidean gradient matching by L-BFGS on the image and a soft label jointly, with restarts (Zhu et al.)."""
+    attacker = HONEST_SERVER
 
     name = "dlg"
     paper = "Zhu et al. 2019"

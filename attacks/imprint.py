@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, MALICIOUS_SERVER
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step
 
@@ -67,6 +67,7 @@ def binned_images(weight_grad: Tensor, bias_grad: Tensor, count: int) -> Tensor:
 class Imprint(Attack):
     """The images out of an imprint block's gradients, one per filled bin (Fowl et al. 2022). The images no bin
     isolates (two in one bin, or one under the lowest threshold) come back as the data's mean image."""
+    attacker = MALICIOUS_SERVER
 
     name = "imprint"
     paper = "Fowl et al. 2022"

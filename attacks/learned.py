@@ -26,7 +26,7 @@ from typing_extensions import Self
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, generator_on, seed_from
+from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, generator_on, seed_from, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import ClientStep
 
@@ -122,6 +122,7 @@ def fit_inversion(inputs: Tensor, targets: Tensor, width: int, iterations: int, 
 class LearningToInvert(Attack):
     """An inversion network trained on the attacker's own images' defended updates (Wu et al. 2023): needs no
     likelihood of the defense, so it attacks any defense as the client applies it."""
+    attacker = HONEST_SERVER
 
     name = "learning_to_invert"
     paper = "Wu et al. 2023"

@@ -25,7 +25,7 @@ from leakaudit.attacks.labels import recover_labels
 from leakaudit.attacks.linear_system import ACTIVATIONS, conv_system, layers_of, min_norm_solution
 from leakaudit.attacks.priors import total_variation
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance, per_tensor_cosine_distance
 from leakaudit.plugins.protocol import Protocol
 
@@ -77,6 +77,7 @@ def why_not_invertible(model: nn.Module) -> str | None:
 
 class LayerwiseInversion(Attack):
     """R-GAP: each layer's input from its linear system, last layer first (minimum-norm least squares)."""
+    attacker = HONEST_SERVER
 
     name = "rgap"
     paper = "Zhu & Blaschko 2021"

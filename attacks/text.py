@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from leakaudit.attacks.labels import last_layer_gradients, output_layer, recover_labels
 from leakaudit.plugins import hookimpl
-from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel
+from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, EAVESDROPPER, HONEST_SERVER
 from leakaudit.plugins.defense import Defense, SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step, parameter_names
 from leakaudit.plugins.spec import Param
@@ -204,6 +204,7 @@ class TokenSet(Attack):
     tokens the batch holds, where the embedding is untied. Every row gets the set, largest gradient first, with no
     order; under noise, the rows of largest norm, as many as the batch's positions. Frozen embeddings (FILM) share
     no such gradient: it then reads nothing."""
+    attacker = EAVESDROPPER
 
     name = "token_set"
     paper = "Melis et al. 2019"
@@ -240,6 +241,7 @@ class Dager(Attack):
     are fewer than the width; where they are not, it says "rank condition not met" and returns the token set
     instead. Under LoRA it reads the adapters' gradients, in which the same condition holds
     against their rank."""
+    attacker = HONEST_SERVER
 
     name = "dager"
     paper = "Petrov et al. 2024"
@@ -497,6 +499,7 @@ class Tag(Attack):
     one in squared distance plus ``l1_weight`` times the absolute distance (the embedding's own gradient left
     out: the candidate feeds embeddings, not ids), then each position read as its nearest token by cosine. Where
     the update shares the embedding's gradient, the readout keeps to the token set it reveals (as LAMP can)."""
+    attacker = HONEST_SERVER
 
     name = "tag"
     paper = "Deng et al. 2021"
@@ -718,6 +721,7 @@ class BayesText(Attack):
     prior joins only where the defense draws noise, so that its likelihood is a density (a deterministic
     defense's zero-noise limit is matched alone). It is off by default: at weight 1 it did not help reliably
     (docs/results.md)."""
+    attacker = HONEST_SERVER
 
     name = "bayes_text"
     paper = "Balunovic et al. 2022"

@@ -51,10 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     for sp in (run, rep):
         sp.add_argument("--template", type=Path, help="a Jinja2 template for report.html (it may extend "
                                                       "'report.html.j2' and replace its blocks)")
-        sp.add_argument("--fail-on-leak", action="store_true",
+        sp.add_argument("--fail-on-leak", nargs="?", const="individuals", default=None, metavar="LEVEL",
                         help="exit with status 3, one line per setting, when a setting of a defense entry marked "
-                             "must_protect: true leaks, is inconclusive or cannot be judged, or when any attack "
-                             "beats the bound a defense's privacy guarantee sets")
+                             "must_protect: true leaks at LEVEL (individuals, the default: reconstructions closer "
+                             "than each target's class mean, or named among decoys of their class; labels: the "
+                             "classes alone too), is inconclusive or cannot be judged, or when any attack beats the "
+                             "bound a defense's privacy guarantee sets")
         sp.add_argument("--allow-inconclusive", action="store_true",
                         help="with --fail-on-leak: pass a must_protect setting whose verdict is inconclusive (the "
                              "attacks did not break even the undefended update)")
@@ -259,6 +261,9 @@ def cmd_validate(args) -> int:
               f"protects), to within a factor {spec.tolerance:g}: at most {probes} probes, both ends counted above; "
               f"up to {probes - 2} more, one after another, each {audit.utility.train_steps} training steps and "
               f"{per} attack jobs: up to {(probes - 2) * per} more jobs")
+    needs = {a.key: audit.registry.get("attack", a.name).attacker or "undeclared" for a in audit.attacks}
+    print("  threat models (the least attacker each attack needs, Carletti et al. 2025): "
+          + "; ".join(f"{key}: {who}" for key, who in needs.items()))
     added = [s.key for s in audit.settings if s.added]
     if added:
         print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "
@@ -304,6 +309,12 @@ def _check_report_options(args, audit) -> list[str]:
         except jinja2.TemplateError as exc:
             line = f" line {getattr(exc, 'lineno')}:" if getattr(exc, "lineno", None) else ""
             problems.append(f"--template: {args.template}:{line} {getattr(exc, 'message', None) or exc}")
+    from leakaudit.evaluator.results.verdict import GATE_LEVELS
+    from leakaudit.plugins.spec import did_you_mean
+
+    if args.fail_on_leak is not None and args.fail_on_leak not in GATE_LEVELS:
+        problems.append(f"--fail-on-leak: {args.fail_on_leak!r} is not a level"
+                        f"{did_you_mean(args.fail_on_leak, list(GATE_LEVELS))}; choices: {', '.join(GATE_LEVELS)}")
     if args.allow_inconclusive and not args.fail_on_leak:
         problems.append("--allow-inconclusive: only applies with --fail-on-leak")
     if args.fail_on_leak and not any(s.must_protect for s in audit.settings):
@@ -386,7 +397,7 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
         return 0
     from leakaudit.evaluator.results.verdict import gate_failures
 
-    failures = gate_failures(summary, args.allow_inconclusive)
+    failures = gate_failures(summary, args.allow_inconclusive, fail_on=args.fail_on_leak)
     for kind, line in failures:
         print(f"leakaudit: {kind}: {line}", file=sys.stderr)
     return EXIT_LEAK if failures else 0
@@ -399,8 +410,11 @@ def _verdict_line(w, leak: str, width: int) -> str:
     mean, ci = w.mean(leak), w.ci(leak)
     score = (f"{leak} {mean:.3g} [{ci[0]:.3g}, {ci[1]:.3g}] ({w.attack}, step {w.checkpoint})") if mean is not None \
         else f"no finite {leak}"
-    return (f"  {w.setting:<{width}}  {(w.verdict or 'not judged').upper():<22} accuracy {acc:>5}  {score}\n"
-            f"    why: {w.reason}")
+    said = (w.verdict or "not judged") + (f" {w.level}" if w.verdict == "leaks" and w.level else "")
+    return (f"  {w.setting:<{width}}  {said.upper():<22} accuracy {acc:>5}  {score}\n"
+            f"    why: {w.reason}"
+            + (f"\n    threat model: {w.threat or 'undeclared'} (Carletti et al. 2025: the attacker this verdict "
+               "holds against)" if w.threat is not None else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,8 @@ from leakaudit.evaluator.authoring.attack_check import AttackCheck, check_attack
 from leakaudit.evaluator.authoring.cases import tiny_case
 from leakaudit.evaluator.authoring.defense_check import DefenseCheck, check_defense
 from leakaudit.evaluator.results.types import Summary
-from leakaudit.evaluator.results.verdict import gate_failures
+from leakaudit.evaluator.results.verdict import GATE_LEVELS, gate_failures
+from leakaudit.plugins.spec import did_you_mean
 
 __all__ = ["check_defense", "check_attack", "DefenseCheck", "AttackCheck", "tiny_case", "assert_protects",
            "load_summary"]
@@ -48,10 +49,11 @@ def load_summary(run: str | Path | Summary | dict[str, Any]) -> Summary:
 
 
 def assert_protects(run: str | Path | Summary | dict[str, Any], settings: Iterable[str] | None = None,
-                    allow_inconclusive: bool = False) -> None:
-    """Fail, one line per setting, where a checked setting's verdict is ``leaks`` or ``inconclusive`` (the attacks
-    did not break even the undefended update, unless ``allow_inconclusive``), and where any attack beat the bound
-    of a defense's privacy guarantee.
+                    allow_inconclusive: bool = False, fail_on: str = "individuals") -> None:
+    """Fail, one line per setting, where a checked setting's verdict is ``leaks`` at a level ``fail_on`` takes in
+    (``"individuals"``; ``"labels"``: a leak of the classes alone too), or ``inconclusive`` (the attacks did not
+    break even the undefended update, unless ``allow_inconclusive``), and where any attack beat the bound of a
+    defense's privacy guarantee.
 
     ``settings`` names the settings to check (their keys in the report); by default, every setting of a
     defense entry marked ``must_protect: true``, as ``leakaudit run --fail-on-leak`` checks.
@@ -66,6 +68,9 @@ def assert_protects(run: str | Path | Summary | dict[str, Any], settings: Iterab
         missing = [s for s in settings if s not in known]
         if missing:
             raise AssertionError(f"not settings of this run: {', '.join(missing)}; settings: {', '.join(known)}")
-    failures = [f"{kind}: {line}" for kind, line in gate_failures(summary, allow_inconclusive, settings)]
+    if fail_on not in GATE_LEVELS:
+        raise ValueError(f"fail_on: {fail_on!r} is not a level{did_you_mean(fail_on, list(GATE_LEVELS))}; "
+                         f"choices: {', '.join(GATE_LEVELS)}")
+    failures = [f"{kind}: {line}" for kind, line in gate_failures(summary, allow_inconclusive, settings, fail_on)]
     if failures:
         raise AssertionError("\n".join(failures))

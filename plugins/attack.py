@@ -144,8 +144,25 @@ class Reconstruction:
 MAX_ITERATIONS = 1_000_000
 
 
+#: The attackers of Carletti et al.'s (2025) taxonomy, weakest first, each with what it holds: an attack declares
+#: the least of them it needs (``Attack.attacker``), and a verdict holds against that attacker.
+EAVESDROPPER = "eavesdropper on the update"
+HONEST_SERVER = "honest-but-curious server"
+SERVER_WITH_MEMORY = "server with memory"
+MALICIOUS_SERVER = "malicious server"
+ATTACKERS = {
+    EAVESDROPPER: "sees a client's shared update (and the model every client is sent), nothing more",
+    HONEST_SERVER: "runs the protocol as agreed, and reads each update with the model's weights, the clients' "
+                   "training settings and data of its own",
+    SERVER_WITH_MEMORY: "an honest-but-curious server that keeps every earlier update (and so undoes an "
+                        "optimizer's momentum)",
+    MALICIOUS_SERVER: "changes the model or the protocol it sends (trap weights, imprint layers) to make the "
+                      "updates leak",
+}
+
+
 class Attack:
-    """Base class: subclasses set ``name``, ``params`` and implement ``reconstruct``."""
+    """Base class: subclasses set ``name``, ``params``, ``attacker`` and implement ``reconstruct``."""
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
@@ -153,6 +170,9 @@ class Attack:
     paper: ClassVar[str] = ""
     #: The examples the attack reconstructs: "image" (pixels) or "text" (token sequences).
     modality: ClassVar[str] = "image"
+    #: The least attacker the attack needs, one of ``ATTACKERS`` (Carletti et al. 2025): its verdicts hold
+    #: against that attacker. "" where a plugin declares none (shown as undeclared).
+    attacker: ClassVar[str] = ""
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)

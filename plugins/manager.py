@@ -247,8 +247,13 @@ def facts(entry: Entry) -> dict[str, str]:
             out["update"] = "computed by the defense from the model and inputs (cannot be a chain member)"
         return out
     if entry.kind == "attack":
+        from leakaudit.plugins.attack import ATTACKERS
+
         out = {"role": "adaptive: built on what the defense does" if obj.uses_defense else
-               "naive: knows the model, not the defense"}
+               "naive: knows the model, not the defense",
+               "attacker": (f"{obj.attacker}: {ATTACKERS[obj.attacker]} (Carletti et al. 2025)"
+                            if obj.attacker in ATTACKERS else "undeclared (set attacker: one of "
+                            + ", ".join(ATTACKERS) + ")")}
         if obj.needs_defense:
             out["calibration"] = "needs its defense in the model: not run on the undefended reference"
         budgets = "; ".join(f"{device if len(obj.auto_params) > 1 else 'any device'}: "

@@ -59,7 +59,7 @@ def test_a_verdict_names_the_attack_it_stands_on_and_the_stronger_classes_not_ru
     stands = calibrate(_verdict("gaussian", PROTECTS), reference)
     assert stands.calibrated_by == "learning_to_invert" and stands.to_json()["calibrated_by"] == "learning_to_invert"
     assert stands.reason.endswith("calibrated by learning_to_invert, which breaks the undefended update at this "
-                                  "step (none: 14.6)")
+                                  "step at the level of individuals (none: 14.6)")
     open_ = calibrate(_verdict("gaussian", PROTECTS), _verdict("none", PROTECTS), "spear (exact recovery)")
     assert open_.calibrated_by is None and "calibrated_by" not in open_.to_json()
     assert "attacks of a stronger class this audit did not run: spear (exact recovery)" in open_.reason

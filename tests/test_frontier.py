@@ -203,6 +203,10 @@ def test_the_decision_ships_the_most_accurate_protecting_setting_or_names_what_b
     shipped = decide([none, case("a", "protects", 0.7), case("b", "protects", 0.8), case("c", "leaks", 0.85)], {},
                      0.16, 0.95)
     assert (shipped.setting, shipped.binds, shipped.accuracy) == ("b", None, 0.8)
+    # the decision states what the shipped setting costs against the undefended model
+    costed = decide([none, case("b", "protects", 0.8)], {}, 0.16, 0.95, {"b": 0.903})
+    assert "it keeps the highest test accuracy (0.800); it costs 0.103 in test accuracy against the undefended " \
+           "model's 0.903; r" in costed.reason
     utility = decide([none, case("a", "protects but unusable", 0.1), case("c", "leaks", 0.85)], {}, 0.16, 0.95)
     assert (utility.setting, utility.binds) == (None, "utility") and "0.160" in utility.reason
     privacy = decide([none, case("c", "leaks", 0.85), case("d", "inconclusive", 0.8)], {}, 0.16, 0.95)

@@ -111,12 +111,14 @@ def test_a_client_of_one_image_is_judged_against_the_attackers_own_data(digits, 
         return monitor.report()
 
     alone = judged("alone")
-    assert alone.leak_threshold.missing == ("mean",) and alone.leak_threshold.guess in ("random", "grey")
+    assert alone.leak_threshold.missing == ("mean", "class_mean") and alone.leak_threshold.guess in ("random", "grey")
     verdict = alone.verdicts[0]
     assert verdict.verdict == "inconclusive" and verdict.alone == "leaks"
-    assert "the mean guess could not be made (the attacker holds no data besides the attacked batch)" in verdict.reason
+    assert ("the mean and class_mean guesses could not be made (the attacker holds no data besides the attacked "
+            "batch)") in verdict.reason
     given = judged("given", prior=TensorDataset(*_tensors(digits, 65)))
-    assert given.leak_threshold.guess == "mean" and not given.leak_threshold.missing
+    assert given.leak_threshold.guess == "class_mean" and not given.leak_threshold.missing
+    assert given.label_threshold.guess == "mean"
     assert given.leak_threshold.value < 20  # it was 201 dB when the target's own image was the "mean" guess
     assert given.verdicts[0].verdict == "leaks"
 

@@ -92,6 +92,8 @@ def test_attacks_the_step_momentum_and_weight_decay_hide_and_leaks(digits, tmp_p
     assert sorted(found) == [0, 3]
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())
     assert found[0]["psnr"] > baselines["random"]["psnr"] + 15  # the first step's update is a plain gradient
+    # the class-aware guess from the attacker's data less the batch: each target's class mean beats the mean image
+    assert baselines["class_mean"]["psnr"] > baselines["mean"]["psnr"]
     assert found[0]["label_accuracy"] == 1.0
     summary = monitor.report()
     assert summary.checkpoints == [0, 3] and summary.worst_case[0].verdict == "leaks"

@@ -42,7 +42,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert worst["none"]["verdict"] == "leaks" and worst["gaussian(sigma=1.0)"]["verdict"] == "protects but unusable"
     lines = done.stdout.splitlines()
     terminal = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.startswith("    ")}
-    assert " LEAKS " in terminal["none"] and " PROTECTS BUT UNUSABLE " in terminal["gaussian(sigma=1.0)"]
+    assert " LEAKS INDIVIDUALS " in terminal["none"] and " PROTECTS BUT UNUSABLE " in terminal["gaussian(sigma=1.0)"]
     reasons = [line for line in lines if line.startswith("    why: ")]  # each verdict carries its reason
     assert len(reasons) == len(terminal) and reasons[0].startswith("    why: inverting_gradients reaches psnr")
     # README.md shows what this run prints (benchmarks/quickstart_readme.py writes it from a run)
@@ -57,6 +57,10 @@ def test_quickstart_end_to_end(tmp_path):
     # the decision closes both, and what it decides (the setting to ship, or what binds) is the same
     decided = [line.split(":")[:2] for line in (block[-1], lines[-1])]
     assert decided[0] == decided[1] and decided[1] == ["decision", " none to ship (utility binds)"], decided
+    # sigma 0.1 leaks the individuals: beyond each target's class mean (the class-aware guess) by more than the margin
+    guesses = json.loads((out / "baselines.json").read_text())
+    assert worst["gaussian(sigma=0.1)"]["level"] == worst["none"]["level"] == "individuals"
+    assert worst["gaussian(sigma=0.1)"]["psnr"] > guesses["class_mean"]["psnr"] + 1.0 > guesses["mean"]["psnr"] + 1.0
     undefended = worst["none"]["psnr"]
     assert undefended >= 18.0  # Geiping et al. 2020 Table 1: 18.00 dB for this attack on this untrained network
     assert worst["gaussian(sigma=1.0)"]["psnr"] <= undefended - 6.0

@@ -78,7 +78,7 @@ def test_judge_leaks_protects_and_unusable_with_the_reason():
     strong = [_cell("ig", 14.0, (12.0, 16.0)), _cell("dlg", 13.5, (11.0, 15.0))]
     v = judge(strong, PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
     assert v.verdict == LEAKS and v.attack == "ig"
-    assert v.reason == ("ig reaches psnr 14 (95% CI 12 to 16, n=8); dlg is within its interval; its mean beats "
+    assert v.reason == ("ig reaches psnr 14 (95% CI 12 to 16, n=8); dlg is close behind (the intervals overlap); its mean beats "
                            "the leak threshold 10 (mean guess 9 + margin 1)")
     weak = [_cell("ig", 9.5, (8.0, 11.0))]
     assert judge(weak, PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS
@@ -125,7 +125,7 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     assert none.worst_image == WorstImage(attack="inverting_gradients", checkpoint=0, score=22.0, target=1, index=0)
     assert summary.min_accuracy == pytest.approx(0.15)
     assert_protects(summary)  # the marked setting does not leak
-    with pytest.raises(AssertionError, match=r"^leak: none leaks at step 0: inverting_gradients reaches psnr 21"):
+    with pytest.raises(AssertionError, match=r"^leak: none leaks individuals at step 0: inverting_gradients reaches psnr 21"):
         assert_protects(summary, ["none"])
     # every reconstruction of the marked setting diverged: it is listed as not judged, and the gate fails closed
     diverged = [{**r, "psnr": float("nan"), "per_image": {"psnr": [float("nan")]}} if r["defense"] == "gaussian"
@@ -178,7 +178,7 @@ def test_the_gate_fails_a_leaking_must_protect_setting_with_status_3(finished):
     assert done.returncode == 3, done.stderr
     leaks = [line for line in done.stderr.splitlines() if line.startswith("leakaudit: leak: ")]
     assert len(leaks) == 1 and leaks[0].startswith(
-        "leakaudit: leak: none (must_protect) leaks at step 0: inverting_gradients reaches psnr ")
+        "leakaudit: leak: none (must_protect) leaks individuals at step 0: inverting_gradients reaches psnr ")
     assert (out / "report.html").stat().st_size > 0  # the gate fails after the report is written
 
 
@@ -190,7 +190,8 @@ def test_verdicts_in_the_terminal_summary_json_and_report(finished):
     summary = json.loads((out / "summary.json").read_text())
     verdicts = {w["setting"]: w["verdict"] for w in summary["worst_case"]}
     assert verdicts == {"none": LEAKS, "gaussian(sigma=1.0)": UNUSABLE}
-    assert set(summary["baselines"]) == {"random", "grey", "mean"}
+    assert set(summary["baselines"]) == {"random", "grey", "mean", "class_mean"}
+    assert " LEAKS INDIVIDUALS " in lines["none"] and summary["worst_case"][0]["level"] == "individuals"
     assert summary["run"]["versions"]["torch"] and summary["run"]["sessions"][0]["seconds"] > 0
     page = (out / "report.html").read_text()
     for text in ("protects but unusable", "Threat model: what the attacker knows", "Provenance", "no guarantee",

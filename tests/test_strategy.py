@@ -166,7 +166,8 @@ def test_a_client_and_the_server_judge_one_update_alike(tmp_path):
     assert aggregated == [(4, {"loss": 0.5})]  # the client's name reached the audit, not Flower's metrics
     assert json.loads((tmp_path / "server" / "client-0" / "monitor.json").read_text())["every"] == 1
     mine, theirs = client.report(), server.report()["0"]
-    assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "mean"
+    assert mine.leak_threshold == theirs.leak_threshold and mine.leak_threshold.guess == "class_mean"
+    assert mine.label_threshold == theirs.label_threshold and mine.label_threshold.guess == "mean"
     assert [(v.verdict, v.reason) for v in mine.verdicts] == [(v.verdict, v.reason) for v in theirs.verdicts]
 
 

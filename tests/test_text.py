@@ -418,6 +418,12 @@ def test_a_text_audit_reads_sentences_back_judges_them_and_shows_them(write_audi
     worst = {w.setting: w for w in summary.worst_case}
     assert worst["none"].verdict == "leaks"
     assert worst["frozen_embeddings"].verdict == "leaks" and worst["frozen_embeddings"].attack == "dager"
+    # personal values: the guesses score what they hold of the names and numbers, and a noisy setting whose
+    # sentences hold more of them, beyond the margin, leaks them whatever its ROUGE
+    guess = max(g["pii_recall"] for g in summary.baselines.values())
+    assert guess < 0.5 and worst["none"].level == "individuals"
+    recalled = max(c.pii_recall for c in summary.cells if c.setting == "gaussian(sigma=1.0)")
+    assert (worst["gaussian(sigma=1.0)"].level == "personal values") == (recalled > guess + 0.05)
     page = (tmp_path / "run" / "report.html").read_text()
     assert "Recovered sentences" in page and "<mark>" in page and "PII recall 1.00" in page
     assert "PII recall: the share of the personal values" in page  # the legend, where the data marks them

@@ -166,6 +166,6 @@ def test_a_monitor_given_the_attackers_data_runs_auto_learning_to_invert_include
 
     prior_mean = (prior.tensors[0] * std + mean).clamp(0, 1).mean(0)  # the audit's guess: their mean image
     pixels = (own.tensors[0] * std + mean).clamp(0, 1)
-    assert summary.leak_threshold.guess == "mean"
-    assert summary.leak_threshold.guess_score == pytest.approx(float(psnr(prior_mean.expand_as(pixels), pixels).mean()),
+    assert summary.leak_threshold.guess == "class_mean" and summary.label_threshold.guess == "mean"
+    assert summary.label_threshold.guess_score == pytest.approx(float(psnr(prior_mean.expand_as(pixels), pixels).mean()),
                                                                abs=1e-3)

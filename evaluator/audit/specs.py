@@ -138,6 +138,9 @@ UTILITY = {
     "momentum": Param(0.0, float, min=0.0, max=1.0, help="SGD's momentum in utility training"),
     "delta": Param(1e-5, float, min=0.0, max=1.0, exclusive_min=True,
                    help="delta at which epsilon is reported for defenses with a formal guarantee"),
+    "max_drop": Param(0.05, float, min=0.0, max=1.0,
+                      help="usable where the test accuracy is at most this far under the undefended model's (and "
+                           "above chance plus verdict.utility_margin); verdict.min_accuracy overrides both"),
     "train_defended": Param(True, bool, help="train under the defense; false: plain SGD on clean updates, the "
                                              "defense only on the attacked update (Balunovic et al. 2022's "
                                              "setting); accuracy is then the clean model's, and no epsilon"),

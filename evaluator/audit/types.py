@@ -84,6 +84,7 @@ class UtilitySection:
     lr: float = 0.1
     momentum: float = 0.0
     delta: float = 1e-5
+    max_drop: float = 0.05
     train_defended: bool = True
 
 

@@ -46,7 +46,7 @@ from leakaudit.evaluator.results.rundir import (
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
 from leakaudit.evaluator.run.scenario import round_generators
-from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
 from leakaudit.evaluator.zoo.text import pii_recall
 from leakaudit.plugins.attack import AuxiliaryData
 from leakaudit.plugins.defense import SharedUpdate
@@ -488,7 +488,7 @@ class MonitorCore:
 
     def _write_baselines(self) -> None:
         """Scores of guesses made without the update (noise, grey, the mean image of the attacker's data less
-        the batch's own images; for text, uniform tokens and the attacker's most frequent token at each position)
+        the batch's own images, and each target's class mean from those, given its label; for text, uniform tokens and the attacker's most frequent token at each position)
         on every attacked batch so far: the verdict's bar."""
         folder = self.folder
         audit = folder.audit
@@ -504,9 +504,18 @@ class MonitorCore:
                                                            generator(torch.device("cpu"), self.seed, "baseline"), pad))
             return
         prior = self._prior_pixels()
+        sample = self._attacker_sample()
+        prior_labels = None if sample is None else sample[1][:PRIOR_SAMPLE]
+
+        def class_means(pixels: Tensor, labels: Tensor) -> Tensor | None:
+            if prior is None or prior_labels is None:
+                return None
+            keep = outside(prior, pixels)
+            return class_mean_guess(prior[keep], prior_labels[keep], labels.cpu(), mean_without(prior, pixels))
+
         folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
                                                   lambda pixels: mean_without(prior, pixels),
-                                                  generator(torch.device("cpu"), self.seed, "baseline")))
+                                                  generator(torch.device("cpu"), self.seed, "baseline"), class_means))
 
     def _frequent_tokens(self, pad_id: int) -> Tensor:
         """The most frequent token at each position among up to 256 seeded sequences the attacker may hold

@@ -2,6 +2,7 @@
 verdicts (calibrated against the undefended reference), the privacy bounds, naive against adaptive, tuning."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from statistics import NormalDist
@@ -29,6 +30,7 @@ from leakaudit.evaluator.results.types import (
     WorstImage,
 )
 from leakaudit.evaluator.results.verdict import (
+    LEAKS,
     STILL_IMPROVING,
     beats_bound,
     calibrate,
@@ -36,12 +38,14 @@ from leakaudit.evaluator.results.verdict import (
     finite,
     identification_bound,
     judge,
+    label_threshold,
     leak_threshold,
     min_accuracy,
     overall,
     strongest,
     training_bound,
 )
+from leakaudit.plugins.attack import ATTACKERS
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.manager import Registry
 
@@ -88,7 +92,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
-    options = {**as_dict(audit.verdict), **({"no_utility": _unmeasured_live(utility)} if audit.live else {})}
+    guessed = finite(scores.get("pii_recall") for scores in (baselines or {}).values())
+    options = {**as_dict(audit.verdict), **({"no_utility": _unmeasured_live(utility)} if audit.live else {}),
+               **({"pii_guess": max(guessed)} if guessed else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}
@@ -98,9 +104,10 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key) or (None, None, None), identified_by,
                    profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
+    labels_bar = label_threshold(baselines, leakage, options["margin"])
     chance = run_info.get("chance_accuracy")
     needed = min_accuracy(options, chance)
-    bars = (leakage, threshold, needed, chance, options)
+    bars = (leakage, threshold, needed, chance, options, labels_bar)
     untried = run_info.get("untried_attacks", "")
     alone = {s.key: _judged_steps(audit, s, cells, acc, bars) for s in audit.settings}
     verdicts, worst_case = [], []
@@ -127,13 +134,16 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         audit=audit.name, leakage_metric=leakage.name, higher_is_more_leakage=leakage.higher_is_better,
         dataset=audit.data.dataset or audit.data.factory, model=audit.model.name, device=audit.device,
         seed=audit.seed, metrics=audit.metrics, checkpoints=audit.checkpoints, verdict_options=audit.verdict,
-        leak_threshold=threshold, chance_accuracy=chance, min_accuracy=needed, identifiable_by=identified_by,
+        leak_threshold=threshold, label_threshold=labels_bar, chance_accuracy=chance, min_accuracy=needed, identifiable_by=identified_by,
         utility={u["setting"]: SettingUtility(**{k: u.get(k) for k in (
             "accuracy", "train_steps", "epsilon", "delta", "model_changes", "checkpoint_accuracy")}) for u in utility},
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
         naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes,
         frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence) for spec in audit.frontiers],
-        decision=decide(worst_case, acc, needed, confidence))
+        decision=decide(worst_case, acc, needed, confidence, {
+            s.key: acc.get(ref.key, {}).get("accuracy") for s in audit.settings
+            if (ref := audit.reference_of(s)) is not None and ref is not s},
+            audit.utility.max_drop if options.get("min_accuracy") is None else None))
 
 
 def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
@@ -171,9 +181,22 @@ def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, 
         margin=margin, status=found.status)
 
 
-def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float) -> Decision | None:
+def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float,
+           undefended: dict[str, float | None] | None = None, max_drop: float | None = None) -> Decision | None:
     """The setting to ship: the one that protects at the highest accuracy; where none does, which constraint
-    binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement."""
+    binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement.
+    ``undefended``: each setting's undefended model's test accuracy, so that the decision states what the
+    defense costs against it (``max_drop``: the most a usable setting may cost)."""
+    undefended = undefended or {}
+
+    def cost(w: WorstCase) -> str:
+        base = undefended.get(w.setting)
+        if base is None or w.accuracy is None:
+            return ""
+        allowed = "" if max_drop is None else f" (utility.max_drop allows {max_drop:.3g})"
+        return (f"; it costs {base - w.accuracy:.3f} in test accuracy against the undefended model's {base:.3f}"
+                f"{allowed}")
+
     defended = [w for w in worst_case if not w.baseline]
     if not defended:
         return None
@@ -185,14 +208,16 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
     if protecting:
         best, interval = most_accurate(protecting)
         return Decision(best.setting, best.verdict, best.accuracy, interval, None, f"of the {len(protecting)} "
-                        f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}); {best.reason}")
+                        f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}){cost(best)}; "
+                        f"{best.reason}")
     unusable = [w for w in defended if w.verdict == "protects but unusable"]
     if unusable:
         best, interval = most_accurate(unusable)
         return Decision(None, None, best.accuracy, interval, "utility",
                         f"no setting protects while usable: {_protecting(len(unusable))} stays under the "
-                        f"accuracy a usable model needs ({_acc(needed)}); the most accurate of them, {best.setting}, "
-                        f"reaches {_acc(best.accuracy)}. Search between it and the strongest setting that leaks "
+                        f"accuracy a usable model needs ({_acc(_needed_by(best, needed, undefended, max_drop))}); "
+                        f"the most accurate of them, {best.setting}, "
+                        f"reaches {_acc(best.accuracy)}{cost(best)}. Search between it and the strongest setting that leaks "
                         "(frontier:), or try a defense that costs less accuracy")
     leaking = [w for w in defended if w.verdict == "leaks"]
     if leaking:
@@ -202,6 +227,15 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
                         "try stronger settings")
     return Decision(None, None, None, None, "judgement", "no defended setting could be judged (inconclusive or "
                     "not judged: see each setting's reason); the audit cannot say which setting to ship")
+
+
+def _needed_by(w: WorstCase, needed: float | None, undefended: dict[str, float | None], max_drop: float | None):
+    """The accuracy setting ``w`` needs to be usable: ``needed``, raised to its undefended model's less
+    ``max_drop`` where both are known."""
+    base = undefended.get(w.setting)
+    if base is None or max_drop is None:
+        return needed
+    return max(base - max_drop, needed if needed is not None else 0.0)
 
 
 def _protecting(n: int) -> str:
@@ -230,15 +264,35 @@ def _batch_options(options: dict, batch: int) -> dict:
 def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: tuple,
                   attacks: set[str] | None = None) -> list[StepVerdict]:
     """A setting's verdict, judged alone, at each step it has a finite score, from its cells (those of
-    ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance and the
-    verdict options."""
-    leakage, threshold, needed, chance, options = bars
+    ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance, the
+    verdict options and the bar of a leak of labels."""
+    leakage, threshold, needed, chance, options, labels_bar = bars
     options = _batch_options(options, audit.batch_size_of(setting))
+    reference = audit.reference_of(setting)
+    undefended = None if reference is None else acc.get(reference.key, {}).get("accuracy")
+    options = {**options, "undefended": undefended, "max_drop": audit.utility.max_drop}
+    needed = min_accuracy(options, chance, undefended, audit.utility.max_drop)
     mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
             and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")
-    return [judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed, chance, options)
+    return [_held_against(audit, judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed,
+                                       chance, options, labels_bar), [c for c in mine if c.checkpoint == ckpt])
             for ckpt in audit.checkpoints if any(c.checkpoint == ckpt for c in mine)]
+
+
+def _held_against(audit: Audit, verdict: StepVerdict, cells: list[CellResult]) -> StepVerdict:
+    """The verdict with the attacker it holds against (each attack's declared ``attacker``, Carletti et al. 2025):
+    a leak, the one its strongest attack needs; anything else, the strongest that the attacks run there need."""
+    def needs(attack: str) -> str:
+        spec = next((a for a in audit.attacks if a.key == attack), None)
+        return "" if spec is None else audit.registry.get("attack", spec.name).attacker
+
+    if verdict.verdict == LEAKS:
+        return dataclasses.replace(verdict, threat=needs(verdict.attack))
+    declared = [needs(c.attack) for c in cells]
+    known = [a for a in declared if a in ATTACKERS]
+    strongest = max(known, key=list(ATTACKERS).index) if known else ""
+    return dataclasses.replace(verdict, threat=strongest)
 
 
 def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
@@ -270,7 +324,8 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         decoy_hits=None if decoys is None else decoys[0], decoy_p=None if decoys is None else decoys[2],
         bound_violated=beats_bound(named, n, bound, options["confidence"]), late_gain=gain,
         still_improving=None if not gains else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
-        seconds_mean=float(np.mean([r["seconds"] for r in rs])))
+        seconds_mean=float(np.mean([r["seconds"] for r in rs])),
+        pii_recall=float(np.mean(recalls)) if (recalls := finite(r.get("pii_recall") for r in rs)) else None)
 
 
 def _iterations(audit: Audit, attack: str, rows: list[dict]) -> int | None:
@@ -295,7 +350,8 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leaka
         attack=top.attack, checkpoint=top.checkpoint,
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
-        verdict_checkpoint=final.checkpoint, still_improving=final.still_improving,
+        verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
+        threat=final.threat,
         settling_iterations=final.settling_iterations,
         privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
         worst_image=_worst_image(own_rows, leakage))

@@ -118,9 +118,12 @@ class CellResult(_Scored):
     still_improving: bool | None = None
     iterations: int | None = None
     seconds_mean: float | None = None
+    #: Text: the mean share of the targets' personal values (names, numbers) the reconstructions hold verbatim;
+    #: None where the data marks none (and left out of summary.json there).
+    pii_recall: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("worst_image")
+        head, tail = self._around_scores("worst_image", *(() if self.pii_recall is not None else ("pii_recall",)))
         flat = {k: v for m, s in self.scores.items() for k, v in s.flat(m).items()}
         return {**head, **flat, "worst_image": _record(self.worst_image), **tail}
 
@@ -154,10 +157,16 @@ class StepVerdict:
     #: The attack that broke the undefended reference at this step, which a "protects" stands on (None: the setting
     #: is its own reference, or its verdict is not a "protects").
     calibrated_by: str | None = None
+    #: What the verdict says leaks: "individuals", "labels" (the classes alone) or "nothing"; None where it is not
+    #: judged, or inconclusive.
+    level: str | None = None
+    #: The attacker the verdict holds against (Carletti et al. 2025): for a leak, the least one its attack needs;
+    #: else the strongest that the attacks run need ("" where a plugin attack declares none).
+    threat: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = _fields(self)
-        for optional in ("alone", "calibrated_by"):
+        for optional in ("alone", "calibrated_by", "level", "threat"):
             if record[optional] is None:
                 del record[optional]
         return record
@@ -217,14 +226,18 @@ class WorstCase(_Scored):
     privacy: Privacy | None = None
     worst_image: WorstImage | None = None
     clients: int | None = None  # secure aggregation: how many clients' mean the server saw (the entry's clients:)
+    level: str | None = None  # what the verdict says leaks (StepVerdict.level)
+    threat: str | None = None  # the attacker it holds against (StepVerdict.threat)
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("privacy", "worst_image", "clients")
+        head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat")
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
         return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
                 "worst_image": _record(self.worst_image) or {},
-                **({} if self.clients is None else {"clients": self.clients})}  # older summaries read back alike
+                **({} if self.clients is None else {"clients": self.clients}),  # older summaries read back alike
+                **({} if self.level is None else {"level": self.level}),
+                **({} if self.threat is None else {"threat": self.threat})}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WorstCase:
@@ -373,6 +386,10 @@ class Summary:
     #: each ``frontier:`` search's outcome, and the audit's decision: what to ship, or what binds
     frontier: list[FrontierResult] = field(default_factory=list)
     decision: Decision | None = None
+    #: The bar of a leak of labels alone: the better guess that reads nothing of the update, plus the margin
+    #: (``leak_threshold`` is then the bar of a leak of individuals, on each target's class mean); None where no
+    #: class-aware guess was scored, and left out of summary.json there.
+    label_threshold: LeakThreshold | None = None
     version: int = SUMMARY_VERSION
 
     def cell(self, setting: str, attack: str, checkpoint: int) -> CellResult | None:
@@ -391,6 +408,10 @@ class Summary:
                       utility={k: _record(u) for k, u in self.utility.items()}, decision=_record(self.decision),
                       **{k: [x.to_json() if hasattr(x, "to_json") else _record(x) for x in getattr(self, k)]
                          for k in ("cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "frontier")})
+        if self.label_threshold is None:
+            del record["label_threshold"]
+        else:
+            record["label_threshold"] = self.label_threshold.to_json()
         return record
 
     @classmethod
@@ -400,8 +421,10 @@ class Summary:
         if version > SUMMARY_VERSION:
             raise ValueError(f"summary.json has layout version {version}; this leakaudit reads up to "
                              f"{SUMMARY_VERSION}: upgrade leakaudit to read it")
-        metrics, threshold = record["metrics"], record.get("leak_threshold")
+        metrics, threshold, labels = record["metrics"], record.get("leak_threshold"), record.get("label_threshold")
         return cls(**{**_known(cls, record), "version": version},
+                   label_threshold=LeakThreshold(**{**labels, "missing": tuple(labels.get("missing", ()))})
+                   if labels else None,
                    verdict_options=VerdictSection(**_known(VerdictSection, record["verdict_options"])),
                    leak_threshold=LeakThreshold(**{**threshold, "missing": tuple(threshold.get("missing", ()))})
                    if threshold else None,
@@ -430,8 +453,8 @@ def _image(record: dict[str, Any] | None) -> WorstImage | None:
 
 
 #: Fields that from_json builds itself, beside the ones copied from the record.
-_BUILT = {"scores", "worst_image", "privacy", "verdict_options", "leak_threshold", "utility", "cells", "worst_case",
-          "verdicts", "naive_vs_adaptive", "tuning", "version", "frontier", "probes", "decision"}
+_BUILT = {"scores", "worst_image", "privacy", "verdict_options", "leak_threshold", "label_threshold", "utility",
+          "cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "version", "frontier", "probes", "decision"}
 
 
 def _known(cls, record: dict[str, Any]) -> dict[str, Any]:

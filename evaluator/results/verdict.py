@@ -16,11 +16,20 @@ import numpy as np
 
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.results.types import CellResult, LeakThreshold, Scores, StepVerdict, Summary
+from leakaudit.evaluator.zoo.metrics import CLASS_AWARE
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.defense import PrivacyProfile
 
 LEAKS, PROTECTS, UNUSABLE, INCONCLUSIVE = "leaks", "protects", "protects but unusable", "inconclusive"
 VERDICTS = (LEAKS, INCONCLUSIVE, UNUSABLE, PROTECTS)  # worst first
+#: What a verdict says leaks: the individuals (reconstructions closer than the class-aware guess, or that name
+#: their originals among same-class decoys), the labels or class composition alone (closer than the guesses that
+#: read nothing of the update, no closer than each target's class mean), or nothing. Worst first.
+INDIVIDUALS, PERSONAL, LABELS, NOTHING = "individuals", "personal values", "labels", "nothing"
+LEVELS = (INDIVIDUALS, PERSONAL, LABELS, NOTHING)
+#: Text: reconstructions leak personal values where they hold more of the targets' names and numbers verbatim
+#: than the better guess from the attacker's own sentences, by more than this share.
+PII_MARGIN = 0.05
 #: An attack is still improving where its loss fell by more than this share of its whole drop in its last fifth.
 STILL_IMPROVING = 0.01
 #: How much larger a budget a still-improving attack is advised to rerun with.
@@ -40,6 +49,12 @@ def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: st
         f"{unit} per update: each reconstruction nearest its own original among all targets; several: each original "
         f"named, among up to 8 {unit}s of its class that no update holds, by the reconstruction nearest it, beyond "
         "what the classes alone explain)")
+    lt = summary.label_threshold
+    levels = "" if lt is None else (
+        f". A leak is of individuals where the bar is each target's class mean from the attacker's data, given its "
+        f"label ({t.guess} guess here), or where the {unit}s are identified; one that beats only the guesses that "
+        f"read nothing of the update ({lt.value:.4g}: {lt.guess}, {lt.guess_score:.4g}, plus the margin) is a leak "
+        "of labels (the classes and class templates), not of individuals")
     usable = "chance plus the margin" if summary.min_accuracy is None else f"{summary.min_accuracy:.3g}"
     chance = "" if summary.chance_accuracy is None else (
         f" (chance: {summary.chance_accuracy:.3g}, {chance_of} of the test split)")
@@ -47,7 +62,7 @@ def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: st
         f' "Identifiable": the share of reconstructions whose nearest original among the audit\'s targets, by '
         f"{summary.identifiable_by}, is their own (a guess scores about 1 in {targets}).")
     return (f"A setting leaks when its strongest attack's {o.statistic.replace('_', ' ')} {beats}{identifies}, at any "
-            f"audited step. Otherwise it protects, or protects but is unusable when its test accuracy stays under "
+            f"audited step{levels}. Otherwise it protects, or protects but is unusable when its test accuracy stays under "
             f"{usable}{chance}. A \"protects\" is inconclusive where the same attacks, at the same step, budget and "
             "tuning, did not leak on the undefended update either (the reference): they may be too weak to break "
             "anything, so the verdict says nothing until they do (more iterations, a tuned search, another attack). "
@@ -127,11 +142,14 @@ def intervals_overlap(a: CellResult, b: CellResult, metric: str) -> bool:
 
 
 def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric,
-                   margin: float | None) -> LeakThreshold | None:
+                   margin: float | None, class_aware: bool = True) -> LeakThreshold | None:
     """The score an attack must beat to leak: the better no-gradient guess, plus the margin. None without guesses.
+    With ``class_aware`` (the bar of a leak of individuals) the guesses include each target's class mean given its
+    label (``CLASS_AWARE``); without it (the bar of a leak of labels) only those that read nothing of the update.
     A guess that scores nothing where the others score (``guess_scores``' mean image, made without the attacker's
     data) is named ``missing``: the bar may stand too low, and ``judge`` does not call a leak on it alone."""
-    scored = {name: scores.get(metric.name) for name, scores in baselines.items()}
+    scored = {name: scores.get(metric.name) for name, scores in baselines.items()
+              if class_aware or name not in CLASS_AWARE}
     guesses = {name: v for name, v in scored.items() if v is not None and math.isfinite(v)}
     if not guesses:
         return None
@@ -141,11 +159,27 @@ def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric
     return LeakThreshold(value, best, guesses[best], margin, tuple(n for n in scored if n not in guesses))
 
 
-def min_accuracy(options: dict[str, Any], chance: float | None) -> float | None:
-    """The test accuracy a usable model needs: ``min_accuracy``, else chance plus ``utility_margin``."""
+def label_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric,
+                    margin: float | None) -> LeakThreshold | None:
+    """The bar of a leak of labels (class composition, class templates): the better guess that reads nothing of
+    the update, plus the margin; None where it is the leak threshold itself (no class-aware guess was scored), so
+    that every leak is one of individuals, as before the class-aware guess."""
+    bar = leak_threshold(baselines, metric, margin, class_aware=False)
+    full = leak_threshold(baselines, metric, margin)
+    return None if bar is None or full is None or full.guess not in CLASS_AWARE else bar
+
+
+def min_accuracy(options: dict[str, Any], chance: float | None, undefended: float | None = None,
+                 max_drop: float | None = None) -> float | None:
+    """The test accuracy a usable model needs: ``min_accuracy``; else chance plus ``utility_margin``, raised to
+    the ``undefended`` model's accuracy less ``max_drop`` where both are known (a defense that costs more than a
+    team accepts is unusable, however far above chance)."""
     if options.get("min_accuracy") is not None:
         return options["min_accuracy"]
-    return None if chance is None else chance + options["utility_margin"]
+    floor = None if chance is None else chance + options["utility_margin"]
+    if undefended is None or max_drop is None:
+        return floor
+    return max(undefended - max_drop, floor if floor is not None else 0.0)
 
 
 def _fmt(v: float) -> str:
@@ -153,8 +187,12 @@ def _fmt(v: float) -> str:
 
 
 def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | None, accuracy: float | None,
-          needed: float | None, chance: float | None, options: dict[str, Any]) -> StepVerdict:
-    """The verdict for one setting at one checkpoint, from the cells of every attack run there."""
+          needed: float | None, chance: float | None, options: dict[str, Any],
+          labels_bar: LeakThreshold | None = None) -> StepVerdict:
+    """The verdict for one setting at one checkpoint, from the cells of every attack run there, and what it says
+    leaks (``level``): the individuals where the strongest attack beats ``threshold`` (the class-aware guess the
+    best) or an attack identifies its originals; the labels alone where it beats only ``labels_bar`` (the guesses
+    that read nothing of the update); else nothing."""
     name = metric.name
     top, runner_up = strongest(cells, metric)
     scores, statistic = top.scores[name], options["statistic"]
@@ -166,7 +204,7 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     evidence = (f"{top.attack} reaches {name} {_fmt(scores.mean)} "
                 f"({options['confidence']:.0%} CI {_fmt(lo)} to {_fmt(hi)}, n={scores.n})")
     if runner_up is not None and intervals_overlap(top, runner_up, name):
-        evidence += f"; {runner_up.attack} is within its interval"
+        evidence += f"; {runner_up.attack} is close behind (the intervals overlap)"
     if top.identifiable is not None and top.identifiable_n and options.get("batch_size", 1) == 1:
         evidence += (f"; {top.identifiable:.0%} of its reconstructions are nearest their own original "
                      f"(a guess: about {1 / top.identifiable_n:.0%})")
@@ -181,27 +219,41 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     named = identified(cells, name, options)
     if threshold is None:
         if named is not None:
-            return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; {named}")
+            return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, reason=f"{evidence}; {named}")
         return StepVerdict(**out, verdict=None, reason=f"not judged: no guess without the gradient scores {name}")
     beats = metric.better(value, threshold.value)
-    bar = (f"{_fmt(threshold.value)} ({threshold.guess} guess {_fmt(threshold.guess_score)} "
-           f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold.margin)})")
+    bar = _bar(threshold, metric)
     if beats and threshold.missing and named is None:
         return StepVerdict(**out, verdict=INCONCLUSIVE, alone=LEAKS, reason=(
             f"{evidence}; its {what} beats the leak threshold {bar}, but the {' and '.join(threshold.missing)} "
-            f"guess could not be made (the attacker holds no data besides the attacked batch), so the bar stands on "
+            f"guess{'es' * (len(threshold.missing) > 1)} could not be made (the attacker holds no data besides the attacked batch), so the bar stands on "
             f"the other guesses alone ({threshold.guess} the best) and a reconstruction no closer than the data's "
             "mean image would pass it; give the attacker data of its own (a monitor's prior=) to settle it"))
     if beats:
-        return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; its {what} beats the leak threshold {bar}")
+        return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS,
+                           reason=f"{evidence}; its {what} beats the leak threshold {bar}")
     if named is not None:
-        return StepVerdict(**out, verdict=LEAKS, reason=f"{evidence}; its {what} does not beat the leak threshold "
-                                                        f"{bar}, but {named}")
+        return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, reason=(
+            f"{evidence}; its {what} does not beat the leak threshold {bar}, but {named}"))
+    personal = _personal_values(cells, options, name)
+    if personal is not None:
+        return StepVerdict(**out, verdict=LEAKS, level=PERSONAL, reason=(
+            f"{evidence}; its {what} does not beat the leak threshold {bar}, but {personal}"))
+    if labels_bar is not None and metric.better(value, labels_bar.value):
+        return StepVerdict(**out, verdict=LEAKS, level=LABELS, reason=(
+            f"{evidence}; its {what} beats the bar of the guesses that read nothing of the update, "
+            f"{_bar(labels_bar, metric)}, but not the leak threshold of individuals, {bar}: each target's class "
+            "mean given its label; and no attack names its originals among decoys of their classes: it shows the "
+            "labels and class composition (class templates), not the individuals"))
     reason = f"{evidence}; its {what} does not beat the leak threshold {bar}"
     if accuracy is not None and needed is not None and accuracy < needed:
-        base = "min_accuracy" if options.get("min_accuracy") is not None else \
-            f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
-        return StepVerdict(**out, verdict=UNUSABLE, reason=f"{reason}{_still_improving(top)}; but test accuracy "
+        undefended = options.get("undefended")
+        base = ("min_accuracy" if options.get("min_accuracy") is not None else
+                f"the undefended model's {undefended:.3f} - max_drop {_fmt(options['max_drop'])}"
+                if undefended is not None and needed == undefended - options["max_drop"] else
+                f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}")
+        return StepVerdict(**out, verdict=UNUSABLE, level=NOTHING,
+                           reason=f"{reason}{_still_improving(top)}; but test accuracy "
                                                            f"{accuracy:.3f} is under {needed:.3f} ({base})")
     reason += _still_improving(top)
     if accuracy is None:
@@ -210,7 +262,29 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
         reason += "; utility not judged (chance accuracy unknown for this run)"
     else:
         reason += f"; test accuracy {accuracy:.3f} is at least {needed:.3f}"
-    return StepVerdict(**out, verdict=PROTECTS, reason=reason)
+    return StepVerdict(**out, verdict=PROTECTS, level=NOTHING, reason=reason)
+
+
+def _personal_values(cells: list[CellResult], options: dict[str, Any], metric: str) -> str | None:
+    """Why some attack's reconstructions recover personal values beyond a guess (None where none does, or where
+    no guess scored them): the most any attack holds verbatim of the targets' names and numbers exceeds what the
+    better guess from the attacker's own sentences holds (``pii_guess``) by more than ``PII_MARGIN``."""
+    guess = options.get("pii_guess")
+    scored = [c for c in cells if c.pii_recall is not None]
+    if guess is None or not scored:
+        return None
+    top = max(scored, key=lambda c: c.pii_recall)
+    if top.pii_recall <= guess + PII_MARGIN:
+        return None
+    return (f"{top.attack}'s reconstructions hold {top.pii_recall:.0%} of the targets' personal values verbatim "
+            f"(names, numbers), where a guess from the attacker's own sentences holds {guess:.0%}: beyond it by more "
+            f"than the {PII_MARGIN:.0%} margin, personal values leak whatever the {metric}")
+
+
+def _bar(threshold: LeakThreshold, metric: Metric) -> str:
+    """A leak threshold in words: its value, the guess it stands on and the margin."""
+    return (f"{_fmt(threshold.value)} ({threshold.guess} guess {_fmt(threshold.guess_score)} "
+            f"{'+' if metric.higher_is_better else '-'} margin {_fmt(threshold.margin)})")
 
 
 def _still_improving(top: CellResult) -> str:
@@ -231,12 +305,22 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
     for the advice."""
     if verdict.verdict not in (PROTECTS, UNUSABLE):
         return verdict
+    if reference is not None and reference.verdict == LEAKS and reference.level == LABELS:
+        # the attacks reach only the undefended update's classes: a "protects" stands for the labels alone
+        return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
+            f"protects labels, calibrated by {reference.attack}, which reaches the labels of the undefended update at "
+            f"this step ({reference.setting}: {_fmt(reference.score)}); but no attack broke the undefended update at "
+            "the level of individuals (no reconstruction closer than each target's class mean, none named among "
+            "decoys of its class), so whether it protects individuals is inconclusive; to settle it: more "
+            "iterations, a tuned search (tune:) or a stronger attack, until the undefended update leaks individuals"
+            + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else "")
+            + f". Judged alone: {verdict.verdict}: {verdict.reason}"))
     if reference is not None and reference.verdict == LEAKS:
         if reference.setting == verdict.setting:
             return verdict
         return dataclasses.replace(verdict, calibrated_by=reference.attack, reason=(
             f"{verdict.reason}; calibrated by {reference.attack}, which breaks the undefended update at this step "
-            f"({reference.setting}: {_fmt(reference.score)})"))
+            f"at the level of {reference.level or INDIVIDUALS} ({reference.setting}: {_fmt(reference.score)})"))
     if reference is None:
         why = "no attack ran on the undefended update at this step, so the attacks' strength is unknown"
     elif reference.setting == verdict.setting:
@@ -248,7 +332,7 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
                + ")")
     fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended update "
            "leaks" + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else ""))
-    return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict,
+    return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None,
                                reason=f"{why}; {fix}. Judged alone: {verdict.verdict}: {verdict.reason}")
 
 
@@ -360,7 +444,7 @@ def overall(verdicts: list[StepVerdict]) -> StepVerdict | None:
     judged = [v for v in verdicts if v.verdict is not None]
     if not judged:
         return verdicts[0] if verdicts else None
-    return min(judged, key=lambda v: VERDICTS.index(v.verdict))
+    return min(judged, key=lambda v: (VERDICTS.index(v.verdict), LEVELS.index(v.level) if v.level in LEVELS else 0))
 
 
 def identifiable_share(distances: np.ndarray) -> float:
@@ -435,19 +519,27 @@ def decoy_test(own: list[np.ndarray], decoys: list[np.ndarray], groups: list[lis
     return hits, len(chances), float(min(1.0, tail[hits:].sum()))
 
 
+#: What ``--fail-on-leak`` fails on: each level, with the levels it takes in (individuals: their personal values
+#: too; labels: every leak).
+GATE_LEVELS = {INDIVIDUALS: (INDIVIDUALS, PERSONAL), LABELS: (INDIVIDUALS, PERSONAL, LABELS)}
+
+
 def gate_failures(summary: Summary, allow_inconclusive: bool = False,
-                  settings: Iterable[str] | None = None) -> list[tuple[str, str]]:
+                  settings: Iterable[str] | None = None, fail_on: str = INDIVIDUALS) -> list[tuple[str, str]]:
     """``(kind, line)`` for each reason the gate fails: a checked setting (those marked ``must_protect``, or the
-    ``settings`` named) that leaks ("leak"), could not be judged ("unjudged") or is inconclusive ("inconclusive",
-    unless allowed), and any setting whose attacks beat the bound its privacy guarantee puts on them ("bound":
-    the defense or its accounting is wrong). The gate fails closed: a setting it cannot vouch for is not passed."""
+    ``settings`` named) that leaks at a level ``fail_on`` takes in ("leak": individuals by default, labels too with
+    ``fail_on="labels"``; a leak of an older summary, which names no level, counts as one of individuals), could
+    not be judged ("unjudged") or is inconclusive ("inconclusive", unless allowed), and any setting whose attacks
+    beat the bound its privacy guarantee puts on them ("bound": the defense or its accounting is wrong). The gate
+    fails closed: a setting it cannot vouch for is not passed."""
     named = None if settings is None else set(settings)
+    levels = GATE_LEVELS[fail_on]
     lines = []
     for w in summary.worst_case:
         checked = w.must_protect if named is None else w.setting in named
         where = f"{w.setting} (must_protect)" if named is None else w.setting
-        if checked and w.verdict == LEAKS:
-            lines.append(("leak", f"{where} leaks at step {w.verdict_checkpoint}: {w.reason}"))
+        if checked and w.verdict == LEAKS and (w.level or INDIVIDUALS) in levels:
+            lines.append(("leak", f"{where} leaks {w.level or INDIVIDUALS} at step {w.verdict_checkpoint}: {w.reason}"))
         elif checked and w.verdict is None:
             lines.append(("unjudged", f"{where} could not be judged: {w.reason}"))
         elif checked and w.verdict == INCONCLUSIVE and not allow_inconclusive:

@@ -23,7 +23,7 @@ from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
-from leakaudit.evaluator.zoo.metrics import frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
 from leakaudit.plugins.text import IGNORE
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
@@ -294,18 +294,24 @@ def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Ite
 
 
 def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
-    """Scores of guesses that use no gradient, over all targets: uniform noise, a flat grey image, and the
-    training split's mean image (what an attacker who knows the data's distribution guesses without looking)."""
+    """Scores of guesses that use no gradient, over all targets: uniform noise, a flat grey image, the training
+    split's mean image (what an attacker who knows the data's distribution guesses without looking), and each
+    target's class mean from the training split given its label (what an attacker who reads the labels off the
+    update guesses; the true labels, the best case of a label-recovering attacker)."""
     audit = scenario.audit
     metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
     batches = (scenario.target_batch(t) for t in range(audit.num_batches))
     if scenario.text:  # the most frequent token at each position, and uniform draws
         frequent = frequent_tokens(scenario.data.train_x, scenario.data.pad_id)
         return text_guess_scores(metrics, batches, frequent, scenario.data.vocab_size,
-                                 generator("cpu", audit.seed, "baseline"), scenario.data.pad_id)
-    average = scenario.data.train_x.float().mean(dim=0).to(scenario.device)
-    return guess_scores(metrics, batches, average,
-                        generator(scenario.device, audit.seed, "baseline"))
+                                 generator("cpu", audit.seed, "baseline"), scenario.data.pad_id,
+                                 lambda guess, t: scenario.pii_recall(guess.cpu(), scenario.target_ids(t).tolist()))
+    train_x, train_y = scenario.data.train_x.float(), scenario.data.train_y.reshape(-1)
+    average = train_x.mean(dim=0).to(scenario.device)
+    classes = train_y.unique()
+    templates = torch.stack([train_x[train_y == c].mean(dim=0) for c in classes]).to(scenario.device)
+    return guess_scores(metrics, batches, average, generator(scenario.device, audit.seed, "baseline"),
+                        lambda pixels, labels: class_mean_guess(templates, classes.to(labels.device), labels, average))
 
 
 def _in_job_order(audit: Audit, rows: list[dict]) -> list[dict]:

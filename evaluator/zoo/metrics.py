@@ -185,26 +185,57 @@ def score(metrics: list[Metric], rec_images: Tensor, orig: Tensor, rec_labels: T
     return Scores(values, per_image, notes, order)
 
 
+#: Guesses that read the targets' labels: each target's class mean from the attacker's own data. A reconstruction
+#: no closer than these shows the classes (labels, class composition), not the individuals; the other guesses read
+#: nothing of the update, and beating only them is a leak of labels.
+CLASS_AWARE = frozenset({"class_mean"})
+
+
+def class_mean_guess(images: Tensor, image_labels: Tensor, labels: Tensor, fallback: Tensor | None = None) -> Tensor | None:
+    """Per label of ``labels``, the mean of the attacker's ``images`` of that class (``image_labels``): the class
+    template a guess from the labels alone gives. A class the attacker holds no image of takes ``fallback`` (its
+    mean image); None where one has neither."""
+    out = []
+    for label in labels.reshape(-1).tolist():
+        mine = images[image_labels.reshape(-1) == label]
+        if len(mine):
+            out.append(mine.float().mean(dim=0))
+        elif fallback is not None:
+            out.append(fallback.float())
+        else:
+            return None
+    return torch.stack(out) if out else None
+
+
 def guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]],
                  mean_image: Tensor | Callable[[Tensor], Tensor | None] | None,
-                 generator: torch.Generator) -> dict[str, dict[str, float | None]]:
+                 generator: torch.Generator,
+                 class_mean: Callable[[Tensor, Tensor], Tensor | None] | None = None) -> dict[str, dict[str, float | None]]:
     """Mean scores over ``batches`` of ``(pixels, labels)`` of guesses made without the update: uniform noise
-    (drawn from ``generator``), a flat grey image, and ``mean_image`` when given (or ``mean_image(pixels)``, a
-    batch's own, where it is not None)."""
-    out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}}
+    (drawn from ``generator``), a flat grey image, ``mean_image`` when given (or ``mean_image(pixels)``, a
+    batch's own, where it is not None), and, where ``class_mean`` is given, the class-aware guess: each target's
+    class mean from the attacker's data (``class_mean(pixels, labels)``, given the labels the update reveals),
+    unscored (None) where it cannot be made for some batch."""
+    out: dict[str, dict[str, list]] = {"random": {}, "grey": {}, "mean": {}, "class_mean": {}}
     missing = False  # a batch whose mean image could not be made: the guess is marked unscored (None) for all
+    no_class = False  # the same for the class means
     for pixels, labels in batches:
         average = mean_image(pixels) if callable(mean_image) else mean_image
         missing |= average is None and mean_image is not None
+        templates = None if class_mean is None else class_mean(pixels, labels)
+        no_class |= templates is None and class_mean is not None
         guesses = {"random": torch.rand(pixels.shape, generator=generator, device=pixels.device),
                    "grey": torch.full_like(pixels, 0.5),
-                   **({"mean": average.to(pixels.device).expand_as(pixels)} if average is not None else {})}
+                   **({"mean": average.to(pixels.device).expand_as(pixels)} if average is not None else {}),
+                   **({"class_mean": templates.to(pixels.device).reshape(pixels.shape)}
+                      if templates is not None else {})}
         for name, guess in guesses.items():
             for m, v in score(metrics, guess, pixels, labels, labels).values.items():
                 out[name].setdefault(m, []).append(v)
     scored = {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()}
               for name, d in out.items() if d}
-    return scored | ({"mean": dict.fromkeys(scored["grey"])} if missing and "grey" in scored else {})
+    unscored = [name for name, gone in (("mean", missing), ("class_mean", no_class)) if gone]
+    return scored | ({name: dict.fromkeys(scored["grey"]) for name in unscored} if "grey" in scored else {})
 
 
 def frequent_tokens(ids: Tensor, pad_id: int = 0) -> Tensor:
@@ -214,12 +245,15 @@ def frequent_tokens(ids: Tensor, pad_id: int = 0) -> Tensor:
 
 
 def text_guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Tensor]], frequent: Tensor,
-                      vocab_size: int, generator: torch.Generator, pad_id: int = 0) -> dict[str, dict[str, float | None]]:
+                      vocab_size: int, generator: torch.Generator, pad_id: int = 0,
+                      recall: Callable[[Tensor, int], float | None] | None = None) -> dict[str, dict[str, float | None]]:
     """Mean scores over ``batches`` of ``(ids, labels)`` of sequences guessed without the update: tokens drawn
     uniformly (from ``generator``), and ``frequent``, the training split's most frequent token at each position,
-    each at the original's length (padding where it pads)."""
+    each at the original's length (padding where it pads). With ``recall`` (a guess of batch ``index`` -> the
+    share of that batch's personal values it holds verbatim, None where it holds none), each guess also scores
+    ``pii_recall``: what a guess from the attacker's own sentences recovers of the names and numbers."""
     out: dict[str, dict[str, list]] = {"random": {}, "frequent": {}}
-    for ids, labels in batches:
+    for index, (ids, labels) in enumerate(batches):
         real = ids != pad_id
         drawn = torch.randint(pad_id + 1, vocab_size, ids.shape, generator=generator, device=generator.device)
         guesses = {"random": torch.where(real, drawn.to(ids.device), ids),
@@ -227,4 +261,7 @@ def text_guess_scores(metrics: list[Metric], batches: Iterable[tuple[Tensor, Ten
         for name, guess in guesses.items():
             for m, v in score(metrics, guess, ids, labels, labels).values.items():
                 out[name].setdefault(m, []).append(v)
+            found = None if recall is None else recall(guess, index)
+            if found is not None:
+                out[name].setdefault("pii_recall", []).append(found)
     return {name: {m: (None if None in vs else sum(vs) / len(vs)) for m, vs in d.items()} for name, d in out.items()}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -271,7 +272,7 @@ class Spear(Attack):
 
     name = "spear"
     paper = "Dimitrov et al. 2024"
-    auto_params = {"cpu": {}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {}}
     brings = "exact recovery of a batch from a fully connected first layer followed by ReLU"
     noise_free_only = True
     params = {
@@ -454,7 +455,7 @@ class CocktailParty(Attack):
 
     name = "cocktail_party"
     paper = "Kariyappa et al. 2023"
-    auto_params = {"cpu": {}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {}}
     brings = "large batches and the mean of many clients unmixed at a fully connected first layer"
     params = {
         "iterations": Param(1000, int, min=1, max=100_000, help="FastICA's most iterations"),
@@ -504,7 +505,8 @@ class SpearSpan(Attack):
 
     name = "spear_span"
     paper = "Dimitrov et al. 2024"
-    auto_params = {"cpu": {"starts": 128, "rounds": 12}}
+    attacker = HONEST_SERVER
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"starts": 128, "rounds": 12}}
     brings = "exact inputs of a fully connected ReLU first layer at 64 and more images per update"
     noise_free_only = True
     params = {

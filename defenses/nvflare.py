@@ -123,7 +123,7 @@ class FlareExcludeVars(FlareDefense):
 
     name = "nvflare_exclude_vars"
     params = {
-        "exclude_vars": Param(type=(list, str), example=["1.weight"],
+        "exclude_vars": Param(type=(list, str), example="bias$",
                               help="ExcludeVars' exclude_vars: parameter names, or a regular expression"),
     }
     exclude_vars: list | str

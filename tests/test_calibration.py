@@ -73,7 +73,7 @@ def test_the_untried_attacks_are_those_that_apply_and_did_not_run(write_audit):
         "dataset": "digits", "image_size": 8, "targets": 16, "batch_size": 16},
         attacks=[{"name": "spear"}]), "untried.yaml"))
     names = [part.split(" (")[0] for part in untried_attacks(Scenario(audit)).split("; ")]
-    assert names == ["bayes", "cinet", "cocktail_party", "learning_to_invert"]
+    assert names == ["bayes", "cinet", "cocktail_party", "learning_to_invert", "spear_span"]
 
 
 def test_each_original_gets_decoys_of_its_own_class_none_twice():

@@ -75,8 +75,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
      "'gaussian' at position 0 is random"),
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "gausian"}]}]),
      "defenses[0].chain[1].name: 'gausian' is not a registered defense (did you mean 'gaussian'?); choices: ats, bayesian, clip, dpsgd, "
-     "flower_adaptive_clipping, flower_fixed_clipping, flower_local_dp, frozen_embeddings, gaussian, laplace, lora, none, "
-     "precode, prune, qsgd, signsgd, soteria, topk"),
+     "flower_adaptive_clipping, flower_fixed_clipping, flower_local_dp, frozen_embeddings, gaussian, "),  # then cut at 400
     (small_audit(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}}, {"name": "dpsgd"}]}]),
      "defenses[0]: clip(max_norm=1.0)>dpsgd: chain: 'dpsgd' computes its update from the model and inputs "
      "and cannot be a chain member"),

@@ -416,9 +416,11 @@ def test_bayes_is_refused_where_the_defense_declares_no_likelihood(write_audit, 
                                             {"name": "bayesian_exact", "params": {"iterations": 5},
                                              "defenses": ["bnn"]}]))
     assert main(["validate", str(path)]) == 0
-    assert capsys.readouterr().out.strip() == (f"{path}: valid: 4 attack jobs (2 target batches each): bayes on 1 "
-                                               "setting x 1 step (defenses: none); bayesian_exact on 1 setting x 1 "
-                                               "step (defenses: bnn)")
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"{path}: valid: 4 attack jobs (2 target batches each): bayes on 1 setting x 1 step (defenses: none); "
+        "bayesian_exact on 1 setting x 1 step (defenses: bnn)",
+        "  threat models (the least attacker each attack needs, Carletti et al. 2025): bayes: honest-but-curious "
+        "server; bayesian_exact: honest-but-curious server"]
 
 
 @pytest.mark.slow

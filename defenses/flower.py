@@ -105,6 +105,17 @@ def dp_strategy(mechanism: Any, kind: str) -> str | None:
     return None
 
 
+def framework_refusal(name: str, missing: str | None, verb: str, protocol: Protocol) -> str | None:
+    """Why a framework's mechanism ``name`` cannot run: its package ``missing``, or ``protocol`` the mean of several
+    clients, while the mechanism ``verb``s one client's update (Flower's clip, FLARE's filters); None where it can."""
+    if missing:
+        return f"{name} {missing}"
+    if isinstance(protocol, FedAvg) and protocol.clients > 1:
+        return (f"{name} {verb}s one client's update; with clients: {protocol.clients} the protocol would {verb} "
+                "their mean: use clients: 1")
+    return None
+
+
 def guarantee_notes(mu: float, std: float, clip: float, rounds: int) -> list[str]:
     """What a configuration's guarantee really says: epsilon per round and over ``rounds``, the noise against the
     update, and a warning where either is past a meaningful range."""
@@ -130,13 +141,7 @@ class FlowerDefense(Defense):
     rounds: int
 
     def unsupported(self, protocol: Protocol) -> str | None:
-        missing = flower_missing()
-        if missing:
-            return f"{self.name} {missing}"
-        if isinstance(protocol, FedAvg) and protocol.clients > 1:
-            return (f"{self.name} clips one client's update; with clients: {protocol.clients} the protocol would "
-                    "clip their mean: use clients: 1")
-        return None
+        return framework_refusal(self.name, flower_missing(), "clip", protocol)
 
     def noise_std(self) -> float:
         """The standard deviation of the noise on the update, as Flower computes it."""

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from leakaudit.defenses.chain import Chain
-from leakaudit.defenses.flower import MEANINGFUL_EPSILON, from_arrays, numpy_draws_from, to_arrays
+from leakaudit.defenses.flower import MEANINGFUL_EPSILON, framework_refusal, from_arrays, numpy_draws_from, to_arrays
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.defense import Defense, DeterministicDefense, PrivacyProfile, SharedUpdate
-from leakaudit.plugins.protocol import FedAvg, Protocol, parameter_names
+from leakaudit.plugins.protocol import Protocol, parameter_names
 
 
 def nvflare_missing() -> str | None:
@@ -42,16 +42,6 @@ def run_filter(dxo_filter: Any, arrays: dict[str, Any]) -> dict[str, Any]:
     return dict(from_shareable(dxo_filter.process(shareable, FLContext())).data)
 
 
-def flare_refusal(name: str, protocol: Protocol) -> str | None:
-    """Why the filter ``name`` cannot run under ``protocol``: FLARE missing, or the mean of several clients."""
-    missing = nvflare_missing()
-    if missing:
-        return f"{name} {missing}"
-    if isinstance(protocol, FedAvg) and protocol.clients > 1:
-        return (f"{name} filters one client's update; with clients: {protocol.clients} the protocol would filter "
-                "their mean: use clients: 1")
-    return None
-
 
 class FlareDefense(DeterministicDefense):
     """What FLARE's deterministic filters share: the extra, one client's update, the paper."""
@@ -59,7 +49,7 @@ class FlareDefense(DeterministicDefense):
     paper = "Roth et al. 2022"
 
     def unsupported(self, protocol: Protocol) -> str | None:
-        return flare_refusal(self.name, protocol)
+        return framework_refusal(self.name, nvflare_missing(), "filter", protocol)
 
 
 def numpy_percentile(values: Tensor, q: float) -> Tensor:
@@ -258,7 +248,7 @@ class FlareSvt(Defense):
         self.seen: int | None = None  # the coordinates of the model wrapped, or of the last update filtered
 
     def unsupported(self, protocol: Protocol) -> str | None:
-        return flare_refusal(self.name, protocol)
+        return framework_refusal(self.name, nvflare_missing(), "filter", protocol)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self.seen = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -87,3 +87,19 @@ def write_audit(tmp_path):
         path.write_text(yaml.safe_dump(audit, sort_keys=False))
         return path
     return write
+
+
+def flower_train_round(monkeypatch, state: dict, server_round: int) -> tuple:
+    """A Message-API training message carrying ``state`` for round ``server_round``, and the context a SuperNode
+    gives partition 0 of 2 (Flower's task identity set as a SuperNode sets it before it runs the app)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for field in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
+    message = Message(content=RecordDict({"arrays": ArrayRecord(state),
+                                          "config": ConfigRecord({"lr": 0.01, "server-round": server_round})}),
+                      dst_node_id=7, message_type=MessageType.TRAIN)
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                      run_config={})
+    return message, context

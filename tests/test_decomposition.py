@@ -205,3 +205,16 @@ def test_spear_declares_the_batches_its_budget_reaches():
         "spear: 20 images per update take about 5.2e+06 draws to find (b 2^(b-2)), more than samples: 4000000; "
         "it reaches about 19 images at the default")
     assert Spear(samples=6_000_000).unsupported(model, 20, FEDSGD) is None
+
+
+def test_spear_span_settings_out_of_range_are_one_line_naming_the_key(write_audit):
+    from conftest import small_audit
+
+    from leakaudit.evaluator.audit.config import ConfigError, load_audit
+
+    path = write_audit(small_audit(attacks=[{"name": "spear_span", "params": {"rounds": 0, "strats": 8}}]))
+    with pytest.raises(ConfigError) as info:
+        load_audit(path)
+    assert info.value.lines == [f"{path}: attacks[0].params.rounds: 0 is below the minimum 1",
+                                f"{path}: attacks[0].params.strats: unknown parameter (did you mean 'starts'?); "
+                                "choices: label_method, lr, rounds, starts, steps, tolerance"]

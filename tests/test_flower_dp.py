@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import flower_train_round
 from leakaudit.defenses import flower as flower_defenses
 from leakaudit.defenses.flower import FlowerAdaptiveClipping, FlowerFixedClipping, FlowerLocalDp
 from leakaudit.evaluator.audit.config import load_audit
@@ -140,12 +141,8 @@ FLOWER_APP = Path(__file__).parents[1] / "examples" / "own_training" / "flower_a
 def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, monkeypatch):
     """LocalDpMod run inside LeakAuditMod: the reply is the mod's (clipped), the round audited is the app's clean
     update under flower_local_dp with the mod's settings; a mod leakaudit cannot read is one line."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
-    from flwr.supercore.task_identity import TaskIdentity
 
-    for field in ("_run_id", "_node_id", "_task_id"):  # what a SuperNode sets before it runs the app
-        monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
     for name, value in (("FLOWER_APP_IMAGES", 40), ("FLOWER_APP_ITERATIONS", 5), ("FLOWER_APP_RUNS", tmp_path)):
         monkeypatch.setenv(name, str(value))
     monkeypatch.syspath_prepend(str(FLOWER_APP))
@@ -165,12 +162,7 @@ def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, mon
     dp = LocalDpMod(clipping_norm=1e-3, sensitivity=0.0, epsilon=1.0, delta=1e-5)  # no noise: the clip shows exactly
     mod = LeakAuditMod(Net, mods=[dp], **audit)
     start = Net()
-    message = Message(content=RecordDict({"arrays": ArrayRecord(start.state_dict()),
-                                          "config": ConfigRecord({"lr": 0.01, "server-round": 1})}),
-                      dst_node_id=7, message_type=MessageType.TRAIN)
-    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2},
-                      state=RecordDict(), run_config={})
-    reply = mod(message, context, client_app.train)
+    reply = mod(*flower_train_round(monkeypatch, start.state_dict(), 1), client_app.train)
     returned = reply.content["arrays"].to_torch_state_dict()
     sent = [start.state_dict()[n] - returned[n] for n, _ in start.named_parameters()]
     clean = mod.monitors["0"].last_update

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import leakaudit
+from conftest import flower_train_round
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "own_training"))
 from digits_client import load_data  # noqa: E402  (the example client)
@@ -244,11 +245,6 @@ def _flower_app(monkeypatch, tmp_path, images: int) -> None:
 def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatch):
     """LeakAuditMod around the quickstart's @app.train function: the update attacked is the message's arrays
     minus the reply's, over the batches the app's own DataLoader gave."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for field in ("_run_id", "_node_id", "_task_id"):  # what a SuperNode sets before it runs the app
-        monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
     _flower_app(monkeypatch, tmp_path, images=40)  # 32 training images: one round of one minibatch
     import client_app
     from leakaudit.flower import LeakAuditMod
@@ -256,12 +252,7 @@ def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatc
 
     mod = LeakAuditMod(Net, **client_app.AUDIT)
     start = Net()
-    message = Message(content=RecordDict({"arrays": ArrayRecord(start.state_dict()),
-                                  "config": ConfigRecord({"lr": 0.01, "server-round": 3})}),
-                      dst_node_id=7, message_type=MessageType.TRAIN)
-    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2},
-                      state=RecordDict(), run_config={})
-    reply = mod(message, context, client_app.train)
+    reply = mod(*flower_train_round(monkeypatch, start.state_dict(), 3), client_app.train)
     returned = reply.content["arrays"].to_torch_state_dict()
     monitor = mod.monitors["0"]
     assert monitor.audited_steps == [3]

@@ -34,11 +34,8 @@ def choose_attacks(audit: Audit, user_code: bool = True) -> tuple[list[AttackSpe
     def why_not(attack: Attack, setting: DefenseSetting) -> str | None:
         return _why_not(attack, setting, audit, data, models, user_code)
 
-    def build(cls: type, name: str, params: dict) -> Attack:
-        return _build(cls, name, params, audit)
-
     chosen, lines = auto_choice(audit.registry, data_modality(as_dict(audit.data), audit.registry),
-                                torch.device(audit.device).type, audit.settings, why_not, build)
+                                torch.device(audit.device).type, audit.settings, why_not, str(audit.path))
     if not chosen:
         raise ConfigError([f"{audit.path}: attacks: auto found no registered attack that applies to this audit "
                            f"({'; '.join(lines)}); list the attacks yourself"])
@@ -47,10 +44,11 @@ def choose_attacks(audit: Audit, user_code: bool = True) -> tuple[list[AttackSpe
 
 def auto_choice(registry: Registry, modality: str, device_type: str, settings: Sequence[DefenseSetting],
                 why_not: Callable[[Attack, DefenseSetting], str | None],
-                build: Callable[[type, str, dict], Attack]) -> tuple[list[AttackSpec], tuple[str, ...]]:
+                where: str) -> tuple[list[AttackSpec], tuple[str, ...]]:
     """Every registered attack of ``modality`` at its auto budget for ``device_type`` that ``why_not`` lets run on
     one of ``settings`` at least, restricted to those; and one line per attack on the choice. An audit file and a
-    monitor choose through this one rule, each asking of its own models (``why_not``)."""
+    monitor choose through this one rule, each asking of its own models (``why_not``); ``where`` names the one
+    asking in the error of a plugin that refuses its own auto_params."""
     chosen, lines = [], []
     for name, entry in sorted(registry.entries["attack"].items()):
         if entry.obj.modality != modality:
@@ -60,7 +58,7 @@ def auto_choice(registry: Registry, modality: str, device_type: str, settings: S
         if params is None:
             lines.append(f"{name}: left out: {entry.obj.auto_skip}")
             continue
-        attack = build(entry.obj, name, params)
+        attack = _build(entry.obj, name, params, where)
         fits: set[str] = set()
         misfits: dict[str, list[str]] = {}
         for setting in settings:
@@ -87,12 +85,12 @@ def _data(audit: Audit, user_code: bool) -> ImageData | None:
     return load_data(audit)
 
 
-def _build(cls: type, name: str, params: dict, audit: Audit):
+def _build(cls: type, name: str, params: dict, where: str) -> Attack:
     """The attack at its auto budget; a plugin whose ``auto_params`` it refuses is named in one line."""
     try:
         return cls(**params)
     except Exception as exc:
-        raise ConfigError([f"{audit.path}: attacks: auto: attack {name!r} refuses its own auto_params "
+        raise ConfigError([f"{where}: attacks: auto: attack {name!r} refuses its own auto_params "
                            f"{params!r}: {exc}"]) from None
 
 

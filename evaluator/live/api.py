@@ -175,7 +175,7 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     defenses = [(s, s.build(registry)) for s in settings]
     choice: tuple[str, ...] = ()
     if auto:
-        specs, choice = live_choice(registry, model, defenses, batch_size, protocol, modality)
+        specs, choice = live_choice(registry, model, defenses, batch_size, protocol, modality, caller)
         problems += [] if specs else [f"attacks: auto found no registered attack that applies here "
                                       f"({'; '.join(choice)}); list the attacks yourself"]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
@@ -190,7 +190,7 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
 
 
 def live_choice(registry: Registry, model: nn.Module, defenses: list[tuple[DefenseSetting, Any]], batch_size: int,
-                protocol, modality: str) -> tuple[list[AttackSpec], tuple[str, ...]]:
+                protocol, modality: str, caller: str) -> tuple[list[AttackSpec], tuple[str, ...]]:
     """``attacks: auto`` on a live model: the audit file's rule (``auto_choice``: each registered attack at its
     budget for the model's device, where its own declarations let it run), asked of this model and defense."""
     built = {s.identity: d for s, d in defenses}
@@ -200,10 +200,7 @@ def live_choice(registry: Registry, model: nn.Module, defenses: list[tuple[Defen
         return misfit(attack, setting.is_baseline(registry), built[setting.identity], lambda: model, batch_size,
                       protocol)
 
-    def build(cls: type, name: str, params: dict) -> Any:
-        return cls(**params)
-
-    return auto_choice(registry, modality, device_type, [s for s, _ in defenses], why_not, build)
+    return auto_choice(registry, modality, device_type, [s for s, _ in defenses], why_not, caller)
 
 
 def named_problems(defense: Any, attacks: Any, metrics: Sequence[str] | None, plugins_dirs: Sequence[str]) -> list[str]:

@@ -488,8 +488,9 @@ class MonitorCore:
 
     def _write_baselines(self) -> None:
         """Scores of guesses made without the update (noise, grey, the mean image of the attacker's data less
-        the batch's own images, and each target's class mean from those, given its label; for text, uniform tokens and the attacker's most frequent token at each position)
-        on every attacked batch so far: the verdict's bar."""
+        the batch's own images, and each target's class mean from those, given its label; for text, uniform tokens
+        and the attacker's most frequent token at each position) on every attacked batch so far: the verdict's
+        bar."""
         folder = self.folder
         audit = folder.audit
         records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
@@ -503,15 +504,15 @@ class MonitorCore:
                                                            batches, self._frequent_tokens(pad), vocab,
                                                            generator(torch.device("cpu"), self.seed, "baseline"), pad))
             return
-        prior = self._prior_pixels()
-        sample = self._attacker_sample()
-        prior_labels = None if sample is None else sample[1][:PRIOR_SAMPLE]
+        sample = self._attacker_sample()  # its first 256 items make the guesses
+        prior, prior_labels = (None, None) if sample is None else (sample[0][:PRIOR_SAMPLE], sample[1][:PRIOR_SAMPLE])
 
         def class_means(pixels: Tensor, labels: Tensor) -> Tensor | None:
             if prior is None or prior_labels is None:
                 return None
             keep = outside(prior, pixels)
-            return class_mean_guess(prior[keep], prior_labels[keep], labels.cpu(), mean_without(prior, pixels))
+            rest = prior[keep].mean(dim=0) if keep.any() else None  # mean_without's, from the same mask
+            return class_mean_guess(prior[keep], prior_labels[keep], labels.cpu(), rest)
 
         folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
                                                   lambda pixels: mean_without(prior, pixels),
@@ -523,12 +524,6 @@ class MonitorCore:
         sample = self._attacker_sample()
         assert sample is not None, "a text loop's training set is indexable (_holds_token_ids)"
         return frequent_tokens(sample[0][:PRIOR_SAMPLE], pad_id)
-
-    def _prior_pixels(self) -> Tensor | None:
-        """Pixels of up to 256 seeded items of the data the attacker may hold, the mean-image guess's; None without
-        an indexable dataset."""
-        sample = self._attacker_sample()
-        return None if sample is None else sample[0][:PRIOR_SAMPLE]
 
     def _auxiliary(self, attacked: Tensor) -> AuxiliaryData | None:
         """The attacker's own data for the attacks that learn from it (``ThreatModel.auxiliary``), as an audit

@@ -366,7 +366,9 @@ def frontier_lines(summary) -> list[str]:
             found = (f"weakest protecting {f.protecting_setting} (accuracy "
                      f"{'unknown' if f.accuracy is None else f'{f.accuracy:.3f}'}{ci}{margin})")
         bracket = "" if f.leaking_setting is None else f"; strongest leaking {f.leaking_setting}"
-        lines.append(f"frontier {f.defense} {f.knob}: {found}{bracket}; {f.status}")
+        fresh = "" if not f.fresh else (f"; on {f.fresh.get('targets', 'too few')} fresh targets: "
+                                        f"{f.fresh.get('verdict') or f.fresh['reason']}")
+        lines.append(f"frontier {f.defense} {f.knob}: {found}{bracket}{fresh}; {f.status}")
     if summary.decision is not None:
         d = summary.decision
         lines.append(f"decision: ship {d.setting}: {d.reason}" if d.setting else

@@ -139,9 +139,19 @@ def test_a_search_runs_resumes_and_is_reported_from_its_folder(tmp_path, capsys)
         json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert lines[-2].startswith(f"frontier gaussian sigma: weakest protecting {found['protecting_setting']} (accuracy ")
     assert lines[-1].startswith("decision: ") and summary["decision"]["reason"] in lines[-1]
-    rows = (out / "results.jsonl").read_text()
+    # the choice attacked again, with its reference, on 2 fresh targets no probe saw: the next 2 of the seeded order
+    fresh_rows = [json.loads(line) for line in (out / "fresh" / "results.jsonl").read_text().splitlines()]
+    assert {(r["setting"], r["target"]) for r in fresh_rows} == {
+        (s, t) for s in ("none", found["protecting_setting"]) for t in (0, 1)}
+    searched = [r["images"] for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())]
+    assert not {i for r in fresh_rows for i in r["images"]} & {i for images in searched for i in images}
+    assert found["fresh"]["targets"] == 2 and found["fresh"]["verdict"] in ("protects", "protects but unusable",
+                                                                             "leaks", "inconclusive")
+    assert f"; on 2 fresh targets: {found['fresh']['verdict']}; " in lines[-2]
+    rows, fresh = (out / "results.jsonl").read_text(), (out / "fresh" / "results.jsonl").read_text()
     again = cli("run", path, "--out", str(out), "--no-progress", "--resume")
     assert (out / "results.jsonl").read_text() == rows and again[-2:] == lines[-2:]
+    assert (out / "fresh" / "results.jsonl").read_text() == fresh
     assert cli("report", str(out))[-2:] == lines[-2:]
     assert json.loads((out / "summary.json").read_text())["frontier"] == summary["frontier"]
     page = (out / "report.html").read_text()
@@ -213,3 +223,25 @@ def test_the_decision_ships_the_most_accurate_protecting_setting_or_names_what_b
     assert (privacy.setting, privacy.binds) == (None, "privacy") and "could not be judged" in privacy.reason
     judgement = decide([none, case("d", "inconclusive", 0.8)], {}, 0.16, 0.95)
     assert judgement.binds == "judgement" and decide([none], {}, 0.16, 0.95) is None
+
+
+def test_a_frontier_choice_that_leaks_on_fresh_targets_is_not_shipped():
+    """The decision heeds each frontier choice's verdict on fresh targets: confirmed, it is shipped and the reason
+    says so; leaking there, it is not shipped (the next protecting setting is, or privacy binds)."""
+    from types import SimpleNamespace
+
+    from leakaudit.evaluator.results.summary import decide
+
+    def case(setting, verdict, accuracy, baseline=False):
+        return SimpleNamespace(setting=setting, verdict=verdict, accuracy=accuracy, baseline=baseline, reason="r")
+
+    none, a, b = case("none", "leaks", 0.9, baseline=True), case("a", "protects", 0.7), case("b", "protects", 0.8)
+    held = {"verdict": "protects", "targets": 4, "reason": "why"}
+    shipped = decide([none, a, b], {}, 0.16, 0.95, confirmed={"b": held})
+    assert shipped.setting == "b" and shipped.reason.endswith(
+        "Confirmed on 4 fresh targets that took no part in the search: protects (why)")
+    refuted = decide([none, a, b], {}, 0.16, 0.95, confirmed={"b": {**held, "verdict": "leaks"}})
+    assert refuted.setting == "a" and "not shipped: b, which protected on the searched targets but leaks on fresh " \
+                                      "ones" in refuted.reason
+    alone = decide([none, b], {}, 0.16, 0.95, confirmed={"b": {**held, "verdict": "leaks"}})
+    assert (alone.setting, alone.binds) == (None, "privacy")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -62,6 +62,9 @@ class DataSection:
     root: str | None = None
     download: bool = False
     params: dict[str, Any] = _copy({})
+    #: Where the targets start in the target split's seeded order: 0, or past the searched targets where a
+    #: frontier's choice is confirmed on fresh ones (``Audit.on_fresh_targets``; not an audit-file key).
+    target_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,6 +299,20 @@ class Audit:
                         if a.chosen_for is not None and end in a.chosen_for else a for a in self.attacks]
         self.settings.append(setting)
         return setting
+
+    def on_fresh_targets(self, keys: Sequence[str]) -> Audit:
+        """This audit narrowed to the settings ``keys`` and their undefended references, attacking as many targets
+        again, the next ones of the seeded order: a frontier's choice confirmed on targets its search never saw."""
+        chosen = [s for s in self.settings if s.key in keys]
+        keep = {s.key for s in chosen} | {r.key for s in chosen if (r := self.reference_of(s)) is not None}
+        return dataclasses.replace(self.targets_from(self.data.target_offset + self.data.targets), frontiers=[],
+                                   settings=[s for s in self.settings if s.key in keep])
+
+    def targets_from(self, offset: int) -> Audit:
+        """This audit with its targets from ``offset`` on in the target split's seeded order."""
+        if offset == self.data.target_offset:
+            return self
+        return dataclasses.replace(self, data=dataclasses.replace(self.data, target_offset=offset))
 
     @property
     def checkpoints(self) -> list[int]:

@@ -30,7 +30,7 @@ from leakaudit.evaluator.results.figures import (
     worst_batches,
 )
 from leakaudit.evaluator.results.identify import identifiability
-from leakaudit.evaluator.results.rundir import REPORT, SUMMARY, VOCABULARY, RunFolder
+from leakaudit.evaluator.results.rundir import CONFIRMED, REPORT, SUMMARY, VOCABULARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
 from leakaudit.evaluator.results.verdict import rule_text
@@ -181,7 +181,8 @@ def judged(folder: RunFolder, rows: list[dict], utility: list[dict], baselines: 
            run_info: dict[str, Any]) -> Summary:
     """The summary of a folder's rows, every verdict judged, with nothing written (a monitor's step verdict)."""
     notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
-    return summarise(folder.audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))
+    return summarise(folder.audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows),
+                     folder.read_json(CONFIRMED))
 
 
 def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],

@@ -40,6 +40,8 @@ AUDIT_COPY = "audit.yaml"
 MONITOR = "monitor.json"  # a LeakMonitor's description of the training it audits (instead of audit.yaml)
 VOCABULARY = "vocabulary.json"  # a monitored language model's token of each id, for the report's sentences
 FRONTIER = "frontier.json"  # each frontier search's probes, in the order judged: the settings it added
+FRESH = "fresh"  # the run folder, inside the audit's, of its frontier choices attacked again on fresh targets
+CONFIRMED = "confirmed.json"  # each frontier choice's verdict on the fresh targets (or why it could not be judged)
 
 
 class RunError(Exception):

@@ -87,9 +87,11 @@ def _unmeasured_live(utility: list[dict]) -> str:
 
 def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
               baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
-              identifiable: tuple[str, dict[tuple, list | None]] | None = None) -> Summary:
+              identifiable: tuple[str, dict[tuple, list | None]] | None = None,
+              confirmed: dict[str, dict[str, Any]] | None = None) -> Summary:
     """Per-cell means with bootstrap intervals, the strongest attack and the verdict of each setting, each step's
-    verdict calibrated by its model's undefended reference, and identification held to any privacy bound."""
+    verdict calibrated by its model's undefended reference, and identification held to any privacy bound.
+    ``confirmed``: each frontier choice's verdict on fresh targets (confirmed.json), which the decision heeds."""
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
     guessed = finite(scores.get("pii_recall") for scores in (baselines or {}).values())
@@ -139,11 +141,12 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
             "accuracy", "train_steps", "epsilon", "delta", "model_changes", "checkpoint_accuracy")}) for u in utility},
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
         naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes,
-        frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence) for spec in audit.frontiers],
+        frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence, confirmed)
+                  for spec in audit.frontiers],
         decision=decide(worst_case, acc, needed, confidence, {
             s.key: acc.get(ref.key, {}).get("accuracy") for s in audit.settings
             if (ref := audit.reference_of(s)) is not None and ref is not s},
-            audit.utility.max_drop if options.get("min_accuracy") is None else None))
+            audit.utility.max_drop if options.get("min_accuracy") is None else None, confirmed))
 
 
 def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
@@ -159,9 +162,11 @@ def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
 
 
 def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, leakage: Metric,
-                    threshold: LeakThreshold | None, confidence: float) -> FrontierResult:
+                    threshold: LeakThreshold | None, confidence: float,
+                    confirmed: dict[str, dict[str, Any]] | None = None) -> FrontierResult:
     """A frontier search replayed on the summary's verdicts (the run judged each probe the same way): its
-    bracket, the protecting setting's accuracy and its margin under the leak threshold, every probe."""
+    bracket, the protecting setting's accuracy and its margin under the leak threshold, every probe, and the
+    protecting setting's verdict on fresh targets where the run confirmed it."""
     by_key = {w.setting: w for w in worst_case}
     found = search(spec, lambda v: getattr(by_key.get(spec.setting(v).key), "verdict", None))
     keys = {v: spec.setting(v).key for v, _ in found.probes}
@@ -178,16 +183,18 @@ def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, 
         leaking=found.leaking, leaking_setting=None if found.leaking is None else keys[found.leaking],
         accuracy=None if top is None else top.accuracy,
         accuracy_ci=None if top is None else accuracy_interval(acc.get(top.setting, {}), confidence),
-        margin=margin, status=found.status)
+        margin=margin, status=found.status, fresh=None if top is None else (confirmed or {}).get(top.setting))
 
 
 def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float,
-           undefended: dict[str, float | None] | None = None, max_drop: float | None = None) -> Decision | None:
+           undefended: dict[str, float | None] | None = None, max_drop: float | None = None,
+           confirmed: dict[str, dict[str, Any]] | None = None) -> Decision | None:
     """The setting to ship: the one that protects at the highest accuracy; where none does, which constraint
     binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement.
     ``undefended``: each setting's undefended model's test accuracy, so that the decision states what the
-    defense costs against it (``max_drop``: the most a usable setting may cost)."""
-    undefended = undefended or {}
+    defense costs against it (``max_drop``: the most a usable setting may cost). ``confirmed``: frontier
+    choices' verdicts on fresh targets; a choice that leaks there is not shipped."""
+    undefended, confirmed = undefended or {}, confirmed or {}
 
     def cost(w: WorstCase) -> str:
         base = undefended.get(w.setting)
@@ -205,11 +212,13 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
         return best, accuracy_interval(acc.get(best.setting, {}), confidence)
 
     protecting = [w for w in defended if w.verdict == "protects"]
+    refuted = [w for w in protecting if confirmed.get(w.setting, {}).get("verdict") == "leaks"]
+    protecting = [w for w in protecting if w not in refuted]
     if protecting:
         best, interval = most_accurate(protecting)
         return Decision(best.setting, best.verdict, best.accuracy, interval, None, f"of the {len(protecting)} "
                         f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}){cost(best)}; "
-                        f"{best.reason}")
+                        f"{best.reason}{_fresh_words(confirmed.get(best.setting))}{_refuted_words(refuted)}")
     unusable = [w for w in defended if w.verdict == "protects but unusable"]
     if unusable:
         best, interval = most_accurate(unusable)
@@ -219,7 +228,7 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
                         f"the most accurate of them, {best.setting}, "
                         f"reaches {_acc(best.accuracy)}{cost(best)}. Search between it and the strongest setting that leaks "
                         "(frontier:), or try a defense that costs less accuracy")
-    leaking = [w for w in defended if w.verdict == "leaks"]
+    leaking = [w for w in defended if w.verdict == "leaks"] + refuted
     if leaking:
         return Decision(None, None, None, None, "privacy",
                         f"no setting protects: all {len(leaking)} judged defended settings leak"
@@ -236,6 +245,24 @@ def _needed_by(w: WorstCase, needed: float | None, undefended: dict[str, float |
     if base is None or max_drop is None:
         return needed
     return max(base - max_drop, needed if needed is not None else 0.0)
+
+
+def _fresh_words(fresh: dict[str, Any] | None) -> str:
+    """What the decision says of a frontier choice's verdict on fresh targets ("" where none was sought)."""
+    if fresh is None:
+        return ""
+    if fresh.get("verdict") is None:
+        return f". On fresh targets: {fresh['reason']}"
+    return (f". Confirmed on {fresh['targets']} fresh targets that took no part in the search: {fresh['verdict']} "
+            f"({fresh['reason']})")
+
+
+def _refuted_words(refuted: list[WorstCase]) -> str:
+    """The frontier choices not shipped because they leak on fresh targets ("" where none)."""
+    if not refuted:
+        return ""
+    return (f"; not shipped: {', '.join(w.setting for w in refuted)}, which protected on the searched targets but "
+            "leaks on fresh ones")
 
 
 def _protecting(n: int) -> str:

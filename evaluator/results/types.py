@@ -293,6 +293,9 @@ class FrontierResult:
     accuracy_ci: list[float] | None
     margin: float | None
     status: str
+    #: The protecting setting attacked again on as many fresh targets (confirmed.json's record: verdict, level,
+    #: targets, attack, score, reason); None where the search found none or the run predates confirmation.
+    fresh: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> FrontierResult:

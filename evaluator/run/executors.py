@@ -47,12 +47,14 @@ def progress_bar(items: list, desc: str, progress: bool) -> tqdm:
 _PROCESS_WORKER: AuditWorker | None = None
 
 
-def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads: int, started) -> None:
-    """Build this process's AuditWorker; on CUDA, the n-th process started takes the n-th visible GPU."""
+def _init_process(audit_path: str, plugin_dirs: list[str], out_dir: str, threads: int, started,
+                  target_offset: int = 0) -> None:
+    """Build this process's AuditWorker (its targets from ``target_offset`` on: a frontier's fresh targets); on
+    CUDA, the n-th process started takes the n-th visible GPU."""
     global _PROCESS_WORKER
     _die_with_parent()
     torch.set_num_threads(threads)
-    audit = load_audit(audit_path, plugin_dirs)
+    audit = load_audit(audit_path, plugin_dirs).targets_from(target_offset)
     process_flags(audit)
     with started.get_lock():
         index, started.value = started.value, started.value + 1
@@ -104,7 +106,7 @@ class WorkerPool:
             audit = self.worker.scenario.audit
             ctx = multiprocessing.get_context("spawn")
             init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(self.worker.folder.path), 1,
-                    ctx.Value("i", 0))
+                    ctx.Value("i", 0), audit.data.target_offset)
             self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_process, initargs=init)
         return self._pool
 

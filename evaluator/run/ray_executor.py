@@ -44,7 +44,7 @@ def run_job(spec: dict[str, Any], data: list, method: str, item: Any, states: li
     global _WORKER
     if _WORKER is None or _WORKER[0] != spec["key"]:
         torch.set_num_threads(spec["threads"])
-        audit = load_audit(spec["path"], spec["plugins_dirs"], text=spec["text"])
+        audit = load_audit(spec["path"], spec["plugins_dirs"], text=spec["text"]).targets_from(spec["target_offset"])
         process_flags(audit)
         scenario = Scenario(audit)
         scenario.__dict__["data"] = ray.get(data[0])  # the driver's data, not this node's files
@@ -133,8 +133,10 @@ class RayPool:
         self.workers = int(slots)  # cells are cut for this many tasks at once, as for as many local processes
         self.where = (f"ray: {int(resources.get('CPU', 0))} CPUs, {int(resources.get('GPU', 0))} GPUs on "
                       f"{len(ray.nodes())} node(s), {self.workers} task(s) at once")
-        self._spec = {"key": hashlib.sha256(f"{audit.path}\n{audit.text}".encode()).hexdigest(),
+        offset = audit.data.target_offset  # a frontier confirmation's fresh targets
+        self._spec = {"key": hashlib.sha256(f"{audit.path}\n{audit.text}\n{offset}".encode()).hexdigest(),
                       "path": str(audit.path), "text": audit.text, "plugins_dirs": [str(d) for d in audit.plugins_dirs],
+                      "target_offset": offset,
                       "threads": max(1, int(ex.num_cpus)), "worker_type": type(self.worker)}
         self._data = ray.put(self.worker.scenario.data)
         self._remote = ray.remote(run_job).options(num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,

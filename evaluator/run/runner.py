@@ -3,6 +3,7 @@ land, and the report at the end; a rerun resumes where the folder stops.
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.frontier import most_probes, search
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec
 from leakaudit.evaluator.results.report import judged, write_report
-from leakaudit.evaluator.results.rundir import ARCHITECTURE, BASELINES, FRONTIER, RESULTS, RUN_INFO, RunError, RunFolder
+from leakaudit.evaluator.results.rundir import (ARCHITECTURE, BASELINES, CONFIRMED, FRESH, FRONTIER, RESULTS, RUN_INFO,
+                                                RunError, RunFolder)
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
@@ -179,6 +181,8 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
         _work(audit, folder, pool, progress, on_rows)
         if audit.frontiers:
             _search_frontiers(scenario, folder, pool, progress, on_rows)
+    if audit.frontiers:
+        _confirm_frontiers(scenario, folder, workers, progress)
 
     trials = folder.tuning.read()
     rows = _in_job_order(audit, folder.results.read())
@@ -232,6 +236,69 @@ def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress
 
     for spec in audit.frontiers:
         search(spec, lambda value: verdict_of(spec, value))
+
+
+def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | None, progress: bool) -> None:
+    """Each frontier search's chosen setting attacked again with its undefended reference, on as many targets as
+    the search used, the next ones of the seeded order (none of which any probe saw), in the folder ``fresh/``:
+    a choice made on the searched targets is a selection on them, and its verdict on fresh ones is the one to
+    trust. Writes each choice's fresh verdict, or why there is none, to confirmed.json."""
+    audit = scenario.audit
+    rows = _in_job_order(audit, folder.results.read())
+    summary = judged(folder, rows, folder.utility.read(), baseline_scores(scenario), folder.read_json(RUN_INFO))
+    chosen = sorted({f.protecting_setting for f in summary.frontier if f.protecting_setting})
+    if not chosen:
+        return
+    fresh = audit.on_fresh_targets(chosen)
+    split = len(scenario.data.test_x if audit.data.target_split == "test" else scenario.data.train_x)
+    if split < fresh.data.target_offset + fresh.data.targets:
+        folder.write_json(CONFIRMED, {key: {"verdict": None, "reason": (
+            f"not confirmed: the {audit.data.target_split} split's {split} examples leave too few for "
+            f"{audit.data.targets} fresh targets beside the searched ones")} for key in chosen})
+        return
+    sub = RunFolder(folder.path / FRESH, fresh)
+    sub.prepare(resume=True)
+    _share_training(folder, sub, fresh.settings)
+    again = Scenario(fresh)
+    if not sub.has_decoys() and (decoys := again.decoys()) is not None:
+        sub.save_decoys(*decoys)
+
+    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
+        for row, _ in out:
+            sub.results.append(row)
+
+    finished = {row_key(r) for r in sub.results.read()}
+    with executor_for(AuditWorker(again, sub), workers, [j for j in jobs_of(fresh) if j.key not in finished]) as pool:
+        _work(fresh, sub, pool, progress, on_rows, "fresh targets: ")
+    baselines = baseline_scores(again)
+    sub.write_json(BASELINES, baselines)
+    confirmed = judged(sub, _in_job_order(fresh, sub.results.read()), sub.utility.read(), baselines,
+                       folder.read_json(RUN_INFO))
+    folder.write_json(CONFIRMED, {key: fresh_verdict(confirmed, key, fresh.data.targets) for key in chosen})
+
+
+def fresh_verdict(summary: Summary, key: str, targets: int) -> dict[str, Any]:
+    """A frontier choice's verdict on the fresh targets, as confirmed.json keeps it."""
+    worst = summary.worst(key)
+    if worst is None:
+        return {"verdict": None, "targets": targets, "reason": "not confirmed: no attack could be judged on the "
+                                                               "fresh targets"}
+    return {"verdict": worst.verdict, "level": worst.level, "targets": targets, "attack": worst.attack,
+            "score": worst.mean(summary.leakage_metric), "reason": worst.reason}
+
+
+def _share_training(folder: RunFolder, sub: RunFolder, settings: list) -> None:
+    """Give the fresh targets' folder the trained models of ``settings`` (their checkpoints and utility rows):
+    the models are the searched ones; only the targets change."""
+    have = {r["setting"] for r in sub.utility.read()}
+    for row in folder.utility.read():
+        if row["setting"] in have or all(s.key != row["setting"] for s in settings):
+            continue
+        setting = next(s for s in settings if s.key == row["setting"])
+        target = sub.checkpoint_file(setting)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(folder.checkpoint_file(setting), target)
+        sub.utility.append(row)
 
 
 def add_probes(audit: Audit, folder: RunFolder) -> None:

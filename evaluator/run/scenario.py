@@ -91,7 +91,7 @@ class Scenario:
     def data(self) -> ImageData | TokenData:
         data, section = load_data(self.audit), self.audit.data
         split = section.target_split
-        available = len(data.test_x if split == "test" else data.train_x)
+        available = len(data.test_x if split == "test" else data.train_x) - section.target_offset
         if available < section.targets:
             raise ConfigError([f"{self.audit.path}: data.targets: {section.targets} targets requested but "
                                f"the data has only {available} {split} images"])
@@ -106,21 +106,26 @@ class Scenario:
 
     @cached_property
     def target_indices(self) -> Tensor:
-        """Indices, in the target split, of the images attacked: its first ones, or a draw from the audit seed."""
-        count, size = self.audit.data.targets, len(self._target_split[0])
+        """Indices, in the target split, of the images attacked: its first ones, or a draw from the audit seed (from
+        ``data.target_offset`` on: fresh targets, past the searched ones, for a frontier's confirmation)."""
+        return self._target_order(self.audit.data.target_offset + self.audit.data.targets)[
+            self.audit.data.target_offset:]
+
+    def _target_order(self, count: int) -> Tensor:
+        """The first ``count`` indices of the target split in the audit's order of targets."""
         if self.audit.data.target_order == "first":
             return torch.arange(count)
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "targets"))
-        return torch.randperm(size, generator=gen)[:count]
+        return torch.randperm(len(self._target_split[0]), generator=gen)[:count]
 
     @cached_property
     def tuning_indices(self) -> Tensor:
         """Training-split images the attacker tunes on (its own data), drawn once from the audit seed; never a
-        target."""
+        target (searched or fresh)."""
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
         order = torch.randperm(len(self.data.train_x), generator=gen)
         if self.audit.data.target_split == "train":
-            order = order[~torch.isin(order, self.target_indices)]
+            order = order[~torch.isin(order, self._target_order(self.audit.data.target_offset + self.audit.data.targets))]
         return order
 
     def batch_size(self, setting: DefenseSetting | None = None) -> int:

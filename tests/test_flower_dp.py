@@ -167,7 +167,7 @@ def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, mon
     sent = [start.state_dict()[n] - returned[n] for n, _ in start.named_parameters()]
     clean = mod.monitors["0"].last_update
     norm = float(torch.sqrt(sum((u ** 2).sum() for u in clean)))
-    assert norm > 1e-2 and float(torch.sqrt(sum((s ** 2).sum() for s in sent))) == pytest.approx(1e-3, rel=1e-3)
+    assert norm > 2e-3 and float(torch.sqrt(sum((s ** 2).sum() for s in sent))) == pytest.approx(1e-3, rel=1e-3)
     assert all(torch.allclose(s, u * (1e-3 / norm), atol=1e-7) for s, u in zip(sent, clean))
     described = json.loads((tmp_path / "clients" / "client-0" / "monitor.json").read_text())
     assert described["defense"] == {"name": "flower_local_dp", "params": {

@@ -262,7 +262,7 @@ def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatc
     assert described["rounds"]["3"] | {"optimizer": None} == {"local_epochs": 1, "local_batch_size": 32,
                                                              "local_lr": 0.01, "clients": 1, "images": 32,
                                                              "optimizer": None}
-    assert described["rounds"]["3"]["optimizer"] == "Adam()" and not described.get("sampled")
+    assert described["rounds"]["3"]["optimizer"] == "SGD(momentum=0.9)" and not described.get("sampled")
 
 
 def test_flower_mod_refuses_bad_settings_before_any_round(tmp_path):

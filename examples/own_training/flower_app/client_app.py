@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import LocalDpMod
 
 from leakaudit.flower import LeakAuditMod  # leakaudit
-from task import IMAGES, ITERATIONS, RUNS, Net, load_data
+from task import ITERATIONS, RUNS, Net, load_data
 from task import test as test_fn
 from task import train as train_fn
 
@@ -33,7 +33,7 @@ def train(msg: Message, context: Context):
     model.to(device)
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
-    trainloader, _ = load_data(partition_id, num_partitions, IMAGES)
+    trainloader, _ = load_data(partition_id, num_partitions, context.run_config.get("batch-size", 32))
     train_loss = train_fn(model, trainloader, context.run_config.get("local-epochs", 1),
                           msg.content["config"]["lr"], device)
     model_record = ArrayRecord(model.state_dict())
@@ -50,7 +50,8 @@ def evaluate(msg: Message, context: Context):
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    _, valloader = load_data(context.node_config["partition-id"], context.node_config["num-partitions"], IMAGES)
+    _, valloader = load_data(context.node_config["partition-id"], context.node_config["num-partitions"],
+                             context.run_config.get("batch-size", 32))
     eval_loss, eval_acc = test_fn(model, valloader, device)
     metrics = {"eval_loss": eval_loss, "eval_acc": eval_acc, "num-examples": len(valloader.dataset)}
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

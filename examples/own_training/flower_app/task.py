@@ -1,7 +1,8 @@
 """The app's model, data and training, as Flower's PyTorch quickstart (``flwr new --framework pytorch``) writes
-them: the quickstart's ``Net``, ``train`` with Adam, ``test``, and ``load_data`` giving dict batches
-``{"img", "label"}`` normalised by (0.5, 0.5). Only the data is swapped for an offline stand-in: scikit-learn's
-digits at 32 x 32 in three channels, cut in IID partitions (the quickstart downloads CIFAR-10)."""
+them today: the quickstart's ``Net``, ``train`` with SGD and momentum 0.9, ``test``, ``load_data`` giving dict
+batches ``{"img", "label"}`` normalised by (0.5, 0.5), and ``load_centralized_dataset`` for the server's
+``evaluate_fn``. Only the data is swapped for an offline stand-in: scikit-learn's digits at 32 x 32 in three
+channels, a held-out set for the server and IID partitions of the rest (the quickstart downloads CIFAR-10)."""
 from __future__ import annotations
 
 import os
@@ -62,24 +63,39 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     return x.contiguous(), torch.tensor(digits.target)
 
 
-def load_data(partition_id: int, num_partitions: int, images: int | None = None) -> tuple[DataLoader, DataLoader]:
-    """Partition ``partition_id`` of ``num_partitions``: 80% to train on (shuffled, in batches of 32), 20% to
-    test; ``images`` caps the partition's size (the quickstart's is CIFAR-10's share, 5,000 for 10)."""
+TRANSFORM = Compose([Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+HELD_OUT = 297  # the server's test images (the quickstart's: CIFAR-10's test split)
+
+
+def _order() -> torch.Tensor:
+    return torch.randperm(1797, generator=torch.Generator().manual_seed(42))  # the digits, in a fixed order
+
+
+def load_data(partition_id: int, num_partitions: int, batch_size: int = BATCH_SIZE) -> tuple[DataLoader, DataLoader]:
+    """Partition ``partition_id`` of ``num_partitions`` of the images the server does not hold out: 80% to train
+    on (shuffled, in batches of ``batch_size``), 20% to test; ``IMAGES`` caps its size (the quickstart's is
+    CIFAR-10's share, 5,000 for 10)."""
     x, y = _digits()
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(42))
-    mine = order[partition_id::num_partitions][:images]
+    mine = _order()[HELD_OUT:][partition_id::num_partitions][:IMAGES]
     cut = int(0.8 * len(mine))
-    transform = Compose([Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
-    train = Partition(x[mine[:cut]], y[mine[:cut]], transform)
-    test = Partition(x[mine[cut:]], y[mine[cut:]], transform)
-    return DataLoader(train, batch_size=BATCH_SIZE, shuffle=True), DataLoader(test, batch_size=BATCH_SIZE)
+    train = Partition(x[mine[:cut]], y[mine[:cut]], TRANSFORM)
+    test = Partition(x[mine[cut:]], y[mine[cut:]], TRANSFORM)
+    return DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(test, batch_size=batch_size)
+
+
+def load_centralized_dataset() -> DataLoader:
+    """The server's own test set, which no client trains on (the server's ``evaluate_fn`` reads it)."""
+    x, y = _digits()
+    held = _order()[:HELD_OUT]
+    return DataLoader(Partition(x[held], y[held], TRANSFORM), batch_size=128)
 
 
 def train(net: nn.Module, trainloader: DataLoader, epochs: int, lr: float, device: torch.device) -> float:
-    """The quickstart's local training: Adam at ``lr`` for ``epochs`` passes; the mean training loss."""
+    """The quickstart's local training: SGD at ``lr`` with momentum 0.9 for ``epochs`` passes; the mean training
+    loss."""
     net.to(device)
     criterion = nn.CrossEntropyLoss().to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     net.train()
     running_loss = 0.0
     for _ in range(epochs):

@@ -178,7 +178,7 @@ def page_template(template: Path | None = None) -> jinja2.Template:
 
 
 def judged(folder: RunFolder, rows: list[dict], utility: list[dict], baselines: dict[str, dict[str, float | None]],
-           run_info: dict[str, Any]) -> Summary:
+           run_info: dict[str, Any] | None) -> Summary:
     """The summary of a folder's rows, every verdict judged, with nothing written (a monitor's step verdict)."""
     notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
     return summarise(folder.audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows))

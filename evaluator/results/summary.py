@@ -132,6 +132,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     violations = [f"{c.setting}, {c.attack}, step {c.checkpoint}: {c.bound_violated}"
                   for c in cells if c.bound_violated]
     confidence = options["confidence"]
+    assert audit.model.name is not None, "the checks name every model (a factory by its path)"
     return Summary(
         audit=audit.name, leakage_metric=leakage.name, higher_is_more_leakage=leakage.higher_is_better,
         dataset=audit.data.dataset or audit.data.factory, model=audit.model.name, device=audit.device,

@@ -360,7 +360,7 @@ class Summary:
     leakage_metric: str
     higher_is_more_leakage: bool
     dataset: str | None
-    model: str | None  # None for a team's own model (model.factory)
+    model: str
     device: str
     seed: int
     metrics: list[str]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -36,6 +36,8 @@ class Protocol:
     #: Whether the sent tensors are (a multiple of) one gradient of the batch loss at the current
     #: weights, so that layer-wise and closed-form attacks, and gradient-level defenses, apply.
     sends_gradient: ClassVar[bool] = True
+    #: Every protocol type is a frozen dataclass, so that ``dataclasses.replace`` sets its secure aggregation.
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
     def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor) -> list[Tensor]:
         """The clean update the client computes on its batch (detached)."""

@@ -20,6 +20,7 @@ from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import Protocol
 from leakaudit.plugins.manager import Registry
+from leakaudit.plugins.text import TokenData
 
 AUTO = "auto"
 
@@ -77,7 +78,7 @@ def auto_choice(registry: Registry, modality: str, device_type: str, settings: S
     return chosen, tuple(lines)
 
 
-def _data(audit: Audit, user_code: bool) -> ImageData | None:
+def _data(audit: Audit, user_code: bool) -> ImageData | TokenData | None:
     """The audit's data, whose shapes the models need; None where it comes from a factory not to be called."""
     if audit.data.factory is not None and not user_code:
         return None
@@ -94,7 +95,7 @@ def _build(cls: type, name: str, params: dict, where: str) -> Attack:
                            f"{params!r}: {exc}"]) from None
 
 
-def _why_not(attack, setting: DefenseSetting, audit: Audit, data: ImageData | None,
+def _why_not(attack, setting: DefenseSetting, audit: Audit, data: ImageData | TokenData | None,
              models: dict[str, nn.Module | None], user_code: bool) -> str | None:
     """Why ``attack`` cannot run on ``setting``, in the attack's own words; None where it can (or where the
     setting's model is the user's and cannot be built yet)."""
@@ -118,7 +119,7 @@ def misfit(attack: Attack, baseline: bool, defense: Defense, model: Callable[[],
     return None if built is None else attack.unsupported(built, batch_size, protocol)
 
 
-def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | None,
+def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | TokenData | None,
            models: dict[str, nn.Module | None], user_code: bool) -> nn.Module | None:
     """The setting's model at step 0 on the CPU (its shape is what matters), built once per setting;
     None where it cannot be built here (a factory not to be called, or a defense that does not fit it, which
@@ -126,7 +127,7 @@ def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | Non
     key = setting.identity
     if key not in models:
         models[key] = None
-        if data is not None and (user_code or ":" not in model_section(audit, setting).name):
+        if data is not None and (user_code or ":" not in (model_section(audit, setting).name or "")):
             try:
                 models[key] = initial_model(audit, data, defense, setting, torch.device("cpu"))
             except Exception:  # a defense that does not fit the model, or a factory that fails: check_scenario says it

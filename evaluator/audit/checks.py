@@ -208,7 +208,7 @@ def expand_defenses(value: Any, registry: Registry, problems: list[str], protoco
                                                                f"{where}.clients", problems)
         if not crowds:
             continue
-        combos = list(itertools.product(*options, crowds))
+        combos: list[tuple[Any, ...]] = list(itertools.product(*options, crowds))
         for *members, clients in combos:
             setting = DefenseSetting(tuple(members), item["label"] if len(combos) == 1 else None,
                                      None if own_model is None else ModelSection(**own_model), item["must_protect"],
@@ -390,7 +390,7 @@ def check_attacks(value: Any, registry: Registry, problems: list[str],
             continue
         name = item.get("name")
         cls = None if name is None else _lookup(registry, "attack", name, f"{where}.name", problems)
-        if cls is None:
+        if name is None or cls is None:
             continue
         found = check_params(cls.params, item["params"], f"{where}.params")
         if found:
@@ -455,7 +455,7 @@ def check_attack_scope(attacks: list[AttackSpec], settings: list[DefenseSetting]
             choices = [*registry.names("defense"), *labels]
             problems.append(f"attacks[{i}].defenses: {n!r} is not a registered defense or a setting label"
                             f"{did_you_mean(n, choices)}; choices: {', '.join(choices)}")
-        if not unknown and settings and not any(a.applies_to(s) for s in settings):
+        if a.defenses is not None and not unknown and settings and not any(a.applies_to(s) for s in settings):
             problems.append(f"attacks[{i}].defenses: no setting of this audit uses "
                             f"{', '.join(a.defenses)}; defenses here: {', '.join(sorted({s.name for s in settings}))}")
 

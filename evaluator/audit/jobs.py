@@ -90,6 +90,7 @@ def tune_jobs_of(audit: Audit, tried: Sequence[dict] = ()) -> list[TuneJob]:
     rows) holds its whole scan."""
     jobs = []
     for a in (a for a in audit.attacks if a.tune is not None):
+        assert a.tune is not None  # the loop takes the tuned attacks
         cls = audit.registry.get("attack", a.name)
         defaults = {k: p.default for k, p in cls.params.items() if not p.required}
         seed = derive_seed(audit.seed, "tune", a.identity)

@@ -25,6 +25,7 @@ def load_data(audit: Audit) -> ImageData | TokenData:
     try:
         if section.factory is not None:
             return load_factory_data(section, audit)
+        assert section.dataset is not None, "the checks keep exactly one of dataset and factory"
         spec = audit.registry.get("dataset", section.dataset)
         return spec.load(image_size=section.image_size, root=section.root, download=section.download,
                          **section.params)
@@ -38,6 +39,7 @@ def load_data(audit: Audit) -> ImageData | TokenData:
 
 def load_factory_data(section: DataSection, audit: Audit) -> ImageData | TokenData:
     """Call the user's ``data.factory`` and check it returned an ``ImageData``; a ConfigError otherwise."""
+    assert section.factory is not None, "called for a data.factory"
     offered = {"image_size": section.image_size, "root": section.root, "download": section.download}
     data = call_with_accepted(import_factory(section.factory), offered, section.params)
     if not isinstance(data, (ImageData, TokenData)):
@@ -57,6 +59,7 @@ def initial_model(audit: Audit, data: ImageData | TokenData, defense: Defense, s
     """The model at training step 0 under ``defense``, on ``device``: the same initialisation for every
     setting of one model section (the setting's own, else the audit's)."""
     m = model_section(audit, setting)
+    assert m.name is not None, "the checks name every model (a factory by its path)"
     spec = m.name if ":" in m.name else audit.registry.get("model", m.name)
     if isinstance(data, TokenData):
         model = build_model(spec, {"vocab_size": data.vocab_size, "num_classes": data.num_classes,
@@ -74,7 +77,7 @@ def check_data_memory(audit: Audit) -> None:
     the images the loader keeps, as float32 at that size), before loading them. Made once, by the process that
     checks the audit: a worker that loads the audit again later is not refused for memory the run now uses."""
     section = audit.data
-    spec = None if section.factory else audit.registry.get("dataset", section.dataset)
+    spec = None if section.factory or section.dataset is None else audit.registry.get("dataset", section.dataset)
     if spec is None or spec.values is None:
         return
     need = 4 * spec.values(as_dict(section)) * section.image_size ** 2

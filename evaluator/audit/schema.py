@@ -239,9 +239,11 @@ def audit_schema(registry: Registry) -> Schema:
     """The audit file's JSON Schema (draft-07) with ``registry``'s names and each plugin's parameters."""
     data = _section(DATA, dataset={"enum": registry.names("dataset")}, params=OBJECT)
     data["allOf"] = [_exactly_one("dataset", "factory"), *_cases(registry, "dataset", "dataset", _with_params)]
+    executors = EXECUTOR["name"].choices
+    assert executors is not None, "executor.name declares its choices"
     top = _section(
         TOP,
-        executor={"anyOf": [{"enum": list(EXECUTOR["name"].choices)}, _section(EXECUTOR)]},
+        executor={"anyOf": [{"enum": list(executors)}, _section(EXECUTOR)]},
         max_problems={"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]},
         data={"description": "the images attacked and trained on: a registered dataset or your own factory",
               **data},

@@ -12,6 +12,6 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def generator(device: torch.device, *parts: object) -> torch.Generator:
+def generator(device: torch.device | str, *parts: object) -> torch.Generator:
     """A generator on ``device`` seeded from ``parts``."""
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))

@@ -273,7 +273,7 @@ class Audit:
     metrics: list[str]
     threat: ThreatSection
     protocol: Protocol = FEDSGD
-    registry: Registry = field(repr=False, default=None)
+    registry: Registry = field(repr=False, kw_only=True)
     leakage_metric: str = DEFAULT_LEAKAGE_METRIC
     max_problems: int | None = None  # None: auto
     verdict: VerdictSection = field(default_factory=VerdictSection)

@@ -15,7 +15,7 @@ class AuditLoader(yaml.SafeLoader):
     """YAML 1.1's safe loader that also reads ``1e-5`` as a float, as YAML 1.2 and Python do, and refuses a
     key given twice in one mapping (YAML would keep the last silently)."""
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":

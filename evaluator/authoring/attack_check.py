@@ -41,7 +41,8 @@ def _sgd_step(model: nn.Module, inputs: Tensor, labels: Tensor) -> None:
     F.cross_entropy(model(inputs), labels).backward()
     with torch.no_grad():
         for p in trainable(model):
-            p -= 0.1 * p.grad
+            assert p.grad is not None, "backward gave every trainable weight its gradient"
+            p.sub_(0.1 * p.grad)
 
 
 def _reconstruction_problems(rec: Reconstruction, pixels: Tensor, where: str) -> list[str]:

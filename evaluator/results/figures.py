@@ -5,7 +5,7 @@ import math
 import textwrap
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import matplotlib
@@ -19,8 +19,8 @@ from leakaudit.evaluator.audit.jobs import AttackJob, job_at
 from leakaudit.evaluator.audit.types import params_text, value_text
 from leakaudit.evaluator.results.rundir import RunFolder
 from leakaudit.evaluator.results.summary import per_image, second_views
-from leakaudit.evaluator.results.types import CellResult, Summary, WorstCase, WorstImage
-from leakaudit.evaluator.results.verdict import LEAKS, exact_interval
+from leakaudit.evaluator.results.types import CellResult, Privacy, Summary, WorstCase, WorstImage
+from leakaudit.evaluator.results.verdict import LEAKS, exact_interval, judged_mean
 from leakaudit.plugins.manager import Registry
 
 
@@ -37,13 +37,24 @@ def _second_metric(points: list[WorstCase], first: str, registry: Registry) -> s
                 None)
 
 
-def _yerr(points: list[WorstCase], metric: str) -> np.ndarray | None:
+def _yerr(points: Sequence[CellResult | WorstCase], metric: str) -> np.ndarray | None:
     """Asymmetric error bars from each point's interval (None when a point has none)."""
-    cis = [w.ci(metric) for w in points]
-    if any(ci is None for ci in cis):
+    bars = [(mean, ci) for w in points if (mean := w.mean(metric)) is not None and (ci := w.ci(metric)) is not None]
+    if len(bars) < len(points):
         return None
-    return np.array([[w.mean(metric) - ci[0] for w, ci in zip(points, cis)],
-                     [ci[1] - w.mean(metric) for w, ci in zip(points, cis)]]).clip(min=0)
+    return np.array([[mean - ci[0] for mean, ci in bars], [ci[1] - mean for mean, ci in bars]]).clip(min=0)
+
+
+def _drawn(value: float | None) -> float:
+    """A point's accuracy or epsilon where the figure drawing it kept only the points that have one."""
+    assert value is not None, "a drawn point has its coordinate"
+    return value
+
+
+def _guarantee(w: WorstCase) -> Privacy:
+    """The privacy of a point on the identification figure, which keeps only the settings that have one."""
+    assert w.privacy is not None, f"{w.setting}: no privacy guarantee to draw"
+    return w.privacy
 
 
 def _threshold_line(ax, summary: Summary, metric: str) -> None:
@@ -140,7 +151,7 @@ def plot_privacy_utility(summary: Summary, path: Path, registry: Registry) -> bo
     for ax, metric in zip(axes[0], panels):
         texts = []
         for defense, ws in by_defense.items():
-            ws = sorted((w for w in ws if w.mean(metric) is not None), key=lambda w: w.accuracy)
+            ws = sorted((w for w in ws if w.mean(metric) is not None), key=lambda w: _drawn(w.accuracy))
             if not ws:
                 continue
             xs, ys = [w.accuracy for w in ws], [w.mean(metric) for w in ws]
@@ -167,8 +178,9 @@ def pareto_front(points: list[WorstCase], metric: str, higher_leaks: bool) -> li
     sign = 1 if higher_leaks else -1
     mine = [w for w in points if not w.baseline and w.mean(metric) is not None]
     return sorted((w for w in mine if not any(
-        o.accuracy >= w.accuracy and sign * o.mean(metric) <= sign * w.mean(metric)
-        and (o.accuracy, o.mean(metric)) != (w.accuracy, w.mean(metric)) for o in mine)), key=lambda w: w.accuracy)
+        _drawn(o.accuracy) >= _drawn(w.accuracy) and sign * judged_mean(o, metric) <= sign * judged_mean(w, metric)
+        and (o.accuracy, o.mean(metric)) != (w.accuracy, w.mean(metric)) for o in mine)),
+        key=lambda w: _drawn(w.accuracy))
 
 
 def _pareto_front(ax, summary: Summary, points: list[WorstCase], metric: str, higher_leaks: bool) -> None:
@@ -192,7 +204,7 @@ def _strongest_by_step(summary: Summary) -> dict[str, dict[int, CellResult]]:
         v = c.mean(metric)
         if v is not None:
             old = best[c.setting].get(c.checkpoint)
-            if old is None or sign * v > sign * old.mean(metric):
+            if old is None or sign * v > sign * judged_mean(old, metric):
                 best[c.setting][c.checkpoint] = c
     return best
 
@@ -206,7 +218,7 @@ def plot_leakage_by_step(summary: Summary, path: Path, unit: str = "training ste
     fig, ax = plt.subplots(figsize=(6.8, 4.6))
     for setting, by_step in _strongest_by_step(summary).items():
         cells = [by_step[s] for s in sorted(by_step)]
-        ax.errorbar(sorted(by_step), [c.mean(metric) for c in cells], yerr=_yerr(cells, metric), marker="o",
+        ax.errorbar(sorted(by_step), [judged_mean(c, metric) for c in cells], yerr=_yerr(cells, metric), marker="o",
                     capsize=3, label=textwrap.shorten(setting, 40))
     _threshold_line(ax, summary, metric)
     _style(ax, f"{unit} of the attacked model", _axis_label(metric, summary.higher_is_more_leakage))
@@ -219,7 +231,7 @@ def plot_leakage_by_epsilon(summary: Summary, path: Path) -> bool:
     """For defenses with a formal guarantee: leakage and accuracy against epsilon (log scale)."""
     metric = summary.leakage_metric
     points = sorted((w for w in summary.worst_case if w.epsilon is not None
-                     and math.isfinite(w.epsilon) and w.mean(metric) is not None), key=lambda w: w.epsilon)
+                     and math.isfinite(w.epsilon) and w.mean(metric) is not None), key=lambda w: _drawn(w.epsilon))
     if not points:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.4, 4.6))
@@ -266,18 +278,19 @@ def plot_identification_bound(summary: Summary, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6.8, 4.4))
     for defense in dict.fromkeys(w.defense for w in points):
         ws = sorted((w for w in points if w.defense == defense), key=x)
-        line = ax.plot([x(w) for w in ws], [w.privacy.bound for w in ws], linestyle="--",
+        kept = [_guarantee(w) for w in ws]
+        line = ax.plot([x(w) for w in ws], [_drawn(p.bound) for p in kept], linestyle="--",
                        label=f"{defense}: bound on any attack")[0]
-        shares = np.array([w.privacy.identified for w in ws])
-        n = np.array([w.privacy.identified_n for w in ws])
+        shares = np.array([p.identified for p in kept])
+        n = np.array([p.identified_n for p in kept])
         low, high = exact_interval(np.round(shares * n).astype(int), n, 0.025)  # two-sided 95%
         ax.errorbar([x(w) for w in ws], shares, yerr=[shares - low, high - shares], marker="o", capsize=3,
                     linestyle="none", color=line.get_color(), label=f"{defense}: identified by the attacks")
-        bad = [w for w in ws if w.privacy.violated]
+        bad = [w for w, p in zip(ws, kept) if p.violated]
         if bad:
-            ax.scatter([x(w) for w in bad], [w.privacy.identified for w in bad], s=160, facecolors="none",
+            ax.scatter([x(w) for w in bad], [_drawn(_guarantee(w).identified) for w in bad], s=160, facecolors="none",
                        edgecolors="red", linewidths=2, zorder=4, label="beyond the bound")
-    chance = points[0].privacy.chance
+    chance = _guarantee(points[0]).chance
     ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"a guess ({chance:.0%})")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
@@ -319,7 +332,8 @@ def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str
     originals = None
     for s in audit.settings:
         for a in audit.attacks:
-            recs, origs, scores = [], [], []
+            recs, origs = [], []
+            scores: list[float | None] = []
             for t in range(audit.num_batches_of(s)):
                 job = AttackJob(s, a, checkpoint, t)
                 saved = folder.load_reconstruction(job)
@@ -367,16 +381,15 @@ def worst_batches(folder: RunFolder, summary: Summary) -> Iterator[tuple[WorstCa
 
 def plot_worst_images(folder: RunFolder, summary: Summary, path: Path) -> bool:
     """Per setting, the single most leaking reconstruction beside its original."""
-    shown = [(w, saved["original"][at.index], saved["reconstruction"][at.index])
+    shown = [(w, at, saved["original"][at.index], saved["reconstruction"][at.index])
              for w, at, saved in worst_batches(folder, summary)]
     if not shown:
         return False
     fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown) + 1.2, 4.6), squeeze=False)
-    for j, (w, orig, rec) in enumerate(shown):
+    for j, (w, at, orig, rec) in enumerate(shown):
         _show(axes[0][j], orig)
         _show(axes[1][j], rec)
         axes[0][j].set_title(_label(w.setting, 22), fontsize=8)
-        at = w.worst_image
         axes[1][j].set_xlabel(_label(f"{summary.leakage_metric} {at.score:.3g}, {at.attack}, step {at.checkpoint}",
                                      22), fontsize=8)
     axes[0][0].set_ylabel("original", fontsize=9)

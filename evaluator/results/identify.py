@@ -17,13 +17,14 @@ from leakaudit.evaluator.results.verdict import decoy_groups, decoy_test, identi
 from leakaudit.plugins.components import Metric
 
 
-def _cell_batches(folder: RunFolder, key: tuple) -> list[dict] | None:
+def _cell_batches(folder: RunFolder, key: tuple[str, str, int]) -> list[dict] | None:
     """A cell's saved target batches, each with its reconstructions, originals and labels (None when one is
     missing)."""
     setting = job_at(folder.audit, *key, 0).setting
     batches = [folder.load_reconstruction(job_at(folder.audit, *key, t))
                for t in range(folder.audit.num_batches_of(setting))]
-    return None if any(b is None for b in batches) else batches
+    kept = [b for b in batches if b is not None]
+    return None if len(kept) < len(batches) else kept
 
 
 def _distances(metric, recs: torch.Tensor, others: torch.Tensor, chunk: int = 512) -> np.ndarray:
@@ -71,7 +72,7 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
     metric = identifying_metric(audit, rows)
     by = metric.name
     cache = folder.read_json(IDENTIFIABLE) or {}
-    counts: dict[tuple, int] = defaultdict(int)
+    counts: dict[tuple[str, str, int], int] = defaultdict(int)
     for r in rows:
         counts[(r["setting"], r["attack"], r["checkpoint"])] += 1
     out, changed, decoys = {}, False, None

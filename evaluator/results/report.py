@@ -34,7 +34,7 @@ from leakaudit.evaluator.results.rundir import CONFIRMED, REPORT, SUMMARY, VOCAB
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
 from leakaudit.evaluator.results.verdict import rule_text
-from leakaudit.plugins.text import decode_tokens
+from leakaudit.plugins.text import TokenData, decode_tokens
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -81,8 +81,8 @@ def _data_uri(path: Path) -> str:
 def threat_model(audit: Audit) -> list[tuple[str, str]]:
     """What the attacker is given, line by line, for the report's threat box."""
     protocol = audit.protocol
-    fields = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)} if dataclasses.is_dataclass(
-        protocol) else {}  # its settings, not its ClassVars
+    fields: dict[str, Any] = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)} \
+        if dataclasses.is_dataclass(protocol) else {}  # its settings, not its ClassVars
     clients = fields.pop("clients", 1)
     own = sorted({s.clients for s in audit.settings if s.clients is not None})
     unit = example_unit(audit)
@@ -178,7 +178,7 @@ def page_template(template: Path | None = None) -> jinja2.Template:
 
 
 def judged(folder: RunFolder, rows: list[dict], utility: list[dict], baselines: dict[str, dict[str, float | None]],
-           run_info: dict[str, Any]) -> Summary:
+           run_info: dict[str, Any] | None) -> Summary:
     """The summary of a folder's rows, every verdict judged, with nothing written (a monitor's step verdict)."""
     notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
     return summarise(folder.audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows),
@@ -218,7 +218,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     summary.figures = [f"{name}.png" for name, uri in figures.items() if uri] + [
         f"reconstructions_step{ckpt}.png" for ckpt, _ in grids]
     folder.write_json(SUMMARY, summary.to_json())  # after the figures, so that it names them
-    extras = []
+    extras: list[tuple[str, jinja2.utils.markupsafe.Markup]] = []
     if audit.registry.pm is not None:
         for extra in audit.registry.pm.hook.report_extras(summary=summary, audit=audit, out_dir=out_dir):
             extras.extend((title, jinja2.utils.markupsafe.Markup(content)) for title, content in extra or [])
@@ -278,7 +278,9 @@ def example_unit(audit: Audit) -> str:
 def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:
     """Token ids to words: the dataset's vocabulary, a monitored loop's ``vocabulary``, else the ids themselves."""
     if audit.live is None:
-        return load_data(audit).decode
+        data = load_data(audit)
+        assert isinstance(data, TokenData), "only a text audit's sentences are decoded"
+        return data.decode
     saved = audit.path.parent / VOCABULARY
     words, pad = json.loads(saved.read_text()) if saved.is_file() else None, audit.live.get("pad_id", 0)
     return lambda ids: decode_tokens(ids, words, pad)

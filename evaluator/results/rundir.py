@@ -123,7 +123,8 @@ class JsonlTable:
 
 def _objects(line: str) -> tuple[list[dict[str, Any]], bool]:
     """The JSON objects one line holds, and whether something after them is not JSON (a torn write)."""
-    decoder, found, at = json.JSONDecoder(), [], 0
+    decoder, at = json.JSONDecoder(), 0
+    found: list[dict[str, Any]] = []
     while at < len(line):
         try:
             value, at = decoder.raw_decode(line, at)
@@ -286,6 +287,7 @@ class RunFolder:
     def finish_session(self, seconds: float) -> dict[str, Any]:
         """Record that the current session finished after ``seconds``; returns run.json's contents."""
         saved = self.read_json(RUN_INFO)
+        assert saved is not None, "start_session wrote run.json"
         saved["sessions"][-1].update(finished=_now(), seconds=round(seconds, 1))
         self.write_json(RUN_INFO, saved)
         return saved
@@ -351,6 +353,7 @@ def saved_audit(path: Path, config: str | None = None, plugins_dirs: Iterable[st
         raise RunError(f"{path}: no such folder; give a run's --out folder")
     if (path / MONITOR).is_file():
         described = read_json(path / MONITOR)
+        assert described is not None, "the file exists"
         if config is not None:
             described = {**described, **monitor_judging(Path(config), path)}
         return monitor_audit(described, path / MONITOR, list(plugins_dirs))

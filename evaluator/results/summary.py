@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from statistics import NormalDist
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from leakaudit.evaluator.results.verdict import (
     finite,
     identification_bound,
     judge,
+    judged_mean,
     label_threshold,
     leak_threshold,
     min_accuracy,
@@ -122,23 +123,26 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         reference = audit.reference_of(s)
         # the reference judged on the attacks that ran on this setting: a weak attack's "protects" is not vouched
         # for by a stronger attack that ran elsewhere
-        by_step = {} if reference is None else alone[s.key] if reference is s else _judged_steps(
+        steps = [] if reference is None else alone[s.key] if reference is s else _judged_steps(
             audit, reference, cells, acc, bars, {a.key for a in audit.attacks if _calibrates(audit, a, s)})
-        by_step = {v.checkpoint: v for v in by_step}
+        by_step = {v.checkpoint: v for v in steps}
         per_step = [calibrate(v, by_step.get(v.checkpoint), untried) for v in alone[s.key]]
         verdicts.extend(per_step)
-        worst_case.append(_worst_case(s, audit, mine, rows, leakage, overall(per_step), profiles[s.key],
-                                      acc.get(s.key, {})))
+        final = overall(per_step)
+        assert final is not None, "a setting with a finite score is judged at some step"
+        worst_case.append(_worst_case(s, audit, mine, rows, leakage, final, profiles[s.key], acc.get(s.key, {})))
     violations = [f"{c.setting}, {c.attack}, step {c.checkpoint}: {c.bound_violated}"
                   for c in cells if c.bound_violated]
     confidence = options["confidence"]
+    assert audit.model.name is not None, "the checks name every model (a factory by its path)"
     return Summary(
         audit=audit.name, leakage_metric=leakage.name, higher_is_more_leakage=leakage.higher_is_better,
         dataset=audit.data.dataset or audit.data.factory, model=audit.model.name, device=audit.device,
         seed=audit.seed, metrics=audit.metrics, checkpoints=audit.checkpoints, verdict_options=audit.verdict,
         leak_threshold=threshold, label_threshold=labels_bar, chance_accuracy=chance, min_accuracy=needed, identifiable_by=identified_by,
-        utility={u["setting"]: SettingUtility(**{k: u.get(k) for k in (
-            "accuracy", "train_steps", "epsilon", "delta", "model_changes", "checkpoint_accuracy")}) for u in utility},
+        utility={u["setting"]: SettingUtility(
+            accuracy=u.get("accuracy"), train_steps=u.get("train_steps"), epsilon=u.get("epsilon"),
+            delta=u.get("delta"), model_changes=u.get("model_changes"), checkpoint_accuracy=u.get("checkpoint_accuracy")) for u in utility},
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
         naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes,
         frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence, confirmed)
@@ -323,7 +327,7 @@ def _held_against(audit: Audit, verdict: StepVerdict, cells: list[CellResult]) -
 
 
 def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
-          identified: tuple[float | None, float | None], identified_by: str | None, profile) -> CellResult:
+          identified: Sequence[Any], identified_by: str | None, profile) -> CellResult:
     """One (setting, attack, checkpoint)'s statistics over its rows: per metric mean, std, interval and count;
     its most leaking image; its identifiable share and the bound a privacy guarantee sets on it; convergence."""
     setting, attack, ckpt = key
@@ -350,7 +354,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         identifiable=share, named=named, identifiable_by=identified_by, identifiable_n=n, rero_bound=bound,
         decoy_hits=None if decoys is None else decoys[0], decoy_p=None if decoys is None else decoys[2],
         bound_violated=beats_bound(named, n, bound, options["confidence"]), late_gain=gain,
-        still_improving=None if not gains else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
+        still_improving=None if gain is None else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
         seconds_mean=float(np.mean([r["seconds"] for r in rs])),
         pii_recall=float(np.mean(recalls)) if (recalls := finite(r.get("pii_recall") for r in rs)) else None)
 
@@ -403,7 +407,7 @@ def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: l
     corridor = [r["prior_free"] for r in rows if r.get("prior_free") and (r["attack"], r["checkpoint"]) == (
         first["attack"], first["checkpoint"])] if first else []  # one cell's rows: each target once
     psnr = float(np.mean([c["psnr"] for c in corridor])) if corridor else None
-    past = [(c.mean("psnr") - psnr, c) for c in mine if psnr is not None and (c.mean("psnr") or -math.inf) > psnr]
+    past = [(m - psnr, c) for c in mine if psnr is not None and (m := c.mean("psnr") or -math.inf) > psnr]
     gap, over = max(past, key=lambda p: p[0]) if past else (None, None)
     return Privacy(mu=profile.mu, mechanism=profile.mechanism, bound=top.rero_bound, identified=top.named,
                    identified_by=top.attack, identified_n=top.identifiable_n, chance=chance,
@@ -435,13 +439,13 @@ def naive_vs_adaptive(cells: list[CellResult], metric) -> list[NaiveVsAdaptive]:
         if c.mean(metric.name) is None:
             continue
         slot = best[(c.setting, c.checkpoint)]
-        if c.role not in slot or metric.better(c.mean(metric.name), slot[c.role].mean(metric.name)):
+        if c.role not in slot or metric.better(judged_mean(c, metric.name), judged_mean(slot[c.role], metric.name)):
             slot[c.role] = c
     out = []
     for (setting, ckpt), slot in best.items():
         if len(slot) == 2:
             naive, adaptive = slot["naive"], slot["adaptive"]
-            n, a = naive.mean(metric.name), adaptive.mean(metric.name)
+            n, a = judged_mean(naive, metric.name), judged_mean(adaptive, metric.name)
             out.append(NaiveVsAdaptive(
                 defense=naive.defense, setting=setting, checkpoint=ckpt, metric=metric.name, accuracy=naive.accuracy,
                 naive_attack=naive.attack, naive_score=n, adaptive_attack=adaptive.attack, adaptive_score=a,
@@ -459,6 +463,7 @@ def summarise_tuning(audit: Audit, trials: list[dict], notes: list[str]) -> list
         mine = [t for t in trials if (t["setting"], t["attack"], t["checkpoint"]) == key]
         untuned = next(t for t in mine if t["trial"] == 0)
         spec = next(a.tune for a in audit.attacks if a.key == key[1])
+        assert spec is not None, "trials are of tuned attacks"
         changed = {k: v for k, v in win["params"].items() if untuned["params"].get(k) != v}
         where = f"{key[0]}, {key[1]}, step {key[2]}"
         scanned = scan_best(spec, mine, sum(t.get("stage") == "scan" for t in mine), audit.registry) \

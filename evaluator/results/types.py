@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from leakaudit.evaluator.audit.types import VerdictSection
 
@@ -34,7 +34,8 @@ class Scores:
 
     @classmethod
     def read(cls, record: dict[str, Any], metric: str) -> Scores:
-        return cls(**{k: record.get(f"{metric}_{k}", 0 if k == "n" else None) for k in STATISTICS})
+        return cls(mean=record.get(f"{metric}_mean"), std=record.get(f"{metric}_std"), ci=record.get(f"{metric}_ci"),
+                   n=record.get(f"{metric}_n", 0))
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class _Scored:
     """A record with a metric's statistics under ``scores`` (written flat, in the fields' place)."""
 
     scores: dict[str, Scores]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every subclass is a dataclass
 
     def mean(self, metric: str) -> float | None:
         """The mean ``metric`` (None where it has none)."""
@@ -257,8 +259,8 @@ class SettingUtility:
     train_steps: int | None
     epsilon: float | None
     delta: float | None
-    model_changes: list[str]
-    checkpoint_accuracy: dict[str, float | None]
+    model_changes: list[str] | None  # None in a run folder written before it was kept
+    checkpoint_accuracy: dict[str, float | None] | None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from leakaudit.evaluator.audit.seeds import derive_seed
-from leakaudit.evaluator.results.types import CellResult, LeakThreshold, Scores, StepVerdict, Summary
+from leakaudit.evaluator.results.types import CellResult, LeakThreshold, Scores, StepVerdict, Summary, WorstCase
 from leakaudit.evaluator.zoo.metrics import CLASS_AWARE
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.defense import PrivacyProfile
@@ -50,7 +50,7 @@ def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: st
         f"named, among up to 8 {unit}s of its class that no update holds, by the reconstruction nearest it, beyond "
         "what the classes alone explain)")
     lt = summary.label_threshold
-    levels = "" if lt is None else (
+    levels = "" if lt is None or t is None else (
         f". A leak is of individuals where the bar is each target's class mean from the attacker's data, given its "
         f"label ({t.guess} guess here), or where the {unit}s are identified; one that beats only the guesses that "
         f"read nothing of the update ({lt.value:.4g}: {lt.guess}, {lt.guess_score:.4g}, plus the margin) is a leak "
@@ -92,7 +92,7 @@ def bootstrap_interval(values: list[float], confidence: float, resamples: int, s
     return float(low), float(high)
 
 
-def cell_statistics(values: list[float], metric: str, key: tuple, seed: int, confidence: float,
+def cell_statistics(values: list[float | None], metric: str, key: tuple, seed: int, confidence: float,
                     resamples: int) -> Scores:
     """Mean, sample standard deviation, bootstrap interval ([low, high]) and count of one cell's per-image scores
     of ``metric`` (the non-finite left out)."""
@@ -131,13 +131,22 @@ def leak_side(metric: Metric, ci: list[float]) -> float:
 
 def strongest(cells: list[CellResult], metric: Metric) -> tuple[CellResult, CellResult | None]:
     """The cell whose mean shows the most leakage, and the runner-up (None when alone)."""
-    ranked = sorted(cells, key=lambda c: c.mean(metric.name), reverse=metric.higher_is_better)
+    ranked = sorted(cells, key=lambda c: judged_mean(c, metric.name), reverse=metric.higher_is_better)
     return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+
+
+def judged_mean(record: CellResult | WorstCase, metric: str) -> float:
+    """The mean ``metric`` of a cell or worst case being ranked or drawn: only those that scored it are."""
+    mean = record.mean(metric)
+    assert mean is not None, f"{record.setting}, {record.attack}: no {metric} to rank"
+    return mean
 
 
 def intervals_overlap(a: CellResult, b: CellResult, metric: str) -> bool:
     """Whether two cells' intervals overlap: the ranking of their attacks is then not settled."""
-    (a_lo, a_hi), (b_lo, b_hi) = a.scores[metric].ci, b.scores[metric].ci
+    a_ci, b_ci = a.scores[metric].ci, b.scores[metric].ci
+    assert a_ci is not None and b_ci is not None, "a cell with a mean has an interval"
+    (a_lo, a_hi), (b_lo, b_hi) = a_ci, b_ci
     return a_lo <= b_hi and b_lo <= a_hi
 
 
@@ -153,7 +162,7 @@ def leak_threshold(baselines: dict[str, dict[str, float | None]], metric: Metric
     guesses = {name: v for name, v in scored.items() if v is not None and math.isfinite(v)}
     if not guesses:
         return None
-    best = max(guesses, key=guesses.get) if metric.higher_is_better else min(guesses, key=guesses.get)
+    best = max(guesses, key=guesses.__getitem__) if metric.higher_is_better else min(guesses, key=guesses.__getitem__)
     margin = metric.margin if margin is None else margin
     value = guesses[best] + margin if metric.higher_is_better else guesses[best] - margin
     return LeakThreshold(value, best, guesses[best], margin, tuple(n for n in scored if n not in guesses))
@@ -196,6 +205,7 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     name = metric.name
     top, runner_up = strongest(cells, metric)
     scores, statistic = top.scores[name], options["statistic"]
+    assert scores.mean is not None and scores.ci is not None, "judged cells scored the metric"
     if statistic == "mean":
         value, what = scores.mean, "mean"
     else:
@@ -248,10 +258,13 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     reason = f"{evidence}; its {what} does not beat the leak threshold {bar}"
     if accuracy is not None and needed is not None and accuracy < needed:
         undefended = options.get("undefended")
-        base = ("min_accuracy" if options.get("min_accuracy") is not None else
-                f"the undefended model's {undefended:.3f} - max_drop {_fmt(options['max_drop'])}"
-                if undefended is not None and needed == undefended - options["max_drop"] else
-                f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}")
+        if options.get("min_accuracy") is not None:
+            base = "min_accuracy"
+        elif undefended is not None and needed == undefended - options["max_drop"]:
+            base = f"the undefended model's {undefended:.3f} - max_drop {_fmt(options['max_drop'])}"
+        else:
+            assert chance is not None, "needed is chance plus utility_margin here"
+            base = f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
         return StepVerdict(**out, verdict=UNUSABLE, level=NOTHING,
                            reason=f"{reason}{_still_improving(top)}; but test accuracy "
                                                            f"{accuracy:.3f} is under {needed:.3f} ({base})")
@@ -270,13 +283,13 @@ def _personal_values(cells: list[CellResult], options: dict[str, Any], metric: s
     no guess scored them): the most any attack holds verbatim of the targets' names and numbers exceeds what the
     better guess from the attacker's own sentences holds (``pii_guess``) by more than ``PII_MARGIN``."""
     guess = options.get("pii_guess")
-    scored = [c for c in cells if c.pii_recall is not None]
+    scored = [(c.pii_recall, c) for c in cells if c.pii_recall is not None]
     if guess is None or not scored:
         return None
-    top = max(scored, key=lambda c: c.pii_recall)
-    if top.pii_recall <= guess + PII_MARGIN:
+    recall, top = max(scored, key=lambda p: p[0])
+    if recall <= guess + PII_MARGIN:
         return None
-    return (f"{top.attack}'s reconstructions hold {top.pii_recall:.0%} of the targets' personal values verbatim "
+    return (f"{top.attack}'s reconstructions hold {recall:.0%} of the targets' personal values verbatim "
             f"(names, numbers), where a guess from the attacker's own sentences holds {guess:.0%}: beyond it by more "
             f"than the {PII_MARGIN:.0%} margin, personal values leak whatever the {metric}")
 

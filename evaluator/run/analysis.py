@@ -18,6 +18,7 @@ from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.audit.types import DefenseSetting
 from leakaudit.evaluator.run.scenario import Scenario, cache_root, loss_fn
+from leakaudit.plugins.components import ImageData
 
 #: The largest dense system the rank computation builds (float64).
 ANALYSIS_MAX_BYTES = 2 << 30
@@ -40,8 +41,8 @@ def analyse(scenario: Scenario, setting: DefenseSetting | None = None) -> dict[s
             raise ValueError(f"layer {s.name}'s system ({s.rhs.numel()} equations x {s.unknowns} unknowns) would take "
                              f"{need / 2 ** 30:.1f} GiB as a dense matrix, more than the analysis's "
                              f"{ANALYSIS_MAX_BYTES / 2 ** 30:.0f} GiB; analyse at a smaller image_size")
-    layers = [{"layer": s.name, "input_shape": list(s.input_shape), "equations": s.matrix.shape[0],
-               "unknowns": s.unknowns, "rank_deficiency": s.rank_deficiency()} for s in systems]
+    layers: list[dict] = [{"layer": s.name, "input_shape": list(s.input_shape), "equations": s.matrix.shape[0],
+                           "unknowns": s.unknowns, "rank_deficiency": s.rank_deficiency()} for s in systems]
     return {"model": section.name, "layers": layers,
             "metric": security_metric([layer["rank_deficiency"] for layer in layers])}
 
@@ -57,6 +58,7 @@ def _cache_file(scenario: Scenario, section: Any) -> Path | None:
     if ":" in section.name:
         return None
     data = scenario.data
+    assert isinstance(data, ImageData), "the architecture analysis reads image models"
     key = repr((section.name, sorted(section.params.items()), data.channels, data.num_classes,
                 scenario.audit.data.image_size, torch.__version__, ANALYSIS_VERSION))
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

@@ -12,7 +12,7 @@ import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from tqdm import tqdm
@@ -79,6 +79,23 @@ def _die_with_parent() -> None:
 
 def _in_process(method: str, item: Any) -> Any:
     return getattr(_PROCESS_WORKER, method)(item)
+
+
+class Pool(Protocol):
+    """What the runner asks of an executor: ``WorkerPool`` on this machine, ``RayPool`` on a cluster."""
+
+    @property
+    def workers(self) -> int: ...
+
+    @property
+    def where(self) -> str | None: ...
+
+    def __enter__(self) -> Pool: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+    def run(self, method: str, items: Iterable, desc: str, progress: bool,
+            on_result: Callable[[Any, Any], None]) -> None: ...
 
 
 class WorkerPool:

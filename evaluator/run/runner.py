@@ -22,16 +22,16 @@ from leakaudit.evaluator.results.rundir import (ARCHITECTURE, BASELINES, CONFIRM
                                                 RunError, RunFolder)
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
-from leakaudit.evaluator.run.executors import WorkerPool, auto_workers
+from leakaudit.evaluator.run.executors import Pool, WorkerPool, auto_workers
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
 from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
-from leakaudit.plugins.text import IGNORE
+from leakaudit.plugins.text import IGNORE, TokenData
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
 
 
-def executor_for(worker: AuditWorker, workers: int | None, pending: list) -> "WorkerPool":
+def executor_for(worker: AuditWorker, workers: int | None, pending: list) -> Pool:
     """The audit's executor: worker processes on this machine, or tasks on a Ray cluster (``executor: ray``)."""
     if worker.scenario.audit.executor.name == "ray":
         from leakaudit.evaluator.run.ray_executor import RayPool
@@ -205,7 +205,7 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
         tried = {trial_key(r) for r in trials}
         pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], pool.workers),
                  f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined", progress,
-                 lambda cell, rows: [folder.tuning.append(row) for row in rows])
+                 lambda cell, rows: list(map(folder.tuning.append, rows)))
         trials = folder.tuning.read()
     finished = {row_key(r) for r in folder.results.read()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
@@ -331,8 +331,10 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     if len(rows) < expected:
         raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
                        f"leakaudit run {audit.path} --out {folder.path} --resume")
-    return write_report(folder, rows, folder.utility.read(), folder.read_json(BASELINES), folder.tuning.read(),
-                        folder.read_json(ARCHITECTURE), folder.read_json(RUN_INFO), template)
+    baselines, architecture = folder.read_json(BASELINES), folder.read_json(ARCHITECTURE)
+    assert baselines is not None and architecture is not None, "both exist: checked above"
+    return write_report(folder, rows, folder.utility.read(), baselines, folder.tuning.read(),
+                        architecture, folder.read_json(RUN_INFO), template)
 
 
 def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Iterable[str] = (),
@@ -369,6 +371,7 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
     metrics = [audit.registry.get("metric", m) for m in audit.metrics if audit.registry.get("metric", m).on == "images"]
     batches = (scenario.target_batch(t) for t in range(audit.num_batches))
     if scenario.text:  # the most frequent token at each position, and uniform draws
+        assert isinstance(scenario.data, TokenData), "a text audit's examples are sentences"
         frequent = frequent_tokens(scenario.data.train_x, scenario.data.pad_id)
         return text_guess_scores(metrics, batches, frequent, scenario.data.vocab_size,
                                  generator("cpu", audit.seed, "baseline"), scenario.data.pad_id,

@@ -158,11 +158,13 @@ class Scenario:
 
     @cached_property
     def mean(self) -> Tensor:
-        return torch.zeros(1, 1, 1, device=self.device) if self.text else self.data.mean.view(-1, 1, 1).to(self.device)
+        return torch.zeros(1, 1, 1, device=self.device) if isinstance(self.data, TokenData) \
+            else self.data.mean.view(-1, 1, 1).to(self.device)
 
     @cached_property
     def std(self) -> Tensor:
-        return torch.ones(1, 1, 1, device=self.device) if self.text else self.data.std.view(-1, 1, 1).to(self.device)
+        return torch.ones(1, 1, 1, device=self.device) if isinstance(self.data, TokenData) \
+            else self.data.std.view(-1, 1, 1).to(self.device)
 
     def normalise(self, pixels: Tensor) -> Tensor:
         """What the model reads: normalised pixels, or token ids as they are."""
@@ -172,6 +174,7 @@ class Scenario:
         """The share of the personal values in the target-split sentences ``indices`` that ``recovered`` (their
         reconstructions, in the same order) holds verbatim; None where the dataset marks none in them."""
         data = self.data
+        assert isinstance(data, TokenData), "personal values are marked in sentences"
         personal = data.test_pii if self.audit.data.target_split == "test" else data.train_pii
         if not personal:
             return None
@@ -273,7 +276,7 @@ def check_scenario(scenario: Scenario, user_code: bool = True) -> None:
     reasons: dict[tuple[int, str], list[str]] = {}  # (attack, why) -> settings it fails on
     for setting in audit.settings:
         section = scenario.model_section(setting)
-        if ":" in section.name and not user_code:
+        if ":" in (section.name or "") and not user_code:
             continue
         defense = scenario.defense(setting)
         try:
@@ -306,7 +309,7 @@ def _tuning_images_problems(scenario: Scenario) -> list[str]:
     largest = max((audit.batch_size_of(s) for s in audit.settings), default=audit.data.batch_size)
     for i, spec in enumerate(audit.attacks):
         need = spec.tune.targets * largest if spec.tune else 0
-        if need > left:
+        if spec.tune and need > left:
             taken = (f" ({audit.data.targets} are targets: data.target_split is train)"
                      if audit.data.target_split == "train" else "")
             out.append(f"{audit.path}: attacks[{i}].tune.targets: {spec.tune.targets} tuning batches of "

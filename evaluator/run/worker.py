@@ -116,9 +116,11 @@ class AuditWorker:
             mine = slice(j * spec.targets, (j + 1) * spec.targets)
             values = [score([metric], r.images, px, r.labels, lb).values[metric.name]
                       for r, px, (_, lb) in zip(recs[mine], originals[mine], batches)]
+            known = [v for v in values if v is not None]
+            assert len(known) == len(values), f"tuning's metric {metric.name} scores every reconstruction"
             rows.append({"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
                          "trial": job.trial, "stage": job.stage, "params": job.params, "metric": metric.name,
-                         "score": sum(values) / len(values), "seconds": round(sum(r.seconds for r in recs[mine]), 3)})
+                         "score": sum(known) / len(known), "seconds": round(sum(r.seconds for r in recs[mine]), 3)})
         return rows
 
     def attack(self, cell: Cell) -> list[tuple[dict[str, Any], list[str]]]:

@@ -5,6 +5,7 @@ import gzip
 import importlib.util
 import math
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,7 +49,8 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """The digits' (1797, 8, 8) images and labels, read from the file scikit-learn ships without importing
     scikit-learn (0.4 s an audit need not wait for); through its loader where its layout differs."""
     spec = importlib.util.find_spec("sklearn")
-    shipped = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    shipped = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" \
+        if spec and spec.submodule_search_locations else None
     if shipped is None or not shipped.is_file():
         from sklearn.datasets import load_digits as sk_digits
 
@@ -79,7 +81,7 @@ def load_photos(image_size: int, crops: int = 64, **_: Any) -> ImageData:
     for label, photo in enumerate(PHOTOS):
         img = torch.tensor(getattr(data, photo)(), dtype=torch.float32).permute(2, 0, 1) / 255.0
         h, w = img.shape[1:]
-        for _ in range(crops):
+        for _crop in range(crops):
             side = int(torch.randint(min(h, w) // 8, min(h, w) // 3 + 1, (1,), generator=gen))
             top = int(torch.randint(0, h - side + 1, (1,), generator=gen))
             left = int(torch.randint(0, w - side + 1, (1,), generator=gen))
@@ -111,7 +113,9 @@ def _foolbox_loader(name: str) -> Callable[..., ImageData]:
     def load(image_size: int, **_: Any) -> ImageData:
         from PIL import Image
 
-        files = sorted(foolbox_data_dir().glob(f"{prefix}_*.png"))
+        folder = foolbox_data_dir()
+        assert folder is not None, "_check_foolbox refused the audit without it"
+        files = sorted(folder.glob(f"{prefix}_*.png"))
         pattern = re.compile(rf"{prefix}_(\d+)_(\d+)\.png")
         xs, ys = [], []
         for f in files:
@@ -244,9 +248,10 @@ def _check_fashion(section: dict[str, Any]) -> list[str]:
     return []
 
 
-def _kept(section: dict[str, Any]) -> int:
+def _kept(section: dict[str, Any], channels: int = 1) -> int:
     params = section.get("params", {})
-    return params.get("max_train", LIMITS["max_train"].default) + params.get("max_test", LIMITS["max_test"].default)
+    return channels * (params.get("max_train", LIMITS["max_train"].default)
+                       + params.get("max_test", LIMITS["max_test"].default))
 
 
 CHANNELS = {"cifar10": 3, "cifar100": 3, "mnist": 1, "fashion_mnist": 1, "imagefolder": 3}
@@ -255,16 +260,17 @@ LIMITS = {"max_train": Param(10000, int, min=1, help="training images kept"),
           "max_test": Param(2000, int, min=1, help="test images kept")}
 
 BUILTIN = [
-    DatasetSpec("digits", load_digits, summary=load_digits.__doc__, values=lambda s: 1797),
-    DatasetSpec("lfw", load_lfw, summary=load_lfw.__doc__, values=lambda s: 200),
+    DatasetSpec("digits", load_digits, summary=load_digits.__doc__ or "", values=lambda s: 1797),
+    DatasetSpec("lfw", load_lfw, summary=load_lfw.__doc__ or "", values=lambda s: 200),
     DatasetSpec("photos", load_photos, {"crops": Param(64, int, min=1, help="crops per photograph")},
-                summary=load_photos.__doc__, values=lambda s: 3 * len(PHOTOS) * s.get("params", {}).get("crops", 64)),
-    *(DatasetSpec(n, _foolbox_loader(n), summary=_foolbox_loader(n).__doc__, check=_check_foolbox,
+                summary=load_photos.__doc__ or "",
+                values=lambda s: 3 * len(PHOTOS) * s.get("params", {}).get("crops", 64)),
+    *(DatasetSpec(n, _foolbox_loader(n), summary=_foolbox_loader(n).__doc__ or "", check=_check_foolbox,
                   values=lambda s: 3 * 20) for n in FOOLBOX_SETS),
-    *(DatasetSpec(n, _torchvision_loader(n), dict(LIMITS), summary=_torchvision_loader(n).__doc__,
-                  check=_check_root(n), values=lambda s, c=CHANNELS[n]: c * _kept(s))
+    *(DatasetSpec(n, _torchvision_loader(n), dict(LIMITS), summary=_torchvision_loader(n).__doc__ or "",
+                  check=_check_root(n), values=partial(_kept, channels=CHANNELS[n]))
       for n in (*TORCHVISION_SETS, "imagefolder") if n != "fashion_mnist"),
-    DatasetSpec("fashion_mnist", load_fashion_mnist, dict(LIMITS), summary=load_fashion_mnist.__doc__,
+    DatasetSpec("fashion_mnist", load_fashion_mnist, dict(LIMITS), summary=load_fashion_mnist.__doc__ or "",
                 check=_check_fashion, values=lambda s: _kept(s)),
 ]
 

@@ -228,11 +228,11 @@ ZOO = [
     ModelSpec("cnn_bayes", cnn_bayes, summary=cnn_bayes.__doc__ or "", paper="Balunovic et al. 2022"),
     ModelSpec("convbig", convbig, summary=convbig.__doc__ or "", paper="Balunovic et al. 2022"),
     ModelSpec("mlp", mlp, {"width": Param(256, int, min=1, help="units of each hidden layer"),
-                           "depth": Param(2, int, min=0, help="hidden layers")}, summary=mlp.__doc__),
+                           "depth": Param(2, int, min=0, help="hidden layers")}, summary=mlp.__doc__ or ""),
     *(ModelSpec(f.__name__, f, RESNET_PARAMS, summary=f.__doc__ or "", paper="He et al. 2016")
       for f in (resnet18, resnet34, resnet50)),
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
-              summary=resnet20.__doc__, paper="He et al. 2016"),
+              summary=resnet20.__doc__ or "", paper="He et al. 2016"),
     *(_linear_system_spec(name) for name in LINEAR_SYSTEM_VARIANTS),
 ]
 #: The networks an imprint block can be placed in front of, with their parameters at their defaults.

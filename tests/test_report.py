@@ -103,6 +103,8 @@ def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only()
     assert judge([replace(few, identifiable=0.5)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS
     off = {**OPTIONS, "identifiable": None}
     assert judge([replace(weak, identifiable=11 / 32)], PSNR, t, 0.9, 0.15, 0.1, off).verdict == PROTECTS
+    text = judge([replace(weak, identifiable=11 / 32)], PSNR, t, 0.9, 0.15, 0.1, {**OPTIONS, "unit": "sentence"})
+    assert "bayes identifies 11 of 32 sentences (each" in text.reason  # a text audit counts sentences
 
 
 def test_summary_intervals_and_verdicts_from_rows(write_audit):

@@ -20,10 +20,12 @@ from leakaudit.evaluator.audit.specs import (
 from leakaudit.evaluator.audit.tuning import check_tune
 from leakaudit.evaluator.audit.types import (
     AttackSpec,
+    Audit,
     DefenseSetting,
     ExecutorSection,
     FrontierSpec,
     ModelSection,
+    as_dict,
     with_clients,
     world,
 )
@@ -590,6 +592,18 @@ def data_modality(data: dict, registry: Registry) -> str:
     if data.get("factory") or not isinstance(name, str) or name not in registry.entries["dataset"]:
         return "image"
     return registry.get("dataset", name).modality
+
+
+def audit_modality(audit: Audit) -> str:
+    """What an audit's examples are: a monitored loop's as it recorded them, else its dataset's."""
+    if audit.live is not None:
+        return audit.live.get("modality", "image")
+    return data_modality(as_dict(audit.data), audit.registry)
+
+
+def example_unit(audit: Audit) -> str:
+    """What one of the audit's examples is called in reports and verdicts: "sentence" or "image"."""
+    return "sentence" if audit_modality(audit) == "text" else "image"
 
 
 def check_modality(modality: str, data: dict, model: dict, settings: list[DefenseSetting],

@@ -15,10 +15,10 @@ from typing import Any, Callable
 import jinja2
 from torch import Tensor
 
-from leakaudit.evaluator.audit.checks import data_modality
+from leakaudit.evaluator.audit.checks import example_unit
 from leakaudit.evaluator.audit.jobs import row_key
 from leakaudit.evaluator.audit.materials import load_data
-from leakaudit.evaluator.audit.types import Audit, as_dict, params_text
+from leakaudit.evaluator.audit.types import Audit, params_text
 from leakaudit.evaluator.results.figures import (
     MAX_GRID_IMAGES,
     plot_identification_bound,
@@ -257,22 +257,10 @@ def update_sizes(audit: Audit, rows: list[dict]) -> str:
     return str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}"
 
 
-def modality(audit: Audit) -> str:
-    """What the audit's examples are: a monitored loop's as it recorded them, else its dataset's."""
-    if audit.live is not None:
-        return audit.live.get("modality", "image")
-    return data_modality(as_dict(audit.data), audit.registry)
-
-
 def learns_next_token(audit: Audit) -> bool:
     """Whether the audit's model is a registered language model trained on the next token (a keyboard's)."""
     name = audit.model.name
     return name in audit.registry.names("model") and audit.registry.get("model", name).task == "next_token"
-
-
-def example_unit(audit: Audit) -> str:
-    """What one of the audit's examples is called in the report: "sentence" or "image"."""
-    return "sentence" if modality(audit) == "text" else "image"
 
 
 def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:

@@ -12,6 +12,7 @@ import numpy as np
 
 from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best, value_at, winners
 from leakaudit.evaluator.audit.frontier import search
+from leakaudit.evaluator.audit.checks import example_unit
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec, as_dict
 from leakaudit.evaluator.results.types import (
     CellResult,
@@ -96,7 +97,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     baselines, run_info = baselines or {}, run_info or {}
     identified_by, identified = identifiable or (None, {})
     guessed = finite(scores.get("pii_recall") for scores in (baselines or {}).values())
-    options = {**as_dict(audit.verdict), **({"no_utility": _unmeasured_live(utility)} if audit.live else {}),
+    options = {**as_dict(audit.verdict), "unit": example_unit(audit),
+               **({"no_utility": _unmeasured_live(utility)} if audit.live else {}),
                **({"pii_guess": max(guessed)} if guessed else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
@@ -353,7 +355,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
         epsilon=acc.get(setting, {}).get("epsilon"), scores=scores, worst_image=_worst_image(rs, leakage),
         identifiable=share, named=named, identifiable_by=identified_by, identifiable_n=n, rero_bound=bound,
         decoy_hits=None if decoys is None else decoys[0], decoy_p=None if decoys is None else decoys[2],
-        bound_violated=beats_bound(named, n, bound, options["confidence"]), late_gain=gain,
+        bound_violated=beats_bound(named, n, bound, options["confidence"], options.get("unit", "image")), late_gain=gain,
         still_improving=None if gain is None else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
         seconds_mean=float(np.mean([r["seconds"] for r in rs])),
         pii_recall=float(np.mean(recalls)) if (recalls := finite(r.get("pii_recall") for r in rs)) else None)

@@ -366,7 +366,8 @@ def identified(cells: list[CellResult], metric: str, options: dict[str, Any]) ->
         hits = round(share * n)
         p = _binomial_p(hits, n, 1 / n)
         if p < 1 - options["confidence"]:
-            return (f"{c.attack} identifies {hits} of {n} images (each reconstruction nearest its own original; "
+            return (f"{c.attack} identifies {hits} of {n} {options.get('unit', 'image')}s (each reconstruction "
+                    "nearest its own original; "
                     f"a guess: 1 in {n}, binomial p = {p:.2g}), at least the {options['identifiable']:.0%} "
                     "the verdict allows")
     return None
@@ -388,7 +389,8 @@ def _named_among_decoys(cells: list[CellResult], options: dict[str, Any]) -> str
     return None
 
 
-def beats_bound(share: float | None, n: int, bound: float | None, confidence: float) -> str | None:
+def beats_bound(share: float | None, n: int, bound: float | None, confidence: float,
+                unit: str = "image") -> str | None:
     """Why a measured identification rate is above what a privacy guarantee allows any attack (one-sided
     binomial test against the bound at the verdict's confidence), or None where it is not, or cannot be told."""
     if share is None or bound is None or n < 2 or math.isnan(share) or bound >= 1:
@@ -397,7 +399,7 @@ def beats_bound(share: float | None, n: int, bound: float | None, confidence: fl
     p = _binomial_p(hits, n, bound)
     if p >= 1 - confidence:
         return None
-    return (f"identifies {hits} of {n} images where the defense's privacy guarantee allows any attack at most "
+    return (f"identifies {hits} of {n} {unit}s where the defense's privacy guarantee allows any attack at most "
             f"{bound:.1%} (binomial p = {p:.2g}): the defense sends less noise than it declares, or its accounting "
             "is wrong")
 

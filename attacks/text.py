@@ -274,7 +274,7 @@ class Dager(Attack):
     are fewer than the width; where they are not, it says "rank condition not met" and returns the token set
     instead. Under LoRA it reads the adapters' gradients, in which the same condition holds
     against their rank; since it runs there whatever the rank, its LoRA reads do not calibrate a "protects"
-    (``reads``): ``adapter_span`` refuses where the rank cannot hold the batch, and does."""
+    (``reads``); ``adapter_span``'s do, as it refuses where the rank cannot hold the batch."""
     attacker = HONEST_SERVER
     reads = (FULL, NO_EMBEDDING)
 

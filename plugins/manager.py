@@ -169,6 +169,13 @@ class Registry:
         table = self.entries[kind]
         if name in table:
             raise PluginError(f"{kind} name {name!r} is registered by both {table[name].origin} and {origin}")
+        unknown = _unknown_update_kinds(kind, obj)
+        if unknown:
+            from leakaudit.plugins.defense import UPDATE_KINDS
+
+            key = "reads" if kind == "attack" else "shares"
+            raise PluginError(f"plugin {origin}: {kind} {name!r}: {key} names {', '.join(map(repr, unknown))}, not a "
+                              f"kind of update; choices: {', '.join(UPDATE_KINDS)}")
         table[name] = Entry(kind, name, obj, origin)
 
     def get(self, kind: str, name: str) -> Any:
@@ -180,6 +187,16 @@ class Registry:
     def __iter__(self):
         for kind in KINDS:
             yield from (self.entries[kind][n] for n in self.names(kind))
+
+
+def _unknown_update_kinds(kind: str, obj: Any) -> list[str]:
+    """The kinds of update an attack's ``reads`` or a defense's ``shares`` names that ``UPDATE_KINDS`` lacks."""
+    if kind not in ("attack", "defense"):
+        return []
+    from leakaudit.plugins.defense import UPDATE_KINDS
+
+    named = getattr(obj, "reads", ()) if kind == "attack" else (getattr(obj, "shares", None) or "full",)
+    return [k for k in ([named] if isinstance(named, str) else named) if k not in UPDATE_KINDS]
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:

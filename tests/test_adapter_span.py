@@ -113,3 +113,17 @@ def test_attacks_auto_picks_adapter_span_for_lora_where_its_rank_holds_the_batch
         {"none", "wide"}
     line = next(line for line in lines if line.startswith("adapter_span: chosen"))
     assert "not on narrow: adapter_span: a span of the adapters' rank 4 holds at most 0 tokens" in line
+
+
+def test_a_plugin_naming_an_unknown_kind_of_update_is_refused_in_one_line():
+    from leakaudit.plugins import PluginError
+    from leakaudit.plugins.manager import Registry
+
+    class Misread(AdapterSpan):
+        name = "misread"
+        reads = ("full", "adapter")
+
+    with pytest.raises(PluginError, match=r"^plugin mine: attack 'misread': reads names 'adapter', not a kind of "
+                                          r"update; choices: full, no embedding, adapters$"):
+        Registry().add("attack", Misread, "mine")
+    Registry().add("defense", Lora, "mine")  # a declared kind passes

@@ -432,7 +432,8 @@ class AdapterSpan(Dager):
     ``dL/dA``'s rows lie in that span, in the full width (zero while ``B`` is, at the adapters' start), and
     ``dL/dB``'s rows in the span of ``A X``, in the rank's dimensions; a token passes where its input lies in
     both. Each holds at most ``rank`` directions: the whole span only while the batch's tokens are fewer than the
-    rank, and it refuses where a batch of its sequences may hold more. On an update of the full weights it is
+    rank, and it refuses where a batch of its sequences may hold more (sequences times the position embedding's
+    rows, so a model whose positions outnumber its inputs' length is refused early). On an update of the full weights it is
     DAGER. The head's gradient gives the labels, as DAGER's does."""
     attacker = HONEST_SERVER
 
@@ -448,6 +449,9 @@ class AdapterSpan(Dager):
         named = dict(model.named_parameters())
         tokenised: Any = model
         a = named.get(adapter_names(tokenised.attention_name(0))[0])
+        if tokenised.position_name() not in named:
+            return (f"adapter_span bounds an update's tokens by the position embedding's rows: the model has no "
+                    f"parameter {tokenised.position_name()!r}")
         positions = batch_size * len(named[tokenised.position_name()])
         room = (tokenised.width if a is None else len(a)) - RANK_MARGIN
         if positions <= room:

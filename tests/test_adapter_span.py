@@ -60,7 +60,8 @@ def test_adapter_span_reads_a_lora_update_whose_rank_holds_the_batch(data, train
 
 def test_adapter_span_refuses_a_rank_too_small_for_the_batch_and_reads_nothing_there(data):
     """Rank 8 under a sentence of up to 16 positions: refused in one line before any work; run anyway, it reads
-    nothing (the embedding is frozen: no token set either), as the rank condition says."""
+    nothing (the embedding is frozen: no token set either), as the rank condition says. A model without a position
+    embedding to bound its tokens by is refused too."""
     model, x, update, threat = _lora_update(data, 8, 1)
     attack = AdapterSpan()
     assert attack.unsupported(model, 1, FEDSGD) == (
@@ -69,6 +70,13 @@ def test_adapter_span_refuses_a_rank_too_small_for_the_batch_and_reads_nothing_t
     rec = attack(update, threat, torch.Generator())
     assert rec.extras["note"].startswith("rank condition not met") and (rec.images == data.pad_id).all()
     assert adapter_names(model.attention_name(0))[1] in update.names
+
+    class Rotary(TinyTransformer):  # positions with no embedding to count them by
+        def position_name(self) -> str:
+            return "rope"
+
+    assert attack.unsupported(Rotary(data.vocab_size, 2, LENGTH, layers=3), 1, FEDSGD) == (
+        "adapter_span bounds an update's tokens by the position embedding's rows: the model has no parameter 'rope'")
 
 
 LORA_AUDIT = {

@@ -6,7 +6,7 @@ likelihood through relaxed tokens (Balunovic et al. 2022's adversary, with token
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import reduce
 from typing import Any, Callable, ClassVar, cast
 
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from leakaudit.attacks.labels import last_layer_gradients, output_layer, recover_labels
 from leakaudit.plugins import hookimpl
 from leakaudit.plugins.attack import Attack, Reconstruction, ThreatModel, EAVESDROPPER, HONEST_SERVER
-from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.defense import ADAPTERS, FULL, NO_EMBEDDING, Defense, SharedUpdate
 from leakaudit.plugins.protocol import Protocol, not_one_step, parameter_names
 from leakaudit.plugins.spec import Param
 from leakaudit.plugins.text import IGNORE, TokenModel, adapter_names, next_token_targets, predicts_next_token
@@ -185,6 +185,39 @@ def span_distance(vectors: Tensor, basis: Tensor) -> Tensor:
     return (v - (v @ basis.T) @ basis).norm(dim=-1)
 
 
+@dataclass
+class Span:
+    """Where a layer's inputs lie, as the update shows it: one or more tests, each an orthonormal basis
+    ``(rank, dim)`` of a gradient's row space, the map that takes an input into that space (None: the input
+    itself) and the most rank the test can show (its ``dim``, or an adapter's rank where fewer). An input passes
+    where it lies in every test's span. ``adapter_rank``: the adapters' rank where the spans are theirs."""
+
+    tests: list[tuple[Tensor, Tensor | None, int]]
+    adapter_rank: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return max(len(basis) for basis, _, _ in self.tests)
+
+    @property
+    def dim(self) -> int:
+        return min(most for _, _, most in self.tests)
+
+    def fits(self) -> bool:
+        """Whether every test's span stays ``RANK_MARGIN`` under the most it can show: a span that fills it
+        holds any input (or, of ``dL/dA``, only part of the inputs' span), and tells nothing."""
+        return all(len(basis) <= most - RANK_MARGIN for basis, _, most in self.tests)
+
+    def to(self, device: torch.device) -> Span:
+        return Span([(b.to(device), None if m is None else m.to(device), most) for b, m, most in self.tests],
+                    self.adapter_rank)
+
+    def distance(self, inputs: Tensor) -> Tensor:
+        """How far each input ``(..., width)`` lies from the spans: the largest ``span_distance`` of its tests."""
+        return torch.stack([span_distance(inputs if m is None else inputs.double() @ m.T, basis)
+                            for basis, m, _ in self.tests]).amax(0)
+
+
 def padded_rows(tokens: Tensor, length: int, pad_id: int) -> Tensor:
     """Tokens ``(B, n)`` at the start of rows of ``length`` ids, the rest ``pad_id``, on the tokens' device."""
     rows = torch.full((len(tokens), length), pad_id, dtype=torch.long, device=tokens.device)
@@ -240,8 +273,10 @@ class Dager(Attack):
     most ``max_combinations``; past that it says so and returns the token set. Exact while the batch's tokens
     are fewer than the width; where they are not, it says "rank condition not met" and returns the token set
     instead. Under LoRA it reads the adapters' gradients, in which the same condition holds
-    against their rank."""
+    against their rank; since it runs there whatever the rank, its LoRA reads do not calibrate a "protects"
+    (``reads``); ``adapter_span``'s do, as it refuses where the rank cannot hold the batch."""
     attacker = HONEST_SERVER
+    reads = (FULL, NO_EMBEDDING)
 
     name = "dager"
     paper = "Petrov et al. 2024"
@@ -269,12 +304,13 @@ class Dager(Attack):
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
         if not isinstance(model, TokenModel):
-            return not_a_token_model(model, "dager reads a transformer's layers")
+            return not_a_token_model(model, f"{self.name} reads a transformer's layers")
         if model.depth < 3:
             # the last layer's gradient reaches each sequence through its one read position: its span is
             # too narrow to hold every position's input
-            return f"dager reads the second layer's span, which needs a layer after it: the model has {model.depth}"
-        return not_one_step(protocol, batch_size, "dager")
+            return (f"{self.name} reads the second layer's span, which needs a layer after it: the model has "
+                    f"{model.depth}")
+        return not_one_step(protocol, batch_size, self.name)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         model: Any = threat.model
@@ -292,70 +328,59 @@ class Dager(Attack):
               extras: dict[str, Any]) -> Tensor | None:
         """The batch's sequences from the first two layers' spans; None, with a note in ``extras``, where the update
         shares no span or the rank condition fails."""
-        one, two = self._span(observed, model, 0), self._span(observed, model, 1)
-        if one is None or two is None:
+        first, second = self._span(observed, model, 0), self._span(observed, model, 1)
+        if first is None or second is None:
             extras["note"] = ("the update shares neither the first attention weights' gradients nor their "
                               "adapters' (frozen): no span to read; the token set is returned")
             return None
-        (first, a_first), (second, a_second) = one, two
-        dim = model.width if a_first is None else len(a_first)
-        extras["rank"] = [len(first), len(second)]
-        if a_first is not None:
-            extras["adapter_rank"] = dim
-        if max(len(first), len(second)) > dim - RANK_MARGIN:
-            where = "width" if a_first is None else "adapters' rank"
-            extras["note"] = (f"rank condition not met: the attention gradients have rank {len(first)} and "
-                              f"{len(second)} of {where} {dim} (the batch's tokens are not fewer than the "
+        extras["rank"] = [first.rank, second.rank]
+        if first.adapter_rank is not None:
+            extras["adapter_rank"] = first.adapter_rank
+        if not (first.fits() and second.fits()):
+            where = "width" if first.adapter_rank is None else "adapters' rank"
+            extras["note"] = (f"rank condition not met: the attention gradients have rank {first.rank} and "
+                              f"{second.rank} of {where} {first.dim} (the batch's tokens are not fewer than the "
                               f"{where}), so their span holds any sequence; the token set is returned")
             return None
-        candidates = self._candidates(model, first, a_first, length, device)
+        candidates = self._candidates(model, first.to(device), length, device)
         if model.causal:
-            return self._grow(model, second, a_second, candidates, batch, length, device)
-        return self._search(model, second, a_second, candidates, batch, length, device, extras)
+            return self._grow(model, second.to(device), candidates, batch, length, device)
+        return self._search(model, second.to(device), candidates, batch, length, device, extras)
 
-    def _span(self, observed: SharedUpdate, model: Any, layer: int) -> tuple[Tensor, Tensor | None] | None:
-        """The span that layer ``layer``'s inputs lie in, and the map into its space: the row space of the
-        attention weight's gradient (no map), or, under LoRA, of its adapter ``B``'s gradient, in which the inputs
-        appear through ``A`` (it is ``scale * G A^T`` for the weight's gradient ``G``, whatever ``B`` is). None
-        where the update shares neither."""
+    def _span(self, observed: SharedUpdate, model: Any, layer: int) -> Span | None:
+        """The span that layer ``layer``'s inputs lie in: the row space of the attention weight's gradient, or,
+        under LoRA, of its adapter ``B``'s gradient, in which the inputs appear through ``A`` (it is ``scale * G
+        A^T`` for the weight's gradient ``G``, whatever ``B`` is). None where the update shares neither."""
         name = model.attention_name(layer)
         if name in observed.names:
-            return span_basis(gradient_of(observed, name), self.rank_floor), None
+            return Span([(span_basis(gradient_of(observed, name), self.rank_floor), None, model.width)])
         a_name, b_name = adapter_names(name)
         if b_name in observed.names:
-            a = dict(model.named_parameters())[a_name].detach()
-            return span_basis(gradient_of(observed, b_name), self.rank_floor), a.double()
+            a = dict(model.named_parameters())[a_name].detach().double()
+            return Span([(span_basis(gradient_of(observed, b_name), self.rank_floor), a, len(a))], len(a))
         return None
 
-    @staticmethod
-    def _distance(inputs: Tensor, basis: Tensor, adapter: Tensor | None) -> Tensor:
-        """``span_distance`` of layer inputs, taken through the adapter's ``A`` where the span is the adapter's."""
-        return span_distance(inputs if adapter is None else inputs.double() @ adapter.to(inputs.device).T, basis)
-
-    def _candidates(self, model: Any, basis: Tensor, adapter: Tensor | None, length: int,
-                    device: torch.device) -> list[Tensor]:
+    def _candidates(self, model: Any, span: Span, length: int, device: torch.device) -> list[Tensor]:
         """Per position, the ids whose first-layer input there lies in the span (closest first)."""
         ids = torch.arange(model.vocab_size, device=device)[:, None].expand(model.vocab_size, length)
-        distance = self._distance(model.layer_inputs(ids, 0), basis.to(device), adapter)  # (vocab, length)
+        distance = span.distance(model.layer_inputs(ids, 0))  # (vocab, length)
         out = []
         for p in range(length):
             passing = torch.nonzero(distance[:, p] < self.first_tolerance).flatten()
             out.append(passing[distance[passing, p].argsort()])
         return out
 
-    def _grow(self, model: Any, basis: Tensor, adapter: Tensor | None, candidates: list[Tensor], batch: int,
-              length: int, device: torch.device) -> Tensor:
+    def _grow(self, model: Any, span: Span, candidates: list[Tensor], batch: int, length: int,
+              device: torch.device) -> Tensor:
         """Sequences grown position by position: a prefix extended by each candidate whose second-layer input
         lies in the span; a prefix that no candidate extends is a finished sequence."""
-        basis = basis.to(device)
         prefixes, finished = candidates[0][:, None], list[Tensor]()
         for p in range(1, length):
             if len(prefixes) == 0 or len(candidates[p]) == 0:
                 break
             grown = torch.cat([prefixes.repeat_interleave(len(candidates[p]), 0),
                                candidates[p].repeat(len(prefixes))[:, None]], dim=1)
-            distance = torch.cat([self._distance(model.layer_inputs(part, 1)[:, -1], basis, adapter)
-                                  for part in grown.split(CHUNK)])
+            distance = torch.cat([span.distance(model.layer_inputs(part, 1)[:, -1]) for part in grown.split(CHUNK)])
             keep = distance < self.second_tolerance
             extended = torch.zeros(len(prefixes), dtype=torch.bool, device=device)
             extended[torch.div(torch.nonzero(keep).flatten(), len(candidates[p]), rounding_mode="floor")] = True
@@ -368,13 +393,12 @@ class Dager(Attack):
             rows[i, : len(seq)] = seq
         return rows
 
-    def _search(self, model: Any, basis: Tensor, adapter: Tensor | None, candidates: list[Tensor], batch: int,
-                length: int, device: torch.device, extras: dict[str, Any]) -> Tensor | None:
+    def _search(self, model: Any, span: Span, candidates: list[Tensor], batch: int, length: int,
+                device: torch.device, extras: dict[str, Any]) -> Tensor | None:
         """Encoders: at each length, every sentence made of the positions' candidates, kept where its second-layer
         input at every position lies in the span; the ``batch`` closest (by their farthest position). A sentence
         the batch holds twice comes back once. None, with a note, where a length has more than
         ``max_combinations`` such sentences (no exhaustive search)."""
-        basis = basis.to(device)
         found, scores = [], []
         for size in range(1, length + 1):
             lists = candidates[:size]
@@ -389,7 +413,7 @@ class Dager(Attack):
             picks = torch.cartesian_prod(*[torch.arange(len(c), device=device) for c in lists]).view(total, size)
             sentences = torch.full((total, length), model.pad_id, dtype=torch.long, device=device)
             sentences[:, :size] = torch.stack([c[picks[:, p]] for p, c in enumerate(lists)], 1)
-            distance = torch.cat([self._distance(model.layer_inputs(part, 1)[:, :size], basis, adapter).amax(1)
+            distance = torch.cat([span.distance(model.layer_inputs(part, 1)[:, :size]).amax(1)
                                   for part in sentences.split(CHUNK)])
             keep = distance < self.second_tolerance
             found.append(sentences[keep])
@@ -399,6 +423,56 @@ class Dager(Attack):
             order = torch.cat(scores).argsort()[:batch]
             rows[: len(order)] = torch.cat(found)[order]
         return rows
+
+
+class AdapterSpan(Dager):
+    """The span test on the adapters' input (Petrov et al. 2024's span check, as Chen et al. 2026 read adapter
+    updates): for an adapted projection ``y = W x + s B A x`` the update holds ``dL/dA = s B^T G`` and ``dL/dB = s
+    G A^T``, where ``G = delta X^T`` is the frozen weight's gradient, whose rows span the layer's inputs ``X``. So
+    ``dL/dA``'s rows lie in that span, in the full width (zero while ``B`` is, at the adapters' start), and
+    ``dL/dB``'s rows in the span of ``A X``, in the rank's dimensions; a token passes where its input lies in
+    both. Each holds at most ``rank`` directions: the whole span only while the batch's tokens are fewer than the
+    rank, and it refuses where a batch of its sequences may hold more (sequences times the position embedding's
+    rows, so a model whose positions outnumber its inputs' length is refused early). On an update of the full weights it is
+    DAGER. The head's gradient gives the labels, as DAGER's does."""
+    attacker = HONEST_SERVER
+
+    name = "adapter_span"
+    paper = "Petrov et al. 2024; Chen et al. 2026"
+    reads = (FULL, NO_EMBEDDING, ADAPTERS)
+    brings: ClassVar[str] = "exact sequences from the span of the adapters' gradients (LoRA)"
+
+    def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        why = super().unsupported(model, batch_size, protocol)
+        if why:
+            return why
+        named = dict(model.named_parameters())
+        tokenised: Any = model
+        a = named.get(adapter_names(tokenised.attention_name(0))[0])
+        if tokenised.position_name() not in named:
+            return (f"adapter_span bounds an update's tokens by the position embedding's rows: the model has no "
+                    f"parameter {tokenised.position_name()!r}")
+        positions = batch_size * len(named[tokenised.position_name()])
+        room = (tokenised.width if a is None else len(a)) - RANK_MARGIN
+        if positions <= room:
+            return None
+        where = f"the width {tokenised.width}" if a is None else f"the adapters' rank {len(a)}"
+        return (f"adapter_span: a span of {where} holds at most {room} tokens, and an update of {batch_size} "
+                f"sequences of up to {positions // batch_size} positions may hold {positions}: the rank condition "
+                "cannot be met (Petrov et al. 2024)")
+
+    def _span(self, observed: SharedUpdate, model: Any, layer: int) -> Span | None:
+        """DAGER's span, and under LoRA beside ``dL/dB``'s (through ``A``) the row space of ``dL/dA`` in the full
+        width, where it is not zero (``B`` is not, past the adapters' start)."""
+        span = super()._span(observed, model, layer)
+        a_name = adapter_names(model.attention_name(layer))[0]
+        if span is None or span.adapter_rank is None or a_name not in observed.names:
+            return span
+        gradient = gradient_of(observed, a_name)
+        if not gradient.abs().max() > 0:
+            return span
+        return Span(span.tests + [(span_basis(gradient, self.rank_floor), None, len(gradient))], span.adapter_rank)
+
 
 class Matching:
     """What TAG and LAMP optimise: continuous input embeddings whose update matches the observed one in squared
@@ -500,6 +574,7 @@ class Tag(Attack):
     out: the candidate feeds embeddings, not ids), then each position read as its nearest token by cosine. Where
     the update shares the embedding's gradient, the readout keeps to the token set it reveals (as LAMP can)."""
     attacker = HONEST_SERVER
+    reads = (FULL, NO_EMBEDDING, ADAPTERS)  # it matches whatever tensors the update shares
 
     name = "tag"
     paper = "Deng et al. 2021"
@@ -825,4 +900,4 @@ def nearest_tokens(x: Tensor, table: Tensor) -> Tensor:
 
 @hookimpl
 def register_attacks():
-    return [TokenSet, Dager, Tag, Lamp, BayesText]
+    return [TokenSet, Dager, AdapterSpan, Tag, Lamp, BayesText]

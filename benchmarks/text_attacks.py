@@ -1,8 +1,9 @@
 """The text attacks' figures in docs/results.md, measured on this machine: the Bayes adversary on relaxed tokens
 against TAG under defenses and FedAvg, DAGER's exhaustive search on an encoder, the attacks on the real corpus, and
-a keyboard's language model (next-token targets) beside the classifier, and both under DP-SGD.
+a keyboard's language model (next-token targets) beside the classifier, both under DP-SGD, and adapter_span on
+LoRA updates.
 
-    python benchmarks/text_attacks.py [--section bayes|encoder|corpus|keyboard|dpsgd] [--iterations 300]
+    python benchmarks/text_attacks.py [--section bayes|encoder|corpus|keyboard|dpsgd|adapters] [--iterations 300]
 
 Every model is the zoo's, untrained, seeded (torch.manual_seed(0)); every attack starts from seed 0. Prints
 markdown rows with each attack's ROUGE-1 / ROUGE-2 and its wall time on this CPU.
@@ -14,10 +15,11 @@ import time
 
 import torch
 
-from leakaudit.attacks.text import BayesText, Dager, Lamp, Tag
+from leakaudit.attacks.text import AdapterSpan, BayesText, Dager, Lamp, Tag
 from leakaudit.defenses.dpsgd import DPSGD
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.defenses.pruning import RandomPrune, TopK
+from leakaudit.defenses.text import Lora
 from leakaudit.evaluator.zoo.text import (TinyTransformer, classification_loss, load_pii_sentences,
                                           load_python_reference, rouge, text_assignment)
 from leakaudit.plugins.attack import ThreatModel
@@ -182,7 +184,34 @@ def dpsgd(iterations: int) -> None:
                   f"{seconds:.1f} |")
 
 
-SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus, "keyboard": keyboard, "dpsgd": dpsgd}
+def adapters(iterations: int) -> None:
+    """adapter_span on LoRA updates of tiny_gpt (3 layers), at the adapters' start (B = 0) and with B drawn away
+    from zero (as after training), for ranks and batches of 16-token PII sentences; where it refuses, its line."""
+    data = load_pii_sentences(length=16)
+    print("| width | rank | batch | B | ROUGE-1 / ROUGE-2 | exact | seconds | refused |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for width, rank, batch in ((128, 64, 1), (128, 64, 3), (128, 8, 1), (768, 256, 8), (768, 256, 15), (768, 64, 8)):
+        for trained in (False, True):
+            torch.manual_seed(0)
+            model = Lora(rank=rank).wrap_model(TinyTransformer(data.vocab_size, data.num_classes, 16, width=width,
+                                                               layers=3, heads=4))
+            if trained:
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name.endswith("lora_b"):
+                            p.normal_(0, 0.02)
+            x, y = data.test_x[:batch], data.test_y[:batch]
+            attack = AdapterSpan()
+            refused = attack.unsupported(model, batch, FEDSGD)
+            update = NoDefense().share(ClientStep(model, classification_loss, x, y, torch.Generator(), FEDSGD))
+            rows, seconds, _ = run(attack, update, threat_of(model, data, batch, NoDefense(), labels=y))
+            exact = (rows[text_assignment(rows, x)] == x).all(1).sum()
+            print(f"| {width} | {rank} | {batch} | {'drawn' if trained else 'zero'} | {scored(rows, x)} | "
+                  f"{int(exact)} of {batch} | {seconds:.1f} | {'yes' if refused else 'no'} |")
+
+
+SECTIONS = {"bayes": bayes, "encoder": encoder, "corpus": corpus, "keyboard": keyboard, "dpsgd": dpsgd,
+            "adapters": adapters}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.defense import DeterministicDefense
+from leakaudit.plugins.defense import ADAPTERS, NO_EMBEDDING, DeterministicDefense
 from leakaudit.plugins.text import TokenModel
 
 
@@ -32,6 +32,7 @@ class FrozenEmbeddings(DeterministicDefense):
 
     name = "frozen_embeddings"
     paper = "Gupta et al. 2022"
+    shares = NO_EMBEDDING
     modalities = ("text",)
     params: ClassVar[dict[str, Param]] = {
         "positions": Param(False, bool, help="freeze the position embedding too (its gradient's rows tell the "
@@ -76,6 +77,7 @@ class Lora(DeterministicDefense):
 
     name = "lora"
     paper = "Hu et al. 2022"
+    shares = ADAPTERS
     modalities = ("text",)
     params: ClassVar[dict[str, Param]] = {
         "rank": Param(8, int, min=1, help="the adapters' rank r: A is r x width, B outputs x r"),

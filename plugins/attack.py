@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
-from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.defense import FULL, Defense, SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, LossFn, Protocol, trainable
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
@@ -173,6 +173,9 @@ class Attack:
     #: The least attacker the attack needs, one of ``ATTACKERS`` (Carletti et al. 2025): its verdicts hold
     #: against that attacker. "" where a plugin declares none (shown as undeclared).
     attacker: ClassVar[str] = ""
+    #: The kinds of update the attack reads (``UPDATE_KINDS`` of leakaudit.plugins.defense): a defense's "protects"
+    #: is calibrated only by an attack that reads the kind the defense shares (``Defense.shares``).
+    reads: ClassVar[tuple[str, ...]] = (FULL,)
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)

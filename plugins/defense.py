@@ -99,6 +99,17 @@ class PrivacyProfile:
         return min(best, high)
 
 
+#: The kinds of update a client may share: a defense that changes which tensors are shared declares its kind
+#: (``Defense.shares``), an attack the kinds it reads (``Attack.reads``), and a defense's "protects" is calibrated
+#: only by an attack that reads its kind (docs/verdicts.md).
+FULL, NO_EMBEDDING, ADAPTERS = "full", "no embedding", "adapters"
+UPDATE_KINDS = {
+    FULL: "every trained weight's gradient (or its change)",
+    NO_EMBEDDING: "every gradient but the token embedding's (frozen embeddings)",
+    ADAPTERS: "the low-rank adapters' gradients and the head's, no base weight's (LoRA)",
+}
+
+
 class Defense:
     """Base class: subclasses set ``name``, ``params`` and override what their defense changes.
 
@@ -126,6 +137,9 @@ class Defense:
     mirrors_dp_optimizer: ClassVar[bool] = False
     #: The paper the defense comes from (author, year), shown by ``leakaudit plugins``.
     paper: ClassVar[str] = ""
+    #: The kind of update the defense leaves shared, one of ``UPDATE_KINDS``: only an attack that reads it
+    #: (``Attack.reads``) calibrates the defense's "protects".
+    shares: ClassVar[str] = FULL
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)

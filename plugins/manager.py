@@ -169,6 +169,13 @@ class Registry:
         table = self.entries[kind]
         if name in table:
             raise PluginError(f"{kind} name {name!r} is registered by both {table[name].origin} and {origin}")
+        unknown = _unknown_update_kinds(kind, obj)
+        if unknown:
+            from leakaudit.plugins.defense import UPDATE_KINDS
+
+            key = "reads" if kind == "attack" else "shares"
+            raise PluginError(f"plugin {origin}: {kind} {name!r}: {key} names {', '.join(map(repr, unknown))}, not a "
+                              f"kind of update; choices: {', '.join(UPDATE_KINDS)}")
         table[name] = Entry(kind, name, obj, origin)
 
     def get(self, kind: str, name: str) -> Any:
@@ -180,6 +187,16 @@ class Registry:
     def __iter__(self):
         for kind in KINDS:
             yield from (self.entries[kind][n] for n in self.names(kind))
+
+
+def _unknown_update_kinds(kind: str, obj: Any) -> list[str]:
+    """The kinds of update an attack's ``reads`` or a defense's ``shares`` names that ``UPDATE_KINDS`` lacks."""
+    if kind not in ("attack", "defense"):
+        return []
+    from leakaudit.plugins.defense import UPDATE_KINDS
+
+    named = getattr(obj, "reads", ()) if kind == "attack" else (getattr(obj, "shares", None) or "full",)
+    return [k for k in ([named] if isinstance(named, str) else named) if k not in UPDATE_KINDS]
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:
@@ -232,7 +249,7 @@ def facts(entry: Entry) -> dict[str, str]:
     """What a defense or attack is, in the terms an audit uses (empty for other kinds)."""
     obj = entry.obj
     if entry.kind == "defense":
-        from leakaudit.plugins.defense import Defense
+        from leakaudit.plugins.defense import FULL, UPDATE_KINDS, Defense
 
         out = {"randomness": "deterministic" if obj.deterministic else "random (draws from the round's generator)",
                "likelihood": ("declared: the Bayes adversary (bayes) applies; check it with "
@@ -245,6 +262,9 @@ def facts(entry: Entry) -> dict[str, str]:
             out["model"] = "may change the architecture (wrap_model)"
         if obj.shares_itself():
             out["update"] = "computed by the defense from the model and inputs (cannot be a chain member)"
+        if obj.shares != FULL:
+            out["shares"] = (f"{obj.shares}: {UPDATE_KINDS.get(obj.shares, obj.shares)}; only an attack that reads "
+                             "this kind of update calibrates its \"protects\"")
         return out
     if entry.kind == "attack":
         from leakaudit.plugins.attack import ATTACKERS
@@ -254,6 +274,8 @@ def facts(entry: Entry) -> dict[str, str]:
                "attacker": (f"{obj.attacker}: {ATTACKERS[obj.attacker]} (Carletti et al. 2025)"
                             if obj.attacker in ATTACKERS else "undeclared (set attacker: one of "
                             + ", ".join(ATTACKERS) + ")")}
+        out["reads"] = (", ".join(obj.reads) + ": the kinds of update whose \"protects\" it calibrates (a "
+                        "defense that shares adapters or no embedding gradient needs an attack that reads that kind)")
         if obj.needs_defense:
             out["calibration"] = "needs its defense in the model: not run on the undefended reference"
         budgets = "; ".join(f"{device if len(obj.auto_params) > 1 else 'any device'}: "

@@ -121,7 +121,7 @@ def test_init_writes_the_plugins_dir_it_was_given_so_that_validate_finds_the_plu
     ("--defense", "gausian", "init: --defense 'gausian' is not a registered defense (did you mean 'gaussian'?); "
                              "choices: ats, bayesian,"),
     ("--attack", "bayse", "init: --attack 'bayse' is not a registered attack (did you mean 'bayes'?); "
-                          "choices: analytic, bayes,"),
+                          "choices: adapter_span, analytic, bayes,"),
 ])
 def test_init_typo_is_one_line(capsys, option, name, start):
     code, out, err = _run(capsys, "init", option, name)
@@ -209,7 +209,7 @@ def test_plugins_kind_name_says_what_attacks_auto_does_with_it(capsys):
 def test_init_writes_a_text_audit_for_text_defenses_and_refuses_a_mix(registry, tmp_path):
     audit = load_audit(tmp_path / "text.yaml", text=starter_audit(registry, ["frozen_embeddings"]))
     assert audit.data.dataset == "pii_sentences" and audit.model.name == "tiny_gpt"
-    assert [a.name for a in audit.attacks] == ["tag", "bayes_text", "dager", "lamp", "token_set"]
+    assert [a.name for a in audit.attacks] == ["tag", "bayes_text", "adapter_span", "dager", "lamp", "token_set"]
     assert audit.metrics[0] == "rouge1"
     with pytest.raises(ConfigError, match=r"init: the defenses apply to different examples \(.*soteria: image\)"):
         starter_audit(registry, ["frozen_embeddings", "soteria"])

@@ -513,7 +513,7 @@ def test_audit_batch_attacks_a_language_models_batch_of_token_ids(data):
     assert str(err.value).splitlines() == [
         "audit_batch: defense (clip(max_norm=1.0)>ats): ats applies to image; the inputs are text",
         "audit_batch: attacks[0]: inverting_gradients reconstructs image; the inputs are text (attacks for text: "
-        "bayes_text, dager, lamp, tag, token_set)",
+        "adapter_span, bayes_text, dager, lamp, tag, token_set)",
         "audit_batch: metrics[0]: psnr scores image; the inputs are text (metrics for text: exact_sequence, "
         "label_accuracy, rouge1, rouge2, rougeL, token_accuracy)"]
 

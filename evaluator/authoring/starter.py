@@ -107,11 +107,7 @@ def _default_attacks(registry: Registry, defenses: list[str], kind: str) -> list
         attacks += [(a, with_likelihood) for a in registry.names("attack")
                     if registry.get("attack", a).uses_likelihood and registry.get("attack", a).modality == kind]
     if kind == "text":
-        model = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
-        return attacks + [(a, None) for a in registry.names("attack") if a != starter.naive_attack[0]
-                          and not registry.get("attack", a).uses_likelihood
-                          and registry.get("attack", a).modality == kind
-                          and registry.get("attack", a)().unsupported(model, 1, FEDSGD) is None]
+        return attacks + _text_attacks(registry, starter, built)
     for n, d in built.items():
         if d.has_likelihood():
             continue
@@ -123,6 +119,27 @@ def _default_attacks(registry: Registry, defenses: list[str], kind: str) -> list
                     and attack.unsupported(model, 1, FEDSGD) is None):
                 attacks.append((a, [n]))
     return attacks
+
+
+def _text_attacks(registry: Registry, starter: Any, built: dict) -> list[tuple[str, list[str] | None]]:
+    """Every other text attack that applies to the starter's model, each restricted to the defenses whose model it
+    applies to (adapter_span refuses a LoRA rank too small for a sentence); one that applies to none is left out."""
+    def model(defense: Any = None) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            plain = registry.get("model", starter.model).build(**starter.offered, **starter.model_params)
+            return plain if defense is None else defense.wrap_model(plain)
+
+    base, wrapped = model(), {n: model(d) for n, d in built.items()}
+    out: list[tuple[str, list[str] | None]] = []
+    for a in registry.names("attack"):
+        cls = registry.get("attack", a)
+        if a == starter.naive_attack[0] or cls.uses_likelihood or cls.modality != "text" or \
+                cls().unsupported(base, 1, FEDSGD) is not None:
+            continue
+        fits = [n for n, m in wrapped.items() if cls().unsupported(m, 1, FEDSGD) is None]
+        if fits:
+            out.append((a, None if len(fits) == len(wrapped) else fits))
+    return out
 
 
 def _kind(registry: Registry, defenses: list[str]) -> str:

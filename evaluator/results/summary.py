@@ -49,6 +49,7 @@ from leakaudit.evaluator.results.verdict import (
 )
 from leakaudit.plugins.attack import ATTACKERS
 from leakaudit.plugins.components import Metric
+from leakaudit.plugins.defense import FULL, UPDATE_KINDS
 from leakaudit.plugins.manager import Registry
 
 
@@ -128,7 +129,8 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         steps = [] if reference is None else alone[s.key] if reference is s else _judged_steps(
             audit, reference, cells, acc, bars, {a.key for a in audit.attacks if _calibrates(audit, a, s)})
         by_step = {v.checkpoint: v for v in steps}
-        per_step = [calibrate(v, by_step.get(v.checkpoint), untried) for v in alone[s.key]]
+        unread = unread_kind(audit, s)
+        per_step = [calibrate(v, by_step.get(v.checkpoint), untried, unread) for v in alone[s.key]]
         verdicts.extend(per_step)
         final = overall(per_step)
         assert final is not None, "a setting with a finite score is judged at some step"
@@ -282,11 +284,32 @@ def _acc(value: float | None) -> str:
 def _calibrates(audit: Audit, attack, setting) -> bool:
     """Whether ``attack``'s run on the undefended reference vouches for ``setting``'s "protects": it runs on the
     setting, and reads its updates (an attack of noise-free updates only says nothing of a defense that adds
-    noise)."""
+    noise; one that does not read the kind of update the defense shares, LoRA's adapters say, nothing of it)."""
     if not attack.applies_to(setting):
         return False
+    cls = audit.registry.get("attack", attack.name)
     noisy = any(not audit.registry.get("defense", name).deterministic for name, _ in setting.members)
-    return not (noisy and audit.registry.get("attack", attack.name).noise_free_only)
+    return not (noisy and cls.noise_free_only) and shared_kinds(audit, setting) <= set(cls.reads)
+
+
+def shared_kinds(audit: Audit, setting) -> set[str]:
+    """The kinds of update ``setting``'s defenses leave shared where they change it (``Defense.shares``; the full
+    update left out)."""
+    return {audit.registry.get("defense", name).shares for name, _ in setting.members} - {FULL}
+
+
+def unread_kind(audit: Audit, setting) -> str:
+    """Why no attack run on ``setting`` can calibrate its "protects": its defenses share a kind of update that
+    none of them reads, with the registered attacks that do; "" where one does (or the update is the full one)."""
+    kinds = shared_kinds(audit, setting)
+    if not kinds or any(a.applies_to(setting) and kinds <= set(audit.registry.get("attack", a.name).reads)
+                        for a in audit.attacks):
+        return ""
+    readers = sorted(n for n, e in audit.registry.entries["attack"].items() if kinds <= set(e.obj.reads))
+    what = "; ".join(f"{k}: {UPDATE_KINDS.get(k, k)}" for k in sorted(kinds))
+    return (f"{setting.key} shares only {what}, and no attack run on it reads that kind of update, so none could "
+            f"have broken it; registered attacks that read it: {', '.join(readers) or 'none'} (one that refuses "
+            "this setting, where a span's rank cannot hold the batch, says why in leakaudit validate)")
 
 
 def _batch_options(options: dict, batch: int) -> dict:

@@ -66,6 +66,8 @@ def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: st
             f"{usable}{chance}. A \"protects\" is inconclusive where the same attacks, at the same step, budget and "
             "tuning, did not leak on the undefended update either (the reference): they may be too weak to break "
             "anything, so the verdict says nothing until they do (more iterations, a tuned search, another attack). "
+            "Where a defense changes what is shared (LoRA's adapters, frozen embeddings), only an attack that reads "
+            "that kind of update calibrates it; where none ran on it, its \"protects\" is inconclusive. "
             "A verdict whose strongest attack's loss was still falling over the last fifth of its iterations says so, "
             f"with the budget to rerun at. Intervals are percentile bootstrap intervals of the mean over {unit}s "
             f"({o.bootstrap} resamples); with few targets they are wide, and the strongest attack is chosen by its "
@@ -310,14 +312,18 @@ def _still_improving(top: CellResult) -> str:
             f"of its whole drop over its last fifth): {advice}")
 
 
-def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str = "") -> StepVerdict:
+def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str = "", unread: str = "") -> StepVerdict:
     """A step's verdict held against the verdict of its model's undefended reference at the same step: a
     "protects" (or "protects but unusable") is inconclusive where the same attacks did not break even the
     undefended update, since it cannot be told from an attack too weak to break anything; where they did, the
     attack that broke it is named (``calibrated_by``). ``untried``: stronger attack classes the audit did not run,
-    for the advice."""
+    for the advice. ``unread``: why no attack run on the setting reads the kind of update its defense shares
+    (LoRA's adapters): then it is inconclusive whatever the reference."""
     if verdict.verdict not in (PROTECTS, UNUSABLE):
         return verdict
+    if unread:
+        return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
+            f"{unread}. Judged alone: {verdict.verdict}: {verdict.reason}"))
     if reference is not None and reference.verdict == LEAKS and reference.level == LABELS:
         # the attacks reach only the undefended update's classes: a "protects" stands for the labels alone
         return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(

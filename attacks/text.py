@@ -276,7 +276,7 @@ class Dager(Attack):
     against their rank; since it runs there whatever the rank, its LoRA reads do not calibrate a "protects"
     (``reads``); ``adapter_span``'s do, as it refuses where the rank cannot hold the batch."""
     attacker = HONEST_SERVER
-    reads = (FULL, NO_EMBEDDING)
+    reads: ClassVar[tuple[str, ...]] = (FULL, NO_EMBEDDING)
 
     name = "dager"
     paper = "Petrov et al. 2024"
@@ -439,7 +439,7 @@ class AdapterSpan(Dager):
 
     name = "adapter_span"
     paper = "Petrov et al. 2024; Chen et al. 2026"
-    reads = (FULL, NO_EMBEDDING, ADAPTERS)
+    reads: ClassVar[tuple[str, ...]] = (FULL, NO_EMBEDDING, ADAPTERS)
     brings: ClassVar[str] = "exact sequences from the span of the adapters' gradients (LoRA)"
 
     def unsupported(self, model: torch.nn.Module, batch_size: int, protocol: Protocol) -> str | None:
@@ -574,7 +574,7 @@ class Tag(Attack):
     out: the candidate feeds embeddings, not ids), then each position read as its nearest token by cosine. Where
     the update shares the embedding's gradient, the readout keeps to the token set it reveals (as LAMP can)."""
     attacker = HONEST_SERVER
-    reads = (FULL, NO_EMBEDDING, ADAPTERS)  # it matches whatever tensors the update shares
+    reads: ClassVar[tuple[str, ...]] = (FULL, NO_EMBEDDING, ADAPTERS)  # it matches whatever tensors the update shares
 
     name = "tag"
     paper = "Deng et al. 2021"

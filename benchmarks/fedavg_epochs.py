@@ -9,7 +9,7 @@ against the class means' (each original's class mean over the training split, th
 decoy test (each original named among 8 same-class decoys beyond chance, docs/verdicts.md). Prints one row per
 attack with the figures and the seconds.
 
-    python benchmarks/fedavg_epochs.py [--images 64] [--iterations 400] [--lr 0.1] [--threads 2]
+    python benchmarks/fedavg_epochs.py [--images 64] [--iterations 400] [--lr 0.1] [--invariant 0.1] [--threads 2]
 """
 from __future__ import annotations
 
@@ -84,10 +84,10 @@ def score(case: Case, reconstruction: Tensor) -> dict[str, float]:
             "named": hits, "of": total, "p": p}
 
 
-def run(case: Case, iterations: int) -> list[tuple[str, dict[str, float], float]]:
+def run(case: Case, iterations: int, invariant: float) -> list[tuple[str, dict[str, float], float]]:
     """Each attack's scores and seconds on the case, the same seed for both."""
     rows = []
-    for attack in (FedAvgEpochs(iterations=iterations), InvertingGradients(iterations=iterations)):
+    for attack in (FedAvgEpochs(iterations=iterations, invariant=invariant), InvertingGradients(iterations=iterations)):
         start = time.perf_counter()
         rec = attack(case.observed, case.threat, torch.Generator().manual_seed(2))
         rows.append((attack.name, score(case, rec.images), time.perf_counter() - start))
@@ -100,16 +100,18 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=FedAvgEpochs.auto_params["cpu"]["iterations"])
     parser.add_argument("--lr", type=float, default=0.1, help="the client's local SGD step size")
+    parser.add_argument("--invariant", type=float, default=FedAvgEpochs.params["invariant"].default,
+                        help="fedavg_epochs' weight of the epoch-order-invariant prior (0: copies left free)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     case = shuffled_case(args.images, args.size, args.lr)
     print(f"{args.images} Fashion-MNIST images at {args.size} px, untrained mlp, fedavg 2 epochs x "
-          f"{args.images // 16} batches of 16 at lr {args.lr}, shuffled; {args.iterations} iterations, "
-          f"{args.threads} threads")
+          f"{args.images // 16} batches of 16 at lr {args.lr}, shuffled; {args.iterations} iterations, invariant prior "
+          f"{args.invariant}, {args.threads} threads")
     print("| attack | mean PSNR (dB) | class means (dB) | named among decoys | p | seconds |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, s, seconds in run(case, args.iterations):
+    for name, s, seconds in run(case, args.iterations, args.invariant):
         print(f"| {name} | {s['psnr']:.2f} | {s['class_means']:.2f} | {s['named']} of {s['of']} | "
               f"{s['p']:.1e} | {seconds:.0f} |", flush=True)
 

@@ -49,10 +49,10 @@ def test_the_invariant_prior_ignores_each_epochs_order_and_the_merge_undoes_it()
     first, labels = torch.randn(6, 1, 4, 4), torch.tensor([0, 0, 1, 1, 2, 2])
     perm = torch.tensor([1, 0, 3, 2, 5, 4])  # within each label
     copies = torch.stack([first, first[perm] + 0.01])
-    assert float(invariant_prior(copies, labels, 0.05)) < 2e-4  # 0.01 squared, matched past the order
+    assert float(invariant_prior(copies, labels, 0.05)) < 2e-4 / 6  # 0.01 squared over 6 images, matched past the order
     assert torch.allclose(merged_copies(copies, labels), first + 0.005, atol=1e-6)
     far = torch.stack([first, torch.randn(6, 1, 4, 4)])
-    assert float(invariant_prior(far, labels, 0.05)) > 0.1
+    assert float(invariant_prior(far, labels, 0.05)) > 0.1 / 6
 
 
 def test_fedavg_epochs_declares_its_reach():
@@ -101,3 +101,19 @@ def _shuffled_scores(seed: int, iterations: int) -> tuple[dict[str, float], floa
         rec = attack(observed, threat, torch.Generator().manual_seed(2)).images
         scores[attack.name] = _psnr(rec[best_assignment(rec, pixels)], pixels)
     return scores, _psnr(class_means, pixels)
+
+
+def test_auto_chooses_it_for_fedavg_with_several_local_steps_alone(write_audit):
+    from leakaudit.evaluator.audit.config import load_audit
+
+    audit = {"name": "auto_fedavg", "seed": 0, "device": "cpu",
+             "data": {"dataset": "digits", "image_size": 8, "targets": 16, "batch_size": 16},
+             "model": {"name": "mlp", "checkpoints": [0]}, "defenses": [{"name": "none"}],
+             "protocol": {"name": "fedavg", "local_epochs": 2, "local_batch_size": 8, "local_lr": 0.1, "shuffle": True},
+             "metrics": ["psnr"]}
+    chosen = {a.name: a.params for a in load_audit(write_audit(audit)).attacks}
+    assert chosen["fedavg_epochs"] == FedAvgEpochs.auto_params["cpu"] and "inverting_gradients" in chosen
+    plain = load_audit(write_audit({**audit, "protocol": "fedsgd"}, "fedsgd.yaml"))
+    lines = dict(line.split(": ", 1) for line in plain.attack_choice)
+    assert lines["fedavg_epochs"] == ("left out: fedavg_epochs reads a FedAvg client's local training (protocol "
+                                      "fedsgd sends no such update)")

@@ -36,6 +36,7 @@ from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import HONEST_SERVER, MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate, cosine_distance
 from leakaudit.plugins.protocol import FedAvg, LossFn, Protocol
+from leakaudit.plugins.stochastic import stochastic_modules
 
 #: Sinkhorn's row and column normalisations per soft assignment.
 SINKHORN_ROUNDS = 10
@@ -146,6 +147,10 @@ class FedAvgEpochs(Attack):
         if steps < 2:
             return (f"{self.name} needs more than one local step (fedavg takes {steps} here), where one step is a "
                     "gradient that inverting_gradients reads")
+        if any(m.draws_noise for m in stochastic_modules(model)) or \
+                any(m._backward_hooks or m._backward_pre_hooks for m in model.modules()):
+            return (f"{self.name} simulates local training through torch.func, which a model that draws noise "
+                    "inside or carries backward hooks does not pass")
         return None
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from leakaudit.attacks.fedavg_epochs import FedAvgEpochs, invariant_prior, merged_copies
 from leakaudit.attacks.gradient_matching import InvertingGradients
 from leakaudit.defenses.noise import NoDefense
+from leakaudit.defenses.precode import Precode
 from leakaudit.evaluator.zoo.metrics import best_assignment
 from leakaudit.evaluator.zoo.models import mlp
 from leakaudit.plugins.attack import ThreatModel
@@ -64,6 +65,8 @@ def test_fedavg_epochs_declares_its_reach():
     assert "FedAvg" in attack.unsupported(model, 64, FEDSGD)
     assert "clients: 4" in attack.unsupported(model, 64, FedAvg(local_epochs=2, local_batch_size=4, clients=4))
     assert "fedavg_epochs" in load_registry().entries["attack"]
+    noisy = Precode().wrap_model(mlp(1, 10, 8))
+    assert "draws noise" in attack.unsupported(noisy, 64, FedAvg(local_epochs=2, local_batch_size=16))
 
 
 def _psnr(a, b):
@@ -117,3 +120,21 @@ def test_auto_chooses_it_for_fedavg_with_several_local_steps_alone(write_audit):
     lines = dict(line.split(": ", 1) for line in plain.attack_choice)
     assert lines["fedavg_epochs"] == ("left out: fedavg_epochs reads a FedAvg client's local training (protocol "
                                       "fedsgd sends no such update)")
+
+
+def test_problems_solved_together_match_each_solved_alone():
+    from leakaudit.plugins.attack import Problem
+
+    model, x, y = _client(8)
+    protocol = FedAvg(local_epochs=2, local_batch_size=4, local_lr=0.1, shuffle=True)
+    threat = ThreatModel(model, F.cross_entropy, (1, 8, 8), torch.zeros(1, 1, 1), torch.ones(1, 1, 1), 10, 8,
+                         NoDefense(), labels=y, protocol=protocol)
+    updates = [NoDefense().share(ClientStep(model, F.cross_entropy, x * s, y, torch.Generator().manual_seed(1),
+                                            protocol)) for s in (1.0, 0.5)]
+    attack = FedAvgEpochs(iterations=5, restarts=2)
+    together = FedAvgEpochs.reconstruct_all([Problem(u, threat, torch.Generator().manual_seed(i), attack)
+                                             for i, u in enumerate(updates)], max_problems=4)
+    alone = [attack.reconstruct(u, threat, torch.Generator().manual_seed(i)) for i, u in enumerate(updates)]
+    for t, a in zip(together, alone):
+        assert t.images.shape == (8, 1, 8, 8) and torch.equal(t.labels, a.labels)
+        assert torch.allclose(t.images, a.images, atol=1e-4)

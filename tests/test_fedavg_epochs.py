@@ -114,8 +114,14 @@ def test_auto_chooses_it_for_fedavg_with_several_local_steps_alone(write_audit):
              "model": {"name": "mlp", "checkpoints": [0]}, "defenses": [{"name": "none"}],
              "protocol": {"name": "fedavg", "local_epochs": 2, "local_batch_size": 8, "local_lr": 0.1, "shuffle": True},
              "metrics": ["psnr"]}
-    chosen = {a.name: a.params for a in load_audit(write_audit(audit)).attacks}
+    from leakaudit.evaluator.results.report import threat_model
+
+    loaded = load_audit(write_audit(audit))
+    chosen = {a.name: a.params for a in loaded.attacks}
     assert chosen["fedavg_epochs"] == FedAvgEpochs.auto_params["cpu"] and "inverting_gradients" in chosen
+    assert dict(threat_model(loaded))["Protocol"] == (
+        "fedavg (local_epochs=2, local_batch_size=8, local_lr=0.1); one update of 16 private image(s); each local "
+        "epoch in an order the client draws and the server does not know")
     plain = load_audit(write_audit({**audit, "protocol": "fedsgd"}, "fedsgd.yaml"))
     lines = dict(line.split(": ", 1) for line in plain.attack_choice)
     assert lines["fedavg_epochs"] == ("left out: fedavg_epochs reads a FedAvg client's local training (protocol "

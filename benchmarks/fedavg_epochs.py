@@ -2,14 +2,15 @@
 2 local epochs over 4 batches of 16 (64 images), the client shuffling its images every epoch.
 
 Case: Fashion-MNIST test images (Debian's dataset-fashion-mnist) at ``--size`` px; the zoo's ``mlp`` (two hidden
-ReLU layers of 256 units), untrained; protocol ``fedavg`` with ``local_epochs`` 2, ``local_batch_size`` 16,
-``local_lr`` ``--lr`` and ``shuffle: true``; labels recovered from the update (not given). Each attack's
-reconstructions are matched to the originals (least MSE) and scored as the project scores a batch: mean PSNR
-against the class means' (each original's class mean over the training split, the no-gradient guess), and the
-decoy test (each original named among 8 same-class decoys beyond chance, docs/verdicts.md). Prints one row per
-attack with the figures and the seconds.
+ReLU layers of 256 units), untrained; protocol ``fedavg`` with ``local_epochs`` ``--epochs`` (2),
+``local_batch_size`` 16, ``local_lr`` ``--lr`` and ``shuffle: true``; labels recovered from the update (not
+given). Each attack's reconstructions are matched to the originals (least MSE) and scored as the project scores a
+batch: mean PSNR against the class means' (each original's class mean over the training split, the no-gradient
+guess), and the decoy test (each original named among 8 same-class decoys beyond chance, docs/verdicts.md).
+Prints one row per attack with the figures and the seconds.
 
-    python benchmarks/fedavg_epochs.py [--images 64] [--iterations 400] [--lr 0.1] [--invariant 0.1] [--threads 2]
+    python benchmarks/fedavg_epochs.py [--images 64] [--iterations 400] [--lr 0.1] [--epochs 2] [--invariant 1]
+                                       [--threads 2]
 """
 from __future__ import annotations
 
@@ -100,13 +101,14 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=FedAvgEpochs.auto_params["cpu"]["iterations"])
     parser.add_argument("--lr", type=float, default=0.1, help="the client's local SGD step size")
+    parser.add_argument("--epochs", type=int, default=2, help="the client's local epochs")
     parser.add_argument("--invariant", type=float, default=FedAvgEpochs.params["invariant"].default,
                         help="fedavg_epochs' weight of the epoch-order-invariant prior (0: copies left free)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    case = shuffled_case(args.images, args.size, args.lr)
-    print(f"{args.images} Fashion-MNIST images at {args.size} px, untrained mlp, fedavg 2 epochs x "
+    case = shuffled_case(args.images, args.size, args.lr, epochs=args.epochs)
+    print(f"{args.images} Fashion-MNIST images at {args.size} px, untrained mlp, fedavg {args.epochs} epochs x "
           f"{args.images // 16} batches of 16 at lr {args.lr}, shuffled; {args.iterations} iterations, invariant prior "
           f"{args.invariant}, {args.threads} threads")
     print("| attack | mean PSNR (dB) | class means (dB) | named among decoys | p | seconds |")

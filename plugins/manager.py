@@ -39,6 +39,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.cinet",
     "leakaudit.attacks.imprint",
     "leakaudit.attacks.decomposition",
+    "leakaudit.attacks.fedavg_epochs",
     "leakaudit.attacks.learned",
     "leakaudit.attacks.text",
     "leakaudit.evaluator.zoo.metrics",

@@ -39,8 +39,10 @@ class Protocol:
     #: Every protocol type is a frozen dataclass, so that ``dataclasses.replace`` sets its secure aggregation.
     __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
-    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor) -> list[Tensor]:
-        """The clean update the client computes on its batch (detached)."""
+    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor,
+                      generator: torch.Generator | None = None) -> list[Tensor]:
+        """The clean update the client computes on its batch (detached); ``generator`` is the client's own, for a
+        protocol that draws (FedAvg's shuffle)."""
         return [g.detach() for g in self.attacker_update(model, loss_fn, inputs, labels, create_graph=False)]
 
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
@@ -88,6 +90,9 @@ class FedAvg(Protocol):
     (all images when None), SGD at ``local_lr``; the client sends ``theta_before - theta_after``
     (Geiping et al. 2020, Sec. 6). Attackers unroll the local steps.
 
+    ``shuffle``: each epoch the client draws a new order of its images from its own generator, which the
+    attacker does not see (Dimitrov et al. 2022); ``attacker_update`` still models the images in order.
+
     ``clients`` > 1 is secure aggregation: the update's images are shared out in order among that many
     clients, each trains from the same weights on its own, and the server sees only the mean of their
     updates (Bonawitz et al. 2017). Attackers unroll every client's steps and average them as the server does.
@@ -97,6 +102,7 @@ class FedAvg(Protocol):
     local_batch_size: int | None = None
     local_lr: float = 1e-4
     clients: int = 1
+    shuffle: bool = False
 
     name: ClassVar[str] = "fedavg"
     params: ClassVar[dict[str, Param]] = {
@@ -105,8 +111,23 @@ class FedAvg(Protocol):
         "local_lr": Param(1e-4, float, min=0.0, exclusive_min=True, help="local SGD step size"),
         "clients": Param(1, int, min=1, max=4096, help="secure aggregation: the update is the mean of this many "
                                                       "clients' updates, data.batch_size images shared among them"),
+        "shuffle": Param(False, bool, help="each epoch the client shuffles its images with its own seeded generator, "
+                                           "an order the attacker does not know (Dimitrov et al. 2022); false: in "
+                                           "order"),
     }
     sends_gradient: ClassVar[bool] = False
+
+    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor,
+                      generator: torch.Generator | None = None) -> list[Tensor]:
+        """The clean update; under ``shuffle`` each client's epochs take orders drawn from ``generator``."""
+        if not self.shuffle or generator is None:
+            return super().client_update(model, loss_fn, inputs, labels, generator)
+        each = []
+        for x, y in self._shares(inputs, labels):
+            orders = [torch.randperm(len(x), generator=generator, device=generator.device).to(x.device)
+                      for _ in range(self.local_epochs)]
+            each.append(fedavg_update(model, loss_fn, x, y, self, orders=orders))
+        return [torch.stack(parts).mean(0).detach() for parts in zip(*each)]
 
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
                         create_graph: bool = True) -> list[Tensor]:
@@ -170,7 +191,8 @@ class OwnStep(Protocol):
             raise ValueError("protocol step: function is required ('package.module:train_step' or a callable)")
         return import_factory(self.function)
 
-    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor) -> list[Tensor]:
+    def client_update(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor,
+                      generator: torch.Generator | None = None) -> list[Tensor]:
         if self.lr is None:
             raise ValueError("protocol step: lr is required (the SGD step size of your step function)")
         return captured_update(model, self.step_function(), inputs, labels, self.lr)
@@ -251,15 +273,17 @@ def fedsgd_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
 
 
 def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, protocol: FedAvg,
-                  create_graph: bool = False) -> list[Tensor]:
-    """``theta_before - theta_after`` of local SGD, unrolled so it can stay differentiable in ``inputs``."""
+                  create_graph: bool = False, orders: list[Tensor] | None = None) -> list[Tensor]:
+    """``theta_before - theta_after`` of local SGD, unrolled so it can stay differentiable in ``inputs``;
+    ``orders``: each epoch's order of the images (None: in order)."""
     names = parameter_names(model)
     start: dict[str, Tensor] = dict(zip(names, trainable(model)))
     current = dict(start)
     b = protocol.local_batch_size or len(inputs)
-    for _ in range(protocol.local_epochs):
+    for epoch in range(protocol.local_epochs):
+        x, y = (inputs, targets) if orders is None else (inputs[orders[epoch]], targets[orders[epoch]])
         for i in range(0, len(inputs), b):
-            loss = loss_fn(functional_call(model, current, (inputs[i:i + b],)), targets[i:i + b])
+            loss = loss_fn(functional_call(model, current, (x[i:i + b],)), y[i:i + b])
             # a parameter the candidate does not reach (the token embedding, where an attack feeds embeddings)
             # takes no step
             grads = torch.autograd.grad(loss, list(current.values()), create_graph=create_graph, allow_unused=True,
@@ -303,7 +327,7 @@ class ClientStep:
 
     def clean_update(self) -> list[Tensor]:
         """The update before any defense touches it."""
-        return self.protocol.client_update(self.model, self.loss_fn, self.inputs, self.labels)
+        return self.protocol.client_update(self.model, self.loss_fn, self.inputs, self.labels, self.generator)
 
 
 @dataclass

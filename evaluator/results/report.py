@@ -84,11 +84,14 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
     fields: dict[str, Any] = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)} \
         if dataclasses.is_dataclass(protocol) else {}  # its settings, not its ClassVars
     clients = fields.pop("clients", 1)
+    shuffled = fields.pop("shuffle", False)
     own = sorted({s.clients for s in audit.settings if s.clients is not None})
     unit = example_unit(audit)
     seen = (f"; one update of {audit.data.batch_size} private {unit}(s)" if clients == 1 and not own else
             f"; under secure aggregation the server sees only the mean of {clients} clients' updates, "
             f"each of {audit.data.batch_size // clients} private {unit}(s)")
+    if shuffled:
+        seen += "; each local epoch in an order the client draws and the server does not know"
     if own:
         seen += f" (settings that name their clients: the mean of {', '.join(map(str, own))} clients' updates)"
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]

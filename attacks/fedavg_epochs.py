@@ -84,15 +84,21 @@ def invariant_prior(copies: Tensor, labels: Tensor, temperature: float) -> Tenso
     return (logits.exp() * costs).sum((-2, -1)).mean() / len(labels) ** 2
 
 
+def local_epochs(threat: ThreatModel) -> int:
+    """The FedAvg client's local epochs (``unsupported`` refuses every other protocol before any work)."""
+    assert isinstance(threat.protocol, FedAvg), "fedavg_epochs reads FedAvg updates only"
+    return threat.protocol.local_epochs
+
+
 def merged_copies(copies: Tensor, labels: Tensor) -> Tensor:
     """Each image's copies averaged: every later epoch's copies matched to the first epoch's by an exact
     assignment within a label (scipy's), once, after the optimisation."""
     if len(copies) < 2:
         return copies[0]
     costs = copy_costs(copies).masked_fill(~(labels[:, None] == labels[None, :]), float("inf"))
-    costs = costs.nan_to_num(posinf=1e30).cpu().numpy()
+    table = costs.nan_to_num(posinf=1e30).cpu().numpy()
     merged = copies[0].clone()
-    for e, cost in enumerate(costs, start=1):
+    for e, cost in enumerate(table, start=1):
         rows, cols = linear_sum_assignment(cost)
         merged[torch.as_tensor(cols, device=copies.device)] += copies[e][torch.as_tensor(rows, device=copies.device)]
     return merged / len(copies)
@@ -161,7 +167,7 @@ class FedAvgEpochs(Attack):
     def reconstruct_all(cls, problems: list[Problem[Self]], max_problems: int | None = None) -> list[Reconstruction]:
         """Problems with like settings, and their restarts, optimised together in one vmapped pass."""
         return solve_all(cls, problems, max_problems, per_problem=cls.per_problem, can_vectorise=lambda t: True,
-                         build=cls._batch, images=lambda p: p.threat.protocol.local_epochs,
+                         build=cls._batch, images=lambda p: local_epochs(p.threat),
                          rows=lambda p: p.attack.restarts)
 
     @classmethod
@@ -171,7 +177,7 @@ class FedAvgEpochs(Attack):
         if not vectorisable(threat):
             raise ValueError(f"{cls.name}: the model draws noise or carries backward hooks, which torch.func's "
                              "simulation of local training cannot pass")
-        epochs = threat.protocol.local_epochs
+        epochs = local_epochs(threat)
         labels, starts = [], []
         for p in problems:  # each problem's draws in the order it makes them alone: labels, their order, starts
             found = recover_labels(p.observed, p.threat, p.attack.label_method, p.generator)
@@ -218,7 +224,7 @@ class FedAvgEpochs(Attack):
         """One problem's reconstruction: its best restart's copies matched and averaged."""
         rows = [r for r, o in enumerate(batch.owners) if o == index]
         best = min(rows, key=lambda r: float(final[r]))
-        epochs = problem.threat.protocol.local_epochs
+        epochs = local_epochs(problem.threat)
         merged = merged_copies(images[best].detach().view(epochs, -1, *images.shape[2:]), labels)
         return Reconstruction(problem.threat.to_pixels(merged), labels, trace[:, rows[0]].tolist(), 0.0,
                               {"match_loss": float(final[best])})

@@ -3,6 +3,7 @@ docs/results.md.
 
     python benchmarks/quickstart_readme.py            # rewrites README.md's quickstart block and its time
     python benchmarks/quickstart_readme.py --check    # only prints them
+    python benchmarks/quickstart_readme.py --text     # the text quickstart's time and verdicts, in docs/results.md
 
 The README's verdict lines are then the run's own (tests/test_quickstart.py fails when they drift), and its
 time is this script's measurement: wall seconds of `leakaudit run configs/quickstart.yaml` with the default
@@ -28,12 +29,12 @@ TIME = re.compile(r"\((?:under\s+a\s+minute|about\s+\d+\s+s)\s+on\s+\d+\s+CPU\s+
                   r"benchmarks/quickstart_readme\.py\)", re.S)
 
 
-def run_quickstart() -> tuple[list[str], list[dict], float]:
-    """The verdict lines the quickstart prints, its summary's worst cases, and its wall seconds, as on a fresh
+def run_quickstart(config: str = "quickstart.yaml") -> tuple[list[str], list[dict], float]:
+    """The verdict lines a quickstart prints, its summary's worst cases, and its wall seconds, as on a fresh
     install (an empty analysis cache)."""
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "leakaudit", "run", str(ROOT / "configs" / "quickstart.yaml"),
+        done = subprocess.run([sys.executable, "-m", "leakaudit", "run", str(ROOT / "configs" / config),
                                "--out", out, "--no-progress"], capture_output=True, text=True, check=True,
                               env={**os.environ, "LEAKAUDIT_CACHE": cache})
         seconds = time.perf_counter() - start
@@ -49,6 +50,25 @@ def results_block(worst: list[dict], seconds: float) -> str:
     return "\n".join([f"{round(seconds)} s of wall time on {measured_on()}, on a fresh install (an empty analysis cache).",
                       "Worst-case PSNR as the run prints it (README.md shows the same lines):", "",
                       "| setting | test accuracy | PSNR (dB) [95% CI] | verdict |", "| --- | --- | --- | --- |", *rows])
+
+
+def text_block(worst: list[dict], decision: str, seconds: float) -> str:
+    """docs/results.md's text quickstart: its time, each setting's verdict with its strongest attack's ROUGE-1
+    and PII recall, and the decision, as the run printed them."""
+    def cell(value: float | None, ci: list[float] | None = None) -> str:
+        if value is None:
+            return "n/a"
+        return f"{value:.3f}" + ("" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
+
+    rows = [f"| {w['setting']} | {w['verdict']}{' (' + w['level'] + ')' if w.get('level') else ''} | {w['attack']} | "
+            f"{cell(w.get('rouge1'), w.get('rouge1_ci'))} | {cell(w.get('pii_recall'))} | {cell(w.get('accuracy'))} |"
+            for w in worst]
+    return "\n".join([
+        "```bash", "leakaudit run configs/text_quickstart.yaml --out runs/text_quickstart", "```", "",
+        f"{round(seconds)} s of wall time ({seconds / 60:.1f} min) on {measured_on()}, on a fresh install. Each "
+        "setting's verdict and its strongest attack, as the run printed them:", "",
+        "| setting | verdict (level) | strongest attack | its ROUGE-1 [95% CI] | its PII recall | accuracy |",
+        "| --- | --- | --- | --- | --- | --- |", *rows, "", f"The run's {decision}"])
 
 
 def readme_block(text: str) -> list[str]:
@@ -73,7 +93,19 @@ def rewrite(text: str, verdicts: list[str], seconds: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="print, do not write")
-    check = parser.parse_args().check
+    parser.add_argument("--text", action="store_true", help="the text quickstart, into docs/results.md")
+    args = parser.parse_args()
+    check = args.check
+    if args.text:
+        verdicts, worst, seconds = run_quickstart("text_quickstart.yaml")
+        print("\n".join(verdicts))
+        print(f"text quickstart: {seconds:.1f} s wall on {measured_on()}")
+        decision = next((line for line in verdicts if line.startswith("decision:")), "decision: none printed")
+        if not check:
+            write_block(ROOT / "docs" / "results.md", "benchmarks/quickstart_readme.py (text)",
+                        text_block(worst, decision, seconds))
+            print("wrote docs/results.md")
+        return
     verdicts, worst, seconds = run_quickstart()
     print("\n".join(verdicts))
     print(f"quickstart: {seconds:.1f} s wall on {measured_on()}")

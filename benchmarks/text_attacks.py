@@ -19,7 +19,7 @@ from leakaudit.attacks.text import AdapterSpan, BayesText, Dager, Lamp, Tag
 from leakaudit.defenses.dpsgd import DPSGD
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.defenses.pruning import RandomPrune, TopK
-from leakaudit.defenses.text import Lora
+from leakaudit.defenses.text import Lora, draw_adapters
 from leakaudit.evaluator.zoo.text import (TinyTransformer, classification_loss, load_pii_sentences,
                                           load_python_reference, rouge, text_assignment)
 from leakaudit.plugins.attack import ThreatModel
@@ -196,10 +196,7 @@ def adapters(iterations: int) -> None:
             model = Lora(rank=rank).wrap_model(TinyTransformer(data.vocab_size, data.num_classes, 16, width=width,
                                                                layers=3, heads=4))
             if trained:
-                with torch.no_grad():
-                    for name, p in model.named_parameters():
-                        if name.endswith("lora_b"):
-                            p.normal_(0, 0.02)
+                draw_adapters(model)
             x, y = data.test_x[:batch], data.test_y[:batch]
             attack = AdapterSpan()
             refused = attack.unsupported(model, batch, FEDSGD)

@@ -69,6 +69,16 @@ class LowRankAdapter(nn.Module):
         return weight + self.scale * self.lora_b @ self.lora_a
 
 
+def draw_adapters(model: nn.Module, std: float = 0.02) -> nn.Module:
+    """``model`` with its LoRA adapters' B drawn away from zero (normal, ``std``, from torch's global generator), as
+    after training rounds: LoRA starts B at zero, where dL/dA vanishes, and later rounds' updates carry both."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, std)
+    return model
+
+
 class Lora(DeterministicDefense):
     """LoRA-only updates (Hu et al. 2022): every weight but the attention projections' adapters and the
     classifier head frozen, so the client shares the adapters' gradients and the head's, exactly. The head is

@@ -7,7 +7,7 @@ import torch
 
 from leakaudit.attacks.text import AdapterSpan, span_distance
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.defenses.text import Lora
+from leakaudit.defenses.text import Lora, draw_adapters
 from leakaudit.evaluator.zoo.text import TinyTransformer, classification_loss, load_pii_sentences, rouge, text_assignment
 from leakaudit.plugins.attack import ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
@@ -28,10 +28,7 @@ def _lora_update(data, rank: int, batch: int, trained: bool = False):
     torch.manual_seed(0)
     model = Lora(rank=rank).wrap_model(TinyTransformer(data.vocab_size, data.num_classes, LENGTH, layers=3))
     if trained:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("lora_b"):
-                    p.normal_(0, 0.02)
+        draw_adapters(model)
     x, y = data.test_x[:batch], data.test_y[:batch]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     grads = torch.autograd.grad(classification_loss(model(x), y), [p for _, p in named])

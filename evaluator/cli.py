@@ -260,7 +260,8 @@ def cmd_validate(args) -> int:
         print(f"  frontier {spec.where}: {spec.name} {spec.knob} in [{spec.low:g}, {spec.high:g}] ({spec.protects} "
               f"protects), to within a factor {spec.tolerance:g}: at most {probes} probes, both ends counted above; "
               f"up to {probes - 2} more, one after another, each {audit.utility.train_steps} training steps and "
-              f"{per} attack jobs: up to {(probes - 2) * per} more jobs")
+              f"{per} attack jobs: up to {(probes - 2) * per} more jobs; then its choice and its undefended "
+              f"reference again on {audit.data.targets} fresh targets: {2 * per} more jobs")
     needs = {a.key: audit.registry.get("attack", a.name).attacker or "undeclared" for a in audit.attacks}
     print("  threat models (the least attacker each attack needs, Carletti et al. 2025): "
           + "; ".join(f"{key}: {who}" for key, who in needs.items()))

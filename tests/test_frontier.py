@@ -245,3 +245,15 @@ def test_a_frontier_choice_that_leaks_on_fresh_targets_is_not_shipped():
                                       "ones" in refuted.reason
     alone = decide([none, b], {}, 0.16, 0.95, confirmed={"b": {**held, "verdict": "leaks"}})
     assert (alone.setting, alone.binds) == (None, "privacy")
+
+
+def test_validate_counts_the_probes_and_the_fresh_targets_confirmation(tmp_path, capsys):
+    """validate says what a search may add: its probes' jobs, and the choice attacked again with its reference on
+    as many fresh targets."""
+    from leakaudit.evaluator.cli import main
+
+    assert main(["validate", _search_audit(tmp_path)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  frontier defenses[1]")]
+    assert line.endswith("at most 4 probes, both ends counted above; up to 2 more, one after another, each 30 "
+                         "training steps and 2 attack jobs: up to 4 more jobs; then its choice and its undefended "
+                         "reference again on 2 fresh targets: 4 more jobs")

@@ -38,7 +38,10 @@ def run_quickstart(config: str = "quickstart.yaml") -> tuple[list[str], list[dic
                                "--out", out, "--no-progress"], capture_output=True, text=True, check=True,
                               env={**os.environ, "LEAKAUDIT_CACHE": cache})
         seconds = time.perf_counter() - start
-        worst = json.loads((Path(out) / "summary.json").read_text())["worst_case"]
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        cells = {(c["setting"], c["attack"], c["checkpoint"]): c for c in summary["cells"]}
+        worst = [{**w, "cell": cells.get((w["setting"], w["attack"], w["checkpoint"]), {})}
+                 for w in summary["worst_case"]]  # each worst case with its strongest attack's cell
     shown = [line for line in done.stdout.splitlines() if line.startswith(("  ", "decision:", "frontier "))]
     return shown, worst, seconds  # each verdict with its reason, then the decision
 
@@ -61,7 +64,8 @@ def text_block(worst: list[dict], decision: str, seconds: float) -> str:
         return f"{value:.3f}" + ("" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
 
     rows = [f"| {w['setting']} | {w['verdict']}{' (' + w['level'] + ')' if w.get('level') else ''} | {w['attack']} | "
-            f"{cell(w.get('rouge1'), w.get('rouge1_ci'))} | {cell(w.get('pii_recall'))} | {cell(w.get('accuracy'))} |"
+            f"{cell(w.get('rouge1'), w.get('rouge1_ci'))} | {cell(w['cell'].get('pii_recall'))} | "
+            f"{cell(w.get('accuracy'))} |"
             for w in worst]
     return "\n".join([
         "```bash", "leakaudit run configs/text_quickstart.yaml --out runs/text_quickstart", "```", "",

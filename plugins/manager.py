@@ -170,13 +170,11 @@ class Registry:
         table = self.entries[kind]
         if name in table:
             raise PluginError(f"{kind} name {name!r} is registered by both {table[name].origin} and {origin}")
-        unknown = _unknown_update_kinds(kind, obj)
-        if unknown:
+        problem = _update_kind_problem(kind, obj)
+        if problem:
             from leakaudit.plugins.defense import UPDATE_KINDS
 
-            key = "reads" if kind == "attack" else "shares"
-            raise PluginError(f"plugin {origin}: {kind} {name!r}: {key} names {', '.join(map(repr, unknown))}, not a "
-                              f"kind of update; choices: {', '.join(UPDATE_KINDS)}")
+            raise PluginError(f"plugin {origin}: {kind} {name!r}: {problem}; choices: {', '.join(UPDATE_KINDS)}")
         table[name] = Entry(kind, name, obj, origin)
 
     def get(self, kind: str, name: str) -> Any:
@@ -190,14 +188,21 @@ class Registry:
             yield from (self.entries[kind][n] for n in self.names(kind))
 
 
-def _unknown_update_kinds(kind: str, obj: Any) -> list[str]:
-    """The kinds of update an attack's ``reads`` or a defense's ``shares`` names that ``UPDATE_KINDS`` lacks."""
-    if kind not in ("attack", "defense"):
-        return []
+def _update_kind_problem(kind: str, obj: Any) -> str | None:
+    """What is wrong with an attack's ``reads`` (a tuple of kinds of update) or a defense's ``shares`` (one kind),
+    as ``UPDATE_KINDS`` names them; None where nothing is."""
     from leakaudit.plugins.defense import UPDATE_KINDS
 
-    named = getattr(obj, "reads", ()) if kind == "attack" else (getattr(obj, "shares", None) or "full",)
-    return [k for k in ([named] if isinstance(named, str) else named) if k not in UPDATE_KINDS]
+    if kind == "attack":
+        reads = getattr(obj, "reads", ())
+        if isinstance(reads, str) or not isinstance(reads, (tuple, list)):
+            return f"reads is {reads!r}; expected a tuple of kinds of update, e.g. ('full',)"
+        unknown = [k for k in reads if k not in UPDATE_KINDS]
+        return f"reads names {', '.join(map(repr, unknown))}, not a kind of update" if unknown else None
+    if kind == "defense":
+        shares = getattr(obj, "shares", "full")
+        return None if shares in UPDATE_KINDS else f"shares is {shares!r}, not a kind of update"
+    return None
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:

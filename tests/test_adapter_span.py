@@ -132,3 +132,18 @@ def test_a_plugin_naming_an_unknown_kind_of_update_is_refused_in_one_line():
                                           r"update; choices: full, no embedding, adapters$"):
         Registry().add("attack", Misread, "mine")
     Registry().add("defense", Lora, "mine")  # a declared kind passes
+
+    class Bare(AdapterSpan):  # one kind given as text, not a tuple of them: each letter would count as a kind
+        name = "bare"
+        reads = "adapters"  # the mistake under test
+
+    with pytest.raises(PluginError, match=r"^plugin mine: attack 'bare': reads is 'adapters'; expected a tuple of "
+                                          r"kinds of update, e.g. \('full',\); choices: full, no embedding, adapters$"):
+        Registry().add("attack", Bare, "mine")
+
+    class Unsaid(Lora):
+        name = "unsaid"
+        shares = None  # the mistake under test
+
+    with pytest.raises(PluginError, match=r"^plugin mine: defense 'unsaid': shares is None, not a kind of update"):
+        Registry().add("defense", Unsaid, "mine")

@@ -243,8 +243,13 @@ def test_a_frontier_choice_that_leaks_on_fresh_targets_is_not_shipped():
     refuted = decide([none, a, b], {}, 0.16, 0.95, confirmed={"b": {**held, "verdict": "leaks"}})
     assert refuted.setting == "a" and "not shipped: b, which protected on the searched targets but leaks on fresh " \
                                       "ones" in refuted.reason
+    assert refuted.reason.endswith("r. It was not attacked on fresh targets; not shipped: b, which protected on the "
+                                   "searched targets but leaks on fresh ones")  # the one shipped instead says so
     alone = decide([none, b], {}, 0.16, 0.95, confirmed={"b": {**held, "verdict": "leaks"}})
     assert (alone.setting, alone.binds) == (None, "privacy")
+    unsure = decide([none, b], {}, 0.16, 0.95, confirmed={"b": {**held, "verdict": "inconclusive"}})
+    assert unsure.setting == "b" and unsure.reason.endswith(
+        "Not confirmed on 4 fresh targets that took no part in the search: inconclusive there (why)")
 
 
 def test_validate_counts_the_probes_and_the_fresh_targets_confirmation(tmp_path, capsys):

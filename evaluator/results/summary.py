@@ -224,9 +224,11 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
     protecting = [w for w in protecting if w not in refuted]
     if protecting:
         best, interval = most_accurate(protecting)
+        fresh = _fresh_words(confirmed.get(best.setting)) if best.setting in confirmed else (
+            ". It was not attacked on fresh targets" if refuted else "")
         return Decision(best.setting, best.verdict, best.accuracy, interval, None, f"of the {len(protecting)} "
                         f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}){cost(best)}; "
-                        f"{best.reason}{_fresh_words(confirmed.get(best.setting))}{_refuted_words(refuted)}")
+                        f"{best.reason}{fresh}{_refuted_words(refuted)}")
     unusable = [w for w in defended if w.verdict == "protects but unusable"]
     if unusable:
         best, interval = most_accurate(unusable)
@@ -235,7 +237,7 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
                         f"accuracy a usable model needs ({_acc(_needed_by(best, needed, undefended, max_drop))}); "
                         f"the most accurate of them, {best.setting}, "
                         f"reaches {_acc(best.accuracy)}{cost(best)}. Search between it and the strongest setting that leaks "
-                        "(frontier:), or try a defense that costs less accuracy")
+                        f"(frontier:), or try a defense that costs less accuracy{_refuted_words(refuted)}")
     leaking = [w for w in defended if w.verdict == "leaks"] + refuted
     if leaking:
         return Decision(None, None, None, None, "privacy",
@@ -261,6 +263,9 @@ def _fresh_words(fresh: dict[str, Any] | None) -> str:
         return ""
     if fresh.get("verdict") is None:
         return f". On fresh targets: {fresh['reason']}"
+    if fresh["verdict"] not in ("protects", "protects but unusable"):
+        return (f". Not confirmed on {fresh['targets']} fresh targets that took no part in the search: "
+                f"{fresh['verdict']} there ({fresh['reason']})")
     return (f". Confirmed on {fresh['targets']} fresh targets that took no part in the search: {fresh['verdict']} "
             f"({fresh['reason']})")
 

@@ -176,13 +176,12 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     finished = {row_key(r) for r in folder.results.read()}  # only the attack phase adds rows
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
-        workers = pool.workers
-        folder.start_session(run_info(scenario, workers, pool.where))
+        folder.start_session(run_info(scenario, pool.workers, pool.where))
         _work(audit, folder, pool, progress, on_rows)
         if audit.frontiers:
             _search_frontiers(scenario, folder, pool, progress, on_rows)
     if audit.frontiers:
-        _confirm_frontiers(scenario, folder, workers, progress)
+        _confirm_frontiers(scenario, folder, workers, progress)  # its own pool, sized for its own pending work
 
     trials = folder.tuning.read()
     rows = _in_job_order(audit, folder.results.read())
@@ -323,6 +322,8 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     audit = folder.audit
     add_probes(audit, folder)
     missing = [name for name in (BASELINES, ARCHITECTURE, RUN_INFO) if not (folder.path / name).exists()]
+    if (folder.path / FRESH).is_dir() and not (folder.path / CONFIRMED).exists():
+        missing.append(f"{CONFIRMED}: the frontier choice's attacks on fresh targets did not finish")
     if missing or not folder.results.path.exists():
         raise RunError(f"{folder.path}: no finished run to report on (missing {', '.join(missing or [RESULTS])}); "
                        f"finish it with: leakaudit run {audit.path} --out {folder.path} --resume")

@@ -90,8 +90,11 @@ class AuditWorker:
         model.train(sc.model_section(setting).mode == "train")
         shared: dict[int, tuple] = {}
         out, originals = [], []
+        # a frontier's fresh targets draw their own noise and starts: batch indices counted on from the searched ones
+        first = 0 if purpose else sc.audit.data.target_offset // sc.batch_size(setting)
         for pixels, labels, index, attack in batches:
-            share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint, index, purpose)
+            share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint,
+                                                     first + index, purpose)
             if index not in shared:  # every trial of a search attacks the same update of a batch
                 pixels = defense.augment(pixels, share_gen)
                 step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.protocol(setting))

@@ -49,7 +49,8 @@ def test_mypy_follows_readmes_editable_install(tmp_path):
             shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--prefix", str(env), "--config-settings", "editable_mode=strict", "-e", str(src)],
+                    "--no-index", "--ignore-installed", "--prefix", str(env), "--config-settings", "editable_mode=strict",
+                    "-e", str(src)],  # --ignore-installed: never uninstall the leakaudit this suite runs on
                    check=True, capture_output=True)
     probe = tmp_path / "probe.py"
     probe.write_text("import leakaudit\nreveal_type(leakaudit.Defense)\n")

@@ -63,8 +63,11 @@ def budget_lines(plan: dict[str, Any]) -> list[str]:
     if not plan["cut"]:
         head += "; it fits, nothing cut"
     lines = [head, *(f"  cut: {line}" for line in plan["cut"])]
-    skipped = plan.get("skipped", [])
+    skipped: dict[str, dict[str, list[str]]] = {}
+    for setting, attack, step, _ in plan.get("skipped", []):
+        skipped.setdefault(attack, {}).setdefault(setting, []).append(str(step))
     if skipped:
-        lines.append(f"  skipped once settled ({len(skipped)} cell{'s' * (len(skipped) != 1)}): "
-                     + "; ".join(f"{s}, {a}, step {c}: {why}" for s, a, c, why in skipped))
+        lines.append("  skipped where the step's verdict was already a leak of individuals: " + "; ".join(
+            f"{attack} on " + ", ".join(f"{s} (step {', '.join(steps)})" for s, steps in where.items())
+            for attack, where in skipped.items()))
     return lines

@@ -2,8 +2,9 @@
 training step under each setting, of each attack's fixed part and of one unit of its ``budget`` parameter), cached
 per machine, torch and device as the architecture analysis is; and the plan that fits an audit into ``budget:``.
 
-A cell's time is ``fixed + per_unit * units``: both measured by running the cell (every target batch of one
-setting, at step 0) at a few units of the attack's budget parameter; an attack without one is run once in full.
+A cell's time is ``fixed + sum of per_unit[p] * units[p]`` over the attack's budget parameters (``Param.budget``:
+its iterations, Learning to Invert's simulated updates too), each measured by running the cell (every target batch
+of one setting, at step 0) at a few of its units; an attack without one is run once in full.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import json
 import math
 import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +37,9 @@ from leakaudit.plugins.attack import solve
 ESTIMATE_VERSION = 1  # bump when what a probe measures changes
 #: A probe adds units until its measured part takes this long (seconds): long enough to time, short enough to wait.
 PROBE_SECONDS = 0.3
-#: Starting the worker processes of a parallel run (imports, the audit, the data), seconds, in parallel.
-WORKER_START = 4.0
+#: A fresh process's start before its first job: Python, torch and leakaudit imported, the registry loaded.
+START_CODE = ("import leakaudit.evaluator.run.runner; from leakaudit.plugins.manager import load_registry; "
+              "load_registry([])")
 #: Writing the report: the guesses' scores, identification, figures and the page (seconds).
 REPORT_SECONDS = 6.0
 #: The smallest share of an attack's budget parameter a ``budget:`` scales it to; below it the attack is left out.
@@ -44,15 +48,16 @@ MIN_SHARE = 1 / 8
 
 @dataclass(frozen=True)
 class Cost:
-    """A measured cost: ``fixed + per_unit * units`` seconds for ``problems`` target batches (or training steps)."""
+    """A measured cost: ``fixed + sum of per_unit[p] * units[p]`` seconds for ``problems`` target batches (a
+    training's: ``per_unit["steps"]``)."""
 
     fixed: float
-    per_unit: float
+    per_unit: dict[str, float]
     problems: int = 1
 
-    def seconds(self, units: float, problems: float | None = None) -> float:
+    def seconds(self, units: dict[str, float], problems: float | None = None) -> float:
         share = 1.0 if problems is None else problems / self.problems
-        return (self.fixed + self.per_unit * units) * share
+        return (self.fixed + sum(c * units[p] for p, c in self.per_unit.items())) * share
 
 
 @dataclass
@@ -88,18 +93,16 @@ class Estimate:
         return out
 
 
-def budget_param(registry, name: str) -> str | None:
-    """The attack's parameter its work grows with (``Param.budget``), or None."""
-    return next((k for k, p in registry.get("attack", name).params.items() if p.budget), None)
+def budget_params(registry, name: str) -> dict[str, int]:
+    """The attack's parameters its work grows with (``Param.budget``), each with the least value it takes."""
+    return {k: max(1, int(p.min or 1)) for k, p in registry.get("attack", name).params.items() if p.budget}
 
 
-def units_of(audit: Audit, spec: AttackSpec, params: dict | None = None) -> float:
-    """The value of ``spec``'s budget parameter it runs with (0 for an attack without one)."""
-    lead = budget_param(audit.registry, spec.name)
-    if lead is None:
-        return 0.0
+def units_of(audit: Audit, spec: AttackSpec, params: dict | None = None) -> dict[str, float]:
+    """The values of ``spec``'s budget parameters it runs with."""
     given = spec.params if params is None else params
-    return float(given.get(lead, audit.registry.get("attack", spec.name).params[lead].default))
+    declared = audit.registry.get("attack", spec.name).params
+    return {p: float(given.get(p, declared[p].default)) for p in budget_params(audit.registry, spec.name)}
 
 
 class Calibration:
@@ -114,12 +117,11 @@ class Calibration:
     def attack(self, setting: DefenseSetting, spec: AttackSpec) -> Cost:
         """The cost of ``spec`` on every target batch of ``setting`` at one step."""
         audit = self.scenario.audit
-        lead = budget_param(audit.registry, spec.name)
         n = audit.num_batches_of(setting)
-        fixed = {k: v for k, v in spec.params.items() if k != lead}
+        fixed = {k: v for k, v in spec.params.items() if k not in budget_params(audit.registry, spec.name)}
         key = repr(("attack", spec.name, sorted(fixed.items()), self._world(setting), n))
         if key not in self.saved:
-            self.saved[key] = list(self._probe_attack(setting, spec, lead))
+            self.saved[key] = list(self._probe_attack(setting, spec))
         return Cost(*self.saved[key], problems=n)
 
     def training(self, setting: DefenseSetting) -> Cost:
@@ -129,6 +131,15 @@ class Calibration:
         if key not in self.saved:
             self.saved[key] = list(self._probe_training(setting))
         return Cost(*self.saved[key])
+
+    def start(self) -> float:
+        """Seconds a fresh process takes to import the engine and load the registry: the command's own start, and
+        each worker process's (spawned together)."""
+        if "start" not in self.saved:
+            began = time.perf_counter()
+            subprocess.run([sys.executable, "-c", START_CODE], check=True, capture_output=True)
+            self.saved["start"] = [time.perf_counter() - began, {}]
+        return self.saved["start"][0]
 
     def save(self) -> None:
         _write(self.path, self.saved)
@@ -141,28 +152,30 @@ class Calibration:
                      repr(audit.protocol_of(setting)), audit.max_problems, audit.precision, audit.compile,
                      audit.metrics, audit.threat.known_labels))
 
-    def _probe_attack(self, setting: DefenseSetting, spec: AttackSpec, lead: str | None) -> tuple[float, float]:
-        """Run the cell at 1 unit, then 4, 16, ... until the added units take ``PROBE_SECONDS`` (or the full
-        budget is reached): the fixed part and the cost of a unit."""
-        full = units_of(self.scenario.audit, spec)
-        first = self._time_cell(setting, spec, lead, 1)
-        if lead is None:
-            return first, 0.0
-        base = min(first, self._time_cell(setting, spec, lead, 1)) if first < 5.0 else first  # past the warm-up
-        units = 4
-        while True:
-            units = min(units, int(full))
-            seconds = self._time_cell(setting, spec, lead, units)
-            if seconds - base >= PROBE_SECONDS or units >= full:
-                break
-            units *= 4
-        per_unit = max(0.0, (seconds - base) / max(1, units - 1))
-        return max(0.0, base - per_unit), per_unit
+    def _probe_attack(self, setting: DefenseSetting, spec: AttackSpec) -> tuple[float, dict[str, float]]:
+        """Run the cell with every budget parameter at its least value, then raise one parameter at a time to 4,
+        16, ... times that until the added units take ``PROBE_SECONDS`` (or its full value is reached), the next
+        one probed from there (a unit of one can cost more with more of another: Learning to Invert's training
+        steps read minibatches of its simulated updates): the fixed part and the cost of a unit of each."""
+        audit = self.scenario.audit
+        held = budget_params(audit.registry, spec.name)
+        full = units_of(audit, spec)
+        first = self._time_cell(setting, spec, held)
+        base = min(first, self._time_cell(setting, spec, held)) if held and first < 5.0 else first  # warmed up
+        per_unit = {}
+        for name, low in list(held.items()):
+            units, seconds = low, base
+            while units < full[name] and seconds - base < PROBE_SECONDS:
+                units = int(min(4 * units, full[name]))
+                seconds = self._time_cell(setting, spec, {**held, name: units})
+            per_unit[name] = max(0.0, (seconds - base) / (units - low)) if units > low else 0.0
+            held[name], base = units, seconds
+        return max(0.0, base - sum(c * held[p] for p, c in per_unit.items())), per_unit
 
-    def _time_cell(self, setting: DefenseSetting, spec: AttackSpec, lead: str | None, units: int) -> float:
-        """Seconds to share, attack and score every target batch of ``setting`` with ``units`` of ``lead``."""
+    def _time_cell(self, setting: DefenseSetting, spec: AttackSpec, units: dict[str, int]) -> float:
+        """Seconds to share, attack and score every target batch of ``setting`` with ``units`` of its budget."""
         sc, audit = self.scenario, self.scenario.audit
-        attack = sc.attack(spec, {**spec.params, lead: units} if lead else None)
+        attack = sc.attack(spec, {**spec.params, **units})
         batches = [sc.target_batch(t, setting) for t in range(audit.num_batches_of(setting))]
         metrics = [audit.registry.get("metric", m) for m in audit.metrics]
         self.worker.provide_states(setting.key, lambda: {0: sc.fresh_model(sc.defense(setting), setting).state_dict()})
@@ -173,14 +186,14 @@ class Calibration:
             score(metrics, rec.images, pixels, rec.labels, labels)
         return time.perf_counter() - start
 
-    def _probe_training(self, setting: DefenseSetting) -> tuple[float, float]:
+    def _probe_training(self, setting: DefenseSetting) -> tuple[float, dict[str, float]]:
         """Time the training's set-up and first steps under ``setting`` and one accuracy check: the fixed part
         (set-up and every checkpoint's check) and a step's cost."""
         sc = self.scenario
         cfg, checkpoints = sc.audit.utility, sc.audit.checkpoints
         total = max(cfg.train_steps, max(checkpoints))
         if total == 0:
-            return 0.0, 0.0
+            return 0.0, {"steps": 0.0}
         defense = sc.defense(setting)
         trainer = defense if cfg.train_defended else NoDefense()
         start = time.perf_counter()
@@ -197,7 +210,7 @@ class Calibration:
         began = time.perf_counter()
         accuracy(current, sc)
         checks = (time.perf_counter() - began) * (len(checkpoints) + 1)
-        return set_up + checks, per_step
+        return set_up + checks, {"steps": per_step}
 
 
 def cache_dir() -> Path:
@@ -250,6 +263,7 @@ def calibrate(scenario: Scenario, workers: int) -> Calibration:
     torch.set_num_threads(threads)
     cal = Calibration(scenario, threads)
     try:
+        cal.start()
         for setting in audit.settings:
             cal.training(setting)
             for spec in audit.attacks:
@@ -263,8 +277,8 @@ def calibrate(scenario: Scenario, workers: int) -> Calibration:
 
 def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
     """The audit's wall time from measured costs: each phase's items shared among ``workers`` processes."""
-    training = {s.key: cal.training(s).seconds(max(audit.utility.train_steps, max(audit.checkpoints)))
-                for s in audit.settings}
+    steps = {"steps": max(audit.utility.train_steps, max(audit.checkpoints))}
+    training = {s.key: cal.training(s).seconds(steps) for s in audit.settings}
     tuning: dict[tuple, float] = {}
     for job in tune_jobs_of(audit):
         cost = cal.attack(job.setting, job.attack)
@@ -280,7 +294,7 @@ def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
     sizes = {k: sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == k) for k in cells}
     parts = [cells[k] * len(c.jobs) / sizes[k] for c in cells_of(jobs, workers)
              for k in [(c.first.setting.key, c.first.attack.key, c.first.checkpoint)]]
-    wall = {"start": WORKER_START if workers > 1 else 0.0, "training": _shared(list(training.values()), workers),
+    wall = {"start": cal.start() * (2 if workers > 1 else 1), "training": _shared(list(training.values()), workers),
             "tuning": _shared(list(tuning.values()), workers), "attacks": _shared(parts, workers),
             "report": REPORT_SECONDS}
     estimate = Estimate(workers, training, tuning, cells, wall)
@@ -349,17 +363,17 @@ def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
             continue
         scaled = _scaled(audit, spec, lambda s: total([*kept, s]) <= audit.budget)
         if scaled is not None:
-            lead = budget_param(audit.registry, spec.name)
             kept.append(scaled)
             plan["params"][spec.label] = scaled.params
-            plan["cut"].append(f"{spec.label}: {lead} {units_of(audit, spec):g} -> {scaled.params[lead]:g}")
+            before, after = units_of(audit, spec), units_of(audit, scaled)
+            plan["cut"].append(f"{spec.label}: " + ", ".join(f"{p} {before[p]:g} -> {after[p]:g}" for p in before))
             continue
-        need = total([*kept, _scaled_to(audit, spec, MIN_SHARE)]) - total(kept)
-        plan["dropped"][spec.label] = (f"left out: it needs about {duration_text(need)} even at "
-                                       f"1/{round(1 / MIN_SHARE)} of its {budget_param(audit.registry, spec.name) or 'budget'}")
+        need = total([*kept, _scaled_by(audit, spec, MIN_SHARE)]) - total(kept)
+        what = " and ".join(units_of(audit, spec)) or "budget"
+        plan["dropped"][spec.label] = f"left out: it needs about {duration_text(need)} even at 1/{round(1 / MIN_SHARE)} of its {what}"
         plan["cut"].append(f"{spec.label}: {plan['dropped'][spec.label]}")
     if not kept:
-        least = total([_scaled_to(audit, order[0], MIN_SHARE)])
+        least = total([_scaled_by(audit, order[0], MIN_SHARE)])
         raise ConfigError([f"{audit.path}: budget: {duration_text(audit.budget)} is less than the training and the "
                            f"cheapest attack ({order[0].label}) need here, about {duration_text(least)}; give at "
                            f"least {math.ceil(least / 60)}m"])
@@ -367,23 +381,18 @@ def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
 
 
 def _scaled(audit: Audit, spec: AttackSpec, fits) -> AttackSpec | None:
-    """``spec`` at the largest units of its budget parameter that ``fits`` allows, down to ``MIN_SHARE`` of its
-    own; None where it has no budget parameter or even that share does not fit."""
-    lead = budget_param(audit.registry, spec.name)
-    full = int(units_of(audit, spec))
-    low, high = max(1, math.ceil(full * MIN_SHARE)), full - 1
-    if lead is None or high < low or not fits(_at(spec, lead, low)):
+    """``spec`` with its budget parameters at the largest common share of their values that ``fits`` allows, down
+    to ``MIN_SHARE``; None where it has none or even that share does not fit."""
+    if not budget_params(audit.registry, spec.name) or not fits(_scaled_by(audit, spec, MIN_SHARE)):
         return None
-    while low < high:  # the largest units that fit: the time grows with them
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(_at(spec, lead, middle)) else (low, middle - 1)
-    return _at(spec, lead, low)
+    low, high = MIN_SHARE, 1.0
+    for _ in range(24):  # bisection on the share: the time grows with it
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(_scaled_by(audit, spec, middle)) else (low, middle)
+    return _scaled_by(audit, spec, low)
 
 
-def _scaled_to(audit: Audit, spec: AttackSpec, share: float) -> AttackSpec:
-    lead = budget_param(audit.registry, spec.name)
-    return spec if lead is None else _at(spec, lead, max(1, math.ceil(units_of(audit, spec) * share)))
-
-
-def _at(spec: AttackSpec, lead: str, units: int) -> AttackSpec:
-    return dataclasses.replace(spec, params={**spec.params, lead: units})
+def _scaled_by(audit: Audit, spec: AttackSpec, share: float) -> AttackSpec:
+    """``spec`` with each budget parameter at ``share`` of its value (rounded down, at least its least value)."""
+    least, full = budget_params(audit.registry, spec.name), units_of(audit, spec)
+    return dataclasses.replace(spec, params={**spec.params, **{p: max(least[p], int(full[p] * share)) for p in least}})

@@ -292,11 +292,15 @@ def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
         if key not in cells:
             cells[key] = cal.attack(job.setting, job.attack).seconds(units_of(audit, job.attack))
     sizes = {k: sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == k) for k in cells}
-    parts = [cells[k] * len(c.jobs) / sizes[k] for c in cells_of(jobs, workers)
-             for k in [(c.first.setting.key, c.first.attack.key, c.first.checkpoint)]]
+    parts: dict[str, list[float]] = {}  # each attack's cells, as the workers take them
+    for c in cells_of(jobs, workers):
+        key = (c.first.setting.key, c.first.attack.key, c.first.checkpoint)
+        parts.setdefault(key[1], []).append(cells[key] * len(c.jobs) / sizes[key])
+    # under a budget the attacks run one after another (a step's verdict may settle between them)
+    attacks = (sum(_shared(p, workers) for p in parts.values()) if audit.budget is not None
+               else _shared([s for p in parts.values() for s in p], workers))
     wall = {"start": cal.start() * (2 if workers > 1 else 1), "training": _shared(list(training.values()), workers),
-            "tuning": _shared(list(tuning.values()), workers), "attacks": _shared(parts, workers),
-            "report": REPORT_SECONDS}
+            "tuning": _shared(list(tuning.values()), workers), "attacks": attacks, "report": REPORT_SECONDS}
     estimate = Estimate(workers, training, tuning, cells, wall)
     if audit.frontiers:
         end = audit.frontiers[0].setting(audit.frontiers[0].strong).key

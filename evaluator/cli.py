@@ -199,11 +199,14 @@ def cmd_init(args) -> int:
     if args.file is not None:
         print(f"wrote {args.file}: check it with `leakaudit validate {args.file}`, run it with "
               f"`leakaudit run {args.file} --out runs/{name}`", file=sys.stderr)
-    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run.estimate import estimate_wanted
 
-    audit = load_audit(args.file or beside / f"{name}.yaml", args.plugins_dir, text=text, import_user_code=False)
-    for line in _forecast(audit):
-        print(line, file=sys.stderr)
+    if estimate_wanted():  # the starter's time on this machine, as validate would print it
+        from leakaudit.evaluator.audit.config import load_audit
+
+        audit = load_audit(args.file or beside / f"{name}.yaml", args.plugins_dir, text=text, import_user_code=False)
+        for line in _forecast(audit):
+            print(line, file=sys.stderr)
     return 0
 
 

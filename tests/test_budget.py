@@ -142,3 +142,18 @@ def test_a_tight_budget_fits_the_estimate_and_the_report_names_the_cut(write_aud
                for attack in plan["order"][1:] if attack not in plan["dropped"])
     report = (tmp_path / "run" / "report.html").read_text()
     assert "<dt>Budget</dt>" in report and plan["cut"][0].split(": ")[0] in report
+
+
+def test_the_progress_bars_count_down_the_whole_audit():
+    """Each phase's bar names the audit's time left: the phases still ahead, or the estimate less the time spent
+    where that is more."""
+    import time
+
+    from leakaudit.evaluator.run.estimate import Estimate
+    from leakaudit.evaluator.run.runner import Countdown
+
+    wall = {"start": 5.0, "training": 60.0, "tuning": 0.0, "attacks": 120.0, "report": 6.0}
+    estimate = Estimate(2, {}, {}, {}, wall)
+    assert Countdown(estimate, time.perf_counter()).left("training") == " (audit: about 3 min 11 s left)"
+    assert Countdown(estimate, time.perf_counter() - 100).left("attacks") == " (audit: about 2 min 06 s left)"
+    assert Countdown(None, time.perf_counter()).left("attacks") == ""

@@ -324,10 +324,10 @@ def estimate_audit(audit: Audit, workers: int | None = None) -> tuple[Estimate, 
     return predict(audit, cal, count), cal
 
 
-def estimate_wanted(audit: Audit) -> bool:
-    """Whether to measure before work: always under a budget, else unless ``LEAKAUDIT_ESTIMATE=0`` (a test
-    suite's many small audits, or a CI job that needs no forecast)."""
-    return audit.budget is not None or os.environ.get("LEAKAUDIT_ESTIMATE", "1") != "0"
+def estimate_wanted(audit: Audit | None = None) -> bool:
+    """Whether to measure before work: always under ``audit``'s budget, else unless ``LEAKAUDIT_ESTIMATE=0`` (a
+    test suite's many small audits, or a CI job that needs no forecast)."""
+    return (audit is not None and audit.budget is not None) or os.environ.get("LEAKAUDIT_ESTIMATE", "1") != "0"
 
 
 def plan_and_estimate(audit: Audit, workers: int | None = None) -> Estimate:

@@ -1,6 +1,6 @@
 """The time estimate that `leakaudit validate` prints against the measured run, on the quickstart and on the starter
-that docs/plugins.md's `leakaudit init` writes (and, with --realistic, configs/realistic_cnn16.yaml: 13 min or more
-on 2 cores), and the figures into docs/running.md.
+that docs/plugins.md's `leakaudit init` writes (and, with --realistic, configs/realistic_cnn16.yaml: 6 to 13 min on 2
+cores), and the figures into docs/running.md.
 
     python benchmarks/estimate_accuracy.py              # quickstart and starter; rewrites docs/running.md's table
     python benchmarks/estimate_accuracy.py --realistic  # and realistic_cnn16

@@ -66,7 +66,7 @@ class LikelihoodAttack(Attack):
     attacker = HONEST_SERVER
 
     params = {
-        "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS, help="Adam steps"),
+        "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS, help="Adam steps", budget=True),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="initial Adam step size"),
         "lr_decay": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True,
                           help="final step size as a fraction of the first (exponential decay)"),

@@ -97,7 +97,7 @@ class CINet(Attack):
     brings = "a convolutional generator's prior shared by a large batch"
     params = {
         "iterations": Param(2000, int, min=1, max=MAX_ITERATIONS,
-                            help="Adam steps on the generator (the last iterate is reported)"),
+                            help="Adam steps on the generator (the last iterate is reported)", budget=True),
         "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="Adam's step size on the signed gradient"),
         "latent": Param(128, int, min=1, help="latent size per image"),
         "width": Param(None, int, min=1, help=f"generator channels (default: {FIRST_WIDTH}, doubled while the "

@@ -512,7 +512,8 @@ class SpearSpan(Attack):
     params = {
         "starts": Param(256, int, min=1, max=1_000_000, help="candidate inputs searched together each round"),
         "steps": Param(200, int, min=0, max=100_000, help="Adam steps of each round before the exact solves"),
-        "rounds": Param(16, int, min=1, max=1000, help="most rounds; each takes the inputs found out of the search"),
+        "rounds": Param(16, int, min=1, max=1000, help="most rounds; each takes the inputs found out of the search",
+                        budget=True),
         "lr": Param(0.05, float, min=0.0, exclusive_min=True, help="Adam's step size"),
         "tolerance": Param(1e-6, float, min=0.0, exclusive_min=True,
                            help="an input is exact where its activation leaves the span by 100 times this share"),

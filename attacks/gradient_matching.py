@@ -76,7 +76,8 @@ class InvertingGradients(Attack):
     paper = "Geiping et al. 2020"
     auto_params = {"cpu": {"iterations": 1000}, "cuda": {"iterations": 4800}}
     params = {
-        "iterations": Param(4800, int, min=1, max=MAX_ITERATIONS, help="optimisation steps per restart"),
+        "iterations": Param(4800, int, min=1, max=MAX_ITERATIONS, help="optimisation steps per restart",
+                            budget=True),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam step size"),
         "priors": Param({"tv": 1e-2}, dict, help=PRIOR_WEIGHTS),
         "restarts": Param(1, int, min=1, help="random restarts; the best gradient match is kept"),
@@ -257,7 +258,7 @@ class DeepLeakage(Attack):
     paper = "Zhu et al. 2019"
     auto_skip = "inverting_gradients matches gradients more strongly (Geiping et al. 2020) and runs in its place"
     params = {
-        "iterations": Param(300, int, min=1, max=MAX_ITERATIONS, help="L-BFGS steps per restart"),
+        "iterations": Param(300, int, min=1, max=MAX_ITERATIONS, help="L-BFGS steps per restart", budget=True),
         "lr": Param(1.0, float, min=0.0, exclusive_min=True, help="L-BFGS step size"),
         "restarts": Param(4, int, min=1, help="random restarts; the best gradient match is kept"),
         "line_search": Param(True, bool, help="strong-Wolfe line search (off: fixed steps, as the DLG code)"),

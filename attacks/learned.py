@@ -131,11 +131,12 @@ class LearningToInvert(Attack):
     brings = "a data prior learned from the attacker's own images, for trained models"
     params = {
         "updates": Param(2048, int, min=16, max=10_000_000,
-                         help="defended updates of the attacker's own images it learns from"),
+                         help="defended updates of the attacker's own images it learns from", budget=True),
         "coordinates": Param(8192, int, min=1, max=100_000_000,
                              help="random coordinates of the update the network reads (all, where fewer)"),
         "width": Param(1000, int, min=1, max=100_000, help="units of each of the network's two hidden layers"),
-        "iterations": Param(1500, int, min=1, max=10_000_000, help="Adam steps training the network"),
+        "iterations": Param(1500, int, min=1, max=10_000_000, help="Adam steps training the network",
+                            budget=True),
         "minibatch": Param(64, int, min=1, max=100_000, help="updates per training step"),
         "lr": Param(1e-3, float, min=0.0, exclusive_min=True, help="Adam's step size (a tenth from 3/4 of the steps)"),
         "label_method": LABEL_METHOD,

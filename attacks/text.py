@@ -580,7 +580,7 @@ class Tag(Attack):
     paper = "Deng et al. 2021"
     modality = "text"
     params: ClassVar[dict[str, Param]] = {
-        "iterations": Param(2500, int, min=1, help="Adam steps on the embeddings"),
+        "iterations": Param(2500, int, min=1, help="Adam steps on the embeddings", budget=True),
         "lr": Param(0.01, float, min=0.0, help="Adam's step size"),
         "l1_weight": Param(0.01, float, min=0.0, help="weight of the absolute distance beside the squared one"),
         "use_token_set": Param(True, bool, help="read tokens only from the set the embedding's gradient reveals"),
@@ -804,7 +804,7 @@ class BayesText(Attack):
     uses_defense = True
     uses_likelihood = True
     params: ClassVar[dict[str, Param]] = {
-        "iterations": Param(2500, int, min=1, help="Adam steps on the relaxed tokens' logits"),
+        "iterations": Param(2500, int, min=1, help="Adam steps on the relaxed tokens' logits", budget=True),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam's step size"),
         "init_scale": Param(0.1, float, min=0.0, help="standard deviation of the logits' random start (0: uniform "
                             "distributions)"),

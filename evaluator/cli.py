@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="where the jobs run: worker processes here, or tasks on a Ray cluster (overrides the "
                           "name of executor: in the file; its other settings are kept)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--budget", metavar="DURATION",
+                     help="the wall time the audit may take, like 90s, 10m or 1h (overrides budget: in the file): "
+                          "attacks run cheapest first, the others scaled down or left out, and the report says "
+                          "what was cut")
     rep = sub.add_parser("report", help="write the report of a finished run folder again (no attack is rerun)")
     rep.add_argument("folder", help="a run's --out folder")
     rep.add_argument("--config", help="judge with this audit file's name, leakage_metric, verdict: section and "
@@ -195,6 +199,14 @@ def cmd_init(args) -> int:
     if args.file is not None:
         print(f"wrote {args.file}: check it with `leakaudit validate {args.file}`, run it with "
               f"`leakaudit run {args.file} --out runs/{name}`", file=sys.stderr)
+    from leakaudit.evaluator.run.estimate import estimate_wanted
+
+    if estimate_wanted():  # the starter's time on this machine, as validate would print it
+        from leakaudit.evaluator.audit.config import load_audit
+
+        audit = load_audit(args.file or beside / f"{name}.yaml", args.plugins_dir, text=text, import_user_code=False)
+        for line in _forecast(audit):
+            print(line, file=sys.stderr)
     return 0
 
 
@@ -235,6 +247,8 @@ def cmd_validate(args) -> int:
     check_scenario(Scenario(audit), user_code=False)
     from leakaudit.evaluator.audit.jobs import jobs_of
 
+    forecast = _forecast(audit)
+
     counts = sorted({audit.num_batches_of(s) for s in audit.settings}) or [audit.num_batches]
     each = (f"{counts[0]} target batches each" if len(counts) == 1
             else f"{' to '.join(map(str, (counts[0], counts[-1])))} target batches each, by the setting's clients")
@@ -269,7 +283,26 @@ def cmd_validate(args) -> int:
     if added:
         print(f"  added to calibrate the verdicts: {', '.join(added)} (the undefended update, attacked like the rest; "
               "add a {name: none} entry to see it among yours)")
+    for line in forecast:
+        print(f"  {line}")
     return 0
+
+
+def _forecast(audit, workers: int | None = None) -> list[str]:
+    """The audit's time estimate on this machine (and under a budget, the plan it fits, applied to ``audit``), as
+    lines; one line saying why not where the audit's own factories would have to be called to measure it."""
+    from leakaudit.evaluator.audit.budget import budget_lines
+    from leakaudit.evaluator.run.estimate import estimate_wanted, plan_and_estimate
+
+    if not estimate_wanted(audit):
+        return []
+    own = [s for s in (audit.data.factory, audit.model.name, *(st.model.name for st in audit.settings if st.model))
+           if s and ":" in s]
+    if own:
+        return [f"time: not estimated here: run calls your code ({', '.join(dict.fromkeys(own))}), measures it and "
+                "says so before work"]
+    estimate = plan_and_estimate(audit, workers)
+    return [*estimate.lines(), *(budget_lines(audit.budget_plan) if audit.budget_plan else [])]
 
 
 def _counted(audit, attack) -> str:
@@ -325,21 +358,36 @@ def _check_report_options(args, audit) -> list[str]:
 
 
 def cmd_run(args) -> int:
+    from leakaudit.evaluator.audit.budget import check_budget
     from leakaudit.evaluator.audit.checks import check_executor
     from leakaudit.evaluator.audit.types import as_dict
+    from leakaudit.evaluator.run.estimate import estimate_wanted
     from leakaudit.evaluator.audit.config import load_audit
     from leakaudit.evaluator.run.runner import run_audit
 
+    budget = None if args.budget is None else check_budget(args.budget, budget_problems := [], "--budget")
+    if args.budget is not None and budget is None:  # before the audit is read: a typo costs no wait
+        return _fail(budget_problems)
     audit = load_audit(args.config, args.plugins_dir)
     problems = _check_report_options(args, audit)
     if args.workers is not None and args.workers < 1:
         problems.append(f"--workers: {args.workers} must be at least 1")
     if args.executor is not None:
         audit.executor = check_executor({**as_dict(audit.executor), "name": args.executor}, audit.device, problems)
+    if budget is not None:
+        audit.budget = budget
     if problems:
         return _fail(problems)
+    estimate = None
+    if not args.resume and estimate_wanted(audit):  # a resumed run keeps the plan it started with
+        from leakaudit.evaluator.audit.budget import budget_lines
+        from leakaudit.evaluator.run.estimate import plan_and_estimate
+
+        estimate = plan_and_estimate(audit, args.workers)
+        for line in [*estimate.lines(), *(budget_lines(audit.budget_plan) if audit.budget_plan else [])]:
+            print(line, file=sys.stderr)
     summary = run_audit(audit, args.out, resume=args.resume, progress=not args.no_progress, workers=args.workers,
-                        template=args.template)
+                        template=args.template, estimate=estimate)
     return _conclude(summary, Path(args.out), args, ("results.jsonl", "results.csv"))
 
 
@@ -393,6 +441,10 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
         for w in added:
             print(_verdict_line(w, summary.leakage_metric, width))
     for line in frontier_lines(summary):
+        print(line)
+    from leakaudit.evaluator.audit.budget import budget_lines
+
+    for line in budget_lines(summary.run["budget"]) if summary.run.get("budget") else []:
         print(line)
     for line in summary.bound_violations:
         print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)

@@ -31,6 +31,9 @@ class Param:
     #: The parameter is a monotone privacy knob: "higher" (larger values protect more) or "lower"; a
     #: ``frontier:`` search bisects on it for the weakest setting that protects. None: not a knob.
     protects: str | None = None
+    #: The attack's work grows in proportion to this parameter (its iterations, the updates it simulates): the time
+    #: estimate measures the cost of one unit of each such parameter, and a ``budget:`` scales them down together.
+    budget: bool = False
 
     def __post_init__(self) -> None:
         if self.protects not in (None, "higher", "lower"):

@@ -41,11 +41,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _own_cache(tmp_path_factory):
-    """Analyses are cached in a folder of the test session, not the user's cache (subprocesses inherit it)."""
+    """Analyses and measured costs are cached in a folder of the test session, not the user's cache (subprocesses
+    inherit it)."""
     import os
 
     os.environ["LEAKAUDIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the Ray and Flower tests: no network beyond loopback
+    os.environ["LEAKAUDIT_ESTIMATE"] = "0"  # no time estimate before each small audit (tests/test_budget.py's turn it on)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from leakaudit.evaluator.audit.auto import AUTO, choose_attacks
+from leakaudit.evaluator.audit.budget import check_budget
 from leakaudit.evaluator.audit.checks import (
     IMPORT_USER_CODE,
     check_attack_scope,
@@ -137,6 +138,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
     workers = top.get("workers") or (torch.cuda.device_count() if device == "cuda" else None)
     max_problems = check_max_problems(top.get("max_problems", "auto"), problems)
     executor = check_executor(top.get("executor", "local"), device, problems)
+    budget = check_budget(top.get("budget"), problems)
     if problems:
         raise ConfigError([f"{path}: {_strip_dot(p)}" for p in problems])
     audit = Audit(path=path, text=text, name=top["name"], seed=top["seed"], device=device, workers=workers,
@@ -145,7 +147,7 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
                   protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
                   verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
                   precision=top["precision"],
-                  executor=executor, architecture=top["architecture"], frontiers=frontiers)
+                  executor=executor, architecture=top["architecture"], frontiers=frontiers, budget=budget)
     if auto:
         audit.attacks, audit.attack_choice = choose_attacks(audit, IMPORT_USER_CODE.get())
     audit.settings = with_references(settings, audit.attacks, registry)

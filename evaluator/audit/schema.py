@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any, Callable, Mapping
 
+from leakaudit.evaluator.audit.budget import DURATION
 from leakaudit.evaluator.audit.specs import (
     ATTACK,
     DATA,
@@ -245,6 +246,7 @@ def audit_schema(registry: Registry) -> Schema:
         TOP,
         executor={"anyOf": [{"enum": list(executors)}, _section(EXECUTOR)]},
         max_problems={"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]},
+        budget={"anyOf": [{"type": "string", "pattern": DURATION.pattern}, {"type": "number", "exclusiveMinimum": 0}]},
         data={"description": "the images attacked and trained on: a registered dataset or your own factory",
               **data},
         model={"description": "the model attacked: a zoo model or your own factory, and the training steps "

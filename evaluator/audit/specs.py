@@ -60,6 +60,11 @@ TOP = {
     "threat": Param({}, dict, help="what the attacker is given beside the update"),
     "protocol": Param("fedsgd", (str, dict), help="fedsgd | fedavg | step, or a mapping with their settings"),
     "verdict": Param({}, dict, help="thresholds of the report's verdicts (evaluator/results/verdict.py)"),
+    "budget": Param(None, (str, int, float), help="the wall time the audit may take on this machine, like 90s, 10m "
+                                                  "or 1h: attacks: auto and tuning fit it (the cheapest attacks "
+                                                  "first, the others' iterations scaled down or left out; a "
+                                                  "step's attacks stop once its verdict is settled) and the report "
+                                                  "says what it cut (default: none; run --budget overrides it)"),
     "architecture": Param("auto", (str, bool), choices=("auto", True, False),
                           help="the report's architecture analysis (Chen & Campbell 2022: each convolution's "
                                "linear system and its rank): auto (when an attack of the audit solves those "

@@ -287,6 +287,9 @@ class Audit:
     attack_choice: tuple[str, ...] = ()
     #: ``frontier:`` entries: each one's ends are settings from the start, its bisection adds the rest.
     frontiers: list[FrontierSpec] = field(default_factory=list)
+    #: ``budget:`` in seconds (None: none), and the plan that fits the attacks into it (run/estimate.py's).
+    budget: float | None = None
+    budget_plan: dict[str, Any] | None = None
 
     def add_probe(self, spec: FrontierSpec, value: float) -> DefenseSetting:
         """The setting of a frontier search at ``value``, added to the audit (with the attacks that ``attacks:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 from tqdm import tqdm
 
+from leakaudit.evaluator.audit.budget import apply_plan, duration_text
 from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, row_key, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
@@ -22,6 +23,7 @@ from leakaudit.evaluator.results.rundir import (ARCHITECTURE, BASELINES, CONFIRM
                                                 RunError, RunFolder)
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
+from leakaudit.evaluator.run.estimate import Estimate, plan_and_estimate
 from leakaudit.evaluator.run.executors import Pool, WorkerPool, auto_workers
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
@@ -72,7 +74,8 @@ def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict
             "num_classes": scenario.data.num_classes,
             "chance_accuracy": float(torch.bincount(labels).max()) / len(labels),
             "untried_attacks": untried_attacks(scenario),
-            "attack_choice": list(scenario.audit.attack_choice)}  # attacks: auto's, as this version chose
+            "attack_choice": list(scenario.audit.attack_choice),  # attacks: auto's, as this version chose
+            **({"budget": scenario.audit.budget_plan} if scenario.audit.budget_plan is not None else {})}
 
 
 def versions() -> dict[str, str]:
@@ -121,7 +124,7 @@ def warn_old_torch() -> None:
 
 
 def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress: bool = True,
-              workers: int | None = None, template: Path | None = None) -> Summary:
+              workers: int | None = None, template: Path | None = None, estimate: Estimate | None = None) -> Summary:
     """Run the whole audit into ``out_dir`` and write the report.
 
     Args:
@@ -131,6 +134,8 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
         progress: show progress bars on stderr.
         workers: processes that run attack jobs (default: the audit's ``workers``).
         template: a Jinja2 report template in place of the built-in one.
+        estimate: the audit's time estimate (``estimate.plan_and_estimate``), whose phases the progress bars
+            count down; under a ``budget:`` one is made (and the plan fitted) where none is given.
 
     Returns:
         The summary: each setting's verdict, its strongest attack's scores, the privacy-utility decision.
@@ -146,19 +151,24 @@ def run_audit(audit: Audit, out_dir: str | Path, resume: bool = False, progress:
     warn_old_torch()
     restore = process_flags(audit)
     try:
-        return _run(audit, out_dir, resume, progress, workers, template)
+        return _run(audit, out_dir, resume, progress, workers, template, estimate)
     finally:
         restore()
 
 
 def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, workers: int | None,
-         template: Path | None) -> Summary:
+         template: Path | None, estimate: Estimate | None) -> Summary:
     """``run_audit``'s work, under the audit's kernel flags."""
     started = time.perf_counter()
     scenario = Scenario(audit)
     check_scenario(scenario)
     folder = RunFolder(out_dir, audit)
     folder.prepare(resume)
+    saved = (folder.read_json(RUN_INFO) or {}).get("budget") if resume else None
+    if saved is not None and audit.budget_plan is None:  # a resumed run keeps the plan it started with
+        apply_plan(audit, saved)
+    elif audit.budget is not None and audit.budget_plan is None:
+        estimate = plan_and_estimate(audit, workers)
     if not folder.has_decoys() and (decoys := scenario.decoys()) is not None:
         folder.save_decoys(*decoys)
     worker = AuditWorker(scenario, folder)
@@ -177,7 +187,8 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
         folder.start_session(run_info(scenario, pool.workers, pool.where))
-        _work(audit, folder, pool, progress, on_rows)
+        settled = None if audit.budget_plan is None else lambda: settled_steps(folder, baseline_scores(scenario))
+        _work(audit, folder, pool, progress, on_rows, settled=settled, clock=Countdown(estimate, started))
         if audit.frontiers:
             _search_frontiers(scenario, folder, pool, progress, on_rows)
     if audit.frontiers:
@@ -193,22 +204,89 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     return write_report(folder, rows, folder.utility.read(), baselines, trials, analysis, info, template)
 
 
-def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable, stage: str = "") -> None:
+def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable, stage: str = "",
+          settled: Callable[[], set[tuple[str, int]]] | None = None, clock: "Countdown | None" = None) -> None:
     """Whatever the run folder lacks of the audit's settings as they stand: train, tune, attack (``stage``
-    prefixes the progress bars)."""
+    prefixes the progress bars, ``clock`` adds the audit's time left to them). Under a budget (``settled``: the
+    steps whose verdict no further attack can change), the attacks run cheapest first and a step's are skipped
+    once settled."""
+    clock = clock or Countdown(None, time.perf_counter())
     trained = folder.trained_settings()
-    pool.run("train", [s for s in audit.settings if s.key not in trained], f"{stage}training", progress,
-             lambda s, row: folder.utility.append(row))
+    pool.run("train", [s for s in audit.settings if s.key not in trained], f"{stage}training{clock.left('training')}",
+             progress, lambda s, row: folder.utility.append(row))
     trials = folder.tuning.read()
     for step in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
         tried = {trial_key(r) for r in trials}
         pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], pool.workers),
-                 f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined", progress,
-                 lambda cell, rows: list(map(folder.tuning.append, rows)))
+                 (f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined") + clock.left("tuning"), progress,
+                 lambda cell, rows: [folder.tuning.append(row) for row in rows])
         trials = folder.tuning.read()
     finished = {row_key(r) for r in folder.results.read()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
-    pool.run("attack", cells_of(pending, pool.workers), f"{stage}attacks", progress, on_rows)
+    if settled is None:
+        pool.run("attack", cells_of(pending, pool.workers), f"{stage}attacks{clock.left('attacks')}", progress, on_rows)
+        return
+    order = [label for label in audit.budget_plan["order"] if any(j.attack.key == label for j in pending)]
+    for i, label in enumerate(order):
+        done = settled()
+        mine = [j for j in pending if j.attack.key == label]
+        now = [j for j in mine if not _is_settled(audit, j, done)]
+        _record_skipped(audit, folder, [j for j in mine if j not in now])
+        pool.run("attack", cells_of(now, pool.workers),
+                 f"{stage}attacks, {label} ({i + 1} of {len(order)}){clock.left('attacks')}", progress, on_rows)
+
+
+class Countdown:
+    """The audit's time left, from its estimate and the time already spent, for the progress bars' labels."""
+
+    def __init__(self, estimate: Estimate | None, started: float):
+        self.estimate, self.started = estimate, started
+
+    def left(self, phase: str) -> str:
+        """`` (audit: about 3 min 10 s left)`` as ``phase`` starts; empty without an estimate."""
+        if self.estimate is None:
+            return ""
+        phases = list(self.estimate.wall)
+        ahead = sum(self.estimate.wall[p] for p in phases[phases.index(phase):])
+        spent = time.perf_counter() - self.started
+        before = sum(self.estimate.wall[p] for p in phases[:phases.index(phase)])
+        return f" (audit: about {duration_text(max(ahead, ahead + before - spent))} left)"
+
+
+def settled_steps(folder: RunFolder, baselines: dict) -> set[tuple[str, int]]:
+    """The (setting, step) pairs whose verdict is already a leak of individuals: no further attack can change it."""
+    rows = _in_job_order(folder.audit, folder.results.read())
+    if not rows:
+        return set()
+    summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO) or {})
+    return {(v.setting, v.checkpoint) for v in summary.verdicts if v.verdict == "leaks" and v.level == "individuals"}
+
+
+def _is_settled(audit: Audit, job: Any, done: set[tuple[str, int]]) -> bool:
+    """Whether ``job`` cannot change a verdict: its setting already leaks individuals at its step, and where it is
+    an undefended reference, every setting it calibrates for this attack at that step is settled too."""
+    if (job.setting.key, job.checkpoint) not in done:
+        return False
+    if job.setting.calibrates is None:
+        return True
+    return all((t.key, job.checkpoint) in done for t in audit.settings
+               if t.calibrates is None and audit.reference_of(t) is job.setting and job.attack.applies_to(t))
+
+
+def _record_skipped(audit: Audit, folder: RunFolder, jobs: list) -> None:
+    """Each (setting, attack, step) of ``jobs`` in the budget's plan and run.json, with why it was not run."""
+    plan = audit.budget_plan
+    for key in dict.fromkeys((j.setting.key, j.attack.key, j.checkpoint, j.setting.calibrates is not None)
+                             for j in jobs):
+        why = ("the reference already leaks individuals here, and so does every setting it calibrates"
+               if key[3] else "its verdict here is already a leak of individuals")
+        entry = [*key[:3], why]
+        if entry not in plan.setdefault("skipped", []):
+            plan["skipped"].append(entry)
+    if jobs:
+        info = folder.read_json(RUN_INFO)
+        info["budget"] = plan
+        folder.write_json(RUN_INFO, info)
 
 
 def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable) -> None:
@@ -327,8 +405,12 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     if missing or not folder.results.path.exists():
         raise RunError(f"{folder.path}: no finished run to report on (missing {', '.join(missing or [RESULTS])}); "
                        f"finish it with: leakaudit run {audit.path} --out {folder.path} --resume")
+    plan = (folder.read_json(RUN_INFO) or {}).get("budget")
+    if plan is not None:
+        apply_plan(audit, plan)
+    skipped = {tuple(s[:3]) for s in (plan or {}).get("skipped", [])}
     rows = _in_job_order(audit, folder.results.read())
-    expected = len(jobs_of(audit))
+    expected = sum((j.setting.key, j.attack.key, j.checkpoint) not in skipped for j in jobs_of(audit))
     if len(rows) < expected:
         raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
                        f"leakaudit run {audit.path} --out {folder.path} --resume")

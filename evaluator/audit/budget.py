@@ -1,0 +1,73 @@
+"""``budget:``: the wall time an audit may take, as written (``90s``, ``10m``, ``1h``), and the plan that fits the
+audit into it (attack budgets scaled, attacks left out), kept in run.json so a rebuilt report reads the same audit."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from leakaudit.evaluator.audit.types import Audit
+
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$")
+UNITS = {"s": 1, "m": 60, "h": 3600}
+DURATION_FORM = "a duration like 90s, 10m or 1h"
+
+
+def parse_duration(value: Any) -> float | None:
+    """Seconds of a duration written ``90s``, ``10m``, ``1.5h`` (a bare number: seconds); None where ``value`` is
+    not one, or is not positive."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := DURATION.match(value)):
+        seconds = float(match.group(1)) * UNITS[match.group(2) or "s"]
+    else:
+        return None
+    return seconds if seconds > 0 else None
+
+
+def check_budget(value: Any, problems: list[str], key: str = "budget") -> float | None:
+    """``budget:`` as seconds (None: no budget); a problem line naming ``key`` and the form where it is not one."""
+    if value is None:
+        return None
+    seconds = parse_duration(value)
+    if seconds is None:
+        problems.append(f"{key}: expected {DURATION_FORM}, got {value!r}")
+    return seconds
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as people read a wait: ``40 s``, ``3 min 20 s``, ``1 h 05 min``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def apply_plan(audit: Audit, plan: dict[str, Any]) -> None:
+    """Give ``audit`` the attacks a budget's plan runs: each scaled attack at its plan's parameters, each left-out
+    attack gone (a rebuilt report and a resumed run read the run's own plan, not a new calibration)."""
+    params = plan.get("params", {})
+    dropped = set(plan.get("dropped", {}))
+    audit.attacks = [dataclasses.replace(a, params=params[a.label]) if a.label in params else a
+                     for a in audit.attacks if a.label not in dropped]
+    audit.budget_plan = plan
+
+
+def budget_lines(plan: dict[str, Any]) -> list[str]:
+    """What a budget's plan did, for the terminal and the report: the budget against the full estimate, each
+    attack scaled or left out, and the cells whose verdict was settled before their attack ran."""
+    head = (f"budget {duration_text(plan['seconds'])}: the audit in full would take about "
+            f"{duration_text(plan['estimate'])}")
+    if not plan["cut"]:
+        head += "; it fits, nothing cut"
+    lines = [head, *(f"  cut: {line}" for line in plan["cut"])]
+    skipped: dict[str, dict[str, list[str]]] = {}
+    for setting, attack, step, _ in plan.get("skipped", []):
+        skipped.setdefault(attack, {}).setdefault(setting, []).append(str(step))
+    if skipped:
+        lines.append("  skipped where the step's verdict was already a leak of individuals: " + "; ".join(
+            f"{attack} on " + ", ".join(f"{s} (step {', '.join(steps)})" for s, steps in where.items())
+            for attack, where in skipped.items()))
+    return lines

@@ -1,0 +1,402 @@
+"""Time before work: an audit's wall time on this machine, from costs measured on its own cells (the cost of one
+training step under each setting, of each attack's fixed part and of one unit of its ``budget`` parameter), cached
+per machine, torch and device as the architecture analysis is; and the plan that fits an audit into ``budget:``.
+
+A cell's time is ``fixed + sum of per_unit[p] * units[p]`` over the attack's budget parameters (``Param.budget``:
+its iterations, Learning to Invert's simulated updates too), each measured by running the cell (every target batch
+of one setting, at step 0) at a few of its units; an attack without one is run once in full.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leakaudit.defenses.noise import NoDefense
+from leakaudit.evaluator.audit.budget import apply_plan, duration_text
+from leakaudit.evaluator.audit.jobs import cells_of, jobs_of, tune_jobs_of
+from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting
+from leakaudit.evaluator.run.executors import auto_workers
+from leakaudit.evaluator.run.scenario import Scenario, cache_root
+from leakaudit.evaluator.run.utility import accuracy, training_run
+from leakaudit.evaluator.run.worker import AuditWorker
+from leakaudit.evaluator.zoo.metrics import score
+from leakaudit.plugins.attack import solve
+
+ESTIMATE_VERSION = 1  # bump when what a probe measures changes
+#: A probe adds units until its measured part takes this long (seconds): long enough to time, short enough to wait.
+PROBE_SECONDS = 0.3
+#: A fresh process's start before its first job: Python, torch and leakaudit imported, the registry loaded.
+START_CODE = ("import leakaudit.evaluator.run.runner; from leakaudit.plugins.manager import load_registry; "
+              "load_registry([])")
+#: Writing the report: the guesses' scores, identification, figures and the page (seconds).
+REPORT_SECONDS = 6.0
+#: The smallest share of an attack's budget parameter a ``budget:`` scales it to; below it the attack is left out.
+MIN_SHARE = 1 / 8
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A measured cost: ``fixed + sum of per_unit[p] * units[p]`` seconds for ``problems`` target batches (a
+    training's: ``per_unit["steps"]``)."""
+
+    fixed: float
+    per_unit: dict[str, float]
+    problems: int = 1
+
+    def seconds(self, units: dict[str, float], problems: float | None = None) -> float:
+        share = 1.0 if problems is None else problems / self.problems
+        return (self.fixed + sum(c * units[p] for p, c in self.per_unit.items())) * share
+
+
+@dataclass
+class Estimate:
+    """An audit's predicted wall time on this machine, by phase, with the work it counts."""
+
+    workers: int
+    training: dict[str, float]  # setting key -> seconds
+    tuning: dict[tuple, float]  # (setting, attack, step) -> seconds
+    cells: dict[tuple, float]  # (setting, attack, step) -> seconds of all its target batches
+    wall: dict[str, float] = field(default_factory=dict)  # phase -> seconds, as the workers share it
+    frontier_probe: float = 0.0  # one more probe of a frontier search (training and attacks of one setting)
+
+    @property
+    def total(self) -> float:
+        return sum(self.wall.values())
+
+    def attack_seconds(self, label: str) -> float:
+        """What one attack's cells take, summed over settings and steps (one worker's time)."""
+        return sum(s for (_, a, _), s in self.cells.items() if a == label)
+
+    def lines(self) -> list[str]:
+        """The estimate as the terminal shows it: the total, then each phase and each attack."""
+        parts = [f"{phase} {duration_text(s)}" for phase, s in self.wall.items() if s >= 0.5]
+        where = f"{self.workers} worker process{'es' if self.workers > 1 else ''}"
+        out = [f"estimated time on this machine: about {duration_text(self.total)} ({', '.join(parts)}; {where})"]
+        labels = dict.fromkeys(a for _, a, _ in self.cells)
+        if labels:
+            out.append("  attacks, one worker's time each: " + "; ".join(
+                f"{a} {duration_text(self.attack_seconds(a))}" for a in labels))
+        if self.frontier_probe:
+            out.append(f"  each further frontier probe: about {duration_text(self.frontier_probe)}")
+        return out
+
+
+def budget_params(registry, name: str) -> dict[str, int]:
+    """The attack's parameters its work grows with (``Param.budget``), each with the least value it takes."""
+    return {k: max(1, int(p.min or 1)) for k, p in registry.get("attack", name).params.items() if p.budget}
+
+
+def units_of(audit: Audit, spec: AttackSpec, params: dict | None = None) -> dict[str, float]:
+    """The values of ``spec``'s budget parameters it runs with."""
+    given = spec.params if params is None else params
+    declared = audit.registry.get("attack", spec.name).params
+    return {p: float(given.get(p, declared[p].default)) for p in budget_params(audit.registry, spec.name)}
+
+
+class Calibration:
+    """The measured costs of one audit's cells and trainings on this machine, read from and added to the cache."""
+
+    def __init__(self, scenario: Scenario, threads: int):
+        self.scenario, self.threads = scenario, threads
+        self.path = cache_dir() / f"{_machine_key(scenario, threads)}.json"
+        self.saved: dict[str, list[float]] = _read(self.path)
+        self.worker = AuditWorker(scenario, None)
+
+    def attack(self, setting: DefenseSetting, spec: AttackSpec) -> Cost:
+        """The cost of ``spec`` on every target batch of ``setting`` at one step."""
+        audit = self.scenario.audit
+        n = audit.num_batches_of(setting)
+        fixed = {k: v for k, v in spec.params.items() if k not in budget_params(audit.registry, spec.name)}
+        key = repr(("attack", spec.name, sorted(fixed.items()), self._world(setting), n))
+        if key not in self.saved:
+            self.saved[key] = list(self._probe_attack(setting, spec))
+        return Cost(*self.saved[key], problems=n)
+
+    def training(self, setting: DefenseSetting) -> Cost:
+        """The cost of the utility training under ``setting``: set-up and accuracy checks, and one step."""
+        key = repr(("train", self._world(setting), sorted(dataclasses.asdict(self.scenario.audit.utility).items()),
+                    self.scenario.audit.checkpoints))
+        if key not in self.saved:
+            self.saved[key] = list(self._probe_training(setting))
+        return Cost(*self.saved[key])
+
+    def start(self) -> float:
+        """Seconds a fresh process takes to import the engine and load the registry: the command's own start, and
+        each worker process's (spawned together)."""
+        if "start" not in self.saved:
+            began = time.perf_counter()
+            subprocess.run([sys.executable, "-c", START_CODE], check=True, capture_output=True)
+            self.saved["start"] = [time.perf_counter() - began, {}]
+        return self.saved["start"][0]
+
+    def save(self) -> None:
+        _write(self.path, self.saved)
+
+    def _world(self, setting: DefenseSetting) -> str:
+        """What a cost depends on besides the attack: the setting, its model, data shape, protocol and options."""
+        audit = self.scenario.audit
+        return repr((setting.identity, dataclasses.asdict(self.scenario.model_section(setting)),
+                     audit.data.dataset, audit.data.factory, audit.data.image_size, audit.batch_size_of(setting),
+                     repr(audit.protocol_of(setting)), audit.max_problems, audit.precision, audit.compile,
+                     audit.metrics, audit.threat.known_labels))
+
+    def _probe_attack(self, setting: DefenseSetting, spec: AttackSpec) -> tuple[float, dict[str, float]]:
+        """Run the cell with every budget parameter at its least value, then raise one parameter at a time to 4,
+        16, ... times that until the added units take ``PROBE_SECONDS`` (or its full value is reached), the next
+        one probed from there (a unit of one can cost more with more of another: Learning to Invert's training
+        steps read minibatches of its simulated updates): the fixed part and the cost of a unit of each."""
+        audit = self.scenario.audit
+        held = budget_params(audit.registry, spec.name)
+        full = units_of(audit, spec)
+        first = self._time_cell(setting, spec, held)
+        base = min(first, self._time_cell(setting, spec, held)) if held and first < 5.0 else first  # warmed up
+        per_unit = {}
+        for name, low in list(held.items()):
+            units, seconds = low, base
+            while units < full[name] and seconds - base < PROBE_SECONDS:
+                units = int(min(4 * units, full[name]))
+                seconds = self._time_cell(setting, spec, {**held, name: units})
+            per_unit[name] = max(0.0, (seconds - base) / (units - low)) if units > low else 0.0
+            held[name], base = units, seconds
+        return max(0.0, base - sum(c * held[p] for p, c in per_unit.items())), per_unit
+
+    def _time_cell(self, setting: DefenseSetting, spec: AttackSpec, units: dict[str, int]) -> float:
+        """Seconds to share, attack and score every target batch of ``setting`` with ``units`` of its budget."""
+        sc, audit = self.scenario, self.scenario.audit
+        attack = sc.attack(spec, {**spec.params, **units})
+        batches = [sc.target_batch(t, setting) for t in range(audit.num_batches_of(setting))]
+        metrics = [audit.registry.get("metric", m) for m in audit.metrics]
+        self.worker.provide_states(setting.key, lambda: {0: sc.fresh_model(sc.defense(setting), setting).state_dict()})
+        start = time.perf_counter()
+        problems, originals = self.worker.problems(setting, 0, [(px, lb, t, attack)
+                                                               for t, (px, lb) in enumerate(batches)], "")
+        for rec, pixels, (_, labels) in zip(solve(problems, audit.max_problems), originals, batches):
+            score(metrics, rec.images, pixels, rec.labels, labels)
+        return time.perf_counter() - start
+
+    def _probe_training(self, setting: DefenseSetting) -> tuple[float, dict[str, float]]:
+        """Time the training's set-up and first steps under ``setting`` and one accuracy check: the fixed part
+        (set-up and every checkpoint's check) and a step's cost."""
+        sc = self.scenario
+        cfg, checkpoints = sc.audit.utility, sc.audit.checkpoints
+        total = max(cfg.train_steps, max(checkpoints))
+        if total == 0:
+            return 0.0, {"steps": 0.0}
+        defense = sc.defense(setting)
+        trainer = defense if cfg.train_defended else NoDefense()
+        start = time.perf_counter()
+        model = sc.fresh_model(defense, setting)
+        steps = iter(trainer.train(model, training_run(sc, setting, total, trainer)))
+        current = next(steps)
+        set_up = time.perf_counter() - start
+        done, began = 0, time.perf_counter()
+        while done < total and (done < 2 or time.perf_counter() - began < PROBE_SECONDS):
+            current = next(steps)
+            done += 1
+        per_step = (time.perf_counter() - began) / max(1, done)
+        steps.close()
+        began = time.perf_counter()
+        accuracy(current, sc)
+        checks = (time.perf_counter() - began) * (len(checkpoints) + 1)
+        return set_up + checks, {"steps": per_step}
+
+
+def cache_dir() -> Path:
+    """Where measured costs are kept between runs, one file per machine, torch, device and thread count."""
+    return cache_root() / "estimate"
+
+
+def _machine_key(scenario: Scenario, threads: int) -> str:
+    from leakaudit import __version__
+
+    device = scenario.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    key = repr((platform.node(), name, os.cpu_count(), threads, torch.__version__, device.type, __version__,
+                ESTIMATE_VERSION))
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _read(path: Path) -> dict[str, list[float]]:
+    """The cache file's costs; an unreadable one is measured again."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, saved: dict[str, list[float]]) -> None:
+    """Best effort: an unwritable cache folder only costs the next estimate its probes."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def run_workers(audit: Audit, workers: int | None = None) -> int:
+    """The worker processes a fresh run of ``audit`` on this machine starts (``workers:``, else auto)."""
+    if workers or audit.workers:
+        return workers or audit.workers
+    return auto_workers(audit, [*audit.settings, *tune_jobs_of(audit), *jobs_of(audit)])
+
+
+def calibrate(scenario: Scenario, workers: int) -> Calibration:
+    """Measure (or read from the cache) every cost the audit's estimate needs, under the torch threads each of its
+    ``workers`` processes will have."""
+    audit = scenario.audit
+    threads = 1 if workers > 1 else torch.get_num_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    cal = Calibration(scenario, threads)
+    try:
+        cal.start()
+        for setting in audit.settings:
+            cal.training(setting)
+            for spec in audit.attacks:
+                if spec.applies_to(setting):
+                    cal.attack(setting, spec)
+    finally:
+        torch.set_num_threads(previous)
+        cal.save()
+    return cal
+
+
+def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
+    """The audit's wall time from measured costs: each phase's items shared among ``workers`` processes."""
+    steps = {"steps": max(audit.utility.train_steps, max(audit.checkpoints))}
+    training = {s.key: cal.training(s).seconds(steps) for s in audit.settings}
+    tuning: dict[tuple, float] = {}
+    for job in tune_jobs_of(audit):
+        cost = cal.attack(job.setting, job.attack)
+        key = (job.setting.key, job.attack.key, job.checkpoint)
+        tuning[key] = tuning.get(key, 0.0) + cost.seconds(units_of(audit, job.attack, job.params),
+                                                          job.attack.tune.targets)
+    jobs = jobs_of(audit)
+    cells: dict[tuple, float] = {}
+    for job in jobs:
+        key = (job.setting.key, job.attack.key, job.checkpoint)
+        if key not in cells:
+            cells[key] = cal.attack(job.setting, job.attack).seconds(units_of(audit, job.attack))
+    sizes = {k: sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == k) for k in cells}
+    parts: dict[str, list[float]] = {}  # each attack's cells, as the workers take them
+    for c in cells_of(jobs, workers):
+        key = (c.first.setting.key, c.first.attack.key, c.first.checkpoint)
+        parts.setdefault(key[1], []).append(cells[key] * len(c.jobs) / sizes[key])
+    # under a budget the attacks run one after another (a step's verdict may settle between them)
+    attacks = (sum(_shared(p, workers) for p in parts.values()) if audit.budget is not None
+               else _shared([s for p in parts.values() for s in p], workers))
+    wall = {"start": cal.start() * (2 if workers > 1 else 1), "training": _shared(list(training.values()), workers),
+            "tuning": _shared(list(tuning.values()), workers), "attacks": attacks, "report": REPORT_SECONDS}
+    estimate = Estimate(workers, training, tuning, cells, wall)
+    if audit.frontiers:
+        end = audit.frontiers[0].setting(audit.frontiers[0].strong).key
+        estimate.frontier_probe = training.get(end, 0.0) + sum(s for (k, _, _), s in cells.items() if k == end)
+    return estimate
+
+
+def _shared(seconds: list[float], workers: int) -> float:
+    """Wall time of items taken largest first by whichever of ``workers`` processes is free."""
+    loads = [0.0] * max(1, workers)
+    for s in sorted(seconds, reverse=True):
+        loads[loads.index(min(loads))] += s
+    return max(loads)
+
+
+def estimate_audit(audit: Audit, workers: int | None = None) -> tuple[Estimate, Calibration]:
+    """The audit's estimate on this machine, its costs measured where the cache lacks them."""
+    scenario = Scenario(audit)
+    count = run_workers(audit, workers)
+    cal = calibrate(scenario, count)
+    return predict(audit, cal, count), cal
+
+
+def estimate_wanted(audit: Audit | None = None) -> bool:
+    """Whether to measure before work: always under ``audit``'s budget, else unless ``LEAKAUDIT_ESTIMATE=0`` (a
+    test suite's many small audits, or a CI job that needs no forecast)."""
+    return (audit is not None and audit.budget is not None) or os.environ.get("LEAKAUDIT_ESTIMATE", "1") != "0"
+
+
+def plan_and_estimate(audit: Audit, workers: int | None = None) -> Estimate:
+    """The audit's estimate; under a ``budget:`` with no plan yet, the plan is fitted and applied to ``audit``
+    first, so that the estimate is of what will run."""
+    estimate, cal = estimate_audit(audit, workers)
+    if audit.budget is None or audit.budget_plan is not None:
+        return estimate
+    apply_plan(audit, fit_budget(audit, cal, estimate.workers))
+    return predict(audit, cal, estimate.workers)
+
+
+def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
+    """The plan that fits ``audit`` into its ``budget``: attacks kept cheapest first at their full budgets while
+    they fit, the next scaled down to what is left (no lower than ``MIN_SHARE`` of it), the rest left out; each
+    cut said in one line. Raises ConfigError where the training and the cheapest attack cannot fit."""
+    full = predict(audit, cal, workers)
+    plan: dict[str, Any] = {"seconds": audit.budget, "estimate": round(full.total, 1), "params": {},
+                            "dropped": {}, "cut": [], "order": []}
+    order = sorted(audit.attacks, key=lambda a: full.attack_seconds(a.label))
+    plan["order"] = [a.label for a in order]
+    if full.total <= audit.budget:
+        return plan
+    attacks = list(audit.attacks)
+    kept: list[AttackSpec] = []
+
+    def total(specs: list[AttackSpec]) -> float:
+        audit.attacks = specs
+        try:
+            return predict(audit, cal, workers).total
+        finally:
+            audit.attacks = attacks
+
+    for spec in order:
+        if total([*kept, spec]) <= audit.budget:
+            kept.append(spec)
+            continue
+        scaled = _scaled(audit, spec, lambda s: total([*kept, s]) <= audit.budget)
+        if scaled is not None:
+            kept.append(scaled)
+            plan["params"][spec.label] = scaled.params
+            before, after = units_of(audit, spec), units_of(audit, scaled)
+            plan["cut"].append(f"{spec.label}: " + ", ".join(f"{p} {before[p]:g} -> {after[p]:g}" for p in before))
+            continue
+        need = total([*kept, _scaled_by(audit, spec, MIN_SHARE)]) - total(kept)
+        what = " and ".join(units_of(audit, spec)) or "budget"
+        plan["dropped"][spec.label] = f"left out: it needs about {duration_text(need)} even at 1/{round(1 / MIN_SHARE)} of its {what}"
+        plan["cut"].append(f"{spec.label}: {plan['dropped'][spec.label]}")
+    if not kept:
+        least = total([_scaled_by(audit, order[0], MIN_SHARE)])
+        raise ConfigError([f"{audit.path}: budget: {duration_text(audit.budget)} is less than the training and the "
+                           f"cheapest attack ({order[0].label}) need here, about {duration_text(least)}; give at "
+                           f"least {math.ceil(least / 60)}m"])
+    return plan
+
+
+def _scaled(audit: Audit, spec: AttackSpec, fits) -> AttackSpec | None:
+    """``spec`` with its budget parameters at the largest common share of their values that ``fits`` allows, down
+    to ``MIN_SHARE``; None where it has none or even that share does not fit."""
+    if not budget_params(audit.registry, spec.name) or not fits(_scaled_by(audit, spec, MIN_SHARE)):
+        return None
+    low, high = MIN_SHARE, 1.0
+    for _ in range(24):  # bisection on the share: the time grows with it
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(_scaled_by(audit, spec, middle)) else (low, middle)
+    return _scaled_by(audit, spec, low)
+
+
+def _scaled_by(audit: Audit, spec: AttackSpec, share: float) -> AttackSpec:
+    """``spec`` with each budget parameter at ``share`` of its value (rounded down, at least its least value)."""
+    least, full = budget_params(audit.registry, spec.name), units_of(audit, spec)
+    return dataclasses.replace(spec, params={**spec.params, **{p: max(least[p], int(full[p] * share)) for p in least}})

@@ -365,7 +365,8 @@ def cmd_run(args) -> int:
     from leakaudit.evaluator.audit.config import load_audit
     from leakaudit.evaluator.run.runner import run_audit
 
-    budget = None if args.budget is None else check_budget(args.budget, budget_problems := [], "--budget")
+    budget_problems: list[str] = []
+    budget = None if args.budget is None else check_budget(args.budget, budget_problems, "--budget")
     if args.budget is not None and budget is None:  # before the audit is read: a typo costs no wait
         return _fail(budget_problems)
     audit = load_audit(args.config, args.plugins_dir)

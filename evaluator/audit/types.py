@@ -62,9 +62,6 @@ class DataSection:
     root: str | None = None
     download: bool = False
     params: dict[str, Any] = _copy({})
-    #: Where the targets start in the target split's seeded order: 0, or past the searched targets where a
-    #: frontier's choice is confirmed on fresh ones (``Audit.on_fresh_targets``; not an audit-file key).
-    target_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,6 +284,9 @@ class Audit:
     attack_choice: tuple[str, ...] = ()
     #: ``frontier:`` entries: each one's ends are settings from the start, its bisection adds the rest.
     frontiers: list[FrontierSpec] = field(default_factory=list)
+    #: Where the targets start in the target split's seeded order: 0, or past the searched targets where a
+    #: frontier's choice is confirmed on fresh ones (``on_fresh_targets``; not an audit-file key).
+    target_offset: int = 0
     #: ``budget:`` in seconds (None: none), and the plan that fits the attacks into it (run/estimate.py's).
     budget: float | None = None
     budget_plan: dict[str, Any] | None = None
@@ -308,14 +308,14 @@ class Audit:
         again, the next ones of the seeded order: a frontier's choice confirmed on targets its search never saw."""
         chosen = [s for s in self.settings if s.key in keys]
         keep = {s.key for s in chosen} | {r.key for s in chosen if (r := self.reference_of(s)) is not None}
-        return dataclasses.replace(self.targets_from(self.data.target_offset + self.data.targets), frontiers=[],
+        return dataclasses.replace(self.targets_from(self.target_offset + self.data.targets), frontiers=[],
                                    settings=[s for s in self.settings if s.key in keep])
 
     def targets_from(self, offset: int) -> Audit:
         """This audit with its targets from ``offset`` on in the target split's seeded order."""
-        if offset == self.data.target_offset:
+        if offset == self.target_offset:
             return self
-        return dataclasses.replace(self, data=dataclasses.replace(self.data, target_offset=offset))
+        return dataclasses.replace(self, target_offset=offset)
 
     @property
     def checkpoints(self) -> list[int]:

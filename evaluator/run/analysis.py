@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from leakaudit.attacks.linear_system import conv_systems, security_metric
 from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.audit.types import DefenseSetting
-from leakaudit.evaluator.run.scenario import Scenario, cache_root, loss_fn
+from leakaudit.evaluator.run.scenario import Scenario, cache_root, write_cached, loss_fn
 from leakaudit.plugins.components import ImageData
 
 #: The largest dense system the rank computation builds (float64).
@@ -80,7 +79,7 @@ def cached_analysis(scenario: Scenario, setting: DefenseSetting | None = None) -
     except ValueError as exc:
         result = {"model": section.name, "not_applicable": str(exc)}
     if path is not None:
-        _write(path, result)
+        write_cached(path, result)
     return result
 
 
@@ -94,17 +93,6 @@ def analyse_all(scenario: Scenario) -> list[dict[str, Any]]:
             seen.add(key)
             out.append(cached_analysis(scenario, setting))
     return out
-
-
-def _write(path: Path, result: dict[str, Any]) -> None:
-    """Best effort: an unwritable cache folder only costs the next run the computation."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(path)
-    except OSError:
-        pass
 
 
 def describe(result: dict[str, Any]) -> str:

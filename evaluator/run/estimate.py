@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -27,8 +27,9 @@ from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.audit.budget import apply_plan, duration_text
 from leakaudit.evaluator.audit.jobs import cells_of, jobs_of, tune_jobs_of
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting
+from leakaudit.evaluator.results.rundir import RunFolder
 from leakaudit.evaluator.run.executors import auto_workers
-from leakaudit.evaluator.run.scenario import Scenario, cache_root
+from leakaudit.evaluator.run.scenario import Scenario, cache_root, write_cached
 from leakaudit.evaluator.run.utility import accuracy, training_run
 from leakaudit.evaluator.run.worker import AuditWorker
 from leakaudit.evaluator.zoo.metrics import score
@@ -55,7 +56,7 @@ class Cost:
     per_unit: dict[str, float]
     problems: int = 1
 
-    def seconds(self, units: dict[str, float], problems: float | None = None) -> float:
+    def seconds(self, units: Mapping[str, float], problems: float | None = None) -> float:
         share = 1.0 if problems is None else problems / self.problems
         return (self.fixed + sum(c * units[p] for p, c in self.per_unit.items())) * share
 
@@ -111,8 +112,8 @@ class Calibration:
     def __init__(self, scenario: Scenario, threads: int):
         self.scenario, self.threads = scenario, threads
         self.path = cache_dir() / f"{_machine_key(scenario, threads)}.json"
-        self.saved: dict[str, list[float]] = _read(self.path)
-        self.worker = AuditWorker(scenario, None)
+        self.saved: dict[str, list[Any]] = _read(self.path)  # each cost as [fixed, per_unit]
+        self.worker = AuditWorker(scenario, RunFolder(cache_dir() / "probe", scenario.audit))  # never written
 
     def attack(self, setting: DefenseSetting, spec: AttackSpec) -> Cost:
         """The cost of ``spec`` on every target batch of ``setting`` at one step."""
@@ -122,7 +123,7 @@ class Calibration:
         key = repr(("attack", spec.name, sorted(fixed.items()), self._world(setting), n))
         if key not in self.saved:
             self.saved[key] = list(self._probe_attack(setting, spec))
-        return Cost(*self.saved[key], problems=n)
+        return _cost(self.saved[key], n)
 
     def training(self, setting: DefenseSetting) -> Cost:
         """The cost of the utility training under ``setting``: set-up and accuracy checks, and one step."""
@@ -130,7 +131,7 @@ class Calibration:
                     self.scenario.audit.checkpoints))
         if key not in self.saved:
             self.saved[key] = list(self._probe_training(setting))
-        return Cost(*self.saved[key])
+        return _cost(self.saved[key])
 
     def start(self) -> float:
         """Seconds a fresh process takes to import the engine and load the registry: the command's own start, and
@@ -139,10 +140,10 @@ class Calibration:
             began = time.perf_counter()
             subprocess.run([sys.executable, "-c", START_CODE], check=True, capture_output=True)
             self.saved["start"] = [time.perf_counter() - began, {}]
-        return self.saved["start"][0]
+        return float(self.saved["start"][0])
 
     def save(self) -> None:
-        _write(self.path, self.saved)
+        write_cached(self.path, self.saved)
 
     def _world(self, setting: DefenseSetting) -> str:
         """What a cost depends on besides the attack: the setting, its model, data shape, protocol and options."""
@@ -206,7 +207,7 @@ class Calibration:
             current = next(steps)
             done += 1
         per_step = (time.perf_counter() - began) / max(1, done)
-        steps.close()
+        getattr(steps, "close", lambda: None)()  # a generator's training stops here
         began = time.perf_counter()
         accuracy(current, sc)
         checks = (time.perf_counter() - began) * (len(checkpoints) + 1)
@@ -228,7 +229,12 @@ def _machine_key(scenario: Scenario, threads: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _read(path: Path) -> dict[str, list[float]]:
+def _cost(entry: list[Any], problems: int = 1) -> Cost:
+    """A cached cost, ``[fixed, per_unit]``, for ``problems`` target batches."""
+    return Cost(float(entry[0]), {k: float(v) for k, v in entry[1].items()}, problems)
+
+
+def _read(path: Path) -> dict[str, list[Any]]:
     """The cache file's costs; an unreadable one is measured again."""
     try:
         return json.loads(path.read_text())
@@ -236,21 +242,11 @@ def _read(path: Path) -> dict[str, list[float]]:
         return {}
 
 
-def _write(path: Path, saved: dict[str, list[float]]) -> None:
-    """Best effort: an unwritable cache folder only costs the next estimate its probes."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(saved))
-        tmp.replace(path)
-    except OSError:
-        pass
-
-
 def run_workers(audit: Audit, workers: int | None = None) -> int:
     """The worker processes a fresh run of ``audit`` on this machine starts (``workers:``, else auto)."""
-    if workers or audit.workers:
-        return workers or audit.workers
+    given = workers or audit.workers
+    if given:
+        return given
     return auto_workers(audit, [*audit.settings, *tune_jobs_of(audit), *jobs_of(audit)])
 
 
@@ -281,16 +277,17 @@ def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
     training = {s.key: cal.training(s).seconds(steps) for s in audit.settings}
     tuning: dict[tuple, float] = {}
     for job in tune_jobs_of(audit):
+        assert job.attack.tune is not None, "a tuning trial's attack is tuned"
         cost = cal.attack(job.setting, job.attack)
         key = (job.setting.key, job.attack.key, job.checkpoint)
         tuning[key] = tuning.get(key, 0.0) + cost.seconds(units_of(audit, job.attack, job.params),
                                                           job.attack.tune.targets)
     jobs = jobs_of(audit)
     cells: dict[tuple, float] = {}
-    for job in jobs:
-        key = (job.setting.key, job.attack.key, job.checkpoint)
+    for one in jobs:
+        key = (one.setting.key, one.attack.key, one.checkpoint)
         if key not in cells:
-            cells[key] = cal.attack(job.setting, job.attack).seconds(units_of(audit, job.attack))
+            cells[key] = cal.attack(one.setting, one.attack).seconds(units_of(audit, one.attack))
     sizes = {k: sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == k) for k in cells}
     parts: dict[str, list[float]] = {}  # each attack's cells, as the workers take them
     for c in cells_of(jobs, workers):
@@ -344,12 +341,14 @@ def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
     """The plan that fits ``audit`` into its ``budget``: attacks kept cheapest first at their full budgets while
     they fit, the next scaled down to what is left (no lower than ``MIN_SHARE`` of it), the rest left out; each
     cut said in one line. Raises ConfigError where the training and the cheapest attack cannot fit."""
+    budget = audit.budget
+    assert budget is not None, "only an audit with a budget is fitted to it"
     full = predict(audit, cal, workers)
-    plan: dict[str, Any] = {"seconds": audit.budget, "estimate": round(full.total, 1), "params": {},
+    plan: dict[str, Any] = {"seconds": budget, "estimate": round(full.total, 1), "params": {},
                             "dropped": {}, "cut": [], "order": []}
     order = sorted(audit.attacks, key=lambda a: full.attack_seconds(a.label))
     plan["order"] = [a.label for a in order]
-    if full.total <= audit.budget:
+    if full.total <= budget:
         return plan
     attacks = list(audit.attacks)
     kept: list[AttackSpec] = []
@@ -362,10 +361,10 @@ def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
             audit.attacks = attacks
 
     for spec in order:
-        if total([*kept, spec]) <= audit.budget:
+        if total([*kept, spec]) <= budget:
             kept.append(spec)
             continue
-        scaled = _scaled(audit, spec, lambda s: total([*kept, s]) <= audit.budget)
+        scaled = _scaled(audit, spec, lambda s: total([*kept, s]) <= budget)
         if scaled is not None:
             kept.append(scaled)
             plan["params"][spec.label] = scaled.params
@@ -378,7 +377,7 @@ def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
         plan["cut"].append(f"{spec.label}: {plan['dropped'][spec.label]}")
     if not kept:
         least = total([_scaled_by(audit, order[0], MIN_SHARE)])
-        raise ConfigError([f"{audit.path}: budget: {duration_text(audit.budget)} is less than the training and the "
+        raise ConfigError([f"{audit.path}: budget: {duration_text(budget)} is less than the training and the "
                            f"cheapest attack ({order[0].label}) need here, about {duration_text(least)}; give at "
                            f"least {math.ceil(least / 60)}m"])
     return plan

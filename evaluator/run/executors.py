@@ -123,7 +123,7 @@ class WorkerPool:
             audit = self.worker.scenario.audit
             ctx = multiprocessing.get_context("spawn")
             init = (str(audit.path), [str(d) for d in audit.plugins_dirs], str(self.worker.folder.path), 1,
-                    ctx.Value("i", 0), audit.data.target_offset)
+                    ctx.Value("i", 0), audit.target_offset)
             self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_process, initargs=init)
         return self._pool
 

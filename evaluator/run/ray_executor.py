@@ -133,7 +133,7 @@ class RayPool:
         self.workers = int(slots)  # cells are cut for this many tasks at once, as for as many local processes
         self.where = (f"ray: {int(resources.get('CPU', 0))} CPUs, {int(resources.get('GPU', 0))} GPUs on "
                       f"{len(ray.nodes())} node(s), {self.workers} task(s) at once")
-        offset = audit.data.target_offset  # a frontier confirmation's fresh targets
+        offset = audit.target_offset  # a frontier confirmation's fresh targets
         self._spec = {"key": hashlib.sha256(f"{audit.path}\n{audit.text}\n{offset}".encode()).hexdigest(),
                       "path": str(audit.path), "text": audit.text, "plugins_dirs": [str(d) for d in audit.plugins_dirs],
                       "target_offset": offset,

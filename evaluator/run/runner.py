@@ -219,14 +219,16 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
         tried = {trial_key(r) for r in trials}
         pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], pool.workers),
                  (f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined") + clock.left("tuning"), progress,
-                 lambda cell, rows: [folder.tuning.append(row) for row in rows])
+                 lambda cell, rows: list(map(folder.tuning.append, rows)))
         trials = folder.tuning.read()
     finished = {row_key(r) for r in folder.results.read()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
     if settled is None:
         pool.run("attack", cells_of(pending, pool.workers), f"{stage}attacks{clock.left('attacks')}", progress, on_rows)
         return
-    order = [label for label in audit.budget_plan["order"] if any(j.attack.key == label for j in pending)]
+    plan = audit.budget_plan
+    assert plan is not None, "settled steps are watched under a budget only"
+    order = [label for label in plan["order"] if any(j.attack.key == label for j in pending)]
     for i, label in enumerate(order):
         done = settled()
         mine = [j for j in pending if j.attack.key == label]
@@ -276,6 +278,7 @@ def _is_settled(audit: Audit, job: Any, done: set[tuple[str, int]]) -> bool:
 def _record_skipped(audit: Audit, folder: RunFolder, jobs: list) -> None:
     """Each (setting, attack, step) of ``jobs`` in the budget's plan and run.json, with why it was not run."""
     plan = audit.budget_plan
+    assert plan is not None, "cells are skipped under a budget only"
     for key in dict.fromkeys((j.setting.key, j.attack.key, j.checkpoint, j.setting.calibrates is not None)
                              for j in jobs):
         why = ("the reference already leaks individuals here, and so does every setting it calibrates"
@@ -284,7 +287,7 @@ def _record_skipped(audit: Audit, folder: RunFolder, jobs: list) -> None:
         if entry not in plan.setdefault("skipped", []):
             plan["skipped"].append(entry)
     if jobs:
-        info = folder.read_json(RUN_INFO)
+        info = folder.read_json(RUN_INFO) or {}
         info["budget"] = plan
         folder.write_json(RUN_INFO, info)
 
@@ -328,7 +331,7 @@ def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | Non
         return
     fresh = audit.on_fresh_targets(chosen)
     split = len(scenario.data.test_x if audit.data.target_split == "test" else scenario.data.train_x)
-    if split < fresh.data.target_offset + fresh.data.targets:
+    if split < fresh.target_offset + fresh.data.targets:
         folder.write_json(CONFIRMED, {key: {"verdict": None, "reason": (
             f"not confirmed: the {audit.data.target_split} split's {split} examples leave too few for "
             f"{audit.data.targets} fresh targets beside the searched ones")} for key in chosen})

@@ -1,10 +1,11 @@
 """The audited world built from an audit file: data, targets, models, defenses and seeds."""
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,18 @@ def round_generators(device: torch.device, seed: int, setting_key: str, checkpoi
     """
     return (generator(device, seed, f"{purpose}share", setting_key, checkpoint, index),
             generator(device, seed, f"{purpose}attack", setting_key, checkpoint, index))
+
+
+def write_cached(path: Path, value: Any) -> None:
+    """Write a cache file as JSON, atomically and at best effort: an unwritable cache folder only costs the next
+    run the work the file would have saved."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def cache_root() -> Path:
@@ -91,7 +104,7 @@ class Scenario:
     def data(self) -> ImageData | TokenData:
         data, section = load_data(self.audit), self.audit.data
         split = section.target_split
-        available = len(data.test_x if split == "test" else data.train_x) - section.target_offset
+        available = len(data.test_x if split == "test" else data.train_x) - self.audit.target_offset
         if available < section.targets:
             raise ConfigError([f"{self.audit.path}: data.targets: {section.targets} targets requested but "
                                f"the data has only {available} {split} images"])
@@ -107,9 +120,9 @@ class Scenario:
     @cached_property
     def target_indices(self) -> Tensor:
         """Indices, in the target split, of the images attacked: its first ones, or a draw from the audit seed (from
-        ``data.target_offset`` on: fresh targets, past the searched ones, for a frontier's confirmation)."""
-        return self._target_order(self.audit.data.target_offset + self.audit.data.targets)[
-            self.audit.data.target_offset:]
+        ``Audit.target_offset`` on: fresh targets, past the searched ones, for a frontier's confirmation)."""
+        return self._target_order(self.audit.target_offset + self.audit.data.targets)[
+            self.audit.target_offset:]
 
     def _target_order(self, count: int) -> Tensor:
         """The first ``count`` indices of the target split in the audit's order of targets."""
@@ -125,7 +138,7 @@ class Scenario:
         gen = torch.Generator().manual_seed(derive_seed(self.audit.seed, "tuning"))
         order = torch.randperm(len(self.data.train_x), generator=gen)
         if self.audit.data.target_split == "train":
-            order = order[~torch.isin(order, self._target_order(self.audit.data.target_offset + self.audit.data.targets))]
+            order = order[~torch.isin(order, self._target_order(self.audit.target_offset + self.audit.data.targets))]
         return order
 
     def batch_size(self, setting: DefenseSetting | None = None) -> int:

@@ -91,7 +91,7 @@ class AuditWorker:
         shared: dict[int, tuple] = {}
         out, originals = [], []
         # a frontier's fresh targets draw their own noise and starts: batch indices counted on from the searched ones
-        first = 0 if purpose else sc.audit.data.target_offset // sc.batch_size(setting)
+        first = 0 if purpose else sc.audit.target_offset // sc.batch_size(setting)
         for pixels, labels, index, attack in batches:
             share_gen, attack_gen = round_generators(sc.device, sc.audit.seed, setting.identity, checkpoint,
                                                      first + index, purpose)

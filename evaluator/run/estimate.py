@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -137,9 +138,7 @@ class Calibration:
         """Seconds a fresh process takes to import the engine and load the registry: the command's own start, and
         each worker process's (spawned together)."""
         if "start" not in self.saved:
-            began = time.perf_counter()
-            subprocess.run([sys.executable, "-c", START_CODE], check=True, capture_output=True)
-            self.saved["start"] = [time.perf_counter() - began, {}]
+            self.saved["start"] = [_time_start(), {}]
         return float(self.saved["start"][0])
 
     def save(self) -> None:
@@ -250,6 +249,13 @@ def run_workers(audit: Audit, workers: int | None = None) -> int:
     return auto_workers(audit, [*audit.settings, *tune_jobs_of(audit), *jobs_of(audit)])
 
 
+def _time_start() -> float:
+    """Seconds a fresh process takes to import the engine and load the registry."""
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-c", START_CODE], check=True, capture_output=True)
+    return time.perf_counter() - began
+
+
 def calibrate(scenario: Scenario, workers: int) -> Calibration:
     """Measure (or read from the cache) every cost the audit's estimate needs, under the torch threads each of its
     ``workers`` processes will have."""
@@ -258,14 +264,19 @@ def calibrate(scenario: Scenario, workers: int) -> Calibration:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     cal = Calibration(scenario, threads)
+    spare = ThreadPoolExecutor(1)  # a fresh process's start, timed on a core the probes leave free
+    beside = spare.submit(_time_start) if "start" not in cal.saved and threads < (os.cpu_count() or 1) else None
     try:
-        cal.start()
         for setting in audit.settings:
             cal.training(setting)
             for spec in audit.attacks:
                 if spec.applies_to(setting):
                     cal.attack(setting, spec)
+        if beside is not None:
+            cal.saved["start"] = [beside.result(), {}]
+        cal.start()
     finally:
+        spare.shutdown(wait=False)
         torch.set_num_threads(previous)
         cal.save()
     return cal

@@ -233,6 +233,7 @@ CASES = [
     (_with("protocol", {"name": ["fedsgd"]}), "protocol.name: ['fedsgd'] is not a protocol"),
     (_with("protocol", {"name": "fedavg", "local_epochs": 0}), "protocol.local_epochs: 0 is below the minimum 1"),
     (_with("protocol", {"name": "fedsgd", "local_epochs": 2}), "protocol.local_epochs: only applies to protocol fedavg"),
+    (_with("protocol", {"name": "fedavg", "shuffle": "yes"}), "protocol.shuffle: 'yes' is not of type bool"),
     (_with("protocol", {"name": "step", "lr": 0.1}), "protocol.function: required for protocol step"),
     (_with("protocol", {"name": "step", "function": "math:pi", "lr": 0.1}), "protocol.function: 'math:pi' is a float"),
     (_with("protocol", 3), "protocol: 3 is not of type str or dict"),

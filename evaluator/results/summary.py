@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best, value_at, winners
-from leakaudit.evaluator.audit.frontier import search
+from leakaudit.evaluator.audit.frontier import PROTECTING, search
 from leakaudit.evaluator.audit.checks import example_unit
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec, as_dict
 from leakaudit.evaluator.results.types import (
@@ -220,7 +220,7 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
         return best, accuracy_interval(acc.get(best.setting, {}), confidence)
 
     protecting = [w for w in defended if w.verdict == "protects"]
-    refuted = [w for w in protecting if confirmed.get(w.setting, {}).get("verdict") == "leaks"]
+    refuted = [w for w in protecting if confirmed.get(w.setting, {}).get("verdict") == LEAKS]
     protecting = [w for w in protecting if w not in refuted]
     if protecting:
         best, interval = most_accurate(protecting)
@@ -263,7 +263,7 @@ def _fresh_words(fresh: dict[str, Any] | None) -> str:
         return ""
     if fresh.get("verdict") is None:
         return f". On fresh targets: {fresh['reason']}"
-    if fresh["verdict"] not in ("protects", "protects but unusable"):
+    if fresh["verdict"] not in PROTECTING:
         return (f". Not confirmed on {fresh['targets']} fresh targets that took no part in the search: "
                 f"{fresh['verdict']} there ({fresh['reason']})")
     return (f". Confirmed on {fresh['targets']} fresh targets that took no part in the search: {fresh['verdict']} "

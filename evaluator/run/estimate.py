@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,7 +300,7 @@ def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
         key = (one.setting.key, one.attack.key, one.checkpoint)
         if key not in cells:
             cells[key] = cal.attack(one.setting, one.attack).seconds(units_of(audit, one.attack))
-    sizes = {k: sum(1 for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) == k) for k in cells}
+    sizes = Counter((j.setting.key, j.attack.key, j.checkpoint) for j in jobs)
     parts: dict[str, list[float]] = {}  # each attack's cells, as the workers take them
     for c in cells_of(jobs, workers):
         key = (c.first.setting.key, c.first.attack.key, c.first.checkpoint)

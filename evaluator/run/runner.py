@@ -182,22 +182,22 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
+    baselines = baseline_scores(scenario)  # the guesses' scores: every verdict of the run is judged against them
     trials = folder.tuning.read()
     finished = {row_key(r) for r in folder.results.read()}  # only the attack phase adds rows
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
         folder.start_session(run_info(scenario, pool.workers, pool.where))
-        settled = None if audit.budget_plan is None else lambda: settled_steps(folder, baseline_scores(scenario))
+        settled = None if audit.budget_plan is None else lambda: settled_steps(folder, baselines)
         _work(audit, folder, pool, progress, on_rows, settled=settled, clock=Countdown(estimate, started))
         if audit.frontiers:
-            _search_frontiers(scenario, folder, pool, progress, on_rows)
+            _search_frontiers(scenario, folder, pool, progress, on_rows, baselines)
     if audit.frontiers:
-        _confirm_frontiers(scenario, folder, workers, progress)  # its own pool, sized for its own pending work
+        _confirm_frontiers(scenario, folder, workers, progress, baselines)  # its own pool, sized for its own pending work
 
     trials = folder.tuning.read()
     rows = _in_job_order(audit, folder.results.read())
     folder.results_csv.rewrite(rows)
-    baselines = baseline_scores(scenario)
     folder.write_json(BASELINES, baselines)
     analysis = architecture(scenario, folder)
     info = folder.finish_session(time.perf_counter() - started)
@@ -292,12 +292,12 @@ def _record_skipped(audit: Audit, folder: RunFolder, jobs: list) -> None:
         folder.write_json(RUN_INFO, info)
 
 
-def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable) -> None:
+def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable,
+                      baselines: dict[str, dict[str, float | None]]) -> None:
     """Each ``frontier:`` search, its probes judged one after the other (each needs the last one's verdict);
     a probe's setting joins the audit, and frontier.json lists every probe so that a report rebuilt from the
     folder finds them. A rerun replays the search on the rows it has and continues where it stopped."""
     audit = scenario.audit
-    baselines = baseline_scores(scenario)
     probes: dict[str, list[float]] = {}
 
     def verdict_of(spec: FrontierSpec, value: float) -> str | None:
@@ -318,14 +318,15 @@ def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress
         search(spec, lambda value: verdict_of(spec, value))
 
 
-def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | None, progress: bool) -> None:
+def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | None, progress: bool,
+                       baselines: dict[str, dict[str, float | None]]) -> None:
     """Each frontier search's chosen setting attacked again with its undefended reference, on as many targets as
     the search used, the next ones of the seeded order (none of which any probe saw), in the folder ``fresh/``:
     a choice made on the searched targets is a selection on them, and its verdict on fresh ones is the one to
     trust. Writes each choice's fresh verdict, or why there is none, to confirmed.json."""
     audit = scenario.audit
     rows = _in_job_order(audit, folder.results.read())
-    summary = judged(folder, rows, folder.utility.read(), baseline_scores(scenario), folder.read_json(RUN_INFO))
+    summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO))
     chosen = sorted({f.protecting_setting for f in summary.frontier if f.protecting_setting})
     if not chosen:
         return
@@ -370,11 +371,11 @@ def fresh_verdict(summary: Summary, key: str, targets: int) -> dict[str, Any]:
 def _share_training(folder: RunFolder, sub: RunFolder, settings: list) -> None:
     """Give the fresh targets' folder the trained models of ``settings`` (their checkpoints and utility rows):
     the models are the searched ones; only the targets change."""
-    have = {r["setting"] for r in sub.utility.read()}
+    have, wanted = {r["setting"] for r in sub.utility.read()}, {s.key: s for s in settings}
     for row in folder.utility.read():
-        if row["setting"] in have or all(s.key != row["setting"] for s in settings):
+        setting = wanted.get(row["setting"])
+        if setting is None or row["setting"] in have:
             continue
-        setting = next(s for s in settings if s.key == row["setting"])
         target = sub.checkpoint_file(setting)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(folder.checkpoint_file(setting), target)

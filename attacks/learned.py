@@ -30,6 +30,8 @@ from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatMode
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import ClientStep
 
+#: Device types whose Adam has a fused step.
+FUSED_ADAM = ("cpu", "cuda")
 #: Points of the training loss kept in the reconstruction's trace (its last fifth tells whether it still fell).
 TRACE_POINTS = 100
 
@@ -101,7 +103,9 @@ def fit_inversion(inputs: Tensor, targets: Tensor, width: int, iterations: int, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_from(generator))
         net = inversion_network(inputs.shape[1], width, targets.shape[1]).to(inputs.device)
-    optimiser = torch.optim.Adam(net.parameters(), lr=lr)
+    # the fused step updates the network's millions of weights in one pass (a quarter of the time of the default
+    # step on a CPU, where the step took as long as the forward and backward passes)
+    optimiser = torch.optim.Adam(net.parameters(), lr=lr, fused=inputs.device.type in FUSED_ADAM)
     schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, [int(0.75 * iterations)], gamma=0.1)
     every = max(1, iterations // TRACE_POINTS)
     losses = []
@@ -128,6 +132,7 @@ class LearningToInvert(Attack):
     paper = "Wu et al. 2023"
     auto_params = {"cpu": {"updates": 2048, "iterations": 1500, "width": 500}, "cuda": {}}
     uses_defense = True
+    learns_per_cell = True
     brings = "a data prior learned from the attacker's own images, for trained models"
     params = {
         "updates": Param(2048, int, min=16, max=10_000_000,

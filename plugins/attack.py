@@ -213,6 +213,10 @@ class Attack:
     #: returns the data's mean image at once, so its break of the undefended update does not calibrate that
     #: defense's "protects".
     noise_free_only: ClassVar[bool] = False
+    #: The attack learns once from all the updates it is given together and reads each with what it learned
+    #: (Learning to Invert's network): a cell's updates are never split between workers, so its work is done once
+    #: and its result does not depend on how many workers a run has.
+    learns_per_cell: ClassVar[bool] = False
 
     #: The parameters ``attacks: auto`` runs the attack with, by device type ("cpu", "cuda"; another type takes
     #: "cpu"'s): budgets that fit the device. Empty: auto leaves the attack out, for the reason ``auto_skip`` gives.

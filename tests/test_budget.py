@@ -130,7 +130,7 @@ def test_a_tight_budget_fits_the_estimate_and_the_report_names_the_cut(write_aud
     assert main(["run", str(write_audit(spec)), "--out", str(tmp_path / "run"), "--budget", f"{budget}s",
                  "--no-progress"]) == 0
     out = capsys.readouterr()
-    assert "estimated time on this machine: about" in out.err
+    assert "estimated time on this machine: at most about" in out.err
     plan = json.loads((tmp_path / "run" / "run.json").read_text())["budget"]
     assert plan["seconds"] == budget and plan["cut"]
     assert {tuple(s[:3]) for s in plan["skipped"]} == {(s, a, c) for s in ("none", "clip(max_norm=1.0)")
@@ -138,7 +138,7 @@ def test_a_tight_budget_fits_the_estimate_and_the_report_names_the_cut(write_aud
                                                        for c in (0, 5)}
     assert f"budget {duration_text(budget)}: the audit in full would take about" in out.out
     said = next(line for line in out.out.splitlines() if line.startswith("  skipped where the step's verdict"))
-    assert all(f"{attack} on none (step 0, 5), clip(max_norm=1.0) (step 0, 5)" in said
+    assert all(f"{attack} on clip(max_norm=1.0) (step 0, 5), none (step 0, 5)" in said  # the defense's run first
                for attack in plan["order"][1:] if attack not in plan["dropped"])
     report = (tmp_path / "run" / "report.html").read_text()
     assert "<dt>Budget</dt>" in report and plan["cut"][0].split(": ")[0] in report
@@ -157,3 +157,41 @@ def test_the_progress_bars_count_down_the_whole_audit():
     assert Countdown(estimate, time.perf_counter()).left("training") == " (audit: about 3 min 11 s left)"
     assert Countdown(estimate, time.perf_counter() - 100).left("attacks") == " (audit: about 2 min 06 s left)"
     assert Countdown(None, time.perf_counter()).left("attacks") == ""
+
+
+def test_auto_settles_a_step_and_skips_a_reference_only_where_nothing_it_vouches_for_can_change(write_audit, tmp_path):
+    """Under attacks: auto a step's attacks stop once its verdict is settled: the exact attack breaks both the
+    undefended update and near-zero noise at the level of individuals, so neither runs Inverting Gradients after
+    it; run.json, the report and a rebuilt report say so. A reference's attack is kept while a setting it
+    calibrates could still read "protects", unless that attack cannot vouch for it (an exact attack on noise)."""
+    from conftest import small_audit
+    from leakaudit.evaluator.audit.jobs import jobs_of
+    from leakaudit.evaluator.run.runner import _is_settled, rebuild_report, run_audit, settling_for
+    from leakaudit.evaluator.results.rundir import RunFolder
+
+    spec = small_audit(model={"name": "mlp", "checkpoints": [0]},
+                       data={"dataset": "digits", "image_size": 8, "targets": 2, "batch_size": 1},
+                       defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1e-6}}],
+                       attacks=[{"name": "analytic"}, {"name": "inverting_gradients", "params": {"iterations": 20}}],
+                       metrics=["psnr", "label_accuracy"])
+    audit = load_audit(write_audit(spec))
+    assert settling_for(audit, RunFolder(tmp_path / "x", audit), False, None) is None  # listed attacks all run
+    audit.attack_choice = tuple(f"{a.label}: chosen" for a in audit.attacks)  # as attacks: auto marks its choice
+    summary = run_audit(audit, tmp_path / "run", progress=False)
+    settled = json.loads((tmp_path / "run" / "run.json").read_text())["settled"]
+    assert settled["order"] == ["analytic", "inverting_gradients"]  # no estimate in tests: the audit's order
+    assert sorted(tuple(s[:3]) for s in settled["skipped"]) == [("gaussian(sigma=1e-06)", "inverting_gradients", 0),
+                                                                ("none", "inverting_gradients", 0)]
+    assert {(v.setting, v.verdict, v.level) for v in summary.verdicts} == {
+        ("none", "leaks", "individuals"), ("gaussian(sigma=1e-06)", "leaks", "individuals")}
+    assert "<dt>Settled</dt>" in (tmp_path / "run" / "report.html").read_text()
+    assert {(v.setting, v.verdict) for v in rebuild_report(RunFolder(tmp_path / "run", audit)).verdicts} == {
+        (v.setting, v.verdict) for v in summary.verdicts}
+    # the rule itself: the reference's job waits for the setting it calibrates, except an exact attack's on noise
+    none, noisy = audit.settings
+    ig, exact = (next(j for j in jobs_of(audit) if j.setting is none and j.attack.name == n)
+                 for n in ("inverting_gradients", "analytic"))
+    leaks = {("none", 0)}
+    assert not _is_settled(audit, ig, leaks, set())
+    assert _is_settled(audit, ig, leaks, {(noisy.key, 0)})
+    assert _is_settled(audit, exact, leaks, set()) == audit.registry.get("attack", "analytic").noise_free_only

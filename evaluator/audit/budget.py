@@ -62,12 +62,18 @@ def budget_lines(plan: dict[str, Any]) -> list[str]:
             f"{duration_text(plan['estimate'])}")
     if not plan["cut"]:
         head += "; it fits, nothing cut"
-    lines = [head, *(f"  cut: {line}" for line in plan["cut"])]
-    skipped: dict[str, dict[str, list[str]]] = {}
-    for setting, attack, step, _ in plan.get("skipped", []):
-        skipped.setdefault(attack, {}).setdefault(setting, []).append(str(step))
-    if skipped:
-        lines.append("  skipped where the step's verdict was already a leak of individuals: " + "; ".join(
-            f"{attack} on " + ", ".join(f"{s} (step {', '.join(steps)})" for s, steps in where.items())
-            for attack, where in skipped.items()))
-    return lines
+    return [head, *(f"  cut: {line}" for line in plan["cut"]), *skipped_lines(plan.get("skipped", []))]
+
+
+def skipped_lines(skipped: list[list]) -> list[str]:
+    """The attacks a run did not run where a step's verdict was settled before them (a budget's plan's or
+    ``attacks: auto``'s record), a line for all of them; none where it skipped nothing."""
+    where: dict[str, dict[str, list[str]]] = {}
+    for setting, attack, step, _ in skipped:
+        where.setdefault(attack, {}).setdefault(setting, []).append(str(step))
+    if not where:
+        return []
+    return ["  skipped where the step's verdict was already settled (a leak of individuals; on a reference, "
+            "with every setting it calibrates leaking or vouched for): " + "; ".join(
+                f"{attack} on " + ", ".join(f"{s} (step {', '.join(steps)})" for s, steps in by.items())
+                for attack, by in where.items())]

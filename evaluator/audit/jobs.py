@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.tuning import candidates, scan_best, scan_candidates
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, DefenseSetting
+from leakaudit.plugins.manager import Registry
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,18 @@ def jobs_of(audit: Audit, tuned: dict[tuple, dict] | None = None) -> list[Attack
             if a.applies_to(s) and a.runs_at(c)]
 
 
-def cells_of(jobs: list, workers: int) -> list[Cell]:
+def cells_of(jobs: list, workers: int, registry: Registry) -> list[Cell]:
     """``jobs`` grouped by (setting, attack, checkpoint), in order, as cells for ``workers`` processes: whole
-    groups when there are enough of them to keep every process busy, else each group cut in ``workers`` parts."""
+    groups when there are enough of them to keep every process busy, else each group cut in ``workers`` parts,
+    except an attack's that learns once per cell (``Attack.learns_per_cell``): its group stays whole."""
     groups: dict[tuple, list] = {}
     for job in jobs:
         groups.setdefault((job.setting.key, job.attack.key, job.checkpoint), []).append(job)
     largest = max(map(len, groups.values()), default=1)
     per_cell = max(1, largest if len(groups) >= 2 * workers else -(-largest // workers))
-    return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
+    return [Cell(tuple(group[i:i + size])) for group in groups.values()
+            for size in [len(group) if registry.get("attack", group[0].attack.name).learns_per_cell else per_cell]
+            for i in range(0, len(group), size)]
 
 
 def row_key(row: dict[str, Any]) -> tuple:

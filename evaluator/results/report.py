@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jinja2
 from torch import Tensor
 
-from leakaudit.evaluator.audit.budget import budget_lines
+from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines
 from leakaudit.evaluator.audit.checks import example_unit
 from leakaudit.evaluator.audit.jobs import row_key
 from leakaudit.evaluator.audit.materials import load_data
@@ -158,7 +158,8 @@ def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
         ("Run time", f"{seconds / 60:.1f} min over {len(sessions)} session(s)" if sessions else "not recorded"),
         ("Audit file", run_info.get("audit_file", str(audit.path))),
     ] + _auto_row(run_info.get("attack_choice") or []) + (
-        [("Budget", "; ".join(budget_lines(run_info["budget"])))] if run_info.get("budget") else [])
+        [("Budget", "; ".join(budget_lines(run_info["budget"])))] if run_info.get("budget") else
+        [("Settled", line.strip()) for line in skipped_lines(run_info.get("settled", {}).get("skipped", []))])
 
 
 def _auto_row(choice: list[str]) -> list[tuple[str, str]]:

@@ -127,7 +127,7 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
         # the reference judged on the attacks that ran on this setting: a weak attack's "protects" is not vouched
         # for by a stronger attack that ran elsewhere
         steps = [] if reference is None else alone[s.key] if reference is s else _judged_steps(
-            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if _calibrates(audit, a, s)})
+            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if calibrates(audit, a, s)})
         by_step = {v.checkpoint: v for v in steps}
         unread = unread_kind(audit, s)
         per_step = [calibrate(v, by_step.get(v.checkpoint), untried, unread) for v in alone[s.key]]
@@ -286,7 +286,7 @@ def _acc(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.3f}"
 
 
-def _calibrates(audit: Audit, attack, setting) -> bool:
+def calibrates(audit: Audit, attack, setting) -> bool:
     """Whether ``attack``'s run on the undefended reference vouches for ``setting``'s "protects": it runs on the
     setting, and reads its updates (an attack of noise-free updates only says nothing of a defense that adds
     noise; one that does not read the kind of update the defense shares, LoRA's adapters say, nothing of it)."""

@@ -73,6 +73,7 @@ class Estimate:
     cells: dict[tuple, float]  # (setting, attack, step) -> seconds of all its target batches
     wall: dict[str, float] = field(default_factory=dict)  # phase -> seconds, as the workers share it
     frontier_probe: float = 0.0  # one more probe of a frontier search (training and attacks of one setting)
+    settles: bool = False  # a step's attacks stop once its verdict is settled: the whole is an upper bound
 
     @property
     def total(self) -> float:
@@ -86,7 +87,8 @@ class Estimate:
         """The estimate as the terminal shows it: the total, then each phase and each attack."""
         parts = [f"{phase} {duration_text(s)}" for phase, s in self.wall.items() if s >= 0.5]
         where = f"{self.workers} worker process{'es' if self.workers > 1 else ''}"
-        out = [f"estimated time on this machine: about {duration_text(self.total)} ({', '.join(parts)}; {where})"]
+        about = "at most about" if self.settles else "about"
+        out = [f"estimated time on this machine: {about} {duration_text(self.total)} ({', '.join(parts)}; {where})"]
         labels = dict.fromkeys(a for _, a, _ in self.cells)
         if labels:
             out.append("  attacks, one worker's time each: " + "; ".join(
@@ -301,16 +303,19 @@ def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
         if key not in cells:
             cells[key] = cal.attack(one.setting, one.attack).seconds(units_of(audit, one.attack))
     sizes = Counter((j.setting.key, j.attack.key, j.checkpoint) for j in jobs)
-    parts: dict[str, list[float]] = {}  # each attack's cells, as the workers take them
-    for c in cells_of(jobs, workers):
+    parts: dict[tuple, list[float]] = {}  # each stage's cells (an attack's, on defenses or references), as run
+    for c in cells_of(jobs, workers, audit.registry):
         key = (c.first.setting.key, c.first.attack.key, c.first.checkpoint)
-        parts.setdefault(key[1], []).append(cells[key] * len(c.jobs) / sizes[key])
-    # under a budget the attacks run one after another (a step's verdict may settle between them)
-    attacks = (sum(_shared(p, workers) for p in parts.values()) if audit.budget is not None
+        parts.setdefault((key[1], c.first.setting.calibrates is not None), []).append(
+            cells[key] * len(c.jobs) / sizes[key])
+    # under a budget or attacks: auto the attacks run one after another (a step's verdict may settle between
+    # them): the estimate is of the whole, an upper bound where verdicts settle early
+    settles = audit.budget is not None or (bool(audit.attack_choice) and not audit.frontiers)
+    attacks = (sum(_shared(p, workers) for p in parts.values()) if settles
                else _shared([s for p in parts.values() for s in p], workers))
     wall = {"start": cal.start() * (2 if workers > 1 else 1), "training": _shared(list(training.values()), workers),
             "tuning": _shared(list(tuning.values()), workers), "attacks": attacks, "report": REPORT_SECONDS}
-    estimate = Estimate(workers, training, tuning, cells, wall)
+    estimate = Estimate(workers, training, tuning, cells, wall, settles=settles)
     if audit.frontiers:
         end = audit.frontiers[0].setting(audit.frontiers[0].strong).key
         estimate.frontier_probe = training.get(end, 0.0) + sum(s for (k, _, _), s in cells.items() if k == end)

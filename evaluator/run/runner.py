@@ -19,6 +19,7 @@ from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.frontier import most_probes, search
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec
 from leakaudit.evaluator.results.report import judged, write_report
+from leakaudit.evaluator.results.summary import calibrates
 from leakaudit.evaluator.results.rundir import (ARCHITECTURE, BASELINES, CONFIRMED, FRESH, FRONTIER, RESULTS, RUN_INFO,
                                                 RunError, RunFolder)
 from leakaudit.evaluator.results.types import Summary
@@ -60,7 +61,8 @@ def shows_architecture(audit: Audit) -> bool:
     return any(audit.registry.get("attack", a.name).solves_linear_systems for a in audit.attacks)
 
 
-def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict[str, Any]:
+def run_info(scenario: Scenario, workers: int, where: str | None = None,
+             settling: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the report's provenance box and verdicts need from this run: versions, device, chance accuracy."""
     device = scenario.device
     where = where or (f"cuda: {torch.cuda.get_device_name(device)} x {workers} process(es)" if device.type == "cuda"
@@ -75,7 +77,8 @@ def run_info(scenario: Scenario, workers: int, where: str | None = None) -> dict
             "chance_accuracy": float(torch.bincount(labels).max()) / len(labels),
             "untried_attacks": untried_attacks(scenario),
             "attack_choice": list(scenario.audit.attack_choice),  # attacks: auto's, as this version chose
-            **({"budget": scenario.audit.budget_plan} if scenario.audit.budget_plan is not None else {})}
+            **({"budget": scenario.audit.budget_plan} if scenario.audit.budget_plan is not None
+               else {SETTLED: settling} if settling is not None else {})}
 
 
 def versions() -> dict[str, str]:
@@ -186,10 +189,11 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     trials = folder.tuning.read()
     finished = {row_key(r) for r in folder.results.read()}  # only the attack phase adds rows
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
+    settling = settling_for(audit, folder, resume, estimate)
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
-        folder.start_session(run_info(scenario, pool.workers, pool.where))
-        settled = None if audit.budget_plan is None else lambda: settled_steps(folder, baselines)
-        _work(audit, folder, pool, progress, on_rows, settled=settled, clock=Countdown(estimate, started))
+        folder.start_session(run_info(scenario, pool.workers, pool.where, settling))
+        _work(audit, folder, pool, progress, on_rows, clock=Countdown(estimate, started),
+              settling=None if settling is None else Settling(settling, audit, folder, baselines))
         if audit.frontiers:
             _search_frontiers(scenario, folder, pool, progress, on_rows, baselines)
     if audit.frontiers:
@@ -205,11 +209,11 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
 
 
 def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable, stage: str = "",
-          settled: Callable[[], set[tuple[str, int]]] | None = None, clock: "Countdown | None" = None) -> None:
+          settling: "Settling | None" = None, clock: "Countdown | None" = None) -> None:
     """Whatever the run folder lacks of the audit's settings as they stand: train, tune, attack (``stage``
-    prefixes the progress bars, ``clock`` adds the audit's time left to them). Under a budget (``settled``: the
-    steps whose verdict no further attack can change), the attacks run cheapest first and a step's are skipped
-    once settled."""
+    prefixes the progress bars, ``clock`` adds the audit's time left to them). Where the run settles verdicts
+    (``settling``: under a budget or ``attacks: auto``), the attacks run cheapest first, the defenses' before the
+    references', and a step's are skipped once no further attack can change its verdict."""
     clock = clock or Countdown(None, time.perf_counter())
     trained = folder.trained_settings()
     pool.run("train", [s for s in audit.settings if s.key not in trained], f"{stage}training{clock.left('training')}",
@@ -217,25 +221,74 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
     trials = folder.tuning.read()
     for step in ("scan", "grid"):  # a scanning search's grid is known once its scan has run
         tried = {trial_key(r) for r in trials}
-        pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], pool.workers),
+        pool.run("tune", cells_of([j for j in tune_jobs_of(audit, trials) if j.key not in tried], pool.workers,
+                                  audit.registry),
                  (f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined") + clock.left("tuning"), progress,
                  lambda cell, rows: list(map(folder.tuning.append, rows)))
         trials = folder.tuning.read()
     finished = {row_key(r) for r in folder.results.read()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
-    if settled is None:
-        pool.run("attack", cells_of(pending, pool.workers), f"{stage}attacks{clock.left('attacks')}", progress, on_rows)
+    if settling is None:
+        pool.run("attack", cells_of(pending, pool.workers, audit.registry), f"{stage}attacks{clock.left('attacks')}",
+                 progress, on_rows)
         return
-    plan = audit.budget_plan
-    assert plan is not None, "settled steps are watched under a budget only"
-    order = [label for label in plan["order"] if any(j.attack.key == label for j in pending)]
-    for i, label in enumerate(order):
-        done = settled()
-        mine = [j for j in pending if j.attack.key == label]
-        now = [j for j in mine if not _is_settled(audit, j, done)]
-        _record_skipped(audit, folder, [j for j in mine if j not in now])
-        pool.run("attack", cells_of(now, pool.workers),
-                 f"{stage}attacks, {label} ({i + 1} of {len(order)}){clock.left('attacks')}", progress, on_rows)
+    stages = [(label, reference) for reference in (False, True) for label in settling.record["order"]
+              if any(j.attack.key == label and (j.setting.calibrates is not None) == reference for j in pending)]
+    for i, (label, reference) in enumerate(stages):
+        mine = [j for j in pending if j.attack.key == label and (j.setting.calibrates is not None) == reference]
+        now = settling.unsettled(mine)
+        pool.run("attack", cells_of(now, pool.workers, audit.registry),
+                 f"{stage}attacks, {label}{' on the references' if reference else ''} ({i + 1} of {len(stages)})"
+                 f"{clock.left('attacks')}", progress, on_rows)
+
+
+def settling_for(audit: Audit, folder: RunFolder, resume: bool, estimate: Estimate | None) -> dict[str, Any] | None:
+    """The record of a run that stops a step's attacks once its verdict is settled: a budget's plan, or under
+    ``attacks: auto`` the attacks' order (cheapest first, by the estimate where there is one) and the jobs
+    skipped, as run.json keeps it (a resumed run keeps its own); None where every attack runs (listed attacks, or
+    a frontier search)."""
+    if audit.budget_plan is not None:
+        return audit.budget_plan
+    if not audit.attack_choice or audit.frontiers:  # a frontier's later probes may need any reference row
+        return None
+    saved = (folder.read_json(RUN_INFO) or {}).get(SETTLED) if resume else None
+    if saved is not None:
+        return saved
+    order = sorted(audit.attacks, key=lambda a: estimate.attack_seconds(a.label)) if estimate else audit.attacks
+    return {"order": [a.label for a in order], "skipped": []}
+
+
+#: run.json's record of an ``attacks: auto`` run's settled steps (a budget's plan keeps its own, under "budget").
+SETTLED = "settled"
+
+
+class Settling:
+    """The attack jobs a run skips because their step's verdict is settled, judged from the rows written so far,
+    and their record in run.json (``record``: the budget's plan, or attacks: auto's)."""
+
+    def __init__(self, record: dict[str, Any], audit: Audit, folder: RunFolder, baselines: dict):
+        self.record, self.audit, self.folder, self.baselines = record, audit, folder, baselines
+
+    def unsettled(self, jobs: list) -> list:
+        """``jobs`` less those that cannot change a verdict now, which are recorded as skipped."""
+        leaks, vouched = settled_steps(self.folder, self.baselines)
+        now = [j for j in jobs if not _is_settled(self.audit, j, leaks, vouched)]
+        self._record([j for j in jobs if j not in now])
+        return now
+
+    def _record(self, jobs: list) -> None:
+        """Each (setting, attack, step) of ``jobs`` in the record and run.json, with why it was not run."""
+        for key in dict.fromkeys((j.setting.key, j.attack.key, j.checkpoint, j.setting.calibrates is not None)
+                                 for j in jobs):
+            why = ("the reference already leaks individuals here, and every setting it calibrates leaks or is "
+                   "calibrated" if key[3] else "its verdict here is already a leak of individuals")
+            entry = [*key[:3], why]
+            if entry not in self.record.setdefault("skipped", []):
+                self.record["skipped"].append(entry)
+        if jobs:
+            info = self.folder.read_json(RUN_INFO) or {}
+            info["budget" if self.record is self.audit.budget_plan else SETTLED] = self.record
+            self.folder.write_json(RUN_INFO, info)
 
 
 class Countdown:
@@ -255,41 +308,29 @@ class Countdown:
         return f" (audit: about {duration_text(max(ahead, ahead + before - spent))} left)"
 
 
-def settled_steps(folder: RunFolder, baselines: dict) -> set[tuple[str, int]]:
-    """The (setting, step) pairs whose verdict is already a leak of individuals: no further attack can change it."""
+def settled_steps(folder: RunFolder, baselines: dict) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """The (setting, step) pairs whose verdict is already a leak of individuals (no further attack of theirs can
+    change it), and those that leak or whose "protects" a reference already vouches for at the level of
+    individuals (no further attack on their reference can change their verdict)."""
     rows = _in_job_order(folder.audit, folder.results.read())
     if not rows:
-        return set()
+        return set(), set()
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO) or {})
-    return {(v.setting, v.checkpoint) for v in summary.verdicts if v.verdict == "leaks" and v.level == "individuals"}
+    leaks = {(v.setting, v.checkpoint) for v in summary.verdicts if v.verdict == "leaks" and v.level == "individuals"}
+    vouched = {(v.setting, v.checkpoint) for v in summary.verdicts
+               if v.verdict == "leaks" or v.calibrated_by is not None}
+    return leaks, vouched
 
 
-def _is_settled(audit: Audit, job: Any, done: set[tuple[str, int]]) -> bool:
+def _is_settled(audit: Audit, job: Any, leaks: set[tuple[str, int]], vouched: set[tuple[str, int]]) -> bool:
     """Whether ``job`` cannot change a verdict: its setting already leaks individuals at its step, and where it is
-    an undefended reference, every setting it calibrates for this attack at that step is settled too."""
-    if (job.setting.key, job.checkpoint) not in done:
+    an undefended reference, every setting it calibrates with this attack at that step leaks, or is vouched for."""
+    if (job.setting.key, job.checkpoint) not in leaks:
         return False
     if job.setting.calibrates is None:
         return True
-    return all((t.key, job.checkpoint) in done for t in audit.settings
-               if t.calibrates is None and audit.reference_of(t) is job.setting and job.attack.applies_to(t))
-
-
-def _record_skipped(audit: Audit, folder: RunFolder, jobs: list) -> None:
-    """Each (setting, attack, step) of ``jobs`` in the budget's plan and run.json, with why it was not run."""
-    plan = audit.budget_plan
-    assert plan is not None, "cells are skipped under a budget only"
-    for key in dict.fromkeys((j.setting.key, j.attack.key, j.checkpoint, j.setting.calibrates is not None)
-                             for j in jobs):
-        why = ("the reference already leaks individuals here, and so does every setting it calibrates"
-               if key[3] else "its verdict here is already a leak of individuals")
-        entry = [*key[:3], why]
-        if entry not in plan.setdefault("skipped", []):
-            plan["skipped"].append(entry)
-    if jobs:
-        info = folder.read_json(RUN_INFO) or {}
-        info["budget"] = plan
-        folder.write_json(RUN_INFO, info)
+    return all((t.key, job.checkpoint) in vouched for t in audit.settings
+               if t is not job.setting and audit.reference_of(t) is job.setting and calibrates(audit, job.attack, t))
 
 
 def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress: bool, on_rows: Callable,
@@ -409,10 +450,11 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     if missing or not folder.results.path.exists():
         raise RunError(f"{folder.path}: no finished run to report on (missing {', '.join(missing or [RESULTS])}); "
                        f"finish it with: leakaudit run {audit.path} --out {folder.path} --resume")
-    plan = (folder.read_json(RUN_INFO) or {}).get("budget")
+    info = folder.read_json(RUN_INFO) or {}
+    plan = info.get("budget")
     if plan is not None:
         apply_plan(audit, plan)
-    skipped = {tuple(s[:3]) for s in (plan or {}).get("skipped", [])}
+    skipped = {tuple(s[:3]) for s in (plan or info.get(SETTLED) or {}).get("skipped", [])}
     rows = _in_job_order(audit, folder.results.read())
     expected = sum((j.setting.key, j.attack.key, j.checkpoint) not in skipped for j in jobs_of(audit))
     if len(rows) < expected:

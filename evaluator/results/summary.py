@@ -294,7 +294,12 @@ def calibrates(audit: Audit, attack, setting) -> bool:
         return False
     cls = audit.registry.get("attack", attack.name)
     noisy = any(not audit.registry.get("defense", name).deterministic for name, _ in setting.members)
-    return not (noisy and cls.noise_free_only) and shared_kinds(audit, setting) <= set(cls.reads)
+    return not (noisy and cls.noise_free_only) and reads_all(cls, shared_kinds(audit, setting))
+
+
+def reads_all(attack_class, kinds: set[str]) -> bool:
+    """Whether an attack (its class) reads every kind of update in ``kinds`` (``Attack.reads``)."""
+    return kinds <= set(attack_class.reads)
 
 
 def shared_kinds(audit: Audit, setting) -> set[str]:
@@ -307,10 +312,10 @@ def unread_kind(audit: Audit, setting) -> str:
     """Why no attack run on ``setting`` can calibrate its "protects": its defenses share a kind of update that
     none of them reads, with the registered attacks that do; "" where one does (or the update is the full one)."""
     kinds = shared_kinds(audit, setting)
-    if not kinds or any(a.applies_to(setting) and kinds <= set(audit.registry.get("attack", a.name).reads)
+    if not kinds or any(a.applies_to(setting) and reads_all(audit.registry.get("attack", a.name), kinds)
                         for a in audit.attacks):
         return ""
-    readers = sorted(n for n, e in audit.registry.entries["attack"].items() if kinds <= set(e.obj.reads))
+    readers = sorted(n for n, e in audit.registry.entries["attack"].items() if reads_all(e.obj, kinds))
     what = "; ".join(f"{k}: {UPDATE_KINDS.get(k, k)}" for k in sorted(kinds))
     return (f"{setting.key} shares only {what}, and no attack run on it reads that kind of update, so none could "
             f"have broken it; registered attacks that read it: {', '.join(readers) or 'none'} (one that refuses "

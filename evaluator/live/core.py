@@ -23,15 +23,7 @@ from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.api import (
-    Stats,
-    attack_shared,
-    attacked_inputs,
-    channel_stats,
-    named_problems,
-    pixels_of,
-    prepare,
-)
+from leakaudit.evaluator.live.api import attack_shared, named_problems, prepare
 from leakaudit.evaluator.results.report import judged
 from leakaudit.evaluator.results.rundir import (
     ARCHITECTURE,
@@ -45,8 +37,10 @@ from leakaudit.evaluator.results.rundir import (
 )
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
+from leakaudit.evaluator.run.modality import IMAGES, TEXT, Knowledge, Modality, Stats, channel_stats, pixels_of
 from leakaudit.evaluator.run.scenario import round_generators
-from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.run.step import Judging, Update
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens
 from leakaudit.evaluator.zoo.text import pii_recall
 from leakaudit.plugins.attack import AuxiliaryData
 from leakaudit.plugins.defense import SharedUpdate
@@ -189,7 +183,7 @@ class MonitorCore:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.vocabulary = None if vocabulary is None else list(vocabulary)
         self.personal_values = personal_values
-        self._text = False  # token ids, once attached to a loop that trains on them
+        self._modality: Modality = IMAGES  # text: token ids, once attached to a loop that trains on them
         self.defense = {"name": defense} if isinstance(defense, str) else defense
         self.attacks: Any = attacks if attacks == "auto" else [{"name": a} if isinstance(a, str) else a for a in attacks]
         self.every, self.out = every, Path(out)
@@ -229,7 +223,7 @@ class MonitorCore:
         """What attaching checks and opens, whatever drives the steps: the normalisation, the input shape, the
         defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
         self._model, self._dataset, self._federated = model, dataset, federated
-        self._text = _holds_token_ids(dataset)
+        self._modality = TEXT if _holds_token_ids(dataset) else IMAGES
         if self._text and (self.mean is not None or self.std is not None):
             problems.append("mean, std: the loader's items are token ids, which are not normalised; leave them out")
         if not self._text and self.personal_values is not None:
@@ -241,7 +235,7 @@ class MonitorCore:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
                                      min(shape[-2:]) if shape and not self._text else None, self.plugins_dirs,
                                      problems, caller="LeakMonitor", scope=scope,
-                                     modality="text" if self._text else "image")
+                                     modality=self._modality.name)
             self.metrics = [m.name for m in self._prepared.scorers]
         if self._prepared.choice:  # attacks: auto, written out as a list, as validate prints it
             self.attacks = self._prepared.attack_entries
@@ -261,6 +255,11 @@ class MonitorCore:
             self.folder.write_json(VOCABULARY, self.vocabulary)
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
         self._defenses = [(s, s.build(self._prepared.registry)) for s in self.folder.audit.settings]
+
+    @property
+    def _text(self) -> bool:
+        """Whether the watched loop trains on token ids (its set-up and guesses are a language model's)."""
+        return self._modality is TEXT
 
     @property
     def folder(self) -> RunFolder:
@@ -363,8 +362,8 @@ class MonitorCore:
 
     def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
                 protocol: Any) -> None:
-        inputs = inputs.long() if self._text else inputs  # token ids of any integer type, scored as long
-        pixels, mean, std = attacked_inputs(inputs, self._stats, self._text, caller="LeakMonitor")
+        inputs = self._modality.read(inputs)
+        pixels, mean, std = self._modality.attacked(inputs, self._stats, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
         for setting, defense in self._defenses:
             share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
@@ -376,29 +375,28 @@ class MonitorCore:
             else:
                 sent, public = defense.apply(update, share_gen)
                 observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
-            epsilon = None if setting.calibrates is not None else self._epsilon()
             what = ("the DP-SGD update (Opacus's)" if self._dp is not None and setting.calibrates is None
                     else "the undefended update" if setting.is_baseline(self._prepared.registry)
                     else f"the update under {setting.key}")
             attacks = ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting))
             self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step, what, n, attacks)
-            failed: list[tuple[Any, str]] = []
+            failed: list[tuple[Update, str]] = []
+            judging = Judging(self._prepared.scorers, self._modality,
+                              None if setting.calibrates is not None else self._epsilon(),
+                              personal=lambda aligned, u: self._pii_recall(aligned, u.originals, plain),
+                              keep=self.folder.save_reconstruction)  # one update per step: no bound to test
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
-                                                                      step, 0)[1], self._auxiliary(pixels), failed)
-            for spec, why in failed:
-                self.record_failure(step, f"{spec.label} on {setting.key}", why)
-            for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
-                row = self.folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
-                                               list(range(n)), epsilon)  # one update per step: no bound to test
-                recall = self._pii_recall(rec.images[scores.order], pixels, plain) if self._text else None
-                if recall is not None:
-                    row["pii_recall"] = recall
-                self.folder.results.append(row)
-                self.folder.results_csv.append(row)
-                shown = ", ".join(f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float))
-                self.log.info("  %s: %s (%.0f s)", spec.label, shown, rec.seconds)
+                                                                      step, 0)[1], step, judging,
+                self._auxiliary(pixels), failed)
+            for failure, why in failed:
+                self.record_failure(step, f"{failure.job.attack.label} on {setting.key}", why)
+            for done in results:  # each row written at once: a crash later loses nothing
+                self.folder.results.append(done.row.to_json())
+                self.folder.results_csv.append(done.row.to_json())
+                shown = ", ".join(f"{m} {v:.3g}" for m, v in done.scores.values.items() if isinstance(v, float))
+                self.log.info("  %s: %s (%.0f s)", done.update.job.attack.label, shown, done.reconstruction.seconds)
         self._described["steps"].append(step)
         self.folder.write_json(MONITOR, self._described)
         self._write_baselines()
@@ -496,14 +494,20 @@ class MonitorCore:
         records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
                    for step in self.audited_steps)
         batches = [(r["original"], r["labels"]) for r in records if r is not None]
-        if self._text:
-            model: Any = self._model
-            pad = getattr(model, "pad_id", 0)
-            vocab = getattr(model, "vocab_size", None) or int(max(int(b[0].max()) for b in batches)) + 1
-            folder.write_json(BASELINES, text_guess_scores([m for m in self._prepared.scorers if m.on == "images"],
-                                                           batches, self._frequent_tokens(pad), vocab,
-                                                           generator(torch.device("cpu"), self.seed, "baseline"), pad))
-            return
+        knowledge = self._text_knowledge(batches) if self._text else self._image_knowledge()
+        folder.write_json(BASELINES, self._modality.guesses([m for m in self._prepared.scorers if m.on == "images"],
+                                                            batches, knowledge,
+                                                            generator(torch.device("cpu"), self.seed, "baseline")))
+
+    def _text_knowledge(self, batches: list[tuple[Tensor, Tensor]]) -> Knowledge:
+        """A language model's guesses: the attacker's most frequent tokens, the model's vocabulary and padding."""
+        model: Any = self._model
+        pad = getattr(model, "pad_id", 0)
+        vocab = getattr(model, "vocab_size", None) or int(max(int(b[0].max()) for b in batches)) + 1
+        return Knowledge(frequent=self._frequent_tokens(pad), vocab_size=vocab, pad_id=pad)
+
+    def _image_knowledge(self) -> Knowledge:
+        """The mean image of the attacker's data less each batch's own images, and each target's class mean."""
         sample = self._attacker_sample()  # its first 256 items make the guesses
         prior, prior_labels = (None, None) if sample is None else (sample[0][:PRIOR_SAMPLE], sample[1][:PRIOR_SAMPLE])
 
@@ -514,9 +518,7 @@ class MonitorCore:
             rest = prior[keep].mean(dim=0) if keep.any() else None  # mean_without's, from the same mask
             return class_mean_guess(prior[keep], prior_labels[keep], labels.cpu(), rest)
 
-        folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
-                                                  lambda pixels: mean_without(prior, pixels),
-                                                  generator(torch.device("cpu"), self.seed, "baseline"), class_means))
+        return Knowledge(lambda pixels: mean_without(prior, pixels), class_means)
 
     def _frequent_tokens(self, pad_id: int) -> Tensor:
         """The most frequent token at each position among up to 256 seeded sequences the attacker may hold

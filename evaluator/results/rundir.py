@@ -21,7 +21,6 @@ from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.types import Audit, DefenseSetting
 from leakaudit.evaluator.audit.yamlfile import AuditLoader, read_yaml
-from leakaudit.evaluator.results.verdict import late_gain
 from leakaudit.plugins.spec import one_line
 
 
@@ -215,24 +214,6 @@ class RunFolder:
         path = self.recon_file(job)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(record, path)
-
-    def save_result(self, job: AttackJob, pixels: torch.Tensor, labels: torch.Tensor, rec: Any, scores: Any,
-                    images: list[int], epsilon: float | None, bound: float | None = None) -> dict[str, Any]:
-        """Keep one job's originals and aligned reconstruction for the report, and return its results row
-        (``rec``: the attack's Reconstruction; ``scores``: its metrics.Scores; ``bound``: the most any attack can
-        identify of the targets under the defense's guarantee, None without one)."""
-        self.save_reconstruction(job, {
-            "original": pixels.cpu(), "reconstruction": rec.images[scores.order].detach().cpu(),
-            "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
-        row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
-               "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-               "target": job.target, "images": images, "epsilon": epsilon, "rero_bound": bound, **scores.values,
-               "per_image": scores.per_image, "late_gain": late_gain(rec.loss_trace), "seconds": round(rec.seconds, 3)}
-        if job.params is not None:
-            row["attack_params"] = job.params
-        if scores.notes:
-            row["notes"] = scores.notes
-        return row
 
     def write_outbox(self, kept: list[tuple[str, Any, Any]]) -> None:
         """Write what a remote worker's jobs kept for this folder (``Outbox.take``)."""

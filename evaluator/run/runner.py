@@ -19,15 +19,17 @@ from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.frontier import most_probes, search
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec
 from leakaudit.evaluator.results.report import judged, write_report
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import (ARCHITECTURE, BASELINES, CONFIRMED, FRESH, FRONTIER, RESULTS, RUN_INFO,
                                                 RunError, RunFolder)
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.estimate import Estimate, plan_and_estimate
 from leakaudit.evaluator.run.executors import Pool, WorkerPool, auto_workers
+from leakaudit.evaluator.run.modality import Knowledge
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
-from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens
 from leakaudit.plugins.text import IGNORE, TokenData
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
@@ -174,11 +176,11 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     worker = AuditWorker(scenario, folder)
     notes: set[str] = set()
 
-    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
-        for row, new_notes in out:
-            folder.results.append(row)
-            folder.results_csv.append(row)
-            for n in set(new_notes) - notes:
+    def on_rows(cell: Cell, out: list[Row]) -> None:
+        for row in out:
+            folder.results.append(row.to_json())
+            folder.results_csv.append(row.to_json())
+            for n in set(row.notes) - notes:
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
@@ -344,9 +346,9 @@ def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | Non
     if not sub.has_decoys() and (decoys := again.decoys()) is not None:
         sub.save_decoys(*decoys)
 
-    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
-        for row, _ in out:
-            sub.results.append(row)
+    def on_rows(cell: Cell, out: list[Row]) -> None:
+        for row in out:
+            sub.results.append(row.to_json())
 
     finished = {row_key(r) for r in sub.results.read()}
     with executor_for(AuditWorker(again, sub), workers, [j for j in jobs_of(fresh) if j.key not in finished]) as pool:
@@ -460,15 +462,17 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
     if scenario.text:  # the most frequent token at each position, and uniform draws
         assert isinstance(scenario.data, TokenData), "a text audit's examples are sentences"
         frequent = frequent_tokens(scenario.data.train_x, scenario.data.pad_id)
-        return text_guess_scores(metrics, batches, frequent, scenario.data.vocab_size,
-                                 generator("cpu", audit.seed, "baseline"), scenario.data.pad_id,
-                                 lambda guess, t: scenario.pii_recall(guess.cpu(), scenario.target_ids(t).tolist()))
+        return scenario.modality.guesses(metrics, batches, Knowledge(
+            frequent=frequent, vocab_size=scenario.data.vocab_size, pad_id=scenario.data.pad_id,
+            recall=lambda guess, t: scenario.pii_recall(guess.cpu(), scenario.target_ids(t).tolist())),
+            generator("cpu", audit.seed, "baseline"))
     train_x, train_y = scenario.data.train_x.float(), scenario.data.train_y.reshape(-1)
     average = train_x.mean(dim=0).to(scenario.device)
     classes = train_y.unique()
     templates = torch.stack([train_x[train_y == c].mean(dim=0) for c in classes]).to(scenario.device)
-    return guess_scores(metrics, batches, average, generator(scenario.device, audit.seed, "baseline"),
-                        lambda pixels, labels: class_mean_guess(templates, classes.to(labels.device), labels, average))
+    return scenario.modality.guesses(metrics, batches, Knowledge(
+        average, lambda pixels, labels: class_mean_guess(templates, classes.to(labels.device), labels, average)),
+        generator(scenario.device, audit.seed, "baseline"))
 
 
 def _in_job_order(audit: Audit, rows: list[dict]) -> list[dict]:

@@ -197,7 +197,7 @@ def test_one_step_makes_every_row_and_every_guess():
     assert "threat_model" in scenario["Scenario.threat"] and "threat_model" in live["live_threat"]
     appended = [n for path in modules.values() for n in ast.walk(ast.parse(path.read_text()))
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append"
-                and isinstance(n.func.value, ast.Attribute) and n.func.value.attr in ("results", "results_csv")]
+                and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "results"]
     assert appended and all(isinstance(a.func, ast.Attribute) and a.func.attr == "to_json"
                             for call in appended for a in call.args if isinstance(a, ast.Call)), "rows are Row records"
     assert all(isinstance(a, ast.Call) for call in appended for a in call.args), "a results row is a Row's to_json()"

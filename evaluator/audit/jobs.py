@@ -75,11 +75,6 @@ def cells_of(jobs: list, workers: int) -> list[Cell]:
     return [Cell(tuple(group[i:i + per_cell])) for group in groups.values() for i in range(0, len(group), per_cell)]
 
 
-def row_key(row: dict[str, Any]) -> tuple:
-    """The ``AttackJob.key`` of a results row."""
-    return (row["setting"], row["attack"], row["checkpoint"], row["target"])
-
-
 def trial_key(row: dict[str, Any]) -> tuple:
     """The ``TuneJob.key`` of a tuning row."""
     return (row["setting"], row["attack"], row["checkpoint"], row["trial"])

@@ -379,7 +379,8 @@ class MonitorCore:
                     else "the undefended update" if setting.is_baseline(self._prepared.registry)
                     else f"the update under {setting.key}")
             attacks = ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting))
-            self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step, what, n, attacks)
+            self.log.info("LeakMonitor %s %d: attacking %s (%d %ss) with %s ...", self._unit, step, what, n,
+                          self._modality.unit, attacks)
             failed: list[tuple[Update, str]] = []
             judging = Judging(self._prepared.scorers, self._modality,
                               None if setting.calibrates is not None else self._epsilon(),
@@ -394,7 +395,7 @@ class MonitorCore:
                 self.record_failure(step, f"{failure.job.attack.label} on {setting.key}", why)
             for done in results:  # each row written at once: a crash later loses nothing
                 self.folder.results.append(done.row.to_json())
-                self.folder.results_csv.append(done.row.to_json())
+                self.folder.results_csv.append(done.row)
                 shown = ", ".join(f"{m} {v:.3g}" for m, v in done.scores.values.items() if isinstance(v, float))
                 self.log.info("  %s: %s (%.0f s)", done.update.job.attack.label, shown, done.reconstruction.seconds)
         self._described["steps"].append(step)
@@ -437,7 +438,7 @@ class MonitorCore:
     def _judged(self) -> Summary:
         """The run folder's summary with every step so far judged, no report drawn."""
         folder = RunFolder(self.out, saved_audit(self.out, None, self.plugins_dirs))  # the audit of its steps so far
-        return judged(folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES) or {},
+        return judged(folder, folder.rows(), folder.utility.read(), folder.read_json(BASELINES) or {},
                       folder.read_json(RUN_INFO) or {})
 
     @property

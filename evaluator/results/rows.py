@@ -10,6 +10,9 @@ from typing import Any
 
 #: Keys written only when the row has them, in this order after the fixed ones.
 OPTIONAL = ("attack_params", "notes", "prior_free", "pii_recall")
+#: What a row written before a key was kept reads as (images, epsilon, the bound, per-image scores, late gain).
+OLDER_DEFAULTS: dict[str, Any] = {"params": {}, "images": [], "epsilon": None, "rero_bound": None, "per_image": {},
+                                  "late_gain": None}
 
 
 @dataclass
@@ -42,11 +45,25 @@ class Row:
         out |= {"per_image": self.per_image, "late_gain": self.late_gain, "seconds": self.seconds}
         return out | {k: getattr(self, k) for k in OPTIONAL if getattr(self, k) not in (None, [])}
 
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        """The job the row answers: (setting, attack, checkpoint, target), as ``AttackJob.key``."""
+        return (self.setting, self.attack, self.checkpoint, self.target)
+
+    @property
+    def cell(self) -> tuple[str, str, int]:
+        """The (setting, attack, checkpoint) whose statistics the row enters."""
+        return (self.setting, self.attack, self.checkpoint)
+
+    def per_image_of(self, metric: str) -> list[float | None]:
+        """The row's per-image scores of ``metric`` (a row from before per-image scores: its batch mean)."""
+        found: list[float | None] = list(self.per_image.get(metric, []))
+        return found or [self.metrics.get(metric)]
+
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> "Row":
-        """A row read back from results.jsonl: every key that is not a field is a metric's batch mean."""
+        """A row read back from results.jsonl: every key that is not a field is a metric's batch mean; a key that
+        rows of an older layout lack reads as empty."""
         names = {f.name for f in fields(cls)}
-        known = {k: v for k, v in row.items() if k in names}
-        known.setdefault("rero_bound", None)  # rows written before the bound was kept
-        known.setdefault("late_gain", None)
+        known = {**OLDER_DEFAULTS, "attack_name": row["attack"], **{k: v for k, v in row.items() if k in names}}
         return cls(**known, metrics={k: v for k, v in row.items() if k not in names})

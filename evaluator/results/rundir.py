@@ -21,6 +21,7 @@ from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.types import Audit, DefenseSetting
 from leakaudit.evaluator.audit.yamlfile import AuditLoader, read_yaml
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.plugins.spec import one_line
 
 
@@ -145,19 +146,19 @@ class CsvTable:
         self.columns = ["defense", "setting", "params", "attack", "checkpoint", "target", "epsilon", *metrics,
                         "seconds"]
 
-    def _write(self, rows: Iterable[dict], mode: str) -> None:
+    def _write(self, rows: Iterable[Row], mode: str) -> None:
         new = mode == "w" or not self.path.exists()
         with self.path.open(mode, newline="") as fh:
             writer = csv.DictWriter(fh, self.columns, extrasaction="ignore")
             if new:
                 writer.writeheader()
             for r in rows:
-                writer.writerow({**r, "params": json.dumps(r["params"], sort_keys=True)})
+                writer.writerow({**r.to_json(), "params": json.dumps(r.params, sort_keys=True)})
 
-    def append(self, row: dict) -> None:
+    def append(self, row: Row) -> None:
         self._write([row], "a")
 
-    def rewrite(self, rows: list[dict]) -> None:
+    def rewrite(self, rows: list[Row]) -> None:
         self._write(rows, "w")
 
 
@@ -232,6 +233,10 @@ class RunFolder:
     def load_decoys(self) -> dict[str, torch.Tensor] | None:
         path = self.path / DECOYS
         return torch.load(path, weights_only=True) if path.exists() else None
+
+    def rows(self) -> list[Row]:
+        """results.jsonl's rows as records."""
+        return [Row.from_json(r) for r in self.results.read()]
 
     def load_reconstruction(self, job: AttackJob) -> dict[str, Any] | None:
         path = self.recon_file(job)

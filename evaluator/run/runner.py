@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from leakaudit.evaluator.audit.budget import apply_plan, duration_text
-from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, row_key, trial_key, tune_jobs_of
+from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.frontier import most_probes, search
@@ -179,14 +179,14 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     def on_rows(cell: Cell, out: list[Row]) -> None:
         for row in out:
             folder.results.append(row.to_json())
-            folder.results_csv.append(row.to_json())
+            folder.results_csv.append(row)
             for n in set(row.notes) - notes:
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
     baselines = baseline_scores(scenario)  # the guesses' scores: every verdict of the run is judged against them
     trials = folder.tuning.read()
-    finished = {row_key(r) for r in folder.results.read()}  # only the attack phase adds rows
+    finished = {r.key for r in folder.rows()}  # only the attack phase adds rows
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
         folder.start_session(run_info(scenario, pool.workers, pool.where))
@@ -198,7 +198,7 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
         _confirm_frontiers(scenario, folder, workers, progress, baselines)  # its own pool, sized for its own pending work
 
     trials = folder.tuning.read()
-    rows = _in_job_order(audit, folder.results.read())
+    rows = _in_job_order(audit, folder.rows())
     folder.results_csv.rewrite(rows)
     folder.write_json(BASELINES, baselines)
     analysis = architecture(scenario, folder)
@@ -223,7 +223,7 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
                  (f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined") + clock.left("tuning"), progress,
                  lambda cell, rows: list(map(folder.tuning.append, rows)))
         trials = folder.tuning.read()
-    finished = {row_key(r) for r in folder.results.read()}
+    finished = {r.key for r in folder.rows()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
     if settled is None:
         pool.run("attack", cells_of(pending, pool.workers), f"{stage}attacks{clock.left('attacks')}", progress, on_rows)
@@ -259,7 +259,7 @@ class Countdown:
 
 def settled_steps(folder: RunFolder, baselines: dict) -> set[tuple[str, int]]:
     """The (setting, step) pairs whose verdict is already a leak of individuals: no further attack can change it."""
-    rows = _in_job_order(folder.audit, folder.results.read())
+    rows = _in_job_order(folder.audit, folder.rows())
     if not rows:
         return set()
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO) or {})
@@ -308,7 +308,7 @@ def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress
         folder.write_json(FRONTIER, probes)
         _work(audit, folder, pool, progress, on_rows,
               f"frontier probe {len(probes[spec.where])} of at most {most_probes(spec)}, {setting.key}: ")
-        rows = _in_job_order(audit, folder.results.read())
+        rows = _in_job_order(audit, folder.rows())
         info = folder.read_json(RUN_INFO)  # chance accuracy, the attacks not run: what the final verdicts use
         worst = judged(folder, rows, folder.utility.read(), baselines, info).worst(setting.key)
         if progress:
@@ -327,7 +327,7 @@ def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | Non
     a choice made on the searched targets is a selection on them, and its verdict on fresh ones is the one to
     trust. Writes each choice's fresh verdict, or why there is none, to confirmed.json."""
     audit = scenario.audit
-    rows = _in_job_order(audit, folder.results.read())
+    rows = _in_job_order(audit, folder.rows())
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO))
     chosen = sorted({f.protecting_setting for f in summary.frontier if f.protecting_setting})
     if not chosen:
@@ -350,12 +350,12 @@ def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | Non
         for row in out:
             sub.results.append(row.to_json())
 
-    finished = {row_key(r) for r in sub.results.read()}
+    finished = {r.key for r in sub.rows()}
     with executor_for(AuditWorker(again, sub), workers, [j for j in jobs_of(fresh) if j.key not in finished]) as pool:
         _work(fresh, sub, pool, progress, on_rows, "fresh targets: ")
     baselines = baseline_scores(again)
     sub.write_json(BASELINES, baselines)
-    confirmed = judged(sub, _in_job_order(fresh, sub.results.read()), sub.utility.read(), baselines,
+    confirmed = judged(sub, _in_job_order(fresh, sub.rows()), sub.utility.read(), baselines,
                        folder.read_json(RUN_INFO))
     folder.write_json(CONFIRMED, {key: fresh_verdict(confirmed, key, fresh.data.targets) for key in chosen})
 
@@ -415,7 +415,7 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     if plan is not None:
         apply_plan(audit, plan)
     skipped = {tuple(s[:3]) for s in (plan or {}).get("skipped", [])}
-    rows = _in_job_order(audit, folder.results.read())
+    rows = _in_job_order(audit, folder.rows())
     expected = sum((j.setting.key, j.attack.key, j.checkpoint) not in skipped for j in jobs_of(audit))
     if len(rows) < expected:
         raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
@@ -475,6 +475,6 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
         generator(scenario.device, audit.seed, "baseline"))
 
 
-def _in_job_order(audit: Audit, rows: list[dict]) -> list[dict]:
+def _in_job_order(audit: Audit, rows: list[Row]) -> list[Row]:
     order = {j.key: i for i, j in enumerate(jobs_of(audit))}
-    return sorted((r for r in rows if row_key(r) in order), key=lambda r: order[row_key(r)])
+    return sorted((r for r in rows if r.key in order), key=lambda r: order[r.key])

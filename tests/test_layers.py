@@ -8,6 +8,7 @@ lazy import that closes a cycle counts as one.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +152,7 @@ def test_the_engine_reads_metadata_not_component_names():
             assert not _plugin_name_uses(path, names, set(KINDS)), (name, _plugin_name_uses(path, names, set(KINDS)))
 
 
+@functools.cache
 def _calls_by_function(path: Path) -> dict[str, set[str]]:
     """Each function's (``Class.method``'s) callees by name: ``f(...)`` and ``x.f(...)`` both give ``f``."""
     out: dict[str, set[str]] = {}

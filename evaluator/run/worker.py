@@ -146,7 +146,7 @@ class AuditWorker:
                           lambda aligned, update: sc.pii_recall(aligned, update.images), self.folder.save_reconstruction)
         what = f"{len(cell.jobs)} target batch(es)"
         return [j.row for j in judge_updates([updates], judging, audit.max_problems,
-                                     fail_as=lambda update, exc: _failed(audit, update.job, what, exc))]
+                                             fail_as=lambda update, exc: _failed(audit, update.job, what, exc))]
 
 
 def _reconstruct(audit: Audit, job, problems: list[Problem], what: str) -> list[Reconstruction]:

@@ -37,7 +37,7 @@ from leakaudit.evaluator.results.rundir import (
 )
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
-from leakaudit.evaluator.run.modality import IMAGES, TEXT, Knowledge, Modality, Stats, channel_stats, pixels_of
+from leakaudit.evaluator.run.modality import IMAGES, TEXT, Knowledge, Modality, Stats
 from leakaudit.evaluator.run.scenario import round_generators
 from leakaudit.evaluator.run.step import Judging, Update
 from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens
@@ -224,18 +224,18 @@ class MonitorCore:
         defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
         self._model, self._dataset, self._federated = model, dataset, federated
         self._modality = TEXT if _holds_token_ids(dataset) else IMAGES
-        if self._text and (self.mean is not None or self.std is not None):
+        modality = self._modality
+        if not modality.normalised and (self.mean is not None or self.std is not None):
             problems.append("mean, std: the loader's items are token ids, which are not normalised; leave them out")
-        if not self._text and self.personal_values is not None:
+        if not modality.personal and self.personal_values is not None:
             problems.append("personal_values: the loader's items are images; PII recall reads a language model's "
                             "sentences: leave it out")
-        stats = ((0.0,), (1.0,)) if self._text else self._normalisation(loader, dataset, problems)
+        stats = self._normalisation(loader, dataset, problems) if modality.normalised else ((0.0,), (1.0,))
         shape = self._input_shape(dataset, problems)
         with opacus_hooks_off(model) as plain:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
-                                     min(shape[-2:]) if shape and not self._text else None, self.plugins_dirs,
-                                     problems, caller="LeakMonitor", scope=scope,
-                                     modality=self._modality.name)
+                                     modality.image_size(shape), self.plugins_dirs, problems, caller="LeakMonitor",
+                                     scope=scope, modality=modality.name)
             self.metrics = [m.name for m in self._prepared.scorers]
         if self._prepared.choice:  # attacks: auto, written out as a list, as validate prints it
             self.attacks = self._prepared.attack_entries
@@ -245,9 +245,9 @@ class MonitorCore:
             check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong)
             if wrong:
                 raise ConfigError([f"LeakMonitor: {line}" for line in wrong])
-        if shape is not None and not self._text:  # the first training input: a wrong normalisation caught early
-            pixels_of(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
-                      caller="LeakMonitor")
+        if shape is not None:  # the first training input: a wrong normalisation caught early
+            modality.attacked(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], stats,
+                              caller="LeakMonitor")
         self._stats = stats
         self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
@@ -558,11 +558,7 @@ class MonitorCore:
         items = [inputs_labels(source[i], single=True) for i in picks]
         x = torch.stack([torch.as_tensor(i).cpu() for i, _ in items])
         labels = torch.stack([torch.as_tensor(label).long().cpu() for _, label in items])
-        if self._text:
-            x = x.long()
-        else:
-            mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
-            x = (x.float() * std + mean).clamp(0, 1)
+        x = self._modality.seen(x, self._stats)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"inputs": x, "labels": labels}, path)
         self._sample = x, labels
@@ -601,15 +597,10 @@ class MonitorCore:
         when it has none."""
         if dataset is None or not hasattr(dataset, "__getitem__") or not len(dataset):
             return None
-        x = torch.as_tensor(inputs_labels(dataset[0], single=True)[0])
-        if self._text and x.dim() != 1:
-            problems.append(f"loader: its items hold token ids of shape {tuple(x.shape)}; expected one sequence (T,)")
-            return None
-        if not self._text and x.dim() != 3:
-            problems.append(f"loader: its items hold inputs of shape {tuple(x.shape)}; the attacks rebuild images "
-                            "(C, H, W)")
-            return None
-        return tuple(x.shape)
+        shape = tuple(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).shape)
+        problem = self._modality.item_problem(shape)
+        problems += [] if problem is None else [problem]
+        return shape if problem is None else None
 
     def _describe(self, plain: nn.Module, defense: Any, protocol: Any, batch_size: int,
                   shape: tuple | None) -> dict[str, Any]:
@@ -618,8 +609,8 @@ class MonitorCore:
         rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if self._federated else {}
         return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
-                "image_size": min(shape[-2:]) if shape and not self._text else 32, "batch_size": batch_size,
-                **({"modality": "text", "pad_id": getattr(plain, "pad_id", 0)} if self._text else {}),
+                "image_size": self._modality.image_size(shape) or 32, "batch_size": batch_size,
+                **self._modality.described(plain),
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
                 "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
                 "leakage_metric": self.leakage_metric,

@@ -65,6 +65,8 @@ class Modality:
     name = "image"  # as ModelSpec.modality and Attack.modality say it
     unit = "image"  # one example, in reports and log lines
     decoys = True  # a batch's originals may be named among same-class decoys (verdict.decoy_test)
+    normalised = True  # the model reads its inputs normalised (a mean and std to undo)
+    personal = False  # its examples may hold personal values (PII recall)
 
     def attacked(self, inputs: Tensor, stats: Any, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
         """``(what the attacks rebuild and are scored against, mean, std)`` of a batch's ``inputs`` normalised by
@@ -75,6 +77,24 @@ class Modality:
     def read(self, inputs: Tensor) -> Tensor:
         """A watched batch's inputs as the monitor attacks and scores them."""
         return inputs
+
+    def seen(self, items: Tensor, stats: Any) -> Tensor:
+        """The attacker's own items as the attacks see them: pixels in [0, 1] (``stats``: their normalisation)."""
+        mean, std = (channel_stats(s, items.shape[1], items.device) for s in stats)
+        return (items.float() * std + mean).clamp(0, 1)
+
+    def item_problem(self, shape: tuple[int, ...]) -> str | None:
+        """What is wrong with one training input of this ``shape``, None when it is one example."""
+        return None if len(shape) == 3 else (f"loader: its items hold inputs of shape {shape}; the attacks rebuild "
+                                             "images (C, H, W)")
+
+    def image_size(self, shape: tuple[int, ...] | None) -> int | None:
+        """The side the size-bound metrics check, of an input of ``shape`` (None when unknown)."""
+        return min(shape[-2:]) if shape else None
+
+    def described(self, model: Any) -> dict[str, Any]:
+        """What a monitor's monitor.json says of its examples beside the model (nothing: images are the default)."""
+        return {}
 
     def prior_free(self, mu: float | None, originals: Tensor, confidence: float) -> dict[str, float] | None:
         """The prior-free corridor (Riess et al. 2024) of one row's originals under a ``mu``-GDP update."""
@@ -102,6 +122,8 @@ class Text(Modality):
     name = "text"
     unit = "sentence"
     decoys = False  # naming a sentence among decoys: not built for text yet
+    normalised = False
+    personal = True
 
     def attacked(self, inputs: Tensor, stats: Any, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
         """Token ids as they are, with no normalisation to undo."""
@@ -110,6 +132,19 @@ class Text(Modality):
 
     def read(self, inputs: Tensor) -> Tensor:
         return inputs.long()  # token ids of any integer type, scored as long
+
+    def seen(self, items: Tensor, stats: Any) -> Tensor:
+        return items.long()
+
+    def item_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None if len(shape) == 1 else f"loader: its items hold token ids of shape {shape}; expected one sequence (T,)"
+
+    def image_size(self, shape: tuple[int, ...] | None) -> int | None:
+        return None
+
+    def described(self, model: Any) -> dict[str, Any]:
+        """The modality and the padding id, for the report's sentences."""
+        return {"modality": "text", "pad_id": getattr(model, "pad_id", 0)}
 
     def prior_free(self, mu: float | None, originals: Tensor, confidence: float) -> dict[str, float] | None:
         return None  # a bound on pixels' error

@@ -1,8 +1,8 @@
 """The kind of examples an update is computed on: images or text, one object each that the step asks.
 
 A modality says what the attacks rebuild from a batch's inputs (pixels in [0, 1], or token ids as they are), what
-one example is called, whether the prior-free corridor and the decoy test apply, and which metrics a live audit
-scores by default, and the scores of the guesses made without the update: the runner, the step and the monitors
+one example is called, whether the prior-free corridor, PII recall and the decoy test apply, which metrics a live
+audit scores by default and how the guesses made without the update score: the runner, the step and the monitors
 ask it instead of branching on "is this text".
 """
 from __future__ import annotations

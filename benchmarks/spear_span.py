@@ -9,6 +9,9 @@ name (each found input's nearest, counted once), the worst found input's distanc
 (relative to that original's norm: float32 gradients bound it), the rounds and the wall time.
 
     python benchmarks/spear_span.py [--batches 64,256] [--size 28] [--width 1024] [--steps 0,300] [--threads 2]
+                                    [--starts N] [--adam-steps N] [--rounds N]
+
+(``--starts``, ``--adam-steps`` and ``--rounds`` replace the CPU budget's, to find where its reach ends.)
 
 (256 images need a first layer and a next layer wider than 256: the defaults, 28 px and 1024 units.)
 """
@@ -52,10 +55,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--steps", default="0,300")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--starts", type=int)
+    parser.add_argument("--adam-steps", type=int)
+    parser.add_argument("--rounds", type=int)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    params = {**{k: p.default for k, p in SpearSpan.params.items()}, **SpearSpan.auto_params["cpu"]}
-    print(f"spear_span at its CPU budget (starts {params['starts']}, steps {params['steps']}, rounds "
+    params = {**{k: p.default for k, p in SpearSpan.params.items()}, **SpearSpan.auto_params["cpu"],
+              **{k: v for k, v in (("starts", args.starts), ("steps", args.adam_steps), ("rounds", args.rounds))
+                 if v is not None}}
+    print(f"spear_span (starts {params['starts']}, steps {params['steps']}, rounds "
           f"{params['rounds']}), mlp of width {args.width}, {args.size} px, {args.threads} threads")
     print("| images | training steps | found | originals named | worst relative error | rounds | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

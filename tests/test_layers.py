@@ -8,6 +8,7 @@ lazy import that closes a cycle counts as one.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,3 +150,56 @@ def test_the_engine_reads_metadata_not_component_names():
     for name, path in _modules().items():
         if name.startswith("leakaudit.evaluator.") and ".zoo" not in name:
             assert not _plugin_name_uses(path, names, set(KINDS)), (name, _plugin_name_uses(path, names, set(KINDS)))
+
+
+@functools.cache
+def _calls_by_function(path: Path) -> dict[str, set[str]]:
+    """Each function's (``Class.method``'s) callees by name: ``f(...)`` and ``x.f(...)`` both give ``f``."""
+    out: dict[str, set[str]] = {}
+
+    def visit(node: ast.AST, scope: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                name = f"{scope}.{child.name}" if scope else child.name
+                if isinstance(child, ast.FunctionDef):
+                    out[name] = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(child)
+                                 if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+                visit(child, name)
+
+    visit(ast.parse(path.read_text()), "")
+    return out
+
+
+def _callers(callee: str) -> set[str]:
+    """The engine's modules that call ``callee`` anywhere."""
+    return {name for name, path in _modules().items() if name.startswith("leakaudit.evaluator")
+            and any(callee in calls for calls in _calls_by_function(path).values())}
+
+
+def test_one_step_makes_every_row_and_every_guess():
+    """One code path shapes results rows and scores the guesses: ``Row`` is made in run/step.py alone, the
+    guesses are scored by the modality object alone, the ThreatModel is built by ``step.threat_model`` alone, no
+    module shapes a row as a dict, and the runner's worker, audit_batch and every monitor reach ``step.judge_updates``."""
+    assert _callers("Row") == {"leakaudit.evaluator.run.step"}
+    assert _callers("guess_scores") | _callers("text_guess_scores") == {"leakaudit.evaluator.run.modality"}
+    assert _callers("ThreatModel") == {"leakaudit.evaluator.run.step"}
+    assert _callers("judge_updates") == {"leakaudit.evaluator.run.worker", "leakaudit.evaluator.live.api"}
+    assert _callers("solve") & {n for n in _modules() if n.startswith("leakaudit.evaluator.live")} == set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            keys = {k.value for k in getattr(node, "keys", []) if isinstance(node, ast.Dict) and isinstance(k, ast.Constant)}
+            assert not {"attack_name", "per_image"} <= keys, f"{name}: line {node.lineno} shapes a results row by hand"
+    modules = _modules()
+    worker = _calls_by_function(modules["leakaudit.evaluator.run.worker"])
+    live = _calls_by_function(modules["leakaudit.evaluator.live.api"])
+    core = _calls_by_function(modules["leakaudit.evaluator.live.core"])
+    scenario = _calls_by_function(modules["leakaudit.evaluator.run.scenario"])
+    assert "judge_updates" in worker["AuditWorker.attack"] and "judge_updates" in live["attack_shared"]
+    assert "attack_shared" in live["_audit"] and "attack_shared" in core["MonitorCore._attack"]
+    assert "threat_model" in scenario["Scenario.threat"] and "threat_model" in live["live_threat"]
+    appended = [n for path in modules.values() for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append"
+                and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "results"]
+    assert appended and all(isinstance(a.func, ast.Attribute) and a.func.attr == "to_json"
+                            for call in appended for a in call.args if isinstance(a, ast.Call)), "rows are Row records"
+    assert all(isinstance(a, ast.Call) for call in appended for a in call.args), "a results row is a Row's to_json()"

@@ -119,7 +119,7 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     rows += [{**base, "defense": "gaussian", "setting": "gaussian(sigma=1.0)", "target": t, "psnr": p}
              for t, p in enumerate([6.0, 7.0])]
     utility = [{"setting": "none", "accuracy": 0.9}, {"setting": "gaussian(sigma=1.0)", "accuracy": 0.1}]
-    summary = summarise(audit, rows, utility, [], BASELINES, {"chance_accuracy": 0.1})
+    summary = summarise(audit, _rows(*rows), utility, [], BASELINES, {"chance_accuracy": 0.1})
     none, noisy = summary.worst_case
     assert none.mean("psnr") == 21.0 and none.ci("psnr") == [20.0, 22.0] and none.n == 2
     assert summary.cells[0].scores["psnr"].std == pytest.approx(np.sqrt(2.0))  # the sample std (n - 1)
@@ -132,7 +132,7 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     # every reconstruction of the marked setting diverged: it is listed as not judged, and the gate fails closed
     diverged = [{**r, "psnr": float("nan"), "per_image": {"psnr": [float("nan")]}} if r["defense"] == "gaussian"
                 else r for r in rows]
-    summary = summarise(audit, diverged, utility, [], BASELINES, {"chance_accuracy": 0.1})
+    summary = summarise(audit, _rows(*diverged), utility, [], BASELINES, {"chance_accuracy": 0.1})
     noisy = summary.worst_case[1]
     assert noisy.verdict is None and noisy.reason.startswith("not judged: no attack scored a finite psnr")
     with pytest.raises(AssertionError, match=r"gaussian\(sigma=1.0\) \(must_protect\) could not be judged"):
@@ -313,11 +313,11 @@ def test_the_second_views_and_the_identifying_distance_come_from_the_metrics_met
     assert [m for m in views if registry.get("metric", m).modality == "image"] == ["lpips", "ssim", "psnr"]
     assert [m for m in views if registry.get("metric", m).modality == "text"] == ["rouge2", "rouge1"]
     audit = SimpleNamespace(registry=registry, metrics=["psnr", "lpips"])
-    assert identifying_metric(audit, [{"lpips": 0.3}]).name == "lpips"
-    assert identifying_metric(audit, [{"lpips": None}]).name == "mse"  # LPIPS unavailable: the fallback
-    assert identifying_metric(SimpleNamespace(registry=registry, metrics=["psnr"]), [{}]).name == "mse"
+    assert identifying_metric(audit, _rows({"lpips": 0.3})).name == "lpips"
+    assert identifying_metric(audit, _rows({"lpips": None})).name == "mse"  # LPIPS unavailable: the fallback
+    assert identifying_metric(SimpleNamespace(registry=registry, metrics=["psnr"]), _rows({})).name == "mse"
     text = SimpleNamespace(registry=registry, metrics=["rouge1", "label_accuracy"])
-    assert identifying_metric(text, [{}]).name == "token_accuracy"  # a text audit's distance is a text one
+    assert identifying_metric(text, _rows({})).name == "token_accuracy"  # a text audit's distance is a text one
 
 
 def test_a_defense_whose_settings_name_different_parameters_draws_its_line(tmp_path):
@@ -335,3 +335,13 @@ def test_a_defense_whose_settings_name_different_parameters_draws_its_line(tmp_p
                               chance_accuracy=0.1, min_accuracy=0.15, frontier=[])
     assert plot_privacy_utility(summary, tmp_path / "pu.png", load_registry(entry_points=False))
     assert (tmp_path / "pu.png").stat().st_size > 0
+
+
+def _rows(*rows: dict) -> list:
+    """Results rows as the summary reads them (``Row``), from the keys a test sets (one attack at step 0 by
+    default)."""
+    from leakaudit.evaluator.results.rows import Row
+
+    base = {"defense": "none", "setting": "none", "attack": "inverting_gradients", "checkpoint": 0, "target": 0,
+            "seconds": 1.0}
+    return [Row.from_json({**base, **r}) for r in rows]

@@ -12,6 +12,7 @@ import pytest
 
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import jobs_of
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.run import worker as run_worker
 from leakaudit.evaluator.run.runner import RunError, run_audit
 
@@ -184,7 +185,7 @@ def test_summary_leaves_out_non_finite_scores_and_says_so(write_audit):
            "seconds": 1.0, "ssim": 0.5, "mse": 0.1, "label_accuracy": 1.0}
     rows = [{**row, "target": 0, "psnr": 20.0}, {**row, "target": 1, "psnr": float("nan")}]
     notes: list[str] = []
-    summary = summarise(audit, rows, [], notes)
+    summary = summarise(audit, [Row.from_json(r) for r in rows], [], notes)
     assert summary.cells[0].mean("psnr") == 20.0 and summary.cells[0].scores["psnr"].std == 0.0
     assert notes == ["none, inverting_gradients, step 0: 1 of 2 images have a non-finite psnr "
                      "(the model or the reconstruction diverged); the cell leaves them out"]
@@ -204,7 +205,7 @@ def test_summary_sets_the_strongest_adaptive_attack_beside_the_strongest_naive_o
     scores = {"ig": 12.0, "dlg": 14.5, "ig_drop": 21.0, "tuned": 13.0}
     rows = [{**row, "attack": a, "psnr": v} for a, v in scores.items()]
     rows.append({**row, "setting": "gaussian(sigma=0.1)", "defense": "gaussian", "attack": "ig", "psnr": 9.0})
-    (line,) = summarise(audit, rows, [], []).naive_vs_adaptive
+    (line,) = summarise(audit, [Row.from_json(r) for r in rows], [], []).naive_vs_adaptive
     assert line == NaiveVsAdaptive(defense="none", setting="none", checkpoint=0, metric="psnr", accuracy=None,
                                    naive_attack="dlg", naive_score=14.5, adaptive_attack="ig_drop",
                                    adaptive_score=21.0, gap=6.5)
@@ -221,7 +222,7 @@ def test_a_lower_is_better_leakage_metric_picks_the_lowest_score(write_audit):
     row = {"defense": "none", "setting": "none", "params": {}, "checkpoint": 0, "seconds": 1.0, "target": 0,
            "ssim": 0.5}
     rows = [{**row, "attack": "ig", "mse": 0.02}, {**row, "attack": "ig_drop", "mse": 0.05}]
-    summary = summarise(audit, rows, [], [])
+    summary = summarise(audit, [Row.from_json(r) for r in rows], [], [])
     assert summary.worst_case[0].attack == "ig" and summary.worst_case[0].mean("mse") == 0.02
     (line,) = summary.naive_vs_adaptive
     assert line.gap == pytest.approx(-0.03)  # the adaptive attack leaked less: a negative gap

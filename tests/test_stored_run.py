@@ -77,3 +77,18 @@ def test_a_small_audit_gives_the_stored_results(write_audit, tmp_path):
     run_audit(load_audit(write_audit(AUDIT)), out, progress=False)
     for name in FILES:
         _same(_read(out, name), _read(STORED, name), name)
+
+
+def test_the_stored_rows_read_back_as_rows_that_write_the_same_lines():
+    """results.jsonl's format is the Row record's: each stored line reads back (``Row.from_json``) to a record whose
+    ``to_json`` is the same line, keys in the same order; the optional keys a row lacks stay out."""
+    from leakaudit.evaluator.results.rows import Row
+
+    lines = [json.loads(line) for line in (STORED / "results.jsonl").read_text().splitlines()]
+    assert any("attack_params" in r for r in lines) and any("prior_free" in r for r in lines)
+    for line in lines:
+        row = Row.from_json(line)
+        assert row.metrics == {k: line[k] for k in ("psnr", "ssim", "mse", "label_accuracy")}
+        assert json.dumps(row.to_json()) == json.dumps(line)
+    text = {**lines[0], "notes": ["lpips: too small"], "pii_recall": 0.0}
+    assert json.dumps(Row.from_json(text).to_json()) == json.dumps(text)  # a recall of 0 is kept

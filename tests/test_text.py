@@ -794,3 +794,28 @@ def test_the_bayes_adversary_reads_a_keyboards_sentence_through_dpsgds_own_likel
                          defense)
     rows = BayesText(iterations=200)(update, threat, torch.Generator().manual_seed(0)).images
     assert rouge(rows, x, "rouge1").item() >= 0.8
+
+
+def test_the_modality_objects_answer_what_differs_between_images_and_text():
+    """The step asks the modality, not "is this text": token ids are attacked as they are (the monitor reads them
+    as long), with no prior-free corridor, decoy test or pixel check; images are pixels in [0, 1] from their
+    normalisation, a wrong one refused in one line; each names its examples and default metrics."""
+    from leakaudit.evaluator.audit.types import ConfigError
+    from leakaudit.evaluator.results.verdict import prior_free_bound
+    from leakaudit.evaluator.run.modality import IMAGES, TEXT, modality_of
+    from leakaudit.plugins.manager import load_registry
+
+    ids = torch.tensor([[3, 4, 0]], dtype=torch.int32)
+    assert TEXT.attacked(ids, None)[0] is ids and TEXT.read(ids).dtype == torch.long
+    assert TEXT.prior_free(1.0, ids, 0.95) is None and not TEXT.decoys and TEXT.unit == "sentence"
+    assert TEXT.recall(lambda aligned, update: 0.5, ids, None) == 0.5
+    pixels = torch.rand(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    got, mean, std = IMAGES.attacked((pixels - 0.5) / 0.25, (0.5, 0.25))
+    assert torch.allclose(got, pixels, atol=1e-6) and mean.shape == std.shape == (1, 1, 1)
+    with pytest.raises(ConfigError, match=r"^audit_batch: mean, std: inputs \* std \+ mean spans"):
+        IMAGES.attacked(pixels * 10, (0.5, 0.25))  # not normalised by these
+    assert IMAGES.prior_free(1.0, pixels, 0.95) == prior_free_bound(1.0, pixels.numpy(), 0.95)
+    assert IMAGES.recall(lambda aligned, update: 0.5, pixels, None) is None and IMAGES.decoys
+    registry = load_registry(entry_points=False)
+    assert "lpips" not in IMAGES.default_metrics(registry) and "rouge1" in TEXT.default_metrics(registry)
+    assert modality_of("text") is TEXT and modality_of("image") is IMAGES

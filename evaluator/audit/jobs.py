@@ -79,11 +79,6 @@ def cells_of(jobs: list, workers: int, registry: Registry) -> list[Cell]:
             for i in range(0, len(group), size)]
 
 
-def row_key(row: dict[str, Any]) -> tuple:
-    """The ``AttackJob.key`` of a results row."""
-    return (row["setting"], row["attack"], row["checkpoint"], row["target"])
-
-
 def trial_key(row: dict[str, Any]) -> tuple:
     """The ``TuneJob.key`` of a tuning row."""
     return (row["setting"], row["attack"], row["checkpoint"], row["trial"])

@@ -15,17 +15,16 @@ from torch import Tensor, nn
 
 from leakaudit.evaluator.audit.auto import AUTO, auto_choice, misfit
 from leakaudit.evaluator.audit.checks import check_attacks, check_metrics, check_modality, expand_defenses
-from leakaudit.evaluator.audit.specs import DEFAULT_METRICS, DEFAULT_TEXT_METRICS
 from leakaudit.evaluator.audit.types import AttackSpec, ConfigError, DefenseSetting
+from leakaudit.evaluator.audit.jobs import AttackJob
+from leakaudit.evaluator.run.modality import Stats, modality_of
 from leakaudit.evaluator.run.scenario import round_generators
-from leakaudit.evaluator.zoo.metrics import Scores, score
-from leakaudit.plugins.attack import AuxiliaryData, Problem, Reconstruction, ThreatModel, solve
+from leakaudit.evaluator.run.step import Judged, Judging, Update, judge_updates, threat_model
+from leakaudit.plugins.attack import AuxiliaryData, Problem, ThreatModel
 from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.manager import Registry, load_registry
 from leakaudit.plugins.protocol import FEDSGD, ClientStep, LossFn, OwnStep, StepFn, opacus_hooks_off
-from leakaudit.plugins.spec import one_line
 
-PIXEL_SLACK = 0.02  # how far outside [0, 1] denormalised inputs may stray (resampling overshoot) before it is an error
 
 
 @dataclass
@@ -38,14 +37,6 @@ class BatchAudit:
     reconstruction: Tensor
     labels: Tensor
     seconds: float
-
-
-Stats = float | Sequence[float] | Tensor
-
-
-def channel_stats(value: Stats, channels: int, device: torch.device) -> Tensor:
-    t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1, 1, 1)
-    return t.expand(channels, 1, 1) if t.numel() == 1 else t
 
 
 def _normalisation(mean: Stats | None, std: Stats | None, normalize: Any) -> tuple[Stats, Stats] | str:
@@ -139,12 +130,8 @@ class Prepared:
 
 
 def live_metrics(registry: Registry, modality: str = "image") -> list[str]:
-    """A live audit's default metrics: for images the audit file's defaults that score any image size, since a live
-    model's images are seen only at its first batch (a metric with a ``min_size``, as LPIPS, is measured where
-    named); for token ids the text defaults."""
-    if modality == "text":
-        return list(DEFAULT_TEXT_METRICS)
-    return [m for m in DEFAULT_METRICS if registry.get("metric", m).min_size <= 1]
+    """A live audit's default metrics: the modality's (``Modality.default_metrics``)."""
+    return modality_of(modality).default_metrics(registry)
 
 
 def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, protocol, batch_size: int,
@@ -215,28 +202,6 @@ def named_problems(defense: Any, attacks: Any, metrics: Sequence[str] | None, pl
     return [p.replace("defenses[0]", "defense") for p in problems]
 
 
-def attacked_inputs(inputs: Tensor, stats: Any, text: bool, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
-    """``(what the attacks rebuild and are scored against, mean, std)``: token ids as they are, with nothing to
-    undo (``text``), or the pixels of normalised images (``pixels_of`` with ``stats``, the mean and std)."""
-    if text:
-        return inputs, torch.zeros(1, 1, 1, device=inputs.device), torch.ones(1, 1, 1, device=inputs.device)
-    mean, std = stats
-    return pixels_of(inputs, mean, std, caller=caller)
-
-
-def pixels_of(inputs: Tensor, mean: Stats, std: Stats, caller: str = "audit_batch") -> tuple[Tensor, Tensor, Tensor]:
-    """``(pixels in [0, 1], mean, std)`` of normalised ``inputs``, the statistics as (C, 1, 1) tensors on their
-    device; a ConfigError when ``inputs * std + mean`` leaves the pixel range (the wrong normalisation)."""
-    channels, device = inputs.shape[1], inputs.device
-    mean_t, std_t = channel_stats(mean, channels, device), channel_stats(std, channels, device)
-    raw = inputs * std_t + mean_t
-    lo, hi = float(raw.min()), float(raw.max())
-    if lo < -PIXEL_SLACK or hi > 1 + PIXEL_SLACK:
-        raise ConfigError([f"{caller}: mean, std: inputs * std + mean spans [{lo:.3g}, {hi:.3g}], not the pixel "
-                           "range [0, 1]; pass the mean and std your inputs were normalised with"])
-    return raw.clamp(0, 1), mean_t, std_t
-
-
 def live_threat(model: nn.Module, loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor,
                 defense, known_labels: bool, protocol, auxiliary: AuxiliaryData | None = None) -> ThreatModel:
     """The server's knowledge of a live model and a batch of ``pixels`` in [0, 1] normalised by ``mean``, ``std``
@@ -244,54 +209,49 @@ def live_threat(model: nn.Module, loss_fn: LossFn, pixels: Tensor, labels: Tenso
     attacker's own data, for the attacks that learn from it."""
     with torch.no_grad():
         num_classes = model((pixels if not pixels.is_floating_point() else (pixels - mean) / std)[:1]).shape[1]
-    return ThreatModel(model=model, loss_fn=loss_fn, input_shape=tuple(pixels.shape[1:]), mean=mean, std=std,
-                       num_classes=num_classes, batch_size=len(pixels), defense=defense,
-                       labels=labels if known_labels else None, device=pixels.device, protocol=protocol,
-                       auxiliary=auxiliary)
+    return threat_model(model, loss_fn, tuple(pixels.shape[1:]), mean, std, num_classes, len(pixels), defense, labels,
+                        known_labels, pixels.device, protocol, auxiliary)
 
 
 def attack_shared(prepared: Prepared, setting: DefenseSetting, defense_obj, observed: SharedUpdate, model: nn.Module,
                   loss_fn: LossFn, pixels: Tensor, labels: Tensor, mean: Tensor, std: Tensor, known_labels: bool,
-                  protocol, attack_gen: Callable[[], torch.Generator], auxiliary: AuxiliaryData | None = None,
-                  failed: list[tuple[AttackSpec, str]] | None = None,
-                  ) -> list[tuple[AttackSpec, Reconstruction, Scores]]:
-    """Run every attack of ``setting`` on one shared update and score it against ``pixels``: the attacks see
-    ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``. With ``failed``,
-    an attack that raises is listed there (its error on one line) and the others still run, as a monitor must:
-    watching a training never fails it; without, the error propagates."""
+                  protocol, attack_gen: Callable[[], torch.Generator], checkpoint: int, judging: Judging,
+                  auxiliary: AuxiliaryData | None = None, failed: list[tuple[Update, str]] | None = None,
+                  ) -> list[Judged]:
+    """Judge one shared update (the step) with every attack of ``setting``, each alone, against ``pixels``: the
+    attacks see ``model`` at the weights the update was computed at, and each starts from ``attack_gen()``. With
+    ``failed``, an attack that raises is listed there (its error on one line) and the others still run, as a
+    monitor must: watching a training never fails it; without, the error propagates."""
     threat = live_threat(model, loss_fn, pixels, labels, mean, std, defense_obj, known_labels, protocol, auxiliary)
-    out = []
-    for spec in (s for s in prepared.specs if s.applies_to(setting)):
-        attack = spec.build(prepared.registry)
-        try:
-            (rec,) = solve([Problem(observed, threat, attack_gen(), attack)])  # as the runner
-        except Exception as exc:
-            if failed is None:
-                raise
-            failed.append((spec, one_line(exc)))
-            continue
-        out.append((spec, rec, score(prepared.scorers, rec.images, pixels, rec.labels, labels)))
-    return out
+    groups = ([Update(AttackJob(setting, spec, checkpoint, 0),  # as the runner; each built as its turn comes
+                      Problem(observed, threat, attack_gen(), spec.build(prepared.registry)), pixels, labels,
+                      list(range(len(pixels))))]
+              for spec in prepared.specs if spec.applies_to(setting))
+    return judge_updates(groups, judging, failed=failed)
 
 
 def _audit(model, loss_fn, inputs, labels, defense, attacks, stats: tuple[Stats, Stats] | str, step_fn, lr,
            known_labels, metrics, draws: tuple[int, int, int], plugins_dirs) -> list[BatchAudit]:
     protocol = FEDSGD if step_fn is None else OwnStep(function=step_fn, lr=lr)
     problems = _check_call(step_fn, lr, inputs, labels) + ([stats] if isinstance(stats, str) else [])
-    modality = "image" if inputs.is_floating_point() else "text"
+    modality = modality_of("image" if inputs.is_floating_point() else "text")
     prepared = prepare(model, defense, attacks, metrics, protocol, len(inputs),
-                       min(inputs.shape[-2:]) if inputs.dim() == 4 else None, plugins_dirs, problems, modality=modality)
-    pixels, mean_t, std_t = attacked_inputs(inputs, stats, modality == "text")
+                       min(inputs.shape[-2:]) if inputs.dim() == 4 else None, plugins_dirs, problems,
+                       modality=modality.name)
+    pixels, mean_t, std_t = modality.attacked(inputs, stats)
     seed, step, index = draws
+    judging = Judging(prepared.scorers, modality)
     results = []
     for setting, defense_obj in prepared.defenses:
         share_gen, _ = round_generators(inputs.device, seed, setting.identity, step, index)
         observed = defense_obj.share(ClientStep(model, loss_fn, inputs, labels, share_gen, protocol))
-        results += [BatchAudit(setting.key, spec.label, s.values, rec.images[s.order], rec.labels, rec.seconds)
-                    for spec, rec, s in attack_shared(  # the same start for every attack
+        results += [BatchAudit(setting.key, j.update.job.attack.label, j.scores.values,
+                               j.reconstruction.images[j.scores.order], j.reconstruction.labels,
+                               j.reconstruction.seconds)
+                    for j in attack_shared(  # the same start for every attack
                         prepared, setting, defense_obj, observed, model, loss_fn, pixels, labels, mean_t, std_t,
                         known_labels, protocol,
-                        lambda: round_generators(inputs.device, seed, setting.identity, step, index)[1])]
+                        lambda: round_generators(inputs.device, seed, setting.identity, step, index)[1], step, judging)]
     return results
 
 

@@ -23,15 +23,7 @@ from leakaudit.evaluator.audit.config import monitor_audit
 from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
-from leakaudit.evaluator.live.api import (
-    Stats,
-    attack_shared,
-    attacked_inputs,
-    channel_stats,
-    named_problems,
-    pixels_of,
-    prepare,
-)
+from leakaudit.evaluator.live.api import attack_shared, named_problems, prepare
 from leakaudit.evaluator.results.report import judged
 from leakaudit.evaluator.results.rundir import (
     ARCHITECTURE,
@@ -45,8 +37,10 @@ from leakaudit.evaluator.results.rundir import (
 )
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.runner import warn_old_torch
+from leakaudit.evaluator.run.modality import IMAGES, TEXT, Knowledge, Modality, Stats
 from leakaudit.evaluator.run.scenario import round_generators
-from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.run.step import Judging, Update
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens
 from leakaudit.evaluator.zoo.text import pii_recall
 from leakaudit.plugins.attack import AuxiliaryData
 from leakaudit.plugins.defense import SharedUpdate
@@ -189,7 +183,7 @@ class MonitorCore:
             raise ConfigError([f"LeakMonitor: {p}" for p in problems])
         self.vocabulary = None if vocabulary is None else list(vocabulary)
         self.personal_values = personal_values
-        self._text = False  # token ids, once attached to a loop that trains on them
+        self._modality: Modality = IMAGES  # text: token ids, once attached to a loop that trains on them
         self.defense = {"name": defense} if isinstance(defense, str) else defense
         self.attacks: Any = attacks if attacks == "auto" else [{"name": a} if isinstance(a, str) else a for a in attacks]
         self.every, self.out = every, Path(out)
@@ -229,19 +223,19 @@ class MonitorCore:
         """What attaching checks and opens, whatever drives the steps: the normalisation, the input shape, the
         defense and attacks, then the run folder. Raises ConfigError, one line per problem."""
         self._model, self._dataset, self._federated = model, dataset, federated
-        self._text = _holds_token_ids(dataset)
-        if self._text and (self.mean is not None or self.std is not None):
+        self._modality = TEXT if _holds_token_ids(dataset) else IMAGES
+        modality = self._modality
+        if not modality.normalised and (self.mean is not None or self.std is not None):
             problems.append("mean, std: the loader's items are token ids, which are not normalised; leave them out")
-        if not self._text and self.personal_values is not None:
+        if not modality.personal and self.personal_values is not None:
             problems.append("personal_values: the loader's items are images; PII recall reads a language model's "
                             "sentences: leave it out")
-        stats = ((0.0,), (1.0,)) if self._text else self._normalisation(loader, dataset, problems)
+        stats = self._normalisation(loader, dataset, problems) if modality.normalised else ((0.0,), (1.0,))
         shape = self._input_shape(dataset, problems)
         with opacus_hooks_off(model) as plain:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
-                                     min(shape[-2:]) if shape and not self._text else None, self.plugins_dirs,
-                                     problems, caller="LeakMonitor", scope=scope,
-                                     modality="text" if self._text else "image")
+                                     modality.image_size(shape), self.plugins_dirs, problems, caller="LeakMonitor",
+                                     scope=scope, modality=modality.name)
             self.metrics = [m.name for m in self._prepared.scorers]
         if self._prepared.choice:  # attacks: auto, written out as a list, as validate prints it
             self.attacks = self._prepared.attack_entries
@@ -251,9 +245,9 @@ class MonitorCore:
             check_leakage_metric(self.leakage_metric, self.metrics, self._prepared.registry, wrong)
             if wrong:
                 raise ConfigError([f"LeakMonitor: {line}" for line in wrong])
-        if shape is not None and not self._text:  # the first training input: a wrong normalisation caught early
-            pixels_of(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], *stats,
-                      caller="LeakMonitor")
+        if shape is not None:  # the first training input: a wrong normalisation caught early
+            modality.attacked(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).float()[None], stats,
+                              caller="LeakMonitor")
         self._stats = stats
         self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
@@ -261,6 +255,11 @@ class MonitorCore:
             self.folder.write_json(VOCABULARY, self.vocabulary)
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
         self._defenses = [(s, s.build(self._prepared.registry)) for s in self.folder.audit.settings]
+
+    @property
+    def _text(self) -> bool:
+        """Whether the watched loop trains on token ids (its set-up and guesses are a language model's)."""
+        return self._modality is TEXT
 
     @property
     def folder(self) -> RunFolder:
@@ -363,8 +362,8 @@ class MonitorCore:
 
     def _attack(self, plain: nn.Module, step: int, update: list[Tensor], inputs: Tensor, labels: Tensor,
                 protocol: Any) -> None:
-        inputs = inputs.long() if self._text else inputs  # token ids of any integer type, scored as long
-        pixels, mean, std = attacked_inputs(inputs, self._stats, self._text, caller="LeakMonitor")
+        inputs = self._modality.read(inputs)
+        pixels, mean, std = self._modality.attacked(inputs, self._stats, caller="LeakMonitor")
         names, n = parameter_names(plain), len(inputs)
         for setting, defense in self._defenses:
             share_gen, _ = round_generators(inputs.device, self.seed, setting.identity, step, 0)
@@ -376,29 +375,29 @@ class MonitorCore:
             else:
                 sent, public = defense.apply(update, share_gen)
                 observed = SharedUpdate(sent, names, n, {"protocol": protocol.name, **public})
-            epsilon = None if setting.calibrates is not None else self._epsilon()
             what = ("the DP-SGD update (Opacus's)" if self._dp is not None and setting.calibrates is None
                     else "the undefended update" if setting.is_baseline(self._prepared.registry)
                     else f"the update under {setting.key}")
             attacks = ", ".join(a.label for a in self._prepared.specs if a.applies_to(setting))
-            self.log.info("LeakMonitor %s %d: attacking %s (%d images) with %s ...", self._unit, step, what, n, attacks)
-            failed: list[tuple[Any, str]] = []
+            self.log.info("LeakMonitor %s %d: attacking %s (%d %ss) with %s ...", self._unit, step, what, n,
+                          self._modality.unit, attacks)
+            failed: list[tuple[Update, str]] = []
+            judging = Judging(self._prepared.scorers, self._modality,
+                              None if setting.calibrates is not None else self._epsilon(),
+                              personal=lambda aligned, u: self._pii_recall(aligned, u.originals, plain),
+                              keep=self.folder.save_reconstruction)  # one update per step: no bound to test
             results = attack_shared(
                 self._prepared, setting, defense, observed, plain, self.loss_fn, pixels, labels, mean, std,
                 self.known_labels, protocol, lambda: round_generators(inputs.device, self.seed, setting.identity,
-                                                                      step, 0)[1], self._auxiliary(pixels), failed)
-            for spec, why in failed:
-                self.record_failure(step, f"{spec.label} on {setting.key}", why)
-            for spec, rec, scores in results:  # each row written at once: a crash later loses nothing
-                row = self.folder.save_result(AttackJob(setting, spec, step, 0), pixels, labels, rec, scores,
-                                               list(range(n)), epsilon)  # one update per step: no bound to test
-                recall = self._pii_recall(rec.images[scores.order], pixels, plain) if self._text else None
-                if recall is not None:
-                    row["pii_recall"] = recall
-                self.folder.results.append(row)
-                self.folder.results_csv.append(row)
-                shown = ", ".join(f"{m} {v:.3g}" for m, v in scores.values.items() if isinstance(v, float))
-                self.log.info("  %s: %s (%.0f s)", spec.label, shown, rec.seconds)
+                                                                      step, 0)[1], step, judging,
+                self._auxiliary(pixels), failed)
+            for failure, why in failed:
+                self.record_failure(step, f"{failure.job.attack.label} on {setting.key}", why)
+            for done in results:  # each row written at once: a crash later loses nothing
+                self.folder.results.append(done.row.to_json())
+                self.folder.results_csv.append(done.row)
+                shown = ", ".join(f"{m} {v:.3g}" for m, v in done.scores.values.items() if isinstance(v, float))
+                self.log.info("  %s: %s (%.0f s)", done.update.job.attack.label, shown, done.reconstruction.seconds)
         self._described["steps"].append(step)
         self.folder.write_json(MONITOR, self._described)
         self._write_baselines()
@@ -439,7 +438,7 @@ class MonitorCore:
     def _judged(self) -> Summary:
         """The run folder's summary with every step so far judged, no report drawn."""
         folder = RunFolder(self.out, saved_audit(self.out, None, self.plugins_dirs))  # the audit of its steps so far
-        return judged(folder, folder.results.read(), folder.utility.read(), folder.read_json(BASELINES) or {},
+        return judged(folder, folder.rows(), folder.utility.read(), folder.read_json(BASELINES) or {},
                       folder.read_json(RUN_INFO) or {})
 
     @property
@@ -496,14 +495,20 @@ class MonitorCore:
         records = (folder.load_reconstruction(AttackJob(audit.settings[0], audit.attacks[0], step, 0))
                    for step in self.audited_steps)
         batches = [(r["original"], r["labels"]) for r in records if r is not None]
-        if self._text:
-            model: Any = self._model
-            pad = getattr(model, "pad_id", 0)
-            vocab = getattr(model, "vocab_size", None) or int(max(int(b[0].max()) for b in batches)) + 1
-            folder.write_json(BASELINES, text_guess_scores([m for m in self._prepared.scorers if m.on == "images"],
-                                                           batches, self._frequent_tokens(pad), vocab,
-                                                           generator(torch.device("cpu"), self.seed, "baseline"), pad))
-            return
+        knowledge = self._text_knowledge(batches) if self._text else self._image_knowledge()
+        folder.write_json(BASELINES, self._modality.guesses([m for m in self._prepared.scorers if m.on == "images"],
+                                                            batches, knowledge,
+                                                            generator(torch.device("cpu"), self.seed, "baseline")))
+
+    def _text_knowledge(self, batches: list[tuple[Tensor, Tensor]]) -> Knowledge:
+        """A language model's guesses: the attacker's most frequent tokens, the model's vocabulary and padding."""
+        model: Any = self._model
+        pad = getattr(model, "pad_id", 0)
+        vocab = getattr(model, "vocab_size", None) or int(max(int(b[0].max()) for b in batches)) + 1
+        return Knowledge(frequent=self._frequent_tokens(pad), vocab_size=vocab, pad_id=pad)
+
+    def _image_knowledge(self) -> Knowledge:
+        """The mean image of the attacker's data less each batch's own images, and each target's class mean."""
         sample = self._attacker_sample()  # its first 256 items make the guesses
         prior, prior_labels = (None, None) if sample is None else (sample[0][:PRIOR_SAMPLE], sample[1][:PRIOR_SAMPLE])
 
@@ -514,9 +519,7 @@ class MonitorCore:
             rest = prior[keep].mean(dim=0) if keep.any() else None  # mean_without's, from the same mask
             return class_mean_guess(prior[keep], prior_labels[keep], labels.cpu(), rest)
 
-        folder.write_json(BASELINES, guess_scores([m for m in self._prepared.scorers if m.on == "images"], batches,
-                                                  lambda pixels: mean_without(prior, pixels),
-                                                  generator(torch.device("cpu"), self.seed, "baseline"), class_means))
+        return Knowledge(lambda pixels: mean_without(prior, pixels), class_means)
 
     def _frequent_tokens(self, pad_id: int) -> Tensor:
         """The most frequent token at each position among up to 256 seeded sequences the attacker may hold
@@ -555,11 +558,7 @@ class MonitorCore:
         items = [inputs_labels(source[i], single=True) for i in picks]
         x = torch.stack([torch.as_tensor(i).cpu() for i, _ in items])
         labels = torch.stack([torch.as_tensor(label).long().cpu() for _, label in items])
-        if self._text:
-            x = x.long()
-        else:
-            mean, std = (channel_stats(s, x.shape[1], x.device) for s in self._stats)
-            x = (x.float() * std + mean).clamp(0, 1)
+        x = self._modality.seen(x, self._stats)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"inputs": x, "labels": labels}, path)
         self._sample = x, labels
@@ -598,15 +597,10 @@ class MonitorCore:
         when it has none."""
         if dataset is None or not hasattr(dataset, "__getitem__") or not len(dataset):
             return None
-        x = torch.as_tensor(inputs_labels(dataset[0], single=True)[0])
-        if self._text and x.dim() != 1:
-            problems.append(f"loader: its items hold token ids of shape {tuple(x.shape)}; expected one sequence (T,)")
-            return None
-        if not self._text and x.dim() != 3:
-            problems.append(f"loader: its items hold inputs of shape {tuple(x.shape)}; the attacks rebuild images "
-                            "(C, H, W)")
-            return None
-        return tuple(x.shape)
+        shape = tuple(torch.as_tensor(inputs_labels(dataset[0], single=True)[0]).shape)
+        problem = self._modality.item_problem(shape)
+        problems += [] if problem is None else [problem]
+        return shape if problem is None else None
 
     def _describe(self, plain: nn.Module, defense: Any, protocol: Any, batch_size: int,
                   shape: tuple | None) -> dict[str, Any]:
@@ -615,8 +609,8 @@ class MonitorCore:
         rounds = {"fits": 0, "rounds": {}, "skipped": {}, "protocol": protocol.name} if self._federated else {}
         return rounds | {"name": self.name, "seed": self.seed, "data": "the training loop's batches (LeakMonitor)",
                 "model": type(plain).__name__, "mode": "train" if plain.training else "eval",
-                "image_size": min(shape[-2:]) if shape and not self._text else 32, "batch_size": batch_size,
-                **({"modality": "text", "pad_id": getattr(plain, "pad_id", 0)} if self._text else {}),
+                "image_size": self._modality.image_size(shape) or 32, "batch_size": batch_size,
+                **self._modality.described(plain),
                 "defense": defense, "attacks": self.attacks, "metrics": self.metrics,
                 "known_labels": self.known_labels, "delta": self.delta, "every": self.every, "attacker": self.attacker,
                 "leakage_metric": self.leakage_metric,

@@ -17,8 +17,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from leakaudit.evaluator.audit.jobs import AttackJob, job_at
 from leakaudit.evaluator.audit.types import params_text, value_text
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import RunFolder
-from leakaudit.evaluator.results.summary import per_image, second_views
+from leakaudit.evaluator.results.summary import second_views
 from leakaudit.evaluator.results.types import CellResult, Privacy, Summary, WorstCase, WorstImage
 from leakaudit.evaluator.results.verdict import LEAKS, exact_interval, judged_mean
 from leakaudit.plugins.manager import Registry
@@ -324,7 +325,7 @@ def _label(text: str, width: int = 24) -> str:
     return "\n".join(textwrap.wrap(text.replace(",", ", "), width, break_long_words=False)[:4])
 
 
-def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str, checkpoint: int,
+def plot_reconstructions(folder: RunFolder, rows: dict[tuple, Row], metric: str, checkpoint: int,
                          path: Path) -> bool:
     """Originals on top, then one row per (setting, attack) at ``checkpoint``, each image titled with its score."""
     audit = folder.audit
@@ -340,7 +341,7 @@ def plot_reconstructions(folder: RunFolder, rows: dict[tuple, dict], metric: str
                 if saved is not None:
                     recs.append(saved["reconstruction"])
                     origs.append(saved["original"])
-                    each = per_image(rows[job.key], metric) if job.key in rows else []
+                    each = rows[job.key].per_image_of(metric) if job.key in rows else []
                     scores.extend(each if len(each) == len(saved["original"]) else [None] * len(saved["original"]))
             if recs:
                 lines.append((f"{s.key} · {a.key}", torch.cat(recs)[:MAX_GRID_IMAGES], scores[:MAX_GRID_IMAGES]))

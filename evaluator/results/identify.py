@@ -11,6 +11,7 @@ import torch
 
 from leakaudit.evaluator.audit.jobs import job_at
 from leakaudit.evaluator.audit.types import Audit
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import IDENTIFIABLE, RunFolder
 from leakaudit.evaluator.results.summary import ranked_metrics
 from leakaudit.evaluator.results.verdict import decoy_groups, decoy_test, identifiable_share, named_share
@@ -53,17 +54,17 @@ def _decoy_result(metric, batches: list[dict], distances: np.ndarray, decoys: di
     return list(decoy_test(own, near, groups))
 
 
-def identifying_metric(audit: Audit, rows: list[dict]) -> Metric:
+def identifying_metric(audit: Audit, rows: list[Row]) -> Metric:
     """The distance that names a reconstruction's nearest original (``Metric.distance_rank``): the measured one
     of lowest rank (LPIPS among the built-ins), else the registered one of highest rank (MSE, which needs nothing)."""
     kinds = {audit.registry.get("metric", m).modality for m in audit.metrics} - {"any"}
     modality = kinds.pop() if len(kinds) == 1 else "image"  # validation keeps an audit's metrics to its data's kind
     ranked = [m for m in ranked_metrics(audit.registry, "distance_rank") if m.modality == modality]
-    measured = [m for m in ranked if m.name in audit.metrics and any(r.get(m.name) is not None for r in rows)]
+    measured = [m for m in ranked if m.name in audit.metrics and any(r.metrics.get(m.name) is not None for r in rows)]
     return (measured or ranked[::-1])[0]
 
 
-def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tuple, list | None]]:
+def identifiability(folder: RunFolder, rows: list[Row]) -> tuple[str, dict[tuple, list | None]]:
     """Per cell, the share of reconstructions whose nearest original among the audit's targets is their own
     (after matching each to an original of its update), the share of targets named from the reconstructions
     alone (``named_share``), and for batches the decoy test ([hits, originals, p-value] or None), by the metric
@@ -74,7 +75,7 @@ def identifiability(folder: RunFolder, rows: list[dict]) -> tuple[str, dict[tupl
     cache = folder.read_json(IDENTIFIABLE) or {}
     counts: dict[tuple[str, str, int], int] = defaultdict(int)
     for r in rows:
-        counts[(r["setting"], r["attack"], r["checkpoint"])] += 1
+        counts[r.cell] += 1
     out, changed, decoys = {}, False, None
     for key, n in counts.items():
         name = json.dumps([*key, n, by, "named", "decoys"])

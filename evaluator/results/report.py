@@ -17,7 +17,6 @@ from torch import Tensor
 
 from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines
 from leakaudit.evaluator.audit.checks import example_unit
-from leakaudit.evaluator.audit.jobs import row_key
 from leakaudit.evaluator.audit.materials import load_data
 from leakaudit.evaluator.audit.types import Audit, params_text
 from leakaudit.evaluator.results.figures import (
@@ -31,6 +30,7 @@ from leakaudit.evaluator.results.figures import (
     worst_batches,
 )
 from leakaudit.evaluator.results.identify import identifiability
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import CONFIRMED, REPORT, SUMMARY, VOCABULARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
@@ -183,15 +183,15 @@ def page_template(template: Path | None = None) -> jinja2.Template:
     return env.get_template(TEMPLATE) if template is None else env.from_string(template.read_text())
 
 
-def judged(folder: RunFolder, rows: list[dict], utility: list[dict], baselines: dict[str, dict[str, float | None]],
+def judged(folder: RunFolder, rows: list[Row], utility: list[dict], baselines: dict[str, dict[str, float | None]],
            run_info: dict[str, Any] | None) -> Summary:
     """The summary of a folder's rows, every verdict judged, with nothing written (a monitor's step verdict)."""
-    notes = sorted({n for r in rows for n in r.get("notes", [])})  # what a metric could not compute, per row
+    notes = sorted({n for r in rows for n in r.notes})  # what a metric could not compute, per row
     return summarise(folder.audit, rows, utility, notes, baselines, run_info, identifiability(folder, rows),
                      folder.read_json(CONFIRMED))
 
 
-def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
+def write_report(folder: RunFolder, rows: list[Row], utility: list[dict],
                  baselines: dict[str, dict[str, float | None]], tuning: list[dict],
                  architecture: list[dict[str, Any]], run_info: dict[str, Any] | None = None,
                  template: Path | None = None) -> Summary:
@@ -204,7 +204,7 @@ def write_report(folder: RunFolder, rows: list[dict], utility: list[dict],
     summary = judged(folder, rows, utility, baselines, run_info)
     summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
     summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
-    by_key = {row_key(r): r for r in rows}
+    by_key = {r.key: r for r in rows}
     unit = example_unit(audit)
     text = unit == "sentence"
     figures: dict[str, str | None] = {}
@@ -254,10 +254,10 @@ def trained_steps(audit: Audit, utility: list[dict]) -> int:
     return max((int(u.get("train_steps") or 0) for u in utility), default=0)
 
 
-def update_sizes(audit: Audit, rows: list[dict]) -> str:
+def update_sizes(audit: Audit, rows: list[Row]) -> str:
     """The sizes of the attacked updates: the audit's batch size, or what a monitor really attacked (Poisson
     batches under Opacus, a round's images), a range where they vary."""
-    sizes = sorted({len(r["images"]) for r in rows if r.get("images")}) if audit.live is not None else []
+    sizes = sorted({len(r.images) for r in rows if r.images}) if audit.live is not None else []
     if not sizes:
         return str(audit.data.batch_size)
     return str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}"
@@ -280,15 +280,15 @@ def sentence_decoder(audit: Audit) -> Callable[[Tensor], str]:
     return lambda ids: decode_tokens(ids, words, pad)
 
 
-def recovered_sentences(folder: RunFolder, summary: Summary, rows: list[dict]) -> list[dict[str, Any]]:
+def recovered_sentences(folder: RunFolder, summary: Summary, rows: list[Row]) -> list[dict[str, Any]]:
     """For each setting of a text audit, its strongest attack's most leaking target batch: each original sentence
     beside the recovered one, which of the original's words came back, and the setting's PII recall (the mean over
     that attack's rows at that step)."""
     decode = sentence_decoder(folder.audit)
     out = []
     for w, at, saved in worst_batches(folder, summary):
-        recalls = [r["pii_recall"] for r in rows if r.get("setting") == w.setting and r.get("attack") == at.attack
-                   and r.get("checkpoint") == at.checkpoint and r.get("pii_recall") is not None]
+        recalls = [r.pii_recall for r in rows
+                   if r.cell == (w.setting, at.attack, at.checkpoint) and r.pii_recall is not None]
         pairs = []
         for orig, rec in zip(saved["original"], saved["reconstruction"]):
             original, recovered = decode(orig), decode(rec)

@@ -21,7 +21,7 @@ from leakaudit.evaluator.audit.jobs import AttackJob
 from leakaudit.evaluator.audit.seeds import derive_seed
 from leakaudit.evaluator.audit.types import Audit, DefenseSetting
 from leakaudit.evaluator.audit.yamlfile import AuditLoader, read_yaml
-from leakaudit.evaluator.results.verdict import late_gain
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.plugins.spec import one_line
 
 
@@ -146,19 +146,19 @@ class CsvTable:
         self.columns = ["defense", "setting", "params", "attack", "checkpoint", "target", "epsilon", *metrics,
                         "seconds"]
 
-    def _write(self, rows: Iterable[dict], mode: str) -> None:
+    def _write(self, rows: Iterable[Row], mode: str) -> None:
         new = mode == "w" or not self.path.exists()
         with self.path.open(mode, newline="") as fh:
             writer = csv.DictWriter(fh, self.columns, extrasaction="ignore")
             if new:
                 writer.writeheader()
             for r in rows:
-                writer.writerow({**r, "params": json.dumps(r["params"], sort_keys=True)})
+                writer.writerow({**r.to_json(), "params": json.dumps(r.params, sort_keys=True)})
 
-    def append(self, row: dict) -> None:
+    def append(self, row: Row) -> None:
         self._write([row], "a")
 
-    def rewrite(self, rows: list[dict]) -> None:
+    def rewrite(self, rows: list[Row]) -> None:
         self._write(rows, "w")
 
 
@@ -216,24 +216,6 @@ class RunFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(record, path)
 
-    def save_result(self, job: AttackJob, pixels: torch.Tensor, labels: torch.Tensor, rec: Any, scores: Any,
-                    images: list[int], epsilon: float | None, bound: float | None = None) -> dict[str, Any]:
-        """Keep one job's originals and aligned reconstruction for the report, and return its results row
-        (``rec``: the attack's Reconstruction; ``scores``: its metrics.Scores; ``bound``: the most any attack can
-        identify of the targets under the defense's guarantee, None without one)."""
-        self.save_reconstruction(job, {
-            "original": pixels.cpu(), "reconstruction": rec.images[scores.order].detach().cpu(),
-            "labels": labels.cpu(), "recovered_labels": rec.labels.cpu(), "loss_trace": rec.loss_trace})
-        row = {"defense": job.setting.name, "setting": job.setting.key, "params": job.setting.params,
-               "attack": job.attack.key, "attack_name": job.attack.name, "checkpoint": job.checkpoint,
-               "target": job.target, "images": images, "epsilon": epsilon, "rero_bound": bound, **scores.values,
-               "per_image": scores.per_image, "late_gain": late_gain(rec.loss_trace), "seconds": round(rec.seconds, 3)}
-        if job.params is not None:
-            row["attack_params"] = job.params
-        if scores.notes:
-            row["notes"] = scores.notes
-        return row
-
     def write_outbox(self, kept: list[tuple[str, Any, Any]]) -> None:
         """Write what a remote worker's jobs kept for this folder (``Outbox.take``)."""
         for kind, key, value in kept:
@@ -251,6 +233,10 @@ class RunFolder:
     def load_decoys(self) -> dict[str, torch.Tensor] | None:
         path = self.path / DECOYS
         return torch.load(path, weights_only=True) if path.exists() else None
+
+    def rows(self) -> list[Row]:
+        """results.jsonl's rows as records."""
+        return [Row.from_json(r) for r in self.results.read()]
 
     def load_reconstruction(self, job: AttackJob) -> dict[str, Any] | None:
         path = self.recon_file(job)

@@ -14,6 +14,7 @@ from leakaudit.evaluator.audit.tuning import grid_positions, position, scan_best
 from leakaudit.evaluator.audit.frontier import PROTECTING, search
 from leakaudit.evaluator.audit.checks import example_unit
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec, as_dict
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.types import (
     CellResult,
     Decision,
@@ -64,20 +65,14 @@ def second_views(registry: Registry) -> list[str]:
     return [m.name for m in ranked_metrics(registry, "view_rank")]
 
 
-def per_image(row: dict, metric: str) -> list[float | None]:
-    """A row's per-image scores of ``metric`` (a row from before per-image scores: its batch mean)."""
-    return row.get("per_image", {}).get(metric) or [row.get(metric)]
-
-
-def _worst_image(rows: list[dict], metric) -> WorstImage | None:
+def _worst_image(rows: list[Row], metric) -> WorstImage | None:
     """The single most leaking image of ``rows``: its attack, step, score, target batch and place in the batch
     (None for rows without per-image scores: a label metric, or rows written before they were kept)."""
     best = None
     for r in rows:
-        for i, v in enumerate(r.get("per_image", {}).get(metric.name, [])):
+        for i, v in enumerate(r.per_image.get(metric.name, [])):
             if v is not None and math.isfinite(v) and (best is None or metric.better(v, best.score)):
-                best = WorstImage(r["attack"], r["checkpoint"], v, r["target"], i,
-                                  r["images"][i] if "images" in r and i < len(r["images"]) else None)
+                best = WorstImage(r.attack, r.checkpoint, v, r.target, i, r.images[i] if i < len(r.images) else None)
     return best
 
 
@@ -88,7 +83,7 @@ def _unmeasured_live(utility: list[dict]) -> str:
     return "a reference is attacked, not trained: the monitor measures the accuracy of the model it watches"
 
 
-def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[str],
+def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[str],
               baselines: dict[str, dict[str, float | None]] | None = None, run_info: dict[str, Any] | None = None,
               identifiable: tuple[str, dict[tuple, list | None]] | None = None,
               confirmed: dict[str, dict[str, Any]] | None = None) -> Summary:
@@ -104,9 +99,9 @@ def summarise(audit: Audit, rows: list[dict], utility: list[dict], notes: list[s
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}
-    groups: dict[tuple, list[dict]] = defaultdict(list)
+    groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
-        groups[(r["setting"], r["attack"], r["checkpoint"])].append(r)
+        groups[r.cell].append(r)
     cells = [_cell(audit, key, rs, acc, options, notes, leakage, identified.get(key) or (None, None, None), identified_by,
                    profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
@@ -361,7 +356,7 @@ def _held_against(audit: Audit, verdict: StepVerdict, cells: list[CellResult]) -
     return dataclasses.replace(verdict, threat=strongest)
 
 
-def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, notes: list[str], leakage,
+def _cell(audit: Audit, key: tuple, rs: list[Row], acc: dict, options: dict, notes: list[str], leakage,
           identified: Sequence[Any], identified_by: str | None, profile) -> CellResult:
     """One (setting, attack, checkpoint)'s statistics over its rows: per metric mean, std, interval and count;
     its most leaking image; its identifiable share and the bound a privacy guarantee sets on it; convergence."""
@@ -369,7 +364,7 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
     roles = {a.key: a.role for a in audit.attacks}
     scores = {}
     for m in audit.metrics:
-        values = [v for r in rs for v in per_image(r, m)]
+        values = [v for r in rs for v in r.per_image_of(m)]
         scores[m] = cell_statistics(values, m, key, audit.seed, options["confidence"], options["bootstrap"])
         bad = sum(1 for v in values if v is not None and not math.isfinite(v))
         if bad:
@@ -380,37 +375,37 @@ def _cell(audit: Audit, key: tuple, rs: list[dict], acc: dict, options: dict, no
     n = len(rs) * batch
     share, named, decoys = identified
     bound = identification_bound(profile, batch, n)
-    gains = finite(r.get("late_gain") for r in rs)
+    gains = finite(r.late_gain for r in rs)
     gain = float(np.mean(gains)) if gains else None
     return CellResult(
-        defense=rs[0]["defense"], setting=setting, params=rs[0]["params"], attack=attack,
+        defense=rs[0].defense, setting=setting, params=rs[0].params, attack=attack,
         role=roles.get(attack, "naive"), checkpoint=ckpt, targets=len(rs), accuracy=acc.get(setting, {}).get("accuracy"),
         epsilon=acc.get(setting, {}).get("epsilon"), scores=scores, worst_image=_worst_image(rs, leakage),
         identifiable=share, named=named, identifiable_by=identified_by, identifiable_n=n, rero_bound=bound,
         decoy_hits=None if decoys is None else decoys[0], decoy_p=None if decoys is None else decoys[2],
         bound_violated=beats_bound(named, n, bound, options["confidence"], options.get("unit", "image")), late_gain=gain,
         still_improving=None if gain is None else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
-        seconds_mean=float(np.mean([r["seconds"] for r in rs])),
-        pii_recall=float(np.mean(recalls)) if (recalls := finite(r.get("pii_recall") for r in rs)) else None)
+        seconds_mean=float(np.mean([r.seconds for r in rs])),
+        pii_recall=float(np.mean(recalls)) if (recalls := finite(r.pii_recall for r in rs)) else None)
 
 
-def _iterations(audit: Audit, attack: str, rows: list[dict]) -> int | None:
+def _iterations(audit: Audit, attack: str, rows: list[Row]) -> int | None:
     """The iterations an attack ran with in these rows (its tuned, else configured, else default), if it has any."""
     spec = next((a for a in audit.attacks if a.key == attack), None)
-    params = rows[0].get("attack_params") or (spec.params if spec is not None else {})
+    params = rows[0].attack_params or (spec.params if spec is not None else {})
     if "iterations" in params:
         return params["iterations"]
     declared = audit.registry.get("attack", spec.name).params.get("iterations") if spec is not None else None
     return None if declared is None else declared.default
 
 
-def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[dict], leakage, final: StepVerdict, profile,
+def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakage, final: StepVerdict, profile,
                 utility: dict) -> WorstCase:
     """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps, and
     where it has a privacy guarantee the bound beside the measured identification."""
     top, _ = strongest(mine, leakage)
     views = second_views(audit.registry)
-    own_rows = [r for r in rows if r["setting"] == s.key]
+    own_rows = [r for r in rows if r.setting == s.key]
     return WorstCase(
         **_setting_fields(s, audit), accuracy=top.accuracy, epsilon=top.epsilon, identifiable=top.identifiable,
         attack=top.attack, checkpoint=top.checkpoint,
@@ -430,7 +425,7 @@ def _setting_fields(setting, audit: Audit) -> dict[str, Any]:
                 added=setting.added, must_protect=setting.must_protect, clients=setting.clients)
 
 
-def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: list[dict]) -> Privacy | None:
+def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: list[Row]) -> Privacy | None:
     """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any of its
     attacks named (and whether some cell beat the bound), what the training's epsilon bounds, and the prior-free
     PSNR and MSE bounds (the rows' ``prior_free``) with any attack whose mean PSNR got past them."""
@@ -438,9 +433,9 @@ def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: l
         return None
     top = max(mine, key=lambda c: -1 if c.named is None else c.named)
     chance = batch / top.identifiable_n
-    first = next((r for r in rows if r.get("prior_free")), None)
-    corridor = [r["prior_free"] for r in rows if r.get("prior_free") and (r["attack"], r["checkpoint"]) == (
-        first["attack"], first["checkpoint"])] if first else []  # one cell's rows: each target once
+    first = next((r for r in rows if r.prior_free), None)
+    corridor = [r.prior_free for r in rows if r.prior_free and (r.attack, r.checkpoint) == (
+        first.attack, first.checkpoint)] if first else []  # one cell's rows: each target once
     psnr = float(np.mean([c["psnr"] for c in corridor])) if corridor else None
     past = [(m - psnr, c) for c in mine if psnr is not None and (m := c.mean("psnr") or -math.inf) > psnr]
     gap, over = max(past, key=lambda p: p[0]) if past else (None, None)

@@ -13,22 +13,24 @@ import torch
 from tqdm import tqdm
 
 from leakaudit.evaluator.audit.budget import apply_plan, duration_text
-from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, row_key, trial_key, tune_jobs_of
+from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.frontier import most_probes, search
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec
 from leakaudit.evaluator.results.report import judged, write_report
 from leakaudit.evaluator.results.summary import calibrates
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import (ARCHITECTURE, BASELINES, CONFIRMED, FRESH, FRONTIER, RESULTS, RUN_INFO,
                                                 RunError, RunFolder)
 from leakaudit.evaluator.results.types import Summary
 from leakaudit.evaluator.run.analysis import analyse_all
 from leakaudit.evaluator.run.estimate import Estimate, plan_and_estimate
 from leakaudit.evaluator.run.executors import Pool, WorkerPool, auto_workers
+from leakaudit.evaluator.run.modality import Knowledge
 from leakaudit.evaluator.run.scenario import Scenario, check_scenario, process_flags, untried_attacks
 from leakaudit.evaluator.run.worker import AuditWorker
-from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens, guess_scores, text_guess_scores
+from leakaudit.evaluator.zoo.metrics import class_mean_guess, frequent_tokens
 from leakaudit.plugins.text import IGNORE, TokenData
 
 __all__ = ["run_audit", "rebuild_report", "report_folder", "RunError"]
@@ -177,17 +179,17 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     worker = AuditWorker(scenario, folder)
     notes: set[str] = set()
 
-    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
-        for row, new_notes in out:
-            folder.results.append(row)
+    def on_rows(cell: Cell, out: list[Row]) -> None:
+        for row in out:
+            folder.results.append(row.to_json())
             folder.results_csv.append(row)
-            for n in set(new_notes) - notes:
+            for n in set(row.notes) - notes:
                 notes.add(n)
                 tqdm.write(f"warning: {n}", file=sys.stderr)
 
     baselines = baseline_scores(scenario)  # the guesses' scores: every verdict of the run is judged against them
     trials = folder.tuning.read()
-    finished = {row_key(r) for r in folder.results.read()}  # only the attack phase adds rows
+    finished = {r.key for r in folder.rows()}  # only the attack phase adds rows
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
     settling = settling_for(audit, folder, resume, estimate)
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
@@ -200,7 +202,7 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
         _confirm_frontiers(scenario, folder, workers, progress, baselines)  # its own pool, sized for its own pending work
 
     trials = folder.tuning.read()
-    rows = _in_job_order(audit, folder.results.read())
+    rows = _in_job_order(audit, folder.rows())
     folder.results_csv.rewrite(rows)
     folder.write_json(BASELINES, baselines)
     analysis = architecture(scenario, folder)
@@ -226,7 +228,7 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
                  (f"{stage}tuning" if step == "scan" else f"{stage}tuning, refined") + clock.left("tuning"), progress,
                  lambda cell, rows: list(map(folder.tuning.append, rows)))
         trials = folder.tuning.read()
-    finished = {row_key(r) for r in folder.results.read()}
+    finished = {r.key for r in folder.rows()}
     pending = [j for j in jobs_of(audit, winners(trials, audit.registry)) if j.key not in finished]
     if settling is None:
         pool.run("attack", cells_of(pending, pool.workers, audit.registry), f"{stage}attacks{clock.left('attacks')}",
@@ -312,7 +314,7 @@ def settled_steps(folder: RunFolder, baselines: dict) -> tuple[set[tuple[str, in
     """The (setting, step) pairs whose verdict is already a leak of individuals (no further attack of theirs can
     change it), and those that leak or whose "protects" a reference already vouches for at the level of
     individuals (no further attack on their reference can change their verdict)."""
-    rows = _in_job_order(folder.audit, folder.results.read())
+    rows = _in_job_order(folder.audit, folder.rows())
     if not rows:
         return set(), set()
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO) or {})
@@ -347,7 +349,7 @@ def _search_frontiers(scenario: Scenario, folder: RunFolder, pool: Any, progress
         folder.write_json(FRONTIER, probes)
         _work(audit, folder, pool, progress, on_rows,
               f"frontier probe {len(probes[spec.where])} of at most {most_probes(spec)}, {setting.key}: ")
-        rows = _in_job_order(audit, folder.results.read())
+        rows = _in_job_order(audit, folder.rows())
         info = folder.read_json(RUN_INFO)  # chance accuracy, the attacks not run: what the final verdicts use
         worst = judged(folder, rows, folder.utility.read(), baselines, info).worst(setting.key)
         if progress:
@@ -366,7 +368,7 @@ def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | Non
     a choice made on the searched targets is a selection on them, and its verdict on fresh ones is the one to
     trust. Writes each choice's fresh verdict, or why there is none, to confirmed.json."""
     audit = scenario.audit
-    rows = _in_job_order(audit, folder.results.read())
+    rows = _in_job_order(audit, folder.rows())
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO))
     chosen = sorted({f.protecting_setting for f in summary.frontier if f.protecting_setting})
     if not chosen:
@@ -385,16 +387,16 @@ def _confirm_frontiers(scenario: Scenario, folder: RunFolder, workers: int | Non
     if not sub.has_decoys() and (decoys := again.decoys()) is not None:
         sub.save_decoys(*decoys)
 
-    def on_rows(cell: Cell, out: list[tuple[dict, list[str]]]) -> None:
-        for row, _ in out:
-            sub.results.append(row)
+    def on_rows(cell: Cell, out: list[Row]) -> None:
+        for row in out:
+            sub.results.append(row.to_json())
 
-    finished = {row_key(r) for r in sub.results.read()}
+    finished = {r.key for r in sub.rows()}
     with executor_for(AuditWorker(again, sub), workers, [j for j in jobs_of(fresh) if j.key not in finished]) as pool:
         _work(fresh, sub, pool, progress, on_rows, "fresh targets: ")
     baselines = baseline_scores(again)
     sub.write_json(BASELINES, baselines)
-    confirmed = judged(sub, _in_job_order(fresh, sub.results.read()), sub.utility.read(), baselines,
+    confirmed = judged(sub, _in_job_order(fresh, sub.rows()), sub.utility.read(), baselines,
                        folder.read_json(RUN_INFO))
     folder.write_json(CONFIRMED, {key: fresh_verdict(confirmed, key, fresh.data.targets) for key in chosen})
 
@@ -455,7 +457,7 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     if plan is not None:
         apply_plan(audit, plan)
     skipped = {tuple(s[:3]) for s in (plan or info.get(SETTLED) or {}).get("skipped", [])}
-    rows = _in_job_order(audit, folder.results.read())
+    rows = _in_job_order(audit, folder.rows())
     expected = sum((j.setting.key, j.attack.key, j.checkpoint) not in skipped for j in jobs_of(audit))
     if len(rows) < expected:
         raise RunError(f"{folder.path}: {len(rows)} of {expected} attack jobs finished; finish the run with: "
@@ -502,17 +504,19 @@ def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:
     if scenario.text:  # the most frequent token at each position, and uniform draws
         assert isinstance(scenario.data, TokenData), "a text audit's examples are sentences"
         frequent = frequent_tokens(scenario.data.train_x, scenario.data.pad_id)
-        return text_guess_scores(metrics, batches, frequent, scenario.data.vocab_size,
-                                 generator("cpu", audit.seed, "baseline"), scenario.data.pad_id,
-                                 lambda guess, t: scenario.pii_recall(guess.cpu(), scenario.target_ids(t).tolist()))
+        return scenario.modality.guesses(metrics, batches, Knowledge(
+            frequent=frequent, vocab_size=scenario.data.vocab_size, pad_id=scenario.data.pad_id,
+            recall=lambda guess, t: scenario.pii_recall(guess.cpu(), scenario.target_ids(t).tolist())),
+            generator("cpu", audit.seed, "baseline"))
     train_x, train_y = scenario.data.train_x.float(), scenario.data.train_y.reshape(-1)
     average = train_x.mean(dim=0).to(scenario.device)
     classes = train_y.unique()
     templates = torch.stack([train_x[train_y == c].mean(dim=0) for c in classes]).to(scenario.device)
-    return guess_scores(metrics, batches, average, generator(scenario.device, audit.seed, "baseline"),
-                        lambda pixels, labels: class_mean_guess(templates, classes.to(labels.device), labels, average))
+    return scenario.modality.guesses(metrics, batches, Knowledge(
+        average, lambda pixels, labels: class_mean_guess(templates, classes.to(labels.device), labels, average)),
+        generator(scenario.device, audit.seed, "baseline"))
 
 
-def _in_job_order(audit: Audit, rows: list[dict]) -> list[dict]:
+def _in_job_order(audit: Audit, rows: list[Row]) -> list[Row]:
     order = {j.key: i for i, j in enumerate(jobs_of(audit))}
-    return sorted((r for r in rows if row_key(r) in order), key=lambda r: order[row_key(r)])
+    return sorted((r for r in rows if r.key in order), key=lambda r: order[r.key])

@@ -16,6 +16,8 @@ from leakaudit.evaluator.audit.materials import check_data_memory, initial_model
 from leakaudit.evaluator.audit.seeds import derive_seed, generator
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting, ModelSection
 from leakaudit.evaluator.zoo.text import pii_recall
+from leakaudit.evaluator.run.modality import Modality, modality_of
+from leakaudit.evaluator.run.step import threat_model
 from leakaudit.plugins.attack import AuxiliaryData, ThreatModel
 from leakaudit.plugins.components import ImageData
 from leakaudit.plugins.defense import Defense
@@ -169,6 +171,11 @@ class Scenario:
         """Whether the examples are token sequences (no normalisation, no pixel box)."""
         return self.data.modality == "text"
 
+    @property
+    def modality(self) -> Modality:
+        """The examples' modality (images, text), which the step asks."""
+        return modality_of(self.data.modality)
+
     @cached_property
     def mean(self) -> Tensor:
         return torch.zeros(1, 1, 1, device=self.device) if isinstance(self.data, TokenData) \
@@ -216,12 +223,9 @@ class Scenario:
     def threat(self, model: nn.Module, defense: Defense, labels: Tensor,
                setting: DefenseSetting | None = None) -> ThreatModel:
         """What the attacker knows of one update of ``setting`` (its batch size and protocol, else the audit's)."""
-        return ThreatModel(
-            model=model, loss_fn=loss_fn, input_shape=tuple(self.data.test_x.shape[1:]),
-            mean=self.mean, std=self.std, num_classes=self.data.num_classes,
-            batch_size=self.batch_size(setting), defense=defense,
-            labels=labels if self.audit.threat.known_labels else None, device=self.device,
-            protocol=self.protocol(setting), auxiliary=self.auxiliary)
+        return threat_model(model, loss_fn, tuple(self.data.test_x.shape[1:]), self.mean, self.std,
+                            self.data.num_classes, self.batch_size(setting), defense, labels,
+                            self.audit.threat.known_labels, self.device, self.protocol(setting), self.auxiliary)
 
     def decoys(self) -> tuple[Tensor, Tensor] | None:
         """Images of the target split that no update holds, with their labels, for the identification test of a
@@ -229,7 +233,7 @@ class Scenario:
         exceed ``DECOY_BYTES`` in all; None where no setting sends more than one image or identification is off."""
         audit = self.audit
         if audit.verdict.identifiable is None or all(audit.batch_size_of(s) == 1 for s in audit.settings) \
-                or self.text:  # naming a sentence among decoys: not built for text yet
+                or not self.modality.decoys:
             return None
         x, y = self._target_split
         free = torch.ones(len(x), dtype=torch.bool)

@@ -11,11 +11,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from leakaudit.evaluator.audit.jobs import AttackJob, Cell
+from leakaudit.evaluator.audit.jobs import Cell
 from leakaudit.evaluator.audit.types import Audit
+from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import AttackFailed, RunFolder
-from leakaudit.evaluator.results.verdict import identification_bound, prior_free_bound
+from leakaudit.evaluator.results.verdict import identification_bound
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn, round_generators
+from leakaudit.evaluator.run.step import Judging, Update, judge_updates
 from leakaudit.evaluator.run.utility import privacy_spent, train_under_defense
 from leakaudit.evaluator.zoo.metrics import score
 from leakaudit.plugins.attack import Problem, Reconstruction, solve
@@ -113,7 +115,7 @@ class AuditWorker:
         attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
         problems, originals = self.problems(first.setting, first.checkpoint, [
             (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
-        recs = _reconstruct(sc.audit, first, attacks[0], problems, "tuning")
+        recs = _reconstruct(sc.audit, first, problems, "tuning")
         rows = []
         for j, job in enumerate(cell.jobs):
             mine = slice(j * spec.targets, (j + 1) * spec.targets)
@@ -126,44 +128,37 @@ class AuditWorker:
                          "score": sum(known) / len(known), "seconds": round(sum(r.seconds for r in recs[mine]), 3)})
         return rows
 
-    def attack(self, cell: Cell) -> list[tuple[dict[str, Any], list[str]]]:
-        """Share the defended update of each target batch of one cell, attack them together, score each."""
+    def attack(self, cell: Cell) -> list[Row]:
+        """Share the defended update of each target batch of one cell, attack them together, judge each (the step);
+        an attack that raises is an AttackFailed naming it, its origin and the job, on one line."""
         sc, first = self.scenario, cell.first
         audit = sc.audit
         attack = sc.attack(first.attack, first.params)
         batches = [sc.target_batch(job.target, first.setting) for job in cell.jobs]
         problems, originals = self.problems(first.setting, first.checkpoint,
                                             [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
-        recs = _reconstruct(audit, first, attack, problems, f"{len(cell.jobs)} target batch(es)")
-        metrics = [audit.registry.get("metric", m) for m in audit.metrics]
-        return [self._row(job, px, lb, rec, metrics)
-                for job, px, (_, lb), rec in zip(cell.jobs, originals, batches, recs)]
-
-    def _row(self, job: AttackJob, pixels, labels, rec: Reconstruction, metrics) -> tuple[dict[str, Any], list[str]]:
-        """Score one reconstruction, keep it for the report, and make its results row."""
-        scores = score(metrics, rec.images, pixels, rec.labels, labels)
-        images = self.scenario.target_ids(job.target, job.setting).tolist()
-        row = self.folder.save_result(job, pixels, labels, rec, scores, images, self.epsilon(job.setting),
-                                      self.bound(job.setting))
-        profile = self.profile(job.setting)
-        corridor = None if self.scenario.text else prior_free_bound(  # a bound on pixels' error
-            None if profile is None else profile.mu, pixels.detach().cpu().numpy(),
-            self.scenario.audit.verdict.confidence)  # once per row, after the attack
-        if corridor is not None:
-            row["prior_free"] = corridor
-        recall = self.scenario.pii_recall(rec.images[scores.order], images) if self.scenario.text else None
-        if recall is not None:
-            row["pii_recall"] = recall
-        return row, scores.notes
+        updates = [Update(job, problem, px, lb, sc.target_ids(job.target, job.setting).tolist())
+                   for job, problem, px, (_, lb) in zip(cell.jobs, problems, originals, batches)]
+        profile = self.profile(first.setting)
+        judging = Judging([audit.registry.get("metric", m) for m in audit.metrics], sc.modality,
+                          self.epsilon(first.setting), self.bound(first.setting),
+                          None if profile is None else profile.mu, audit.verdict.confidence,
+                          lambda aligned, update: sc.pii_recall(aligned, update.images), self.folder.save_reconstruction)
+        what = f"{len(cell.jobs)} target batch(es)"
+        return [j.row for j in judge_updates([updates], judging, audit.max_problems,
+                                             fail_as=lambda update, exc: _failed(audit, update.job, what, exc))]
 
 
-def _reconstruct(audit: Audit, job, attack, problems: list[Problem], what: str) -> list[Reconstruction]:
-    """The attack's reconstructions of ``problems``; an attack that raises is an AttackFailed naming it, its
-    origin and the job, on one line."""
+def _reconstruct(audit: Audit, job, problems: list[Problem], what: str) -> list[Reconstruction]:
+    """The attack's reconstructions of ``problems``; an attack that raises is an AttackFailed (``_failed``)."""
     try:
         return solve(problems, audit.max_problems)
     except Exception as exc:
-        origin = audit.registry.entries["attack"][job.attack.name].origin
-        raise AttackFailed(f"attack {job.attack.key!r} ({origin}) failed on {job.setting.key}, step {job.checkpoint} "
-                           f"({what}): {one_line(exc)}; the rows already written "
-                           "are kept: fix it and rerun with --resume") from None
+        raise _failed(audit, job, what, exc) from None
+
+
+def _failed(audit: Audit, job, what: str, exc: Exception) -> AttackFailed:
+    """An attack's failure on ``job``, naming the attack, its origin and the job, on one line."""
+    origin = audit.registry.entries["attack"][job.attack.name].origin
+    return AttackFailed(f"attack {job.attack.key!r} ({origin}) failed on {job.setting.key}, step {job.checkpoint} "
+                        f"({what}): {one_line(exc)}; the rows already written are kept: fix it and rerun with --resume")

@@ -2,6 +2,7 @@
 (checked on the estimate, never by timing a test), and a budgeted run whose report names what it cut."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -166,7 +167,8 @@ def test_auto_settles_a_step_and_skips_a_reference_only_where_nothing_it_vouches
     calibrates could still read "protects", unless that attack cannot vouch for it (an exact attack on noise)."""
     from conftest import small_audit
     from leakaudit.evaluator.audit.jobs import jobs_of
-    from leakaudit.evaluator.run.runner import _is_settled, rebuild_report, run_audit, settling_for
+    from leakaudit.evaluator.run.runner import (RunError, Settling, _is_settled, rebuild_report, report_folder,
+                                                run_audit, settling_for)
     from leakaudit.evaluator.results.rundir import RunFolder
 
     spec = small_audit(model={"name": "mlp", "checkpoints": [0]},
@@ -177,6 +179,8 @@ def test_auto_settles_a_step_and_skips_a_reference_only_where_nothing_it_vouches
     audit = load_audit(write_audit(spec))
     assert settling_for(audit, RunFolder(tmp_path / "x", audit), False, None) is None  # listed attacks all run
     audit.attack_choice = tuple(f"{a.label}: chosen" for a in audit.attacks)  # as attacks: auto marks its choice
+    by_bound = dataclasses.replace(audit, verdict=dataclasses.replace(audit.verdict, statistic="ci_bound"))
+    assert settling_for(by_bound, RunFolder(tmp_path / "x", by_bound), False, None) is None  # an interval's end
     summary = run_audit(audit, tmp_path / "run", progress=False)
     settled = json.loads((tmp_path / "run" / "run.json").read_text())["settled"]
     assert settled["order"] == ["analytic", "inverting_gradients"]  # no estimate in tests: the audit's order
@@ -187,6 +191,18 @@ def test_auto_settles_a_step_and_skips_a_reference_only_where_nothing_it_vouches
     assert "<dt>Settled</dt>" in (tmp_path / "run" / "report.html").read_text()
     assert {(v.setting, v.verdict) for v in rebuild_report(RunFolder(tmp_path / "run", audit)).verdicts} == {
         (v.setting, v.verdict) for v in summary.verdicts}
+    # a verdict: section other than the one it ran under may need the skipped rows: refused in one line
+    other = write_audit({**spec, "verdict": {"margin": 3.0}}, "other.yaml")
+    with pytest.raises(RunError, match=r"other\.yaml: verdict:, leakage_metric: the run at .* skipped attacks"):
+        report_folder(tmp_path / "run", str(other))
+    # a cell begun before a resume is finished, and only whole cells settle a step: without one of its rows the
+    # exact attack's cell on the reference neither settles it nor is cut short
+    folder = RunFolder(tmp_path / "run", audit)
+    kept = [r for r in folder.rows() if (r.setting, r.attack, r.target) != ("none", "analytic", 1)]
+    folder.results.path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in kept))
+    settling = Settling(settled, audit, folder, json.loads((tmp_path / "run" / "baselines.json").read_text()))
+    pending = [j for j in jobs_of(audit) if j.setting.key == "none" and (j.attack.name, j.target) != ("analytic", 0)]
+    assert settling.unsettled(pending) == pending
     # the rule itself: the reference's job waits for the setting it calibrates, except an exact attack's on noise
     none, noisy = audit.settings
     ig, exact = (next(j for j in jobs_of(audit) if j.setting is none and j.attack.name == n)

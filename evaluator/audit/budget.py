@@ -45,6 +45,14 @@ def duration_text(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
+def settles_early(audit: Audit) -> bool:
+    """Whether a run of ``audit`` stops a step's attacks once its verdict is settled: under a budget or ``attacks:
+    auto``, where verdicts are judged by the mean (an interval's end can fall when a stronger attack joins) and no
+    frontier is searched (its later probes may need any reference's row)."""
+    return ((audit.budget is not None or bool(audit.attack_choice)) and not audit.frontiers
+            and audit.verdict.statistic == "mean")
+
+
 def apply_plan(audit: Audit, plan: dict[str, Any]) -> None:
     """Give ``audit`` the attacks a budget's plan runs: each scaled attack at its plan's parameters, each left-out
     attack gone (a rebuilt report and a resumed run read the run's own plan, not a new calibration)."""

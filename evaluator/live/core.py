@@ -393,7 +393,7 @@ class MonitorCore:
                 self._auxiliary(pixels), failed)
             for failure, why in failed:
                 self.record_failure(step, f"{failure.job.attack.label} on {setting.key}", why)
-            for done in results:  # each row written at once: a crash later loses nothing
+            for done in results:  # written before the next setting is attacked: a failure later loses none
                 self.folder.results.append(done.row.to_json())
                 self.folder.results_csv.append(done.row)
                 shown = ", ".join(f"{m} {v:.3g}" for m, v in done.scores.values.items() if isinstance(v, float))

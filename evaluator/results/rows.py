@@ -5,6 +5,7 @@ flattened beside the fixed keys, in the order every run folder holds them) and `
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -65,5 +66,6 @@ class Row:
         """A row read back from results.jsonl: every key that is not a field is a metric's batch mean; a key that
         rows of an older layout lack reads as empty."""
         names = {f.name for f in fields(cls)}
-        known = {**OLDER_DEFAULTS, "attack_name": row["attack"], **{k: v for k, v in row.items() if k in names}}
+        older = {k: copy.copy(v) for k, v in OLDER_DEFAULTS.items()}  # each row its own empty list or dict
+        known = {**older, "attack_name": row["attack"], **{k: v for k, v in row.items() if k in names}}
         return cls(**known, metrics={k: v for k, v in row.items() if k not in names})

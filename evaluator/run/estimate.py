@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.audit.budget import apply_plan, duration_text
+from leakaudit.evaluator.audit.budget import apply_plan, duration_text, settles_early
 from leakaudit.evaluator.audit.jobs import cells_of, jobs_of, tune_jobs_of
 from leakaudit.evaluator.audit.types import AttackSpec, Audit, ConfigError, DefenseSetting
 from leakaudit.evaluator.results.rundir import RunFolder
@@ -308,9 +308,9 @@ def predict(audit: Audit, cal: Calibration, workers: int) -> Estimate:
         key = (c.first.setting.key, c.first.attack.key, c.first.checkpoint)
         parts.setdefault((key[1], c.first.setting.calibrates is not None), []).append(
             cells[key] * len(c.jobs) / sizes[key])
-    # under a budget or attacks: auto the attacks run one after another (a step's verdict may settle between
-    # them): the estimate is of the whole, an upper bound where verdicts settle early
-    settles = audit.budget is not None or (bool(audit.attack_choice) and not audit.frontiers)
+    # where verdicts settle (a budget, attacks: auto) the attacks run one after another, a step's verdict may
+    # settle between them: the estimate is of the whole, an upper bound
+    settles = settles_early(audit)
     attacks = (sum(_shared(p, workers) for p in parts.values()) if settles
                else _shared([s for p in parts.values() for s in p], workers))
     wall = {"start": cal.start() * (2 if workers > 1 else 1), "training": _shared(list(training.values()), workers),

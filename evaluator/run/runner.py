@@ -6,13 +6,14 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 from tqdm import tqdm
 
-from leakaudit.evaluator.audit.budget import apply_plan, duration_text
+from leakaudit.evaluator.audit.budget import apply_plan, duration_text, settles_early
 from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
@@ -234,7 +235,9 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
         pool.run("attack", cells_of(pending, pool.workers, audit.registry), f"{stage}attacks{clock.left('attacks')}",
                  progress, on_rows)
         return
-    stages = [(label, reference) for reference in (False, True) for label in settling.record["order"]
+    labels = [*settling.record["order"], *(label for label in dict.fromkeys(j.attack.key for j in pending)
+                                           if label not in settling.record["order"])]  # one auto chose on resume
+    stages = [(label, reference) for reference in (False, True) for label in labels
               if any(j.attack.key == label and (j.setting.calibrates is not None) == reference for j in pending)]
     for i, (label, reference) in enumerate(stages):
         mine = [j for j in pending if j.attack.key == label and (j.setting.calibrates is not None) == reference]
@@ -247,12 +250,12 @@ def _work(audit: Audit, folder: RunFolder, pool: Any, progress: bool, on_rows: C
 def settling_for(audit: Audit, folder: RunFolder, resume: bool, estimate: Estimate | None) -> dict[str, Any] | None:
     """The record of a run that stops a step's attacks once its verdict is settled: a budget's plan, or under
     ``attacks: auto`` the attacks' order (cheapest first, by the estimate where there is one) and the jobs
-    skipped, as run.json keeps it (a resumed run keeps its own); None where every attack runs (listed attacks, or
-    a frontier search)."""
+    skipped, as run.json keeps it (a resumed run keeps its own); None where every attack runs (``settles_early``: listed
+    attacks, a frontier search, verdicts judged by an interval's end)."""
+    if not settles_early(audit):
+        return None
     if audit.budget_plan is not None:
         return audit.budget_plan
-    if not audit.attack_choice or audit.frontiers:  # a frontier's later probes may need any reference row
-        return None
     saved = (folder.read_json(RUN_INFO) or {}).get(SETTLED) if resume else None
     if saved is not None:
         return saved
@@ -270,11 +273,16 @@ class Settling:
 
     def __init__(self, record: dict[str, Any], audit: Audit, folder: RunFolder, baselines: dict):
         self.record, self.audit, self.folder, self.baselines = record, audit, folder, baselines
+        #: settings whose guarantee bounds identification: a further attack may break the bound, so never settled
+        self.bounded = {s.key for s in audit.settings if s.build(audit.registry).privacy_profile() is not None}
 
     def unsettled(self, jobs: list) -> list:
-        """``jobs`` less those that cannot change a verdict now, which are recorded as skipped."""
+        """``jobs`` less those that cannot change a verdict now, which are recorded as skipped; a cell begun before
+        a resume is finished whatever its step's verdict (its statistics need all its targets)."""
         leaks, vouched = settled_steps(self.folder, self.baselines)
-        now = [j for j in jobs if not _is_settled(self.audit, j, leaks, vouched)]
+        begun = {r.cell for r in self.folder.rows()}
+        now = [j for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) in begun
+               or not _is_settled(self.audit, j, leaks - {(k, c) for k, c in leaks if k in self.bounded}, vouched)]
         self._record([j for j in jobs if j not in now])
         return now
 
@@ -282,8 +290,8 @@ class Settling:
         """Each (setting, attack, step) of ``jobs`` in the record and run.json, with why it was not run."""
         for key in dict.fromkeys((j.setting.key, j.attack.key, j.checkpoint, j.setting.calibrates is not None)
                                  for j in jobs):
-            why = ("the reference already leaks individuals here, and every setting it calibrates leaks or is "
-                   "calibrated" if key[3] else "its verdict here is already a leak of individuals")
+            why = ("the reference already leaks individuals here, and every setting it calibrates already leaks or "
+                   "has its protection vouched for" if key[3] else "its verdict here is already a leak of individuals")
             entry = [*key[:3], why]
             if entry not in self.record.setdefault("skipped", []):
                 self.record["skipped"].append(entry)
@@ -311,10 +319,13 @@ class Countdown:
 
 
 def settled_steps(folder: RunFolder, baselines: dict) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
-    """The (setting, step) pairs whose verdict is already a leak of individuals (no further attack of theirs can
-    change it), and those that leak or whose "protects" a reference already vouches for at the level of
-    individuals (no further attack on their reference can change their verdict)."""
-    rows = _in_job_order(folder.audit, folder.rows())
+    """Judged on the whole cells written so far: the (setting, step) pairs whose verdict is already a leak of
+    individuals (no further attack of theirs can change it), and those that leak or whose "protects" their
+    reference already vouches for (it leaks beyond the labels: no further attack on it can change their verdict)."""
+    expected = Counter((j.setting.key, j.attack.key, j.checkpoint) for j in jobs_of(folder.audit))
+    written = folder.rows()
+    have = Counter(r.cell for r in written)
+    rows = _in_job_order(folder.audit, [r for r in written if have[r.cell] >= expected[r.cell]])  # whole cells
     if not rows:
         return set(), set()
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO) or {})
@@ -483,14 +494,23 @@ def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Ite
         The summary, judged again from the saved rows.
 
     Raises:
-        RunError: ``config`` is not a mapping of the keys it may set, or a saved row is not JSON.
+        RunError: ``config`` is not a mapping of the keys it may set, or changes the verdict's rules of a run that
+            skipped attacks once its verdicts were settled, or a saved row is not JSON.
 
     Example:
         summary = leakaudit.report_folder("runs/quickstart")
     """
     from leakaudit.evaluator.results.rundir import saved_audit
 
-    return rebuild_report(RunFolder(path, saved_audit(Path(path), config, plugins_dirs)), template)
+    folder = RunFolder(path, saved_audit(Path(path), config, plugins_dirs))
+    info = folder.read_json(RUN_INFO) or {}
+    if config is not None and (info.get("budget") or info.get(SETTLED) or {}).get("skipped"):
+        ran = saved_audit(Path(path), None, plugins_dirs)
+        if (ran.verdict, ran.leakage_metric) != (folder.audit.verdict, folder.audit.leakage_metric):
+            raise RunError(f"{config}: verdict:, leakage_metric: the run at {path} skipped attacks once its own "
+                           "verdicts were settled, so other thresholds may need their rows; rerun the audit with "
+                           "these sections (or judge it with the ones it ran under)")
+    return rebuild_report(folder, template)
 
 
 def baseline_scores(scenario: Scenario) -> dict[str, dict[str, float | None]]:

@@ -83,6 +83,9 @@ def judge_updates(groups: Iterable[Sequence[Update]], judging: Judging, max_prob
     for group in groups:
         try:
             recs = solve([u.problem for u in group], max_problems)
+            if failed is not None:  # a monitor: scoring and keeping fail as the attack's failure, the rest go on
+                out += [_judged(u, rec, judging) for u, rec in zip(group, recs)]
+                continue
         except Exception as exc:
             if failed is None:
                 if fail_as is None:

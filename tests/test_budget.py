@@ -211,3 +211,16 @@ def test_auto_settles_a_step_and_skips_a_reference_only_where_nothing_it_vouches
     assert not _is_settled(audit, ig, leaks, set())
     assert _is_settled(audit, ig, leaks, {(noisy.key, 0)})
     assert _is_settled(audit, exact, leaks, set()) == audit.registry.get("attack", "analytic").noise_free_only
+
+
+def test_an_attacks_cached_cost_is_keyed_by_its_code():
+    """A cost measured before an attack's file changed is not read back: its key holds the file's digest."""
+    import hashlib
+    import inspect
+
+    from leakaudit.attacks.cinet import CINet
+    from leakaudit.attacks.learned import LearningToInvert
+
+    digest = est.code_of(LearningToInvert)
+    assert digest == hashlib.sha256(open(inspect.getsourcefile(LearningToInvert), "rb").read()).hexdigest()[:16]
+    assert digest != est.code_of(CINet) and est.code_of(int) == ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -124,7 +125,8 @@ class Calibration:
         audit = self.scenario.audit
         n = audit.num_batches_of(setting)
         fixed = {k: v for k, v in spec.params.items() if k not in budget_params(audit.registry, spec.name)}
-        key = repr(("attack", spec.name, sorted(fixed.items()), self._world(setting), n))
+        key = repr(("attack", spec.name, code_of(audit.registry.get("attack", spec.name)), sorted(fixed.items()),
+                    self._world(setting), n))
         if key not in self.saved:
             self.saved[key] = list(self._probe_attack(setting, spec))
         return _cost(self.saved[key], n)
@@ -214,6 +216,15 @@ class Calibration:
         accuracy(current, sc)
         checks = (time.perf_counter() - began) * (len(checkpoints) + 1)
         return set_up + checks, {"steps": per_step}
+
+
+def code_of(cls: type) -> str:
+    """A digest of the source file that defines ``cls``: a cost measured before the attack's code changed (a faster
+    optimiser, say) is measured again, not read back; "" where the source cannot be read."""
+    try:
+        return hashlib.sha256(Path(inspect.getsourcefile(cls) or "").read_bytes()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return ""
 
 
 def cache_dir() -> Path:

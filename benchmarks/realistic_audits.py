@@ -42,7 +42,8 @@ def run_one(leakaudit: str, config: str, out: Path) -> dict:
         "verdict": v["verdict"], "level": v.get("level"), "attack": v["attack"], "score": round(v["score"], 2)}
         for v in summary["verdicts"]}
     skipped = (summary["run"].get("settled") or summary["run"].get("budget") or {}).get("skipped", [])
-    return {"config": config, "seconds": round(seconds, 1), "verdicts": verdicts, "skipped": len(skipped)}
+    return {"config": config, "seconds": round(seconds, 1), "verdicts": verdicts, "skipped": len(skipped),
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def machine() -> str:
@@ -75,7 +76,9 @@ def table() -> str:
     """The record as a markdown table: per audit, each code's minutes and whether the verdicts are the same."""
     record = json.loads(RECORD.read_text())
     runs = {(r["label"], r["config"]): r for r in record["runs"]}
-    lines = [f"Measured by `benchmarks/realistic_audits.py` on {record['machine']} (2 worker processes).", "",
+    dates = sorted({r.get("date", "undated") for r in record["runs"]})
+    lines = [f"Measured by `benchmarks/realistic_audits.py` on {record['machine']} (2 worker processes), "
+             f"{', '.join(dates)}.", "",
              "| audit | before, min | after, min | after / before | verdicts (setting @ step) | same verdicts |",
              "| --- | --- | --- | --- | --- | --- |"]
     for config in dict.fromkeys(r["config"] for r in record["runs"]):

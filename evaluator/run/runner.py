@@ -279,10 +279,12 @@ class Settling:
     def unsettled(self, jobs: list) -> list:
         """``jobs`` less those that cannot change a verdict now, which are recorded as skipped; a cell begun before
         a resume is finished whatever its step's verdict (its statistics need all its targets)."""
-        leaks, vouched = settled_steps(self.folder, self.baselines)
-        begun = {r.cell for r in self.folder.rows()}
+        written = self.folder.rows()
+        leaks, vouched = settled_steps(self.folder, written, self.baselines)
+        leaks = {(k, c) for k, c in leaks if k not in self.bounded}
+        begun = {r.cell for r in written}
         now = [j for j in jobs if (j.setting.key, j.attack.key, j.checkpoint) in begun
-               or not _is_settled(self.audit, j, leaks - {(k, c) for k, c in leaks if k in self.bounded}, vouched)]
+               or not _is_settled(self.audit, j, leaks, vouched)]
         self._record([j for j in jobs if j not in now])
         return now
 
@@ -318,12 +320,12 @@ class Countdown:
         return f" (audit: about {duration_text(max(ahead, ahead + before - spent))} left)"
 
 
-def settled_steps(folder: RunFolder, baselines: dict) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
-    """Judged on the whole cells written so far: the (setting, step) pairs whose verdict is already a leak of
+def settled_steps(folder: RunFolder, written: list[Row], baselines: dict) -> tuple[set[tuple[str, int]],
+                                                                                   set[tuple[str, int]]]:
+    """Judged on the whole cells of ``written`` (the folder's rows so far): the (setting, step) pairs whose verdict is already a leak of
     individuals (no further attack of theirs can change it), and those that leak or whose "protects" their
     reference already vouches for (it leaks beyond the labels: no further attack on it can change their verdict)."""
     expected = Counter((j.setting.key, j.attack.key, j.checkpoint) for j in jobs_of(folder.audit))
-    written = folder.rows()
     have = Counter(r.cell for r in written)
     rows = _in_job_order(folder.audit, [r for r in written if have[r.cell] >= expected[r.cell]])  # whole cells
     if not rows:

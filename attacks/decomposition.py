@@ -12,6 +12,7 @@ row space holds the inputs. Two ways to split it:
   gradient's row space and their hidden activations the next fully connected layer's, so an input is a point of
   the first span whose activation lies in the second; many starts descend on that share at once, are solved
   exactly on their ReLU pattern, and each input found (with its output gradient's direction) narrows the search.
+  Small noise only loosens the test to the noise's floor (SPEAR++'s setting, Bakarsky et al. 2025).
 - The Cocktail Party attack (Kariyappa et al. 2023) treats the rows of the gradient as mixtures of the inputs,
   which are independent and far from Gaussian, and unmixes them by independent component analysis; it needs no
   activation and works on large batches and on the mean of many clients' updates (secure aggregation).
@@ -90,6 +91,17 @@ MIN_ZERO_SHARE = 0.2
 LOOSE = 100
 #: Planes drawn inside each mixture of examples to take it apart.
 SPLIT_DRAWS = 256
+#: spear_span claims nothing where ``LOOSE`` times the noise floor's share of the weight gradient (its first singular
+#: value past the batch over its first) passes this share of an activation: measured on a 256-unit layer at 64
+#: images, an input's activation then leaves the span by as much as other points of the span do.
+MAX_SHARE = 0.05
+#: Under noise an input's inactive units leave the weight gradient's basis with a near-null direction: its smallest
+#: singular value there at most this share of the next (measured: inputs 0.4 at most, other points 0.6 and more).
+NULL_GAP = 0.5
+#: spear_span's measured reach at its CPU budget on Fashion-MNIST (``benchmarks/spear_span.py``): every input up to
+#: this many times the square root of the first layer's units, and at most a few past it (256 units at 16 px: 64 of
+#: 64, 9 of 72, none of 80; 512 at 28 px: 112 of 112, 1 of 128; 1,024 at 28 px: 128 of 128, 166 of 192, none of 256).
+REACH_PER_ROOT_UNIT = 4.0
 
 
 def low_rank(weight_grad: Tensor, rank: int) -> tuple[Tensor, Tensor, float, float]:
@@ -354,7 +366,8 @@ def _snap(c: Tensor, pre_w: Tensor, bias: Tensor, span: Tensor, steps: int) -> t
 def span_inputs(weight_grad: Tensor, next_grad: Tensor, layer: nn.Linear, count: int, starts: int, steps: int,
                 rounds: int, lr: float, tolerance: float, generator: torch.Generator) -> tuple[Tensor, dict]:
     """The inputs of a linear-then-ReLU ``layer`` found one by one from its weight gradient and the next layer's
-    (``next_grad``), and a boolean per row: found exactly.
+    (``next_grad``), with what the search did (``found``: how many rows are inputs; ``exact``: all, to float
+    precision).
 
     The inputs span the weight gradient's row space, and their hidden activations the next layer's: a candidate
     input there is one of the batch where its activation lies in the second span. Many starts descend on that
@@ -363,11 +376,17 @@ def span_inputs(weight_grad: Tensor, next_grad: Tensor, layer: nn.Linear, count:
     direction ``q_i`` with it (what its inactive units annihilate in the weight gradient's factor), and since the
     other inputs' coordinates are at right angles to it, the next round searches a space one smaller per input
     found: the found inputs' basins are gone, and the search narrows as it goes.
+
+    Small noise (SPEAR++'s setting, Bakarsky et al. 2025) leaves the batch's rank as the leading singular
+    directions, with a floor past them: the tolerance rises to that floor's share, so an input is accepted where
+    its activation comes as close to the span as the noise allows and its inactive units still leave the factor a
+    null direction; where the floor passes ``MAX_SHARE`` the noise hides the span and nothing is claimed.
     """
     factor, rows, _, rest = low_rank(weight_grad, count)
-    info: dict = {"rounds": 0, "found": 0, "exact": False}
-    if not rest <= LOOSE * tolerance:  # noise or more examples than said: no exact span to test against
-        info["rank_share"] = rest
+    noisy = not rest <= LOOSE * tolerance  # noise, or more examples than said
+    tolerance = max(tolerance, rest)
+    info: dict = {"rounds": 0, "found": 0, "exact": False, "rank_share": rest}
+    if not LOOSE * tolerance <= MAX_SHARE:  # the noise hides the span: nothing to test against
         return weight_grad.new_zeros(count, weight_grad.shape[1]), info
     span = row_space(next_grad, count)
     pre_w = layer.weight.detach().to(rows) @ rows.T  # (units, count): the layer on the row space's coordinates
@@ -384,7 +403,7 @@ def span_inputs(weight_grad: Tensor, next_grad: Tensor, layer: nn.Linear, count:
         c = _descend(draws @ rows.T @ free, pre_w @ free, bias, span, steps, lr)
         c, active = _snap(c, pre_w @ free, bias, span, 5)
         found, directions = _accept(c @ free.T, active, pre_w, bias, span, factor, found, directions, tolerance)
-    info["found"], info["exact"] = len(found), len(found) == count
+    info["found"], info["exact"] = len(found), len(found) == count and not noisy
     inputs = torch.cat([found @ rows, rows.new_zeros(count - len(found), rows.shape[1])])
     return inputs, info
 
@@ -392,13 +411,14 @@ def span_inputs(weight_grad: Tensor, next_grad: Tensor, layer: nn.Linear, count:
 def _accept(candidates: Tensor, active: Tensor, pre_w: Tensor, bias: Tensor, span: Tensor, factor: Tensor,
             found: Tensor, directions: Tensor, tolerance: float) -> tuple[Tensor, Tensor]:
     """``found`` and ``directions`` grown by the candidates that are inputs: activation in ``span`` to
-    ``LOOSE * tolerance`` of its size, the pattern the last solve held, new; each with what its inactive units
-    annihilate in ``factor``."""
+    ``LOOSE * tolerance`` of its size, the pattern the last solve held, new, and (where it has as many inactive
+    units as the batch has images) a null direction of ``factor`` on its inactive units; each with that direction."""
     pre = candidates @ pre_w.T + bias
     h = torch.relu(pre)
     share = _off_span(h, span).norm(dim=1) / h.norm(dim=1).clamp_min(torch.finfo(h.dtype).tiny)
     clear = pre.abs() > tolerance * pre.abs().amax(dim=1, keepdim=True)
     held = ((pre > 0) == active) | ~clear
+    basis = factor / factor.norm(dim=0).clamp_min(torch.finfo(factor.dtype).tiny)  # its left singular vectors
     for i in torch.nonzero((share <= LOOSE * tolerance) & held.all(dim=1) & active.any(dim=1)).flatten().tolist():
         a = candidates[i]
         if len(found) == factor.shape[1]:
@@ -406,6 +426,10 @@ def _accept(candidates: Tensor, active: Tensor, pre_w: Tensor, bias: Tensor, spa
         if len(found) and (found - a).norm(dim=1).min() <= LOOSE * tolerance * a.norm():
             continue
         inactive = pre[i] < 0
+        if int(inactive.sum()) >= factor.shape[1]:
+            s = torch.linalg.svdvals(basis[inactive])
+            if s[-1] > NULL_GAP * s[-2]:  # no output gradient vanishes on its inactive units: not an input
+                continue
         if int(inactive.sum()) < factor.shape[1] - 1:  # too few zeros to pin its direction: keep the input only
             direction = None
         else:
@@ -501,7 +525,7 @@ class SpearSpan(Attack):
     """Exact inputs of a linear-then-ReLU first layer at large batches: each input is where its hidden activation
     lies in the next fully connected layer's gradient row space, found by many starts at once, solved exactly on
     its ReLU pattern, and taken out of the search once found (leakaudit's own search, built on SPEAR's low-rank
-    view, Dimitrov et al. 2024)."""
+    view, Dimitrov et al. 2024); through small noise the found inputs are as close as the noise allows."""
 
     name = "spear_span"
     paper = "Dimitrov et al. 2024"
@@ -541,6 +565,14 @@ class SpearSpan(Attack):
                     f"the layer after the first ReLU ({name}), whose gradient's row space tests each image's "
                     "activation (all of them it would pass anything)")
         return None
+
+    def beyond_reach(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        units = input_layer(model)[1].out_features
+        reach = int(REACH_PER_ROOT_UNIT * math.sqrt(units))
+        if batch_size <= reach:
+            return None
+        return (f"{self.name}: {batch_size} images per update are past its measured reach on a first layer of {units} "
+                f"units (about {REACH_PER_ROOT_UNIT:g}·sqrt(units) = {reach} images; docs/results.md)")
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
         weight_grad, _ = layer_gradients(observed, threat)

@@ -5,11 +5,12 @@ Case: Fashion-MNIST test images (Debian's dataset-fashion-mnist) at ``--size`` p
 split's mean and spread; the zoo's ``mlp`` (two hidden ReLU layers of ``--width`` units), plain SGD at lr 0.1 on
 batches of 64 training images for ``--steps`` steps; the gradient of the mean cross-entropy of one batch of
 ``b`` test images, in float32 as a client sends it. Prints per batch size the inputs found, the originals they
-name (each found input's nearest, counted once), the worst found input's distance to its nearest original
-(relative to that original's norm: float32 gradients bound it), the rounds and the wall time.
+name (each found input's nearest, counted once), the median and worst found input's distance to its nearest original
+(relative to that original's norm: float32 gradients bound it), the rounds and the wall time. ``--sigma`` adds
+Gaussian noise of that spread to both layers' gradients, as the ``gaussian`` defense does (one draw per case).
 
     python benchmarks/spear_span.py [--batches 64,256] [--size 28] [--width 1024] [--steps 0,300] [--threads 2]
-                                    [--starts N] [--adam-steps N] [--rounds N]
+                                    [--starts N] [--adam-steps N] [--rounds N] [--sigma 0,1e-6]
 
 (``--starts``, ``--adam-steps`` and ``--rounds`` replace the CPU budget's, to find where its reach ends.)
 
@@ -18,6 +19,7 @@ name (each found input's nearest, counted once), the worst found input's distanc
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--starts", type=int)
     parser.add_argument("--adam-steps", type=int)
     parser.add_argument("--rounds", type=int)
+    parser.add_argument("--sigma", default="0", help="spreads of Gaussian noise added to the gradients")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = {**{k: p.default for k, p in SpearSpan.params.items()}, **SpearSpan.auto_params["cpu"],
@@ -65,20 +68,23 @@ def main() -> None:
                  if v is not None}}
     print(f"spear_span (starts {params['starts']}, steps {params['steps']}, rounds "
           f"{params['rounds']}), mlp of width {args.width}, {args.size} px, {args.threads} threads")
-    print("| images | training steps | found | originals named | worst relative error | rounds | seconds |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for batch in map(int, args.batches.split(",")):
-        for steps in map(int, args.steps.split(",")):
-            model, x, (gw, gw2) = case(batch, args.size, args.width, steps)
-            start = time.perf_counter()
-            found, info = span_inputs(gw, gw2, model[1], batch, params["starts"], params["steps"], params["rounds"],
-                                      params["lr"], params["tolerance"], torch.Generator().manual_seed(0))
-            seconds = time.perf_counter() - start
-            distance = torch.cdist(found[:info["found"]], x.double()) / x.double().norm(dim=1)
-            named = len(set(distance.argmin(dim=1).tolist()))
-            worst = float(distance.min(dim=1).values.max()) if info["found"] else float("nan")
-            print(f"| {batch} | {steps} | {info['found']} | {named} | {worst:.1e} | {info['rounds']} | {seconds:.1f} |",
-                  flush=True)
+    print("| images | training steps | sigma | found | originals named | median relative error | worst | rounds | "
+          "seconds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for batch, steps, sigma in itertools.product(map(int, args.batches.split(",")), map(int, args.steps.split(",")),
+                                                 map(float, args.sigma.split(","))):
+        model, x, (gw, gw2) = case(batch, args.size, args.width, steps)
+        noise = torch.Generator().manual_seed(2)
+        gw, gw2 = (g + sigma * torch.randn(g.shape, generator=noise).to(g) for g in (gw, gw2))
+        start = time.perf_counter()
+        found, info = span_inputs(gw, gw2, model[1], batch, params["starts"], params["steps"], params["rounds"],
+                                  params["lr"], params["tolerance"], torch.Generator().manual_seed(0))
+        seconds = time.perf_counter() - start
+        distance = torch.cdist(found[:info["found"]], x.double()) / x.double().norm(dim=1)
+        named = len(set(distance.argmin(dim=1).tolist()))
+        nearest = distance.min(dim=1).values if info["found"] else torch.full((1,), float("nan"))
+        print(f"| {batch} | {steps} | {sigma:g} | {info['found']} | {named} | {float(nearest.median()):.1e} | "
+              f"{float(nearest.max()):.1e} | {info['rounds']} | {seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -209,9 +209,9 @@ class Attack:
     #: audit ran break not even the undefended update, the report names the registered attacks with one that
     #: the audit did not run, as the stronger class to try.
     brings: ClassVar[str] = ""
-    #: The attack reads only updates no noise touched (an exact decomposition): where a defense adds noise it
-    #: returns the data's mean image at once, so its break of the undefended update does not calibrate that
-    #: defense's "protects".
+    #: The attack reads only updates that no noise, or very little, touched (an exact decomposition): where a
+    #: defense adds more it returns the data's mean image at once, so its break of the undefended update does not
+    #: calibrate that defense's "protects".
     noise_free_only: ClassVar[bool] = False
     #: The attack learns once from all the updates it is given together and reads each with what it learned
     #: (Learning to Invert's network): a cell's updates are never split between workers, so its work is done once
@@ -242,6 +242,11 @@ class Attack:
 
         Checked before any work starts, so an impossible audit fails at once.
         """
+        return None
+
+    def beyond_reach(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        """Why this configured attack, though it applies, is not expected to recover anything here (past the reach
+        measured for it); None within it. ``attacks: auto`` leaves it out there; an audit that lists it runs it."""
         return None
 
     def unsupported_defense(self, defense: Defense) -> str | None:

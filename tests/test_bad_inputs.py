@@ -129,7 +129,8 @@ CASES = [
     (_with("defenses", ...), "defenses: required parameter is missing"),
     (_with("defenses", []), "defenses: expected a non-empty list"),
     (_with("defenses", {"name": "none"}), "defenses: {'name': 'none'} is not of type list"),
-    (_with("defenses.0", "none"), "defenses[0]: expected a mapping, got str"),
+    (_with("defenses.0", 7), "defenses[0]: expected a mapping, got int"),
+    (_with("defenses.1", "gausian"), "defenses[1].name: 'gausian' is not a registered defense (did you mean 'gaussian'?)"),
     (_with("defenses.1", {"name": "gausian"}), "defenses[1].name: 'gausian' is not a registered defense "
                                                "(did you mean 'gaussian'?)"),
     (_with("defenses.1", {"name": ["gaussian"]}), "defenses[1].name: ['gaussian'] is not of type str"),

@@ -33,6 +33,14 @@ def test_misspelt_defense_names_the_choices(write_audit):
     assert "gaussian" in line and "none" in line
 
 
+def test_a_bare_name_is_the_entry_of_that_name(write_audit):
+    """`attacks: [bayes, cinet]` and `defenses: [none, ...]` read as `{name: ...}` entries with their defaults."""
+    audit = load_audit(write_audit(small_audit(defenses=["none", {"name": "gaussian", "params": {"sigma": 0.1}}],
+                                               attacks=["inverting_gradients", "bayes"])))
+    assert [a.name for a in audit.attacks] == ["inverting_gradients", "bayes"] and audit.attacks[0].params == {}
+    assert [s.key for s in audit.settings] == ["none", "gaussian(sigma=0.1)"]
+
+
 def test_negative_sigma_in_a_sweep_is_located(write_audit):
     path = write_audit(small_audit(defenses=[{"name": "gaussian", "sweep": {"sigma": [0.1, -0.5]}}]))
     assert problems(path) == [f"{path}: defenses[0].sweep.sigma[1]: -0.5 must be greater than 0.0"]

@@ -2,7 +2,7 @@
 (``Attack.auto_params``) and applies to one of the audit's settings, run at its budget for the audit's device.
 
 Whether an attack applies is the attack's own declaration (``needs_defense``, ``unsupported_defense``,
-``unsupported``), asked of the model each setting attacks, so that a team gets calibrated verdicts without
+``unsupported``, and ``beyond_reach``: where it applies but its measured reach ends), asked of the model each setting attacks, so that a team gets calibrated verdicts without
 knowing the literature; ``leakaudit validate`` prints the choice and why each other attack is left out.
 """
 from __future__ import annotations
@@ -116,7 +116,9 @@ def misfit(attack: Attack, baseline: bool, defense: Defense, model: Callable[[],
     if why:
         return why
     built = model()
-    return None if built is None else attack.unsupported(built, batch_size, protocol)
+    if built is None:
+        return None
+    return attack.unsupported(built, batch_size, protocol) or attack.beyond_reach(built, batch_size, protocol)
 
 
 def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | TokenData | None,

@@ -154,7 +154,8 @@ def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]
     if not isinstance(value, list) or not value:
         problems.append(f"{what}: expected a non-empty list, got {value!r}")
         return []
-    return [(f"{what}[{i}]", item) for i, item in enumerate(value)]
+    # a bare name is the entry with that name alone: `attacks: [bayes, cinet]` as `[{name: bayes}, {name: cinet}]`
+    return [(f"{what}[{i}]", {"name": item} if isinstance(item, str) else item) for i, item in enumerate(value)]
 
 
 def expand_defenses(value: Any, registry: Registry, problems: list[str], protocol: Protocol | None = FEDSGD,

@@ -530,7 +530,7 @@ class SpearSpan(Attack):
     name = "spear_span"
     paper = "Dimitrov et al. 2024"
     attacker = HONEST_SERVER
-    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"starts": 128, "rounds": 12}}
+    auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"starts": 128, "rounds": 12}, "cuda": {}}
     brings = "exact inputs of a fully connected ReLU first layer at 64 and more images per update"
     noise_free_only = True
     params = {

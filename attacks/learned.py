@@ -35,9 +35,8 @@ from leakaudit.plugins.stochastic import stochastic_modules
 
 #: Device types whose Adam has a fused step.
 FUSED_ADAM = ("cpu", "cuda")
-#: Batches whose simulated clean updates one vmapped pass computes where ``vectorisable`` (their per-batch
-#: gradients held at once: this many times the model's size). On cnn_bayes at 16 px, 16 images per batch, 2 CPU
-#: cores: 3.4 ms an update on one thread (3.8 looped), 2.1 to 2.4 on two (2.9 looped).
+#: Batches whose simulated clean updates one vmapped pass computes (``chunk_for``; their per-batch gradients held at
+#: once: this many times the model's size).
 CHUNK = 32
 #: Points of the training loss kept in the reconstruction's trace (its last fifth tells whether it still fell).
 TRACE_POINTS = 100
@@ -83,13 +82,21 @@ def vectorisable(threat: ThreatModel) -> bool:
             and not any(isinstance(m, stateful) and m.training for m in model.modules()))
 
 
+def chunk_for(threat: ThreatModel) -> int:
+    """Batches per pass of ``training_updates``: ``CHUNK`` where ``vectorisable``, but one (the loop) on a single CPU
+    thread, where the loop is as fast (2,048 updates of cnn_bayes at 16 px, 16 images: 7.7 s looped, 7.6 to 8.3 s
+    in chunks of 8 to 32; on two threads 6.2 s against 4.5)."""
+    one_core = threat.device.type == "cpu" and torch.get_num_threads() == 1
+    return CHUNK if vectorisable(threat) and not one_core else 1
+
+
 def training_updates(threat: ThreatModel, picked: Tensor, count: int, generator: torch.Generator,
                      device_generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """``count`` defended updates of batches of the attacker's own images (rows: the picked coordinates) and
     those batches' pixels in canonical order (rows: batch x channels x height x width, flat): in vmapped chunks
-    where ``vectorisable``, else one ``Defense.share`` at a time; the same draws from both generators either way."""
+    (``chunk_for``), else one ``Defense.share`` at a time; the same draws from both generators either way."""
     assert threat.auxiliary is not None  # _solve raises first where the attacker has no images
-    chunk = CHUNK if vectorisable(threat) else 1
+    chunk = chunk_for(threat)
     inputs, targets = [], []
     for start in range(0, count, chunk):
         drawn = [threat.auxiliary.draw(threat.batch_size, generator) for _ in range(min(chunk, count - start))]

@@ -12,8 +12,8 @@ from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
 from leakaudit.attacks import learned
-from leakaudit.attacks.learned import (LearningToInvert, canonical_order, chunk_updates, standard_deviations,
-                                       training_updates, vectorisable)
+from leakaudit.attacks.learned import (CHUNK, LearningToInvert, canonical_order, chunk_for, chunk_updates,
+                                       standard_deviations, training_updates, vectorisable)
 from leakaudit.defenses.ats import ATS
 from leakaudit.defenses.noise import GaussianNoise, NoDefense
 from leakaudit.defenses.soteria import Soteria
@@ -122,14 +122,12 @@ def test_the_vmapped_simulated_updates_are_the_loops_to_float_rounding(monkeypat
     """Under noise, across a chunk's end: the same batches, the same noise in the same order, the same images."""
     threat = _cnn_threat(GaussianNoise(sigma=0.01))
     assert vectorisable(threat)
-    monkeypatch.setattr(learned, "CHUNK", 16)
+    looped, looped_targets, looped_cpu_next, looped_device_next = _updates(threat, 22)  # one thread: the loop
     passes = []
+    monkeypatch.setattr(learned, "chunk_for", lambda threat: 16)
     monkeypatch.setattr(learned, "chunk_updates", lambda *a: passes.append(len(a[1])) or chunk_updates(*a))
     inputs, targets, cpu_next, device_next = _updates(threat, 22)
     assert passes == [16, 6]
-    monkeypatch.setattr(learned, "vectorisable", lambda threat: False)
-    looped, looped_targets, looped_cpu_next, looped_device_next = _updates(threat, 22)
-    assert passes == [16, 6]  # the loop: one Defense.share per update
     assert torch.equal(targets, looped_targets) and (cpu_next, device_next) == (looped_cpu_next, looped_device_next)
     assert torch.allclose(inputs, looped, rtol=0, atol=1e-6)  # unit rows: gradients summed in another order
 
@@ -140,7 +138,15 @@ def test_the_simulated_updates_are_looped_where_a_batch_is_not_a_pure_function_o
     protocol: Protocol = FedAvg() if case == "fedavg" else FEDSGD
     extra = {"batchnorm in training": [nn.BatchNorm2d(4)], "dropout in training": [nn.Dropout(0.5)]}.get(case, [])
     threat = _cnn_threat(defense, protocol, extra)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # where the vmapped pass would run
     monkeypatch.setattr(learned, "chunk_updates", lambda *a: pytest.fail("a vmapped pass"))
-    assert not vectorisable(threat) and len(_updates(threat, 3)[0]) == 3
+    assert not vectorisable(threat) and chunk_for(threat) == 1 and len(_updates(threat, 3)[0]) == 3
     threat.model.eval()  # no statistics kept, no unit dropped: one pure function again
     assert vectorisable(threat) == (case in ("batchnorm in training", "dropout in training"))
+
+
+def test_a_single_cpu_thread_loops_where_the_vmapped_pass_is_no_faster(monkeypatch):
+    threat = _cnn_threat(NoDefense())
+    for threads, chunk in ((1, 1), (2, CHUNK)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        assert chunk_for(threat) == chunk

@@ -23,7 +23,8 @@ from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import jobs_of
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.api import audit_batch
-from leakaudit.evaluator.run.executors import PROCESS_WORTH, auto_workers
+from leakaudit.evaluator.run import executors
+from leakaudit.evaluator.run.executors import PROCESS_WORTH, auto_workers, threads_per_item
 from leakaudit.evaluator.run.runner import run_audit
 from leakaudit.evaluator.run.scenario import loss_fn
 from leakaudit.evaluator.zoo.datasets import load_digits
@@ -149,6 +150,23 @@ def test_default_workers_need_no_cpu_affinity_call(write_audit, monkeypatch):
     assert loaded.workers is None  # auto
     assert auto_workers(loaded, jobs_of(loaded)) == min(2, os.cpu_count() or 1)  # two cells: two processes at most
     assert auto_workers(loaded, jobs_of(loaded)[:1]) == 1  # one cell: its targets stay together
+
+
+def test_a_stage_that_leaves_workers_idle_gives_their_cores_to_its_items(monkeypatch):
+    """A lone Learning to Invert cell on two workers runs on two threads; a stage that fills them, on one each."""
+    assert [threads_per_item(2, items) for items in (1, 2, 3)] == [2, 1, 1]
+    assert threads_per_item(4, 2) == 2 and threads_per_item(1, 1) == 1
+
+    class Worker:
+        def attack(self, cell: str) -> int:
+            return torch.get_num_threads()
+
+    monkeypatch.setattr(executors, "_PROCESS_WORKER", Worker())
+    before = torch.get_num_threads()
+    try:
+        assert [executors._in_process("attack", "cell", threads) for threads in (2, 1)] == [2, 1]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_auto_workers_keep_a_small_audit_in_this_process(write_audit):

@@ -3,20 +3,25 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
-from torch import nn
+from torch import Tensor, nn
 
-from leakaudit.attacks.learned import LearningToInvert, canonical_order, standard_deviations
-from leakaudit.defenses.noise import NoDefense
+from leakaudit.attacks import learned
+from leakaudit.attacks.learned import (CHUNK, LearningToInvert, canonical_order, chunk_for, chunk_updates,
+                                       standard_deviations, training_updates, vectorisable)
+from leakaudit.defenses.ats import ATS
+from leakaudit.defenses.noise import GaussianNoise, NoDefense
+from leakaudit.defenses.soteria import Soteria
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.run.runner import run_audit
 from leakaudit.plugins.attack import AuxiliaryData, Problem, ThreatModel
-from leakaudit.plugins.defense import SharedUpdate
-from leakaudit.plugins.protocol import FEDSGD, ClientStep
+from leakaudit.plugins.defense import Defense, SharedUpdate
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, Protocol
 
 
 def test_batches_are_taught_in_label_then_brightness_order():
@@ -94,3 +99,54 @@ def test_a_coordinate_that_never_moved_is_read_as_zero_and_a_barely_moving_one_i
     assert std[0] == pytest.approx(2 ** 0.5) and std[1] == math.inf
     assert std[2] == pytest.approx(0.01 * typical)  # moved 7e-4, under a hundredth of a typical coordinate
     assert ((torch.tensor([2.0, 0.3, 5.0]) - inputs.mean(0)) / std)[1] == 0  # a target's value there is not read
+
+
+def _cnn_threat(defense: Defense, protocol: Protocol = FEDSGD, extra: list[nn.Module] | None = None) -> ThreatModel:
+    digits = load_digits()
+    pixels = torch.tensor(digits.images / 16, dtype=torch.float32)[:, None]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), *(extra or []), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(),
+                          nn.Linear(64, 10))
+    return replace(_digits_threat(model, 4, AuxiliaryData(pixels, torch.tensor(digits.target), torch.arange(16, 400))),
+                   defense=defense, protocol=protocol)
+
+
+def _updates(threat: ThreatModel, count: int) -> tuple[Tensor, Tensor, int, float]:
+    """``training_updates`` from fixed seeds, and each generator's next draw (the draws they made must agree)."""
+    cpu, device = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    inputs, targets = training_updates(threat, torch.arange(0, 394, 3), count, cpu, device)
+    return inputs, targets, int(torch.randint(10 ** 9, (1,), generator=cpu)), float(torch.randn(1, generator=device))
+
+
+def test_the_vmapped_simulated_updates_are_the_loops_to_float_rounding(monkeypatch):
+    """Under noise, across a chunk's end: the same batches, the same noise in the same order, the same images."""
+    threat = _cnn_threat(GaussianNoise(sigma=0.01))
+    assert vectorisable(threat)
+    looped, looped_targets, looped_cpu_next, looped_device_next = _updates(threat, 22)  # one thread: the loop
+    passes = []
+    monkeypatch.setattr(learned, "chunk_for", lambda threat: 16)
+    monkeypatch.setattr(learned, "chunk_updates", lambda *a: passes.append(len(a[1])) or chunk_updates(*a))
+    inputs, targets, cpu_next, device_next = _updates(threat, 22)
+    assert passes == [16, 6]
+    assert torch.equal(targets, looped_targets) and (cpu_next, device_next) == (looped_cpu_next, looped_device_next)
+    assert torch.allclose(inputs, looped, rtol=0, atol=1e-6)  # unit rows: gradients summed in another order
+
+
+@pytest.mark.parametrize("case", ["batchnorm in training", "dropout in training", "fedavg", "augments", "shares itself"])
+def test_the_simulated_updates_are_looped_where_a_batch_is_not_a_pure_function_of_the_weights(case, monkeypatch):
+    defense: Defense = {"augments": ATS(), "shares itself": Soteria()}.get(case, NoDefense())
+    protocol: Protocol = FedAvg() if case == "fedavg" else FEDSGD
+    extra = {"batchnorm in training": [nn.BatchNorm2d(4)], "dropout in training": [nn.Dropout(0.5)]}.get(case, [])
+    threat = _cnn_threat(defense, protocol, extra)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # where the vmapped pass would run
+    monkeypatch.setattr(learned, "chunk_updates", lambda *a: pytest.fail("a vmapped pass"))
+    assert not vectorisable(threat) and chunk_for(threat) == 1 and len(_updates(threat, 3)[0]) == 3
+    threat.model.eval()  # no statistics kept, no unit dropped: one pure function again
+    assert vectorisable(threat) == (case in ("batchnorm in training", "dropout in training"))
+
+
+def test_a_single_cpu_thread_loops_where_the_vmapped_pass_is_no_faster(monkeypatch):
+    threat = _cnn_threat(NoDefense())
+    for threads, chunk in ((1, 1), (2, CHUNK)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        assert chunk_for(threat) == chunk

@@ -196,6 +196,17 @@ def test_process_flags_on_cuda_only_and_only_when_asked(monkeypatch):
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
 
 
+def test_a_cpu_audit_restores_no_flag_it_left_alone(monkeypatch):
+    """Setting the deterministic flag imports torch's compiler (1.3 s): a CPU run's end leaves it as it found it."""
+    from types import SimpleNamespace
+
+    from leakaudit.evaluator.run.scenario import process_flags
+
+    restore = process_flags(SimpleNamespace(device="cpu", deterministic=True, compile=False, precision="float32"))
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: pytest.fail("set again"))
+    restore()
+
+
 def test_process_flags_compile_the_steps_only_when_asked_and_restore(monkeypatch, tmp_path):
     from types import SimpleNamespace
 

@@ -1,4 +1,5 @@
-"""Where an audit's items run: in this process or in spawned worker processes (one torch thread each), how
+"""Where an audit's items run: in this process or in spawned worker processes (one torch thread each; the
+cores of idle workers shared among the items where a stage has fewer items than workers), how
 many (``workers: auto``), and the progress bar and messages every executor shares (the Ray one too).
 
 A spawned process runs the jobs of one audit: the pool's initializer builds its AuditWorker.
@@ -77,8 +78,15 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="leakaudit-parent-watch").start()
 
 
-def _in_process(method: str, item: Any) -> Any:
+def _in_process(method: str, item: Any, threads: int = 1) -> Any:
+    torch.set_num_threads(threads)
     return getattr(_PROCESS_WORKER, method)(item)
+
+
+def threads_per_item(workers: int, items: int) -> int:
+    """Torch threads each of a stage's items runs on: one, unless the stage leaves workers idle, whose cores its
+    items then share (a lone Learning to Invert cell on 2 workers: both cores)."""
+    return max(1, workers // max(1, items))
 
 
 class Pool(Protocol):
@@ -141,9 +149,10 @@ class WorkerPool:
         else:
             pool = self._processes()
             futures: dict = {}
+            threads = threads_per_item(self.workers, len(items))
             try:
                 for item in items:
-                    futures[pool.submit(_in_process, method, item)] = item
+                    futures[pool.submit(_in_process, method, item, threads)] = item
                 for fut in as_completed(futures):
                     try:
                         result = fut.result()

@@ -383,11 +383,12 @@ def span_inputs(weight_grad: Tensor, next_grad: Tensor, layer: nn.Linear, count:
     null direction; where the floor passes ``MAX_SHARE`` the noise hides the span and nothing is claimed.
     """
     factor, rows, _, rest = low_rank(weight_grad, count)
-    noisy = not rest <= LOOSE * tolerance  # noise, or more examples than said
-    tolerance = max(tolerance, rest)
+    noisy = not rest <= LOOSE * tolerance  # noise, more examples than said, or nothing sent (NaN)
     info: dict = {"rounds": 0, "found": 0, "exact": False, "rank_share": rest}
-    if not LOOSE * tolerance <= MAX_SHARE:  # the noise hides the span: nothing to test against
-        return weight_grad.new_zeros(count, weight_grad.shape[1]), info
+    if noisy:
+        if not LOOSE * rest <= MAX_SHARE:  # the noise hides the span: nothing to test against
+            return weight_grad.new_zeros(count, weight_grad.shape[1]), info
+        tolerance = rest
     span = row_space(next_grad, count)
     pre_w = layer.weight.detach().to(rows) @ rows.T  # (units, count): the layer on the row space's coordinates
     bias = layer.bias.detach().to(rows)
@@ -430,7 +431,7 @@ def _accept(candidates: Tensor, active: Tensor, pre_w: Tensor, bias: Tensor, spa
         if len(found) and (found - a).norm(dim=1).min() <= LOOSE * tolerance * a.norm():
             continue
         inactive = pre[i] < 0
-        if null_check and int(inactive.sum()) >= factor.shape[1]:
+        if null_check and int(inactive.sum()) >= factor.shape[1] >= 2:
             s = torch.linalg.svdvals(basis[inactive])
             if s[-1] > NULL_GAP * s[-2]:  # no output gradient vanishes on its inactive units: not an input
                 continue

@@ -26,7 +26,7 @@ from typing_extensions import Self
 
 from leakaudit.attacks.gradient_matching import LABEL_METHOD
 from leakaudit.attacks.labels import recover_labels
-from leakaudit.attacks.vectorised import SharedModel
+from leakaudit.attacks.vectorised import SharedModel, chunk_size
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.attack import Attack, Problem, Reconstruction, ThreatModel, generator_on, seed_from, HONEST_SERVER
 from leakaudit.plugins.defense import SharedUpdate
@@ -82,33 +82,42 @@ def vectorisable(threat: ThreatModel) -> bool:
             and not any(isinstance(m, stateful) and m.training for m in model.modules()))
 
 
-def chunk_for(threat: ThreatModel) -> int:
-    """Batches per pass of ``training_updates``: ``CHUNK`` where ``vectorisable``, but one (the loop) on a single CPU
-    thread, where the loop is as fast (2,048 updates of cnn_bayes at 16 px, 16 images: 7.7 s looped, 7.6 to 8.3 s
-    in chunks of 8 to 32; on two threads 6.2 s against 4.5)."""
+def chunk_for(threat: ThreatModel, count: int) -> int:
+    """Batches per pass of ``training_updates``: up to ``CHUNK`` where ``vectorisable``, as many as fit in free memory
+    (the engine's rule for vmapped problems), but one (the loop) on a single CPU thread, where the loop is as fast
+    (2,048 updates of cnn_bayes at 16 px, 16 images: 7.7 s looped, 7.6 to 8.3 s in chunks of 8 to 32; on two
+    threads 6.2 s against 4.5)."""
     one_core = threat.device.type == "cpu" and torch.get_num_threads() == 1
-    return CHUNK if vectorisable(threat) and not one_core else 1
+    if one_core or not vectorisable(threat):
+        return 1
+    return min(CHUNK, chunk_size(None, threat, threat.batch_size, count))
 
 
 def training_updates(threat: ThreatModel, picked: Tensor, count: int, generator: torch.Generator,
                      device_generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """``count`` defended updates of batches of the attacker's own images (rows: the picked coordinates) and
     those batches' pixels in canonical order (rows: batch x channels x height x width, flat): in vmapped chunks
-    (``chunk_for``), else one ``Defense.share`` at a time; the same draws from both generators either way."""
+    (``chunk_for``), else one ``Defense.share`` at a time; the same draws from both generators either way. A
+    model whose forward cannot be vmapped (a functional dropout, running statistics) takes the loop from there."""
     assert threat.auxiliary is not None  # _solve raises first where the attacker has no images
-    chunk = chunk_for(threat)
+    chunk = chunk_for(threat, count)
     inputs, targets = [], []
-    for start in range(0, count, chunk):
-        drawn = [threat.auxiliary.draw(threat.batch_size, generator) for _ in range(min(chunk, count - start))]
+    while len(inputs) < count:
+        drawn = [threat.auxiliary.draw(threat.batch_size, generator) for _ in range(min(chunk, count - len(inputs)))]
         pixels = torch.stack([p for p, _ in drawn]).to(threat.device)
         labels = torch.stack([y for _, y in drawn]).to(threat.device)
+        updates = None
         if chunk > 1:
-            updates = chunk_updates(threat, pixels, labels, device_generator)
-        else:
-            pixels = threat.defense.augment(pixels[0], device_generator)[None]
-            step = ClientStep(threat.model, threat.loss_fn, threat.normalise(pixels[0]), labels[0], device_generator,
-                              threat.protocol)
-            updates = [threat.defense.share(step).tensors]
+            try:
+                updates = chunk_updates(threat, pixels, labels, device_generator)
+            except RuntimeError:  # vmap refused the model's forward, or the chunk ran out of memory
+                chunk = 1
+        if updates is None:
+            # one batch, or a chunk fallen back, whose defense draws nothing to augment: each draw in the loop's order
+            pixels = torch.stack([threat.defense.augment(x, device_generator) for x in pixels])
+            updates = [threat.defense.share(ClientStep(threat.model, threat.loss_fn, threat.normalise(x), y,
+                                                       device_generator, threat.protocol)).tensors
+                       for x, y in zip(pixels, labels)]
         inputs += [flat_tensors(u, picked) for u in updates]
         targets += [x[canonical_order(x, y)].flatten() for x, y in zip(pixels, labels)]
     return torch.stack(inputs), torch.stack(targets)

@@ -60,7 +60,7 @@ def main() -> None:
     picked = coordinates(observed, l2i.coordinates, 0, threat.device)
 
     def updates(chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        learned.chunk_for = lambda threat: chunk  # 1: the loop, one Defense.share per update
+        learned.chunk_for = lambda threat, count: chunk  # 1: the loop, one Defense.share per update
         return training_updates(threat, picked, args.updates, torch.Generator().manual_seed(2),
                                 torch.Generator().manual_seed(3))
 

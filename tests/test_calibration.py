@@ -66,7 +66,8 @@ def test_a_verdict_names_the_attack_it_stands_on_and_the_stronger_classes_not_ru
 
 
 def test_the_untried_attacks_are_those_that_apply_and_did_not_run(write_audit):
-    """On an MLP at 16 images per update, decomposition and learning apply; imprint needs its own model."""
+    """On an MLP at 16 images per update, decomposition and learning apply; imprint needs its own model;
+    spear_span is advised only within its measured reach."""
     from leakaudit.evaluator.run.scenario import Scenario, untried_attacks
 
     audit = load_audit(write_audit(small_audit(model={"name": "mlp", "checkpoints": [0]}, data={
@@ -74,6 +75,12 @@ def test_the_untried_attacks_are_those_that_apply_and_did_not_run(write_audit):
         attacks=[{"name": "spear"}]), "untried.yaml"))
     names = [part.split(" (")[0] for part in untried_attacks(Scenario(audit)).split("; ")]
     assert names == ["bayes", "cinet", "cocktail_party", "learning_to_invert", "spear_span"]
+    for width, advised in ((64, False), (256, True)):  # 40 images: past 4·sqrt(64) = 32, within 4·sqrt(256) = 64
+        audit = load_audit(write_audit(small_audit(
+            model={"name": "mlp", "params": {"width": width}, "checkpoints": [0]},
+            data={"dataset": "digits", "image_size": 8, "targets": 40, "batch_size": 40},
+            attacks=[{"name": "inverting_gradients"}]), f"reach{width}.yaml"))
+        assert ("spear_span (" in untried_attacks(Scenario(audit))) == advised
 
 
 def test_each_original_gets_decoys_of_its_own_class_none_twice():

@@ -126,6 +126,20 @@ def test_spear_span_finds_inputs_through_small_noise_and_claims_nothing_past_it(
     assert info["found"] == 0 and info["rounds"] == 0 and not found.any()
 
 
+def test_spear_span_keeps_a_looser_tolerance_without_noise_and_one_image_under_noise():
+    """A tolerance of its own choosing is the user's without noise (not a cut-off past which nothing is claimed); a
+    single image under small noise is found (its factor has one column, no second singular value to compare)."""
+    model, x, (gw, gw2) = _two_layer_case(8)
+    found, info = span_inputs(gw, gw2, model[1], 8, 64, 100, 12, 0.05, 1e-3, torch.Generator().manual_seed(0))
+    assert info["found"] == 8 and info["exact"]
+    model, x, (gw, gw2) = _two_layer_case(1)
+    g = torch.Generator().manual_seed(1)
+    noisy = [t + 1e-3 * t.pow(2).mean().sqrt() * torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (gw, gw2)]
+    found, info = span_inputs(*noisy, model[1], 1, 16, 50, 2, 0.05, 1e-6, torch.Generator().manual_seed(0))
+    assert info["found"] == 1 and not info["exact"]
+    assert float((found[0] - x[0].double()).norm() / x[0].norm()) < 0.05
+
+
 def test_spear_span_declares_its_reach():
     attack = SpearSpan()
     one_hidden = _relu_mlp(64, 128)  # the ReLU feeds the 10-way output layer: 10 activations at most in its span

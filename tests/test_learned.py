@@ -124,7 +124,7 @@ def test_the_vmapped_simulated_updates_are_the_loops_to_float_rounding(monkeypat
     assert vectorisable(threat)
     looped, looped_targets, looped_cpu_next, looped_device_next = _updates(threat, 22)  # one thread: the loop
     passes = []
-    monkeypatch.setattr(learned, "chunk_for", lambda threat: 16)
+    monkeypatch.setattr(learned, "chunk_for", lambda threat, count: 16)
     monkeypatch.setattr(learned, "chunk_updates", lambda *a: passes.append(len(a[1])) or chunk_updates(*a))
     inputs, targets, cpu_next, device_next = _updates(threat, 22)
     assert passes == [16, 6]
@@ -140,7 +140,7 @@ def test_the_simulated_updates_are_looped_where_a_batch_is_not_a_pure_function_o
     threat = _cnn_threat(defense, protocol, extra)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # where the vmapped pass would run
     monkeypatch.setattr(learned, "chunk_updates", lambda *a: pytest.fail("a vmapped pass"))
-    assert not vectorisable(threat) and chunk_for(threat) == 1 and len(_updates(threat, 3)[0]) == 3
+    assert not vectorisable(threat) and chunk_for(threat, 3) == 1 and len(_updates(threat, 3)[0]) == 3
     threat.model.eval()  # no statistics kept, no unit dropped: one pure function again
     assert vectorisable(threat) == (case in ("batchnorm in training", "dropout in training"))
 
@@ -149,4 +149,22 @@ def test_a_single_cpu_thread_loops_where_the_vmapped_pass_is_no_faster(monkeypat
     threat = _cnn_threat(NoDefense())
     for threads, chunk in ((1, 1), (2, CHUNK)):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-        assert chunk_for(threat) == chunk
+        assert chunk_for(threat, 2048) == chunk
+
+
+def test_a_forward_vmap_refuses_takes_the_loop_from_there_with_the_same_draws(monkeypatch):
+    """A model that drops units functionally, say, passes ``vectorisable`` but not vmap: the chunk and the rest
+    are looped, and the updates are the loop's."""
+    threat = _cnn_threat(GaussianNoise(sigma=0.01))
+    looped = _updates(threat, 22)
+    passes = []
+
+    def refuse(*args):
+        passes.append(len(args[1]))
+        raise RuntimeError("vmap: called random operation while in randomness error mode")
+
+    monkeypatch.setattr(learned, "chunk_for", lambda threat, count: 16)
+    monkeypatch.setattr(learned, "chunk_updates", refuse)
+    fallen = _updates(threat, 22)
+    assert passes == [16] and torch.equal(fallen[0], looped[0]) and torch.equal(fallen[1], looped[1])
+    assert fallen[2:] == looped[2:]

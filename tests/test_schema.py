@@ -79,10 +79,13 @@ REJECTED = [
     ("step protocol without its settings", _changed(protocol="step"), ("protocol",)),
     ("leakage metric not measured", _changed(leakage_metric="lpips"), ()),
     ("attacks as a word other than auto", _changed(attacks="all"), ("attacks",)),
+    ("a bare name misspelt", _changed(attacks=["inverting_gradient"]), ("attacks", 0)),
     ("lpips on 16 px images", _changed(metrics=["psnr", "lpips"]), ("data", "image_size")),
 ]
 ACCEPTED = [
     ("attacks left to auto", _changed(attacks="auto")),
+    ("bare names", _changed(defenses=["none", {"name": "gaussian", "params": {"sigma": 0.1}}],
+                            attacks=["inverting_gradients", "bayes"])),
     ("a chain", _changed(defenses=[{"chain": [{"name": "clip", "params": {"max_norm": 1.0}},
                                               {"name": "gaussian", "sweep": {"sigma": [0.01, 0.1]}}]}])),
     ("fedavg with local_epochs", _changed(protocol={"name": "fedavg", "local_epochs": 2})),

@@ -170,6 +170,13 @@ def _model_schema(spec: Mapping[str, Param], registry: Registry) -> Schema:
     return out
 
 
+def _bare_name_or(names: list[str], entry: dict) -> dict:
+    """A list item that is an entry, or a registered name alone (``attacks: [bayes, cinet]``)."""
+    return {"if": {"type": "string"},
+            "then": {"description": "a registered name alone: the entry with that name and its defaults", "enum": names},
+            "else": entry}
+
+
 def _defense_schema(registry: Registry) -> Schema:
     """A defense entry: a registered defense with params and sweep, or a chain of them, and its own model."""
     names = registry.names("defense")
@@ -252,11 +259,12 @@ def audit_schema(registry: Registry) -> Schema:
         model={"description": "the model attacked: a zoo model or your own factory, and the training steps "
                               "(checkpoints) it is attacked at", **_model_schema(MODEL, registry)},
         defenses={"description": "the defense settings audited", "type": "array", "minItems": 1,
-                  "items": _defense_schema(registry)},
+                  "items": _bare_name_or(registry.names("defense"), _defense_schema(registry))},
         attacks={"description": "the attacks, each run on every setting (or on those its defenses: names); auto "
                                 "(the default): every registered attack that applies, at budgets for the device",
                  "if": {"type": "string"}, "then": {"const": "auto"},
-                 "else": {"type": "array", "minItems": 1, "items": _attack_schema(registry)}},
+                 "else": {"type": "array", "minItems": 1,
+                          "items": _bare_name_or(registry.names("attack"), _attack_schema(registry))}},
         utility=_section(UTILITY),
         metrics={"type": "array", "minItems": 1, "items": {"enum": registry.names("metric")}},
         leakage_metric={"enum": registry.names("metric")},

@@ -84,8 +84,9 @@ def _in_process(method: str, item: Any, threads: int = 1) -> Any:
 
 
 def threads_per_item(workers: int, items: int) -> int:
-    """Torch threads each of a stage's items runs on: one, unless the stage leaves workers idle, whose cores its
-    items then share (a lone Learning to Invert cell on 2 workers: both cores)."""
+    """Torch threads each of an attack stage's items runs on: one, unless the stage leaves workers idle, whose cores
+    its items then share (a lone Learning to Invert cell on 2 workers: both cores). Training keeps one thread, so
+    that a resumed run trains its models bit for bit."""
     return max(1, workers // max(1, items))
 
 
@@ -149,7 +150,7 @@ class WorkerPool:
         else:
             pool = self._processes()
             futures: dict = {}
-            threads = threads_per_item(self.workers, len(items))
+            threads = threads_per_item(self.workers, len(items)) if method == "attack" else 1
             try:
                 for item in items:
                     futures[pool.submit(_in_process, method, item, threads)] = item

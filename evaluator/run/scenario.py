@@ -265,7 +265,7 @@ DECOY_BYTES = 64 * 2 ** 20
 
 def untried_attacks(scenario: Scenario) -> str:
     """The registered attacks that bring what gradient matching lacks (``Attack.brings``), apply to the audit's
-    first setting at their defaults and did not run, each with what it brings ("" when none): the report's advice
+    first setting at their defaults, within their measured reach, and did not run, each with what it brings ("" when none): the report's advice
     where even the undefended update resists every attack the audit ran."""
     audit = scenario.audit
     setting = audit.settings[0]
@@ -275,7 +275,8 @@ def untried_attacks(scenario: Scenario) -> str:
     for name, entry in sorted(audit.registry.entries["attack"].items()):
         if not getattr(entry.obj, "brings", "") or name in ran or entry.obj.modality != scenario.data.modality:
             continue
-        if entry.obj().unsupported(model, audit.batch_size_of(setting), audit.protocol_of(setting)) is None:
+        attack, batch, protocol = entry.obj(), audit.batch_size_of(setting), audit.protocol_of(setting)
+        if attack.unsupported(model, batch, protocol) is None and attack.beyond_reach(model, batch, protocol) is None:
             found.append(f"{name} ({entry.obj.brings})")
     return "; ".join(found)
 

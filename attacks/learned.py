@@ -101,7 +101,8 @@ def training_updates(threat: ThreatModel, picked: Tensor, count: int, generator:
     model whose forward cannot be vmapped (a functional dropout, running statistics) takes the loop from there."""
     assert threat.auxiliary is not None  # _solve raises first where the attacker has no images
     chunk = chunk_for(threat, count)
-    inputs, targets = [], []
+    inputs: list[Tensor] = []
+    targets: list[Tensor] = []
     while len(inputs) < count:
         drawn = [threat.auxiliary.draw(threat.batch_size, generator) for _ in range(min(chunk, count - len(inputs)))]
         pixels = torch.stack([p for p, _ in drawn]).to(threat.device)

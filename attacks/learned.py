@@ -58,15 +58,10 @@ def coordinates(observed: SharedUpdate, count: int, seed: int, device: torch.dev
     return pick.sort().values.to(device)
 
 
-def flat_update(update: SharedUpdate, picked: Tensor) -> Tensor:
-    """The picked coordinates of an update in float32, scaled to unit length: a trained model's updates differ
-    in size by orders of magnitude between images it fits (the attacker's, from the training split) and images it
-    has not seen (the targets), while their directions carry the images."""
-    return flat_tensors(update.tensors, picked)
-
-
-def flat_tensors(tensors: Sequence[Tensor], picked: Tensor) -> Tensor:
-    """``flat_update`` of an update's tensors."""
+def flat_update(tensors: Sequence[Tensor], picked: Tensor) -> Tensor:
+    """The picked coordinates of an update's tensors in float32, scaled to unit length: a trained model's updates
+    differ in size by orders of magnitude between images it fits (the attacker's, from the training split) and
+    images it has not seen (the targets), while their directions carry the images."""
     flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)[picked.to(tensors[0].device)]
     return flat / flat.norm().clamp_min(1e-30)
 
@@ -119,7 +114,7 @@ def training_updates(threat: ThreatModel, picked: Tensor, count: int, generator:
             updates = [threat.defense.share(ClientStep(threat.model, threat.loss_fn, threat.normalise(x), y,
                                                        device_generator, threat.protocol)).tensors
                        for x, y in zip(pixels, labels)]
-        inputs += [flat_tensors(u, picked) for u in updates]
+        inputs += [flat_update(u, picked) for u in updates]
         targets += [x[canonical_order(x, y)].flatten() for x, y in zip(pixels, labels)]
     return torch.stack(inputs), torch.stack(targets)
 
@@ -246,7 +241,7 @@ class LearningToInvert(Attack):
         out = []
         for p in problems:
             with torch.no_grad():
-                pixels = net((flat_update(p.observed, picked).to(threat.device) - mean) / std)
+                pixels = net((flat_update(p.observed.tensors, picked).to(threat.device) - mean) / std)
             pixels = pixels.view(p.threat.batch_size, *p.threat.input_shape)
             labels = recover_labels(p.observed, p.threat, self.label_method, p.generator)
             out.append(Reconstruction(pixels, labels, trace, shared,

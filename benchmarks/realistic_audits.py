@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from leakaudit.evaluator.audit.budget import skipped_of
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["configs/realistic_cnn16.yaml", "configs/realistic_mlp64.yaml", "configs/realistic_clients.yaml"]
 RECORD = ROOT / "benchmarks" / "results" / "realistic_audits.json"
@@ -41,7 +43,7 @@ def run_one(leakaudit: str, config: str, out: Path) -> dict:
     verdicts = {f"{v['setting']} @ {v['checkpoint']}": {
         "verdict": v["verdict"], "level": v.get("level"), "attack": v["attack"], "score": round(v["score"], 2)}
         for v in summary["verdicts"]}
-    skipped = (summary["run"].get("settled") or summary["run"].get("budget") or {}).get("skipped", [])
+    skipped = skipped_of(summary["run"])
     return {"config": config, "seconds": round(seconds, 1), "verdicts": verdicts, "skipped": len(skipped),
             "date": time.strftime("%Y-%m-%d")}
 

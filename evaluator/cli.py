@@ -443,10 +443,10 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
             print(_verdict_line(w, summary.leakage_metric, width))
     for line in frontier_lines(summary):
         print(line)
-    from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines
+    from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines, skipped_of
 
     for line in (budget_lines(summary.run["budget"]) if summary.run.get("budget")
-                 else skipped_lines(summary.run.get("settled", {}).get("skipped", []))):
+                 else skipped_lines(skipped_of(summary.run))):
         print(line)
     for line in summary.bound_violations:
         print(f"leakaudit: error: beyond the privacy bound: {line}", file=sys.stderr)

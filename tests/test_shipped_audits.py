@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from leakaudit.evaluator.audit.budget import skipped_of
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import jobs_of
 from leakaudit.evaluator.audit.types import ConfigError
@@ -229,6 +230,6 @@ def test_every_shipped_audit_runs_to_its_report(name, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["cells"] == summary.to_json()["cells"]
     # every cell ran but those attacks: auto skipped once their step's verdict was settled (run.json says which)
     info = json.loads((tmp_path / "out" / "run.json").read_text())
-    skipped = {tuple(s[:3]) for s in (info.get("settled") or info.get("budget") or {}).get("skipped", [])}
+    skipped = {tuple(s[:3]) for s in skipped_of(info)}
     assert {(c.setting, c.attack, c.checkpoint) for c in summary.cells} == {
         (j.setting.key, j.attack.key, j.checkpoint) for j in jobs_of(loaded)} - skipped

@@ -53,6 +53,16 @@ def settles_early(audit: Audit) -> bool:
             and audit.verdict.statistic == "mean")
 
 
+#: run.json's record of an ``attacks: auto`` run's settled steps (a budget's plan keeps its own, under "budget").
+SETTLED = "settled"
+
+
+def skipped_of(run_info: dict[str, Any]) -> list[list]:
+    """The [setting, attack, step, why] a run skipped once their step's verdict was settled, from its run.json (its
+    budget's plan or ``attacks: auto``'s record; empty where it skipped nothing)."""
+    return (run_info.get("budget") or run_info.get(SETTLED) or {}).get("skipped", [])
+
+
 def apply_plan(audit: Audit, plan: dict[str, Any]) -> None:
     """Give ``audit`` the attacks a budget's plan runs: each scaled attack at its plan's parameters, each left-out
     attack gone (a rebuilt report and a resumed run read the run's own plan, not a new calibration)."""

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jinja2
 from torch import Tensor
 
-from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines
+from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines, skipped_of
 from leakaudit.evaluator.audit.checks import example_unit
 from leakaudit.evaluator.audit.materials import load_data
 from leakaudit.evaluator.audit.types import Audit, params_text
@@ -159,7 +159,7 @@ def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
         ("Audit file", run_info.get("audit_file", str(audit.path))),
     ] + _auto_row(run_info.get("attack_choice") or []) + (
         [("Budget", "; ".join(budget_lines(run_info["budget"])))] if run_info.get("budget") else
-        [("Settled", line.strip()) for line in skipped_lines(run_info.get("settled", {}).get("skipped", []))])
+        [("Settled", line.strip()) for line in skipped_lines(skipped_of(run_info))])
 
 
 def _auto_row(choice: list[str]) -> list[tuple[str, str]]:

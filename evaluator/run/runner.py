@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from leakaudit.evaluator.audit.budget import apply_plan, duration_text, settles_early
+from leakaudit.evaluator.audit.budget import SETTLED, apply_plan, duration_text, settles_early, skipped_of
 from leakaudit.evaluator.audit.jobs import Cell, cells_of, jobs_of, trial_key, tune_jobs_of
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
@@ -263,10 +263,6 @@ def settling_for(audit: Audit, folder: RunFolder, resume: bool, estimate: Estima
     return {"order": [a.label for a in order], "skipped": []}
 
 
-#: run.json's record of an ``attacks: auto`` run's settled steps (a budget's plan keeps its own, under "budget").
-SETTLED = "settled"
-
-
 class Settling:
     """The attack jobs a run skips because their step's verdict is settled, judged from the rows written so far,
     and their record in run.json (``record``: the budget's plan, or attacks: auto's)."""
@@ -469,7 +465,7 @@ def rebuild_report(folder: RunFolder, template: Path | None = None) -> Summary:
     plan = info.get("budget")
     if plan is not None:
         apply_plan(audit, plan)
-    skipped = {tuple(s[:3]) for s in (plan or info.get(SETTLED) or {}).get("skipped", [])}
+    skipped = {tuple(s[:3]) for s in skipped_of(info)}
     rows = _in_job_order(audit, folder.rows())
     expected = sum((j.setting.key, j.attack.key, j.checkpoint) not in skipped for j in jobs_of(audit))
     if len(rows) < expected:
@@ -506,7 +502,7 @@ def report_folder(path: str | Path, config: str | None = None, plugins_dirs: Ite
 
     folder = RunFolder(path, saved_audit(Path(path), config, plugins_dirs))
     info = folder.read_json(RUN_INFO) or {}
-    if config is not None and (info.get("budget") or info.get(SETTLED) or {}).get("skipped"):
+    if config is not None and skipped_of(info):
         ran = saved_audit(Path(path), None, plugins_dirs)
         if (ran.verdict, ran.leakage_metric) != (folder.audit.verdict, folder.audit.leakage_metric):
             raise RunError(f"{config}: verdict:, leakage_metric: the run at {path} skipped attacks once its own "

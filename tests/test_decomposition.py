@@ -124,6 +124,10 @@ def test_spear_span_finds_inputs_through_small_noise_and_claims_nothing_past_it(
     assert distance.min(dim=1).values.max() < 0.1 and sorted(distance.argmin(dim=1).tolist()) == list(range(32))
     found, info = span_inputs(*noisy(1e-2), model[1], 32, 128, 100, 12, 0.05, 1e-6, torch.Generator().manual_seed(0))
     assert info["found"] == 0 and info["rounds"] == 0 and not found.any()
+    # a ten-thousandth: a floor of 4.5e-5, under the cut-off of a hundred tolerances yet far above rounding's 1e-8
+    found, info = span_inputs(*noisy(1e-4), model[1], 32, 128, 100, 12, 0.05, 1e-6, torch.Generator().manual_seed(0))
+    assert info["found"] == 32 and not info["exact"] and 1e-6 < info["rank_share"] < 1e-4
+    assert (torch.cdist(found, x.double()) / x.double().norm(dim=1)).min(dim=1).values.max() < 0.01
 
 
 def test_spear_span_keeps_a_looser_tolerance_without_noise_and_one_image_under_noise():

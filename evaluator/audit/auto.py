@@ -2,8 +2,9 @@
 (``Attack.auto_params``) and applies to one of the audit's settings, run at its budget for the audit's device.
 
 Whether an attack applies is the attack's own declaration (``needs_defense``, ``unsupported_defense``,
-``unsupported``, and ``beyond_reach``: where it applies but its measured reach ends), asked of the model each setting attacks, so that a team gets calibrated verdicts without
-knowing the literature; ``leakaudit validate`` prints the choice and why each other attack is left out.
+``unsupported``, and ``beyond_reach``: where it applies but its measured reach ends), asked of the model each
+setting attacks, so that a team gets calibrated verdicts without knowing the literature; ``leakaudit validate``
+prints the choice and why each other attack is left out.
 """
 from __future__ import annotations
 

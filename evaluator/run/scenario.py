@@ -265,8 +265,8 @@ DECOY_BYTES = 64 * 2 ** 20
 
 def untried_attacks(scenario: Scenario) -> str:
     """The registered attacks that bring what gradient matching lacks (``Attack.brings``), apply to the audit's
-    first setting at their defaults, within their measured reach, and did not run, each with what it brings ("" when none): the report's advice
-    where even the undefended update resists every attack the audit ran."""
+    first setting at their defaults, within their measured reach, and did not run, each with what it brings ("" when
+    none): the report's advice where even the undefended update resists every attack the audit ran."""
     audit = scenario.audit
     setting = audit.settings[0]
     model = scenario.fresh_model(scenario.defense(setting), setting, torch.device("cpu"))  # its shape is enough

@@ -421,8 +421,9 @@ def frontier_lines(summary) -> list[str]:
         lines.append(f"frontier {f.defense} {f.knob}: {found}{bracket}{fresh}; {f.status}")
     if summary.decision is not None:
         d = summary.decision
+        binds = f"{d.binds} binds" + (f" on {d.level}" if d.level not in (None, "individuals") else "")
         lines.append(f"decision: ship {d.setting}: {d.reason}" if d.setting else
-                     f"decision: none to ship ({d.binds} binds): {d.reason}")
+                     f"decision: none to ship ({binds}): {d.reason}")
     return lines
 
 
@@ -435,12 +436,13 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     judged = [w for w in summary.worst_case if not w.added]
     added = [w for w in summary.worst_case if w.added]
     width = min(40, max(len(w.setting) for w in summary.worst_case)) if summary.worst_case else 10
+    said = max([22, *(len(verdict_words(w)) for w in summary.worst_case)])
     for w in judged:
-        print(_verdict_line(w, summary.leakage_metric, width))
+        print(_verdict_line(w, summary.leakage_metric, width, said))
     if added:
         print("  reference (the undefended update, added to calibrate the verdicts; not gated):")
         for w in added:
-            print(_verdict_line(w, summary.leakage_metric, width))
+            print(_verdict_line(w, summary.leakage_metric, width, said))
     for line in frontier_lines(summary):
         print(line)
     from leakaudit.evaluator.audit.budget import budget_lines, skipped_lines, skipped_of
@@ -460,16 +462,32 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     return EXIT_LEAK if failures else 0
 
 
-def _verdict_line(w, leak: str, width: int) -> str:
+def verdict_words(w) -> str:
+    """A setting's verdict as the terminal and the report name it: the verdict, what leaks, and whether it is
+    borderline, weak or left open by the budget."""
+    said = (w.verdict or "not judged") + (f" {w.level}" if w.verdict == "leaks" and w.level else "")
+    marks = [mark for mark, words in (("weak", w.weak), ("borderline", w.borderline), ("budget", w.budget)) if words]
+    return said + (f" ({', '.join(marks)})" if marks else "")
+
+
+def open_questions(w) -> list[tuple[str, str]]:
+    """What a verdict leaves open, one (label, words) per line under its why-line: borderline; budget, where the
+    reason does not already say it."""
+    return [(label, words) for label, words in (("borderline", w.borderline), ("budget", w.budget))
+            if words and words not in w.reason]
+
+
+def _verdict_line(w, leak: str, width: int, said_width: int = 22) -> str:
     """One setting's verdict in the terminal: its accuracy, its strongest attack's score and interval, and on the
     next line why."""
     acc = "n/a" if w.accuracy is None else f"{w.accuracy:.3f}"
     mean, ci = w.mean(leak), w.ci(leak)
     score = (f"{leak} {mean:.3g} [{ci[0]:.3g}, {ci[1]:.3g}] ({w.attack}, step {w.checkpoint})") if mean is not None \
         else f"no finite {leak}"
-    said = (w.verdict or "not judged") + (f" {w.level}" if w.verdict == "leaks" and w.level else "")
-    return (f"  {w.setting:<{width}}  {said.upper():<22} accuracy {acc:>5}  {score}\n"
+    said = verdict_words(w).upper()
+    return (f"  {w.setting:<{width}}  {said:<{said_width}} accuracy {acc:>5}  {score}\n"
             f"    why: {w.reason}"
+            + "".join(f"\n    {label}: {words}" for label, words in open_questions(w))
             + (f"\n    threat model: {w.threat or 'undeclared'} (Carletti et al. 2025: the attacker this verdict "
                "holds against)" if w.threat is not None else ""))
 

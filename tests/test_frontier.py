@@ -207,7 +207,8 @@ def test_the_decision_ships_the_most_accurate_protecting_setting_or_names_what_b
     from leakaudit.evaluator.results.summary import decide
 
     def case(setting, verdict, accuracy, baseline=False):
-        return SimpleNamespace(setting=setting, verdict=verdict, accuracy=accuracy, baseline=baseline, reason="r")
+        return SimpleNamespace(setting=setting, verdict=verdict, accuracy=accuracy, baseline=baseline, reason="r",
+                               level="individuals" if verdict == "leaks" else None, budget=None)
 
     none = case("none", "leaks", 0.9, baseline=True)
     shipped = decide([none, case("a", "protects", 0.7), case("b", "protects", 0.8), case("c", "leaks", 0.85)], {},
@@ -233,7 +234,8 @@ def test_a_frontier_choice_that_leaks_on_fresh_targets_is_not_shipped():
     from leakaudit.evaluator.results.summary import decide
 
     def case(setting, verdict, accuracy, baseline=False):
-        return SimpleNamespace(setting=setting, verdict=verdict, accuracy=accuracy, baseline=baseline, reason="r")
+        return SimpleNamespace(setting=setting, verdict=verdict, accuracy=accuracy, baseline=baseline, reason="r",
+                               level="individuals" if verdict == "leaks" else None, budget=None)
 
     none, a, b = case("none", "leaks", 0.9, baseline=True), case("a", "protects", 0.7), case("b", "protects", 0.8)
     held = {"verdict": "protects", "targets": 4, "reason": "why"}

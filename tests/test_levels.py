@@ -114,11 +114,12 @@ def test_a_reference_broken_only_at_the_class_level_leaves_individuals_inconclus
     assert "at the level of individuals" in stands.reason
 
 
-#: A drop-in attack that reads nothing of the update: each target's class mean from the attacker's own images,
-#: given the labels (threat.known_labels).
+#: A drop-in attack that reads nothing of the update but its labels: each target's class mean from the attacker's
+#: own images, for the labels the threat model gives (threat.known_labels), else those the update shows.
 CLASS_TEMPLATES = '''
 import torch
 import leakaudit
+from leakaudit.attacks.labels import recover_labels
 from leakaudit.plugins.attack import HONEST_SERVER, Attack, Reconstruction
 
 
@@ -130,8 +131,9 @@ class ClassTemplates(Attack):
     def reconstruct(self, observed, threat, generator):
         aux = threat.auxiliary
         images, labels = aux.images[aux.indices], aux.labels[aux.indices]
-        out = torch.stack([images[labels == y].float().mean(dim=0) for y in threat.labels.tolist()])
-        return Reconstruction(out.to(threat.device), threat.labels, [0.0], 0.0)
+        targets = recover_labels(observed, threat, "auto", generator)
+        out = torch.stack([images[labels == y].float().mean(dim=0) for y in targets.tolist()])
+        return Reconstruction(out.to(threat.device), targets, [0.0], 0.0)
 
 
 @leakaudit.hookimpl
@@ -142,13 +144,13 @@ def register_attacks():
 
 def test_class_templates_alone_are_a_leak_of_labels_not_individuals(write_audit, tmp_path, capsys):
     """64 digits at 16 px in updates of 4, undefended and under noise of sigma 0.1: the class means of the
-    attacker's own images beat the mean image by far, but not each target's class mean, and name no more
-    originals among decoys than their classes explain. The default gate passes; --fail-on-leak labels fails."""
+    attacker's own images for the labels the update shows beat the mean image by far, but not each target's class
+    mean, and name no more originals among decoys than their classes explain. The default gate passes; --fail-on-leak
+    labels fails."""
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "templates.py").write_text(CLASS_TEMPLATES)
     path = write_audit(small_audit(
         data={"dataset": "digits", "image_size": 16, "targets": 64, "batch_size": 4}, plugins_dir="plugins",
-        threat={"known_labels": True},
         defenses=[{"name": "none", "must_protect": True},
                   {"name": "gaussian", "params": {"sigma": 0.1}, "must_protect": True}],
         attacks=[{"name": "class_templates"}], utility={"train_steps": 0}, metrics=["psnr"]))
@@ -171,6 +173,35 @@ def test_class_templates_alone_are_a_leak_of_labels_not_individuals(write_audit,
     with pytest.raises(AssertionError, match="leaks labels"):
         assert_protects(out, fail_on="labels")
     assert_protects(out)
+    decision = summary["decision"]  # the decision names the level privacy binds on, as the gate reads it
+    assert decision["binds"] == "privacy" and decision["level"] == LABELS
+    assert "none need leak individuals, so the gate at its default level" in decision["reason"]
+
+
+def test_labels_the_threat_model_grants_are_no_leak_from_the_update(write_audit, tmp_path, capsys):
+    """With threat.known_labels the class templates show nothing the attacker did not have: an exact attack breaks
+    the undefended update at the level of individuals and vouches for the noisy setting, which protects at the level
+    of individuals and of labels; the decision ships it and the gate at either level passes, as the decision says."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "templates.py").write_text(CLASS_TEMPLATES)
+    path = write_audit(small_audit(
+        data={"dataset": "digits", "image_size": 8, "targets": 16, "batch_size": 1}, plugins_dir="plugins",
+        model={"name": "mlp", "checkpoints": [0]}, threat={"known_labels": True},
+        defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}, "must_protect": True}],
+        attacks=[{"name": "class_templates"}, {"name": "analytic"}], utility={"train_steps": 0}, metrics=["psnr"]))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-progress", "--fail-on-leak", "labels"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert "label_threshold" not in summary and summary["leak_threshold"]["guess"] == "class_mean"
+    none, noisy = summary["worst_case"]
+    assert (none["verdict"], none["level"], none["attack"]) == (LEAKS, "individuals", "analytic")
+    assert (noisy["verdict"], noisy["level"]) == (PROTECTS, NOTHING), noisy["reason"]
+    assert "calibrated by analytic" in noisy["reason"]
+    templates = next(v for v in summary["cells"] if v["setting"] == noisy["setting"] and v["attack"] == "class_templates")
+    baselines = json.loads((out / "baselines.json").read_text())
+    assert templates["psnr_mean"] == pytest.approx(baselines["class_mean"]["psnr"], abs=1e-3)  # the granted guess
+    assert summary["decision"]["setting"] == noisy["setting"]
+    assert_protects(out, fail_on="labels")
 
 
 def test_every_registered_attack_declares_the_attacker_it_needs(registry):

@@ -20,6 +20,7 @@ from leakaudit.evaluator.results.verdict import (
     bootstrap_interval,
     identifiable_share,
     judge,
+    label_threshold,
     leak_threshold,
 )
 from leakaudit.plugins.components import Metric
@@ -95,9 +96,19 @@ def test_reconstructions_that_identify_their_originals_leak_beyond_chance_only()
     weak = _cell("bayes", 9.5, (8.0, 11.0), n=32)
     # 11 of 32 nearest their own original: a guess gets 1 in 32; P(X >= 11) under Binomial(32, 1/32) = 1.9e-09
     v = judge([replace(weak, identifiable=11 / 32)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS)
-    assert v.verdict == LEAKS
-    assert v.reason.endswith("but bayes identifies 11 of 32 images (each reconstruction nearest its own original; "
-                                "a guess: 1 in 32, binomial p = 1.9e-09), at least the 25% the verdict allows")
+    assert v.verdict == LEAKS and v.level == "individuals"
+    assert ("but bayes identifies 11 of 32 images (each reconstruction nearest its own original; a guess: 1 in 32, "
+            "p = 1.9e-09), at least the 25% the verdict allows; a weak break: ") in v.reason
+    # its mean 9.5 is under the guesses that read nothing of the update (10): a weak break, which as a reference's
+    # verdict vouches for no "protects"; its interval straddles the bar, so it is borderline too
+    assert v.weak is not None and v.vouches == "nothing" and "straddles the leak threshold 10" in v.borderline
+    aware = {**BASELINES, "class_mean": {"psnr": 12.0}}  # bars: individuals 13, labels 10 (the mean image's)
+    strong = judge([replace(_cell("bayes", 11.5, (10.8, 12.2), n=32), identifiable=11 / 32)], PSNR,
+                   leak_threshold(aware, PSNR, None), 0.9, 0.15, 0.1, OPTIONS, label_threshold(aware, PSNR, None))
+    assert (strong.verdict, strong.weak, strong.vouches) == (LEAKS, None, None)  # above the guesses: a real break
+    # the same share where the run measured it against a guess that knows the classes, and the classes explain it
+    assert judge([replace(weak, identifiable=11 / 32, decoy_p=0.3)], PSNR, t, 0.9, 0.15, 0.1,
+                 OPTIONS).verdict == PROTECTS
     assert judge([replace(weak, identifiable=4 / 32)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS  # < 25%
     few = _cell("bayes", 9.5, (8.0, 11.0), n=4)  # 2 of 4: P(X >= 2 | 4, 1/4) = 0.26, chance explains it
     assert judge([replace(few, identifiable=0.5)], PSNR, t, 0.9, 0.15, 0.1, OPTIONS).verdict == PROTECTS

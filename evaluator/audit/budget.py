@@ -3,6 +3,7 @@ audit into it (attack budgets scaled, attacks left out), kept in run.json so a r
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -68,9 +69,20 @@ def apply_plan(audit: Audit, plan: dict[str, Any]) -> None:
     attack gone (a rebuilt report and a resumed run read the run's own plan, not a new calibration)."""
     params = plan.get("params", {})
     dropped = set(plan.get("dropped", {}))
+    audit.budget_left_out = [a for a in audit.attacks if a.label in dropped]
     audit.attacks = [dataclasses.replace(a, params=params[a.label]) if a.label in params else a
                      for a in audit.attacks if a.label not in dropped]
     audit.budget_plan = plan
+
+
+def cuts_anything(plan: dict[str, Any] | None) -> bool:
+    """Whether a budget's plan scaled down or left out any attack (a plan that fits cuts nothing)."""
+    return bool(plan and (plan.get("params") or plan.get("dropped")))
+
+
+def full_budget(plan: dict[str, Any]) -> str:
+    """The ``budget:`` that runs the audit of ``plan`` in full, by its estimate (whole minutes, rounded up)."""
+    return f"{math.ceil(plan['estimate'] / 60)}m"
 
 
 def budget_lines(plan: dict[str, Any]) -> list[str]:

@@ -290,6 +290,8 @@ class Audit:
     #: ``budget:`` in seconds (None: none), and the plan that fits the attacks into it (run/estimate.py's).
     budget: float | None = None
     budget_plan: dict[str, Any] | None = None
+    #: The attacks the budget's plan left out, as the file lists them (a verdict they could change stays open).
+    budget_left_out: list[AttackSpec] = field(default_factory=list)
 
     def add_probe(self, spec: FrontierSpec, value: float) -> DefenseSetting:
         """The setting of a frontier search at ``value``, added to the audit (with the attacks that ``attacks:

@@ -1,5 +1,5 @@
 """Identifiability: whether each reconstruction is nearest its own original among all the audit's targets
-(one image per update), and for batches whether the reconstructions name their own update's originals among
+(one image per update, beyond what the classes explain: ``verdict.class_aware_test``), and for batches whether the reconstructions name their own update's originals among
 decoys of the same classes (``verdict.decoy_test``), cached in the run folder."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from leakaudit.evaluator.audit.types import Audit
 from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import IDENTIFIABLE, RunFolder
 from leakaudit.evaluator.results.summary import ranked_metrics
-from leakaudit.evaluator.results.verdict import decoy_groups, decoy_test, identifiable_share, named_share
+from leakaudit.evaluator.results.verdict import (class_aware_test, decoy_groups, decoy_test, identifiable_share,
+                                                 named_share)
 from leakaudit.plugins.components import Metric
 
 
@@ -67,7 +68,8 @@ def identifying_metric(audit: Audit, rows: list[Row]) -> Metric:
 def identifiability(folder: RunFolder, rows: list[Row]) -> tuple[str, dict[tuple, list | None]]:
     """Per cell, the share of reconstructions whose nearest original among the audit's targets is their own
     (after matching each to an original of its update), the share of targets named from the reconstructions
-    alone (``named_share``), and for batches the decoy test ([hits, originals, p-value] or None), by the metric
+    alone (``named_share``), and the test against a guess that knows the classes ([hits, originals, p-value] or
+    None: ``class_aware_test`` for one image per update, the decoy test for batches), by the metric
     ``identifying_metric`` picks; cached in the run folder."""
     audit = folder.audit
     metric = identifying_metric(audit, rows)
@@ -78,7 +80,7 @@ def identifiability(folder: RunFolder, rows: list[Row]) -> tuple[str, dict[tuple
         counts[r.cell] += 1
     out, changed, decoys = {}, False, None
     for key, n in counts.items():
-        name = json.dumps([*key, n, by, "named", "decoys"])
+        name = json.dumps([*key, n, by, "named", "decoys", "classes"])
         if name not in cache:
             batches = _cell_batches(folder, key)
             batch = audit.batch_size_of(job_at(audit, *key, 0).setting)
@@ -89,7 +91,11 @@ def identifiability(folder: RunFolder, rows: list[Row]) -> tuple[str, dict[tuple
                 distances = _distances(metric, recs, torch.cat([b["original"].float() for b in batches]))
                 if batch > 1 and decoys is None:
                     decoys = folder.load_decoys()  # once for all cells
-                tested = None if batch == 1 or decoys is None else _decoy_result(metric, batches, distances, decoys)
+                tested: list | None
+                if batch == 1:
+                    tested = list(class_aware_test(distances, torch.cat([b["labels"] for b in batches]).numpy()))
+                else:
+                    tested = None if decoys is None else _decoy_result(metric, batches, distances, decoys)
                 cache[name] = [identifiable_share(distances), named_share(distances, batch), tested]
             changed = True
         out[key] = cache[name]

@@ -31,8 +31,15 @@ from leakaudit.evaluator.results.types import (
     WorstCase,
     WorstImage,
 )
+from leakaudit.evaluator.audit.budget import cuts_anything, duration_text, full_budget
 from leakaudit.evaluator.results.verdict import (
+    GATE_LEVELS,
+    INCONCLUSIVE,
+    INDIVIDUALS,
     LEAKS,
+    LEVELS,
+    PROTECTS,
+    UNUSABLE,
     STILL_IMPROVING,
     beats_bound,
     calibrate,
@@ -47,6 +54,7 @@ from leakaudit.evaluator.results.verdict import (
     overall,
     strongest,
     training_bound,
+    vouched_level,
 )
 from leakaudit.plugins.attack import ATTACKERS
 from leakaudit.plugins.components import Metric
@@ -106,6 +114,8 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
                    profiles.get(key[0])) for key, rs in groups.items()]
     threshold = leak_threshold(baselines, leakage, options["margin"])
     labels_bar = label_threshold(baselines, leakage, options["margin"])
+    if labels_bar is not None and audit.threat.known_labels:  # the labels are the threat model's, not the update's
+        labels_bar, options["labels_granted"] = None, True
     chance = run_info.get("chance_accuracy")
     needed = min_accuracy(options, chance)
     bars = (leakage, threshold, needed, chance, options, labels_bar)
@@ -125,11 +135,14 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
             audit, reference, cells, acc, bars, {a.key for a in audit.attacks if calibrates(audit, a, s)})
         by_step = {v.checkpoint: v for v in steps}
         unread = unread_kind(audit, s)
-        per_step = [calibrate(v, by_step.get(v.checkpoint), untried, unread) for v in alone[s.key]]
+        per_step = [budget_open(audit, s, calibrate(v, by_step.get(v.checkpoint), untried, unread),
+                                lambda label, step: _breaks_at_scale(audit, reference, label, step, cells, acc, bars))
+                    for v in alone[s.key]]
         verdicts.extend(per_step)
         final = overall(per_step)
         assert final is not None, "a setting with a finite score is judged at some step"
-        worst_case.append(_worst_case(s, audit, mine, rows, leakage, final, profiles[s.key], acc.get(s.key, {})))
+        worst_case.append(_worst_case(s, audit, mine, rows, leakage, final, profiles[s.key], acc.get(s.key, {}),
+                                      _open_at_some_step(final, per_step)))
     violations = [f"{c.setting}, {c.attack}, step {c.checkpoint}: {c.bound_violated}"
                   for c in cells if c.bound_violated]
     confidence = options["confidence"]
@@ -149,7 +162,8 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
         decision=decide(worst_case, acc, needed, confidence, {
             s.key: acc.get(ref.key, {}).get("accuracy") for s in audit.settings
             if (ref := audit.reference_of(s)) is not None and ref is not s},
-            audit.utility.max_drop if options.get("min_accuracy") is None else None, confirmed))
+            audit.utility.max_drop if options.get("min_accuracy") is None else None, confirmed,
+            audit.budget_plan))
 
 
 def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
@@ -191,12 +205,14 @@ def frontier_result(spec: FrontierSpec, worst_case: list[WorstCase], acc: dict, 
 
 def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confidence: float,
            undefended: dict[str, float | None] | None = None, max_drop: float | None = None,
-           confirmed: dict[str, dict[str, Any]] | None = None) -> Decision | None:
+           confirmed: dict[str, dict[str, Any]] | None = None, plan: dict[str, Any] | None = None) -> Decision | None:
     """The setting to ship: the one that protects at the highest accuracy; where none does, which constraint
-    binds: privacy (every judged defense leaks), utility (those that protect are unusable), or judgement.
-    ``undefended``: each setting's undefended model's test accuracy, so that the decision states what the
-    defense costs against it (``max_drop``: the most a usable setting may cost). ``confirmed``: frontier
-    choices' verdicts on fresh targets; a choice that leaks there is not shipped."""
+    binds: privacy (every judged defense leaks; at which level), utility (those that protect are unusable), the
+    budget (it cut attacks that a setting's verdict rests on, so a full run could decide otherwise: nothing is
+    shipped on a cut run's word), or judgement. ``undefended``: each setting's undefended model's test accuracy, so
+    that the decision states what the defense costs against it (``max_drop``: the most a usable setting may
+    cost). ``confirmed``: frontier choices' verdicts on fresh targets; a choice that leaks there is not shipped.
+    ``plan``: the budget's plan, whose estimate names the budget that settles it."""
     undefended, confirmed = undefended or {}, confirmed or {}
 
     def cost(w: WorstCase) -> str:
@@ -214,9 +230,12 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
         best = max(settings, key=lambda w: -1.0 if w.accuracy is None else w.accuracy)
         return best, accuracy_interval(acc.get(best.setting, {}), confidence)
 
-    protecting = [w for w in defended if w.verdict == "protects"]
+    protecting = [w for w in defended if w.verdict == PROTECTS]
     refuted = [w for w in protecting if confirmed.get(w.setting, {}).get("verdict") == LEAKS]
     protecting = [w for w in protecting if w not in refuted]
+    opened = [w for w in defended if w.budget and w.verdict != LEAKS]
+    if opened:
+        return _budget_binds(opened, protecting, plan, most_accurate)
     if protecting:
         best, interval = most_accurate(protecting)
         fresh = _fresh_words(confirmed.get(best.setting)) if best.setting in confirmed else (
@@ -224,7 +243,7 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
         return Decision(best.setting, best.verdict, best.accuracy, interval, None, f"of the {len(protecting)} "
                         f"protecting, it keeps the highest test accuracy ({_acc(best.accuracy)}){cost(best)}; "
                         f"{best.reason}{fresh}{_refuted_words(refuted)}")
-    unusable = [w for w in defended if w.verdict == "protects but unusable"]
+    unusable = [w for w in defended if w.verdict == UNUSABLE]
     if unusable:
         best, interval = most_accurate(unusable)
         return Decision(None, None, best.accuracy, interval, "utility",
@@ -233,14 +252,87 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
                         f"the most accurate of them, {best.setting}, "
                         f"reaches {_acc(best.accuracy)}{cost(best)}. Search between it and the strongest setting that leaks "
                         f"(frontier:), or try a defense that costs less accuracy{_refuted_words(refuted)}")
-    leaking = [w for w in defended if w.verdict == "leaks"] + refuted
+    leaking = [w for w in defended if w.verdict == LEAKS] + refuted
     if leaking:
+        level = _least_level(leaking)
+        least = "" if level in GATE_LEVELS[INDIVIDUALS] else (
+            f", each at least its {level}; none need leak individuals, so the gate at its default level "
+            "(--fail-on-leak individuals) passes them, and --fail-on-leak labels fails them")
         return Decision(None, None, None, None, "privacy",
                         f"no setting protects: all {len(leaking)} judged defended settings leak"
-                        f"{'' if len(leaking) == len(defended) else ' (the rest could not be judged)'}; "
-                        "try stronger settings")
+                        f"{'' if len(leaking) == len(defended) else ' (the rest could not be judged)'}{least}; "
+                        "try stronger settings", level=level)
     return Decision(None, None, None, None, "judgement", "no defended setting could be judged (inconclusive or "
                     "not judged: see each setting's reason); the audit cannot say which setting to ship")
+
+
+def _budget_binds(opened: list[WorstCase], protecting: list[WorstCase], plan: dict[str, Any] | None,
+                  most_accurate) -> Decision:
+    """The decision of a run whose budget cut attacks that the verdicts of ``opened`` rest on: nothing shipped, the
+    setting that protects as the budget ran (if any) named, and the budget that runs the audit in full."""
+    assert plan is not None, "only a budget's plan leaves a verdict open"
+    full = f"about {duration_text(plan['estimate'])} (budget: {full_budget(plan)}, or none)"
+    names = ", ".join(w.setting for w in opened)
+    if protecting:
+        best, interval = most_accurate(protecting)
+        head = (f"{best.setting} protects at test accuracy {_acc(best.accuracy)} against the attacks as the budget ran "
+                f"them, but the budget of {duration_text(plan['seconds'])} cut attacks that the verdicts of {names} "
+                "rest on")
+        return Decision(None, None, best.accuracy, interval, "budget",
+                        f"{head}, so a full run could ship another setting or none; run the audit in full, {full}, "
+                        "to settle it")
+    return Decision(None, None, None, None, "budget",
+                    f"the budget of {duration_text(plan['seconds'])} cut attacks that the verdicts of {names} rest on, "
+                    f"so a full run could find one that protects, or none; run the audit in full, {full}, to settle it")
+
+
+def _least_level(leaking: list[WorstCase]) -> str:
+    """The least that every one of ``leaking`` leaks (a leak of an older summary, which names no level, counts as
+    one of individuals)."""
+    return max((w.level or INDIVIDUALS for w in leaking), key=LEVELS.index)
+
+
+def budget_open(audit: Audit, setting, verdict: StepVerdict, breaks_at_scale) -> StepVerdict:
+    """``verdict`` held against the audit's budget: where the plan left out an attack that runs on ``setting`` at
+    the verdict's step, or scaled one down that (``breaks_at_scale(label, step)``) did not still break the undefended
+    reference there at the level of individuals, a "protects" (or "protects but unusable") is inconclusive (budget),
+    and a leak of a lesser level than individuals may be one of individuals in full: both say so (``budget``). A
+    leak of individuals, which no further attack can make kinder, is left as it is."""
+    plan = audit.budget_plan
+    if not cuts_anything(plan) or verdict.verdict is None or (
+            verdict.verdict == LEAKS and (verdict.level or INDIVIDUALS) in GATE_LEVELS[INDIVIDUALS]):
+        return verdict
+    assert plan is not None, "cuts_anything holds a plan"
+    step = verdict.checkpoint
+    left_out = [a.label for a in audit.budget_left_out if a.applies_to(setting) and a.runs_at(step)]
+    scaled = [a.label for a in audit.attacks if a.label in plan["params"] and a.applies_to(setting) and a.runs_at(step)]
+    if verdict.verdict in (PROTECTS, UNUSABLE):
+        scaled = [label for label in scaled if not breaks_at_scale(label, step)]
+    if not left_out and not scaled:
+        return verdict
+    words = (f"the budget of {duration_text(plan['seconds'])} "
+             + " and ".join(part for part in (
+                 f"left out {', '.join(left_out)}" if left_out else "",
+                 f"scaled down {', '.join(scaled)}" + (", which at that scale did not break the undefended update at "
+                                                       "the level of individuals" if verdict.verdict != LEAKS else "")
+                 if scaled else "") if part)
+             + f", which a full run attacks this setting with at step {step}; the audit in full takes about "
+               f"{duration_text(plan['estimate'])} (budget: {full_budget(plan)}, or none)")
+    if verdict.verdict in (PROTECTS, UNUSABLE):
+        return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, budget=words,
+                                   reason=f"inconclusive (budget): {words}. Judged with the attacks as the budget ran "
+                                          f"them: {verdict.verdict}: {verdict.reason}")
+    return dataclasses.replace(verdict, budget=words, reason=f"{verdict.reason}; {words}")
+
+
+def _breaks_at_scale(audit: Audit, reference, label: str, step: int, cells: list[CellResult], acc: dict,
+                     bars: tuple) -> bool:
+    """Whether attack ``label``, at the scale the budget ran it, broke the undefended ``reference`` at ``step`` at
+    the level of individuals (strongly: a weak break vouches for no "protects" of individuals)."""
+    if reference is None:
+        return False
+    judged = [v for v in _judged_steps(audit, reference, cells, acc, bars, {label}) if v.checkpoint == step]
+    return bool(judged) and vouched_level(judged[0]) in GATE_LEVELS[INDIVIDUALS]
 
 
 def _needed_by(w: WorstCase, needed: float | None, undefended: dict[str, float | None], max_drop: float | None):
@@ -399,10 +491,19 @@ def _iterations(audit: Audit, attack: str, rows: list[Row]) -> int | None:
     return None if declared is None else declared.default
 
 
+def _open_at_some_step(final: StepVerdict, per_step: list[StepVerdict]) -> str | None:
+    """How the budget leaves a setting's verdict over the steps open: its worst step's words, or where that step is
+    a leak of less than individuals, those of any step the budget left open (a full run may leak more there)."""
+    if final.budget or final.verdict != LEAKS or (final.level or INDIVIDUALS) in GATE_LEVELS[INDIVIDUALS]:
+        return final.budget
+    return next((v.budget for v in per_step if v.budget), None)
+
+
 def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakage, final: StepVerdict, profile,
-                utility: dict) -> WorstCase:
-    """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps, and
-    where it has a privacy guarantee the bound beside the measured identification."""
+                utility: dict, budget: str | None) -> WorstCase:
+    """A setting's entry in the summary's worst case: its strongest attack, its verdict over the steps (``budget``:
+    how the budget leaves it open), and where it has a privacy guarantee the bound beside the measured
+    identification."""
     top, _ = strongest(mine, leakage)
     views = second_views(audit.registry)
     own_rows = [r for r in rows if r.setting == s.key]
@@ -412,7 +513,7 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakag
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
         n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
-        threat=final.threat,
+        threat=final.threat, weak=final.weak, borderline=final.borderline, budget=budget,
         settling_iterations=final.settling_iterations,
         privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
         worst_image=_worst_image(own_rows, leakage))

@@ -15,8 +15,10 @@ from typing import Any, ClassVar
 from leakaudit.evaluator.audit.types import VerdictSection
 
 #: The layout of summary.json this release writes; it reads this one and every earlier one.
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 STATISTICS = ("mean", "std", "ci", "n")
+#: What a verdict may add about how firm it is (StepVerdict's and WorstCase's fields; written where set).
+OPEN_QUESTIONS = ("weak", "borderline", "budget")
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,10 @@ class CellResult(_Scored):
     named: float | None = None
     identifiable_by: str | None = None
     identifiable_n: int = 0
-    #: A batch's identification test (``verdict.decoy_test``): originals named among same-class decoys, and the
-    #: p-value of as many under the null that the reconstructions know only their update's classes.
+    #: The identification test against a guess that knows the classes: a batch's originals named among same-class
+    #: decoys (``verdict.decoy_test``), or one image per update nearest its own original among the targets
+    #: (``verdict.class_aware_test``), and the p-value of as many under the null that the reconstructions know only
+    #: their classes.
     decoy_hits: int | None = None
     decoy_p: float | None = None
     rero_bound: float | None = None
@@ -165,10 +169,22 @@ class StepVerdict:
     #: The attacker the verdict holds against (Carletti et al. 2025): for a leak, the least one its attack needs;
     #: else the strongest that the attacks run need ("" where a plugin attack declares none).
     threat: str | None = None
+    #: Why a leak of individuals is weak: the originals identified, but no reconstruction closer than the guesses
+    #: that read nothing of the update (a weak break of a reference vouches for no "protects"); None where not.
+    weak: str | None = None
+    #: The level a weak break vouches for as a reference's verdict ("labels" or "nothing"; None: its level).
+    vouches: str | None = None
+    #: Why the verdict is borderline: its interval straddles a bar between levels, or its identification is at
+    #: chance while its mean clears the bar; None where it is clear.
+    borderline: str | None = None
+    #: How the audit's budget leaves the verdict open: an attack that runs on the setting was left out, or scaled
+    #: down without still breaking the reference; a "protects" is then inconclusive, a leak of labels may be one of
+    #: individuals in full. None where the budget cut nothing this verdict rests on.
+    budget: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = _fields(self)
-        for optional in ("alone", "calibrated_by", "level", "threat"):
+        for optional in ("alone", "calibrated_by", "level", "threat", "vouches", *OPEN_QUESTIONS):
             if record[optional] is None:
                 del record[optional]
         return record
@@ -230,16 +246,20 @@ class WorstCase(_Scored):
     clients: int | None = None  # secure aggregation: how many clients' mean the server saw (the entry's clients:)
     level: str | None = None  # what the verdict says leaks (StepVerdict.level)
     threat: str | None = None  # the attacker it holds against (StepVerdict.threat)
+    weak: str | None = None  # StepVerdict.weak of the verdict over the steps
+    borderline: str | None = None  # StepVerdict.borderline
+    budget: str | None = None  # StepVerdict.budget
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat")
+        head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat", *OPEN_QUESTIONS)
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
         return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
                 "worst_image": _record(self.worst_image) or {},
                 **({} if self.clients is None else {"clients": self.clients}),  # older summaries read back alike
                 **({} if self.level is None else {"level": self.level}),
-                **({} if self.threat is None else {"threat": self.threat})}
+                **({} if self.threat is None else {"threat": self.threat}),
+                **{k: getattr(self, k) for k in OPEN_QUESTIONS if getattr(self, k) is not None}}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WorstCase:
@@ -308,7 +328,9 @@ class FrontierResult:
 class Decision:
     """The audit's answer: the setting that protects at the highest accuracy (``setting``), or, where none does,
     None and the constraint that binds: "privacy" (no setting protects), "utility" (every one that protects is
-    unusable) or "judgement" (no verdict could be reached)."""
+    unusable), "budget" (the budget cut attacks a full run would use, so a full run could decide otherwise) or
+    "judgement" (no verdict could be reached). ``level``: where privacy binds, the least any defended setting
+    leaks ("labels": each leaks at least the labels, none need leak individuals)."""
 
     setting: str | None
     verdict: str | None
@@ -316,6 +338,7 @@ class Decision:
     accuracy_ci: list[float] | None
     binds: str | None
     reason: str
+    level: str | None = None
 
 
 @dataclass(frozen=True)
@@ -410,13 +433,20 @@ class Summary:
         record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         record.update(verdict_options=dataclasses.asdict(self.verdict_options),
                       leak_threshold=None if self.leak_threshold is None else self.leak_threshold.to_json(),
-                      utility={k: _record(u) for k, u in self.utility.items()}, decision=_record(self.decision),
+                      utility={k: _record(u) for k, u in self.utility.items()}, decision=self._decision(),
                       **{k: [x.to_json() if hasattr(x, "to_json") else _record(x) for x in getattr(self, k)]
                          for k in ("cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "frontier")})
         if self.label_threshold is None:
             del record["label_threshold"]
         else:
             record["label_threshold"] = self.label_threshold.to_json()
+        return record
+
+    def _decision(self) -> dict[str, Any] | None:
+        """The decision as summary.json holds it (its level only where privacy binds on one)."""
+        record = _record(self.decision)
+        if record is not None and record["level"] is None:
+            del record["level"]
         return record
 
     @classmethod

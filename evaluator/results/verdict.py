@@ -219,7 +219,8 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
         evidence += f"; {runner_up.attack} is close behind (the intervals overlap)"
     if top.identifiable is not None and top.identifiable_n and options.get("batch_size", 1) == 1:
         evidence += (f"; {top.identifiable:.0%} of its reconstructions are nearest their own original "
-                     f"(a guess: about {1 / top.identifiable_n:.0%})")
+                     f"(a guess: about {1 / top.identifiable_n:.0%}"
+                     + ("" if top.decoy_p is None else f"; p = {top.decoy_p:.2g} for one that knows the classes") + ")")
     elif top.decoy_hits is not None:
         evidence += (f"; it names {top.decoy_hits} of its {top.identifiable_n} originals among decoys of their "
                      f"classes (p = {top.decoy_p:.2g})")
@@ -228,13 +229,15 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
                threshold=None if threshold is None else threshold.value, accuracy=accuracy, min_accuracy=needed,
                still_improving=top.still_improving,
                settling_iterations=settling_budget(top.iterations) if top.still_improving else None)
-    named = identified(cells, name, options)
+    identifier, named = identified(cells, name, options)
     if threshold is None:
         if named is not None:
             return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, reason=f"{evidence}; {named}")
         return StepVerdict(**out, verdict=None, reason=f"not judged: no guess without the gradient scores {name}")
     beats = metric.better(value, threshold.value)
     bar = _bar(threshold, metric)
+    doubt = _borderline(metric, top, ((threshold, "the leak threshold"), (labels_bar, "the bar of a leak of labels")),
+                        options)
     if beats and threshold.missing and named is None:
         return StepVerdict(**out, verdict=INCONCLUSIVE, alone=LEAKS, reason=(
             f"{evidence}; its {what} beats the leak threshold {bar}, but the {' and '.join(threshold.missing)} "
@@ -242,17 +245,21 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
             f"the other guesses alone ({threshold.guess} the best) and a reconstruction no closer than the data's "
             "mean image would pass it; give the attacker data of its own (a monitor's prior=) to settle it"))
     if beats:
-        return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS,
+        at_chance = None if named is not None else _identified_at_chance(top, options)
+        return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, borderline=_joined(doubt, at_chance),
                            reason=f"{evidence}; its {what} beats the leak threshold {bar}")
     if named is not None:
-        return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, reason=(
-            f"{evidence}; its {what} does not beat the leak threshold {bar}, but {named}"))
+        assert identifier is not None, "an identification names its attack"
+        weak, vouches = _weak(metric, identifier, value, threshold, labels_bar, options, what)
+        return StepVerdict(**out, verdict=LEAKS, level=INDIVIDUALS, weak=weak, vouches=vouches, borderline=doubt,
+                           reason=f"{evidence}; its {what} does not beat the leak threshold {bar}, but {named}"
+                                  + (f"; a weak break: {weak}" if weak else ""))
     personal = _personal_values(cells, options, name)
     if personal is not None:
         return StepVerdict(**out, verdict=LEAKS, level=PERSONAL, reason=(
             f"{evidence}; its {what} does not beat the leak threshold {bar}, but {personal}"))
     if labels_bar is not None and metric.better(value, labels_bar.value):
-        return StepVerdict(**out, verdict=LEAKS, level=LABELS, reason=(
+        return StepVerdict(**out, verdict=LEAKS, level=LABELS, borderline=doubt, reason=(
             f"{evidence}; its {what} beats the bar of the guesses that read nothing of the update, "
             f"{_bar(labels_bar, metric)}, but not the leak threshold of individuals, {bar}: each target's class "
             "mean given its label; and no attack names its originals among decoys of their classes: it shows the "
@@ -267,7 +274,7 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
         else:
             assert chance is not None, "needed is chance plus utility_margin here"
             base = f"chance {_fmt(chance)} + {_fmt(options['utility_margin'])}"
-        return StepVerdict(**out, verdict=UNUSABLE, level=NOTHING,
+        return StepVerdict(**out, verdict=UNUSABLE, level=NOTHING, borderline=doubt,
                            reason=f"{reason}{_still_improving(top)}; but test accuracy "
                                                            f"{accuracy:.3f} is under {needed:.3f} ({base})")
     reason += _still_improving(top)
@@ -277,7 +284,63 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
         reason += "; utility not judged (chance accuracy unknown for this run)"
     else:
         reason += f"; test accuracy {accuracy:.3f} is at least {needed:.3f}"
-    return StepVerdict(**out, verdict=PROTECTS, level=NOTHING, reason=reason)
+    if options.get("labels_granted"):
+        reason += "; nothing beyond what the threat model grants (the labels are given to the attacker)"
+    return StepVerdict(**out, verdict=PROTECTS, level=NOTHING, borderline=doubt, reason=reason)
+
+
+def _borderline(metric: Metric, top: CellResult, bars: tuple[tuple[LeakThreshold | None, str], ...],
+                options: dict[str, Any]) -> str | None:
+    """Why the strongest attack's interval leaves the verdict's level open: it straddles a bar between levels
+    (None where it clears them all)."""
+    lo, hi = top.scores[metric.name].ci or (None, None)
+    if lo is None or hi is None:
+        return None
+    for bar, what in bars:
+        if bar is not None and lo < bar.value < hi:
+            return (f"its {options['confidence']:.0%} interval, {_fmt(lo)} to {_fmt(hi)}, straddles {what} "
+                    f"{_fmt(bar.value)}")
+    return None
+
+
+def _identified_at_chance(top: CellResult, options: dict[str, Any]) -> str | None:
+    """Why a leak of individuals on the mean alone is borderline: the strongest attack's reconstructions name their
+    originals no better than chance (one image per update: no more than 1 in N; batches: p at least 0.5 under the
+    null that they know only the classes); None where they do, or where it was not measured."""
+    n = top.identifiable_n
+    if options.get("batch_size", 1) == 1:
+        share = top.identifiable
+        if share is None or n < 2 or math.isnan(share) or (
+                share > 1 / n if top.decoy_p is None else top.decoy_p < 0.5):
+            return None
+        return f"its identification is at chance ({share:.0%} nearest their own original; a guess: about {1 / n:.0%})"
+    if top.decoy_p is None or top.decoy_p < 0.5:
+        return None
+    return (f"its identification is at chance ({top.decoy_hits} of {n} originals named among decoys of their "
+            f"classes, p = {top.decoy_p:.2g})")
+
+
+def _weak(metric: Metric, identifier: CellResult, top_value: float, threshold: LeakThreshold,
+          labels_bar: LeakThreshold | None, options: dict[str, Any], what: str) -> tuple[str | None, str | None]:
+    """Whether a leak of individuals through identification alone is weak, and then the level it vouches for as a
+    reference: weak where the identifying attack's reconstructions are no closer than the guesses that read nothing
+    of the update (the bar of a leak of labels; the leak threshold where no labels are to be leaked), so that it
+    vouches for the labels where the strongest attack beats their bar, else for nothing. (None, None): strong."""
+    bar = labels_bar or threshold
+    scores = identifier.scores[metric.name]
+    assert scores.mean is not None and scores.ci is not None, "judged cells scored the metric"
+    own = scores.mean if options["statistic"] == "mean" else leak_side(metric, scores.ci)
+    if metric.better(own, bar.value):
+        return None, None
+    words = (f"{identifier.attack} names its originals, but its {what} {_fmt(own)} does not beat the guesses that "
+             f"read nothing of the update ({_bar(bar, metric)}), so it vouches for no \"protects\" of individuals")
+    return words, LABELS if labels_bar is not None and metric.better(top_value, labels_bar.value) else NOTHING
+
+
+def _joined(*parts: str | None) -> str | None:
+    """The parts that are said, joined by semicolons (None where none is)."""
+    said = [p for p in parts if p]
+    return "; ".join(said) if said else None
 
 
 def _personal_values(cells: list[CellResult], options: dict[str, Any], metric: str) -> str | None:
@@ -324,22 +387,34 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
     if unread:
         return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
             f"{unread}. Judged alone: {verdict.verdict}: {verdict.reason}"))
-    if reference is not None and reference.verdict == LEAKS and reference.level == LABELS:
+    vouched = vouched_level(reference)
+    weakly = "" if reference is None or not reference.weak else (
+        f" (it breaks it at the level of individuals only weakly: {reference.weak})")
+    if vouched == LABELS:
         # the attacks reach only the undefended update's classes: a "protects" stands for the labels alone
+        assert reference is not None, "a level is vouched for by a reference"
         return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
             f"protects labels, calibrated by {reference.attack}, which reaches the labels of the undefended update at "
-            f"this step ({reference.setting}: {_fmt(reference.score)}); but no attack broke the undefended update at "
-            "the level of individuals (no reconstruction closer than each target's class mean, none named among "
-            "decoys of its class), so whether it protects individuals is inconclusive; to settle it: more "
-            "iterations, a tuned search (tune:) or a stronger attack, until the undefended update leaks individuals"
+            f"this step ({reference.setting}: {_fmt(reference.score)}){weakly}; but no attack broke the undefended "
+            "update at the level of individuals with a margin (no reconstruction closer than each target's class "
+            "mean, none named among decoys of its class by reconstructions closer than the guesses), so whether it "
+            "protects individuals is inconclusive; to settle it: more iterations, a tuned search (tune:) or a "
+            "stronger attack, until the undefended update leaks individuals"
             + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else "")
             + f". Judged alone: {verdict.verdict}: {verdict.reason}"))
-    if reference is not None and reference.verdict == LEAKS:
+    if vouched is not None and vouched != NOTHING:
+        assert reference is not None, "a level is vouched for by a reference"
         if reference.setting == verdict.setting:
             return verdict
         return dataclasses.replace(verdict, calibrated_by=reference.attack, reason=(
             f"{verdict.reason}; calibrated by {reference.attack}, which breaks the undefended update at this step "
-            f"at the level of {reference.level or INDIVIDUALS} ({reference.setting}: {_fmt(reference.score)})"))
+            f"at the level of {vouched} ({reference.setting}: {_fmt(reference.score)})"))
+    if reference is not None and reference.weak:
+        fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended "
+               "update leaks" + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else ""))
+        return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
+            f"the attacks broke the undefended update at this step only weakly ({reference.setting}: "
+            f"{reference.weak}); {fix}. Judged alone: {verdict.verdict}: {verdict.reason}"))
     if reference is None:
         why = "no attack ran on the undefended update at this step, so the attacks' strength is unknown"
     elif reference.setting == verdict.setting:
@@ -355,12 +430,22 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
                                reason=f"{why}; {fix}. Judged alone: {verdict.verdict}: {verdict.reason}")
 
 
-def identified(cells: list[CellResult], metric: str, options: dict[str, Any]) -> str | None:
-    """Why the reconstructions identify their originals (None when they do not): some attack's share of
-    reconstructions nearest their own original reaches ``identifiable`` and beats the 1-in-N chance of a guess
-    (one-sided binomial test at the verdict's confidence)."""
-    if options.get("identifiable") is None:
+def vouched_level(reference: StepVerdict | None) -> str | None:
+    """The level at which a reference's verdict vouches for a "protects" of the settings it calibrates: the level it
+    leaks at, or for a weak break (identification by reconstructions no closer than the guesses) the labels or
+    nothing; None where it does not leak."""
+    if reference is None or reference.verdict != LEAKS:
         return None
+    return reference.vouches or reference.level or INDIVIDUALS
+
+
+def identified(cells: list[CellResult], metric: str,
+               options: dict[str, Any]) -> tuple[CellResult | None, str | None]:
+    """The cell of the attack whose reconstructions identify their originals, and why ((None, None) when none
+    does): some attack's share of reconstructions nearest their own original reaches ``identifiable`` and
+    beats the 1-in-N chance of a guess (one-sided binomial test at the verdict's confidence)."""
+    if options.get("identifiable") is None:
+        return None, None
     if options.get("batch_size", 1) > 1:
         return _named_among_decoys(cells, options)
     for c in sorted(cells, key=lambda c: -(c.identifiable or 0)):
@@ -368,31 +453,32 @@ def identified(cells: list[CellResult], metric: str, options: dict[str, Any]) ->
         if share is None or n < 2 or math.isnan(share):
             continue
         if share < options["identifiable"]:
-            return None  # the cells are in decreasing share: none of the rest reaches it either
+            return None, None  # the cells are in decreasing share: none of the rest reaches it either
         hits = round(share * n)
-        p = _binomial_p(hits, n, 1 / n)
+        # against a guess that knows the classes where the run measured it, else 1 in N
+        p, guess = ((c.decoy_p, "a guess that knows the classes") if c.decoy_p is not None
+                    else (_binomial_p(hits, n, 1 / n), f"a guess: 1 in {n}"))
         if p < 1 - options["confidence"]:
-            return (f"{c.attack} identifies {hits} of {n} {options.get('unit', 'image')}s (each reconstruction "
-                    "nearest its own original; "
-                    f"a guess: 1 in {n}, binomial p = {p:.2g}), at least the {options['identifiable']:.0%} "
-                    "the verdict allows")
-    return None
+            return c, (f"{c.attack} identifies {hits} of {n} {options.get('unit', 'image')}s (each reconstruction "
+                       f"nearest its own original; {guess}, p = {p:.2g}), at least the {options['identifiable']:.0%} "
+                       "the verdict allows")
+    return None, None
 
 
-def _named_among_decoys(cells: list[CellResult], options: dict[str, Any]) -> str | None:
+def _named_among_decoys(cells: list[CellResult], options: dict[str, Any]) -> tuple[CellResult | None, str | None]:
     """``identified`` for batches: some attack names at least ``identifiable`` of the originals among same-class
     decoys, beyond what the batch's classes explain (``decoy_test`` at the verdict's confidence)."""
     for c in sorted(cells, key=lambda c: -(c.decoy_hits or 0)):
         if c.decoy_hits is None or c.decoy_p is None or not c.identifiable_n:
             continue
         if c.decoy_hits / c.identifiable_n < options["identifiable"]:
-            return None  # in decreasing hits: none of the rest reaches it either
+            return None, None  # in decreasing hits: none of the rest reaches it either
         if c.decoy_p < 1 - options["confidence"]:
-            return (f"{c.attack} names {c.decoy_hits} of {c.identifiable_n} originals among up to "
+            return c, (f"{c.attack} names {c.decoy_hits} of {c.identifiable_n} originals among up to "
                     f"{DECOYS_PER_IMAGE} decoys of each one's class (nearest of its update's images and their decoys; "
                     f"p = {c.decoy_p:.2g} where the reconstructions know only the classes), at least the "
                     f"{options['identifiable']:.0%} the verdict allows")
-    return None
+    return None, None
 
 
 def beats_bound(share: float | None, n: int, bound: float | None, confidence: float,
@@ -532,12 +618,30 @@ def decoy_test(own: list[np.ndarray], decoys: list[np.ndarray], groups: list[lis
         hits += sum(1 for i in range(b) if i in named)
         for i, mine in enumerate(members):
             chances.append(sum(1 for m in [i, *(b + d for d in mine)] if m in named) / (1 + len(mine)))
+    return hits, len(chances), poisson_binomial_tail(chances, hits)
+
+
+def class_aware_test(distances: np.ndarray, labels: np.ndarray) -> tuple[int, int, float]:
+    """``decoy_test`` for one image per update, among the audit's targets: whether reconstructions (rows) are
+    nearest their own original (the diagonal) among all targets beyond what their classes explain. Under the null
+    that a reconstruction depends on its original only through its class (a class template, which the labels an
+    update shows or a threat model grants give away), the original is exchangeable with the other targets of its
+    class, so it is the nearest with probability at most one over their count. Returns (hits, targets, p-value)."""
+    others = distances + np.diag(np.full(len(distances), np.inf))
+    hits = int((np.diag(distances) < others.min(axis=1)).sum())
+    chances = [1 / int((labels == label).sum()) for label in labels.tolist()]
+    return hits, len(chances), poisson_binomial_tail(chances, hits)
+
+
+def poisson_binomial_tail(chances: list[float], hits: int) -> float:
+    """The chance of ``hits`` or more successes of independent draws that succeed with ``chances``: the exact upper
+    tail of the Poisson binomial distribution, built one draw at a time."""
     tail = np.zeros(len(chances) + 1)
     tail[0] = 1.0
-    for q in chances:  # the distribution of the number of hits, one original at a time
+    for q in chances:
         tail[1:] = tail[1:] * (1 - q) + tail[:-1] * q
         tail[0] *= 1 - q
-    return hits, len(chances), float(min(1.0, tail[hits:].sum()))
+    return float(min(1.0, tail[hits:].sum()))
 
 
 #: What ``--fail-on-leak`` fails on: each level, with the levels it takes in (individuals: their personal values
@@ -548,22 +652,38 @@ GATE_LEVELS = {INDIVIDUALS: (INDIVIDUALS, PERSONAL), LABELS: (INDIVIDUALS, PERSO
 def gate_failures(summary: Summary, allow_inconclusive: bool = False,
                   settings: Iterable[str] | None = None, fail_on: str = INDIVIDUALS) -> list[tuple[str, str]]:
     """``(kind, line)`` for each reason the gate fails: a checked setting (those marked ``must_protect``, or the
-    ``settings`` named) that leaks at a level ``fail_on`` takes in ("leak": individuals by default, labels too with
-    ``fail_on="labels"``; a leak of an older summary, which names no level, counts as one of individuals), could
-    not be judged ("unjudged") or is inconclusive ("inconclusive", unless allowed), and any setting whose attacks
-    beat the bound its privacy guarantee puts on them ("bound": the defense or its accounting is wrong). The gate
-    fails closed: a setting it cannot vouch for is not passed."""
+    ``settings`` named) that fails ``gate_reading`` at ``fail_on`` ("leak", "unjudged", "inconclusive" unless
+    allowed), and any setting whose attacks beat the bound its privacy guarantee puts on them ("bound": the defense
+    or its accounting is wrong). The gate fails closed: a setting it cannot vouch for is not passed."""
     named = None if settings is None else set(settings)
-    levels = GATE_LEVELS[fail_on]
     lines = []
     for w in summary.worst_case:
         checked = w.must_protect if named is None else w.setting in named
+        if not checked:
+            continue
         where = f"{w.setting} (must_protect)" if named is None else w.setting
-        if checked and w.verdict == LEAKS and (w.level or INDIVIDUALS) in levels:
-            lines.append(("leak", f"{where} leaks {w.level or INDIVIDUALS} at step {w.verdict_checkpoint}: {w.reason}"))
-        elif checked and w.verdict is None:
-            lines.append(("unjudged", f"{where} could not be judged: {w.reason}"))
-        elif checked and w.verdict == INCONCLUSIVE and not allow_inconclusive:
-            lines.append(("inconclusive", f"{where} is inconclusive at step {w.verdict_checkpoint}: {w.reason}"))
+        reading = gate_reading(w, fail_on)
+        if reading is None or (reading[0] == INCONCLUSIVE and allow_inconclusive):
+            continue
+        lines.append((reading[0], f"{where} {reading[1]}"))
     lines += [("bound", line) for line in summary.bound_violations]
     return lines
+
+
+def gate_reading(w: WorstCase, fail_on: str = INDIVIDUALS) -> tuple[str, str] | None:
+    """The one level rule that the gate (``--fail-on-leak``, ``assert_protects``) and the decision read: None where
+    a setting passes at ``fail_on``, else ``(kind, words)``: "leak" where it leaks at a level ``fail_on`` takes in
+    (``GATE_LEVELS``; a leak of an older summary, which names no level, counts as one of individuals); "unjudged";
+    "inconclusive" where it is, or where it leaks a lesser level that a run with the attacks the budget cut could
+    find to be one ``fail_on`` takes in."""
+    level = w.level or INDIVIDUALS
+    if w.verdict == LEAKS and level in GATE_LEVELS[fail_on]:
+        return "leak", f"leaks {level} at step {w.verdict_checkpoint}: {w.reason}"
+    if w.verdict == LEAKS and w.budget:
+        return INCONCLUSIVE, (f"leaks {level} at step {w.verdict_checkpoint}, and whether it leaks {fail_on} is "
+                              f"inconclusive: {w.budget}")
+    if w.verdict is None:
+        return "unjudged", f"could not be judged: {w.reason}"
+    if w.verdict == INCONCLUSIVE:
+        return INCONCLUSIVE, f"is inconclusive at step {w.verdict_checkpoint}: {w.reason}"
+    return None

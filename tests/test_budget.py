@@ -224,3 +224,111 @@ def test_an_attacks_cached_cost_is_keyed_by_its_code():
     digest = est.code_of(LearningToInvert)
     assert digest == hashlib.sha256(open(inspect.getsourcefile(LearningToInvert), "rb").read()).hexdigest()[:16]
     assert digest != est.code_of(CINet) and est.code_of(int) == ""
+
+
+@pytest.mark.slow
+def test_settling_and_a_budget_never_give_a_kinder_verdict_than_the_full_run(write_audit, tmp_path, capsys):
+    """The same audit in full, settled (attacks stop once a step's verdict cannot change) and under a budget whose
+    plan cut Inverting Gradients to 5 iterations and left out the Bayes adversary: settled, every verdict is the full
+    run's; budgeted, each verdict is the full run's or inconclusive, never kinder at any level of the gate. The noisy
+    setting, which only the Bayes adversary breaks beyond doubt, judged alone on what the budget ran would protect
+    (calibrated by the exact attack on the reference): it reads inconclusive (budget), and the decision ships
+    nothing and names the budget that settles it."""
+    from conftest import small_audit
+    from leakaudit.evaluator.cli import frontier_lines
+    from leakaudit.evaluator.results.verdict import kinder_than
+    from leakaudit.evaluator.run.runner import run_audit
+
+    spec = small_audit(model={"name": "mlp", "checkpoints": [0]},
+                       data={"dataset": "digits", "image_size": 8, "targets": 2, "batch_size": 1},
+                       defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 0.1}}],
+                       attacks=[{"name": "analytic"}, {"name": "inverting_gradients", "params": {"iterations": 300}},
+                                {"name": "bayes", "params": {"iterations": 300}}], metrics=["psnr", "label_accuracy"])
+    full = run_audit(load_audit(write_audit(spec)), tmp_path / "full", progress=False)
+    settled_audit = load_audit(write_audit(spec))
+    settled_audit.attack_choice = tuple(f"{a.label}: chosen" for a in settled_audit.attacks)  # as auto marks it
+    settled = run_audit(settled_audit, tmp_path / "settled", progress=False)
+    assert json.loads((tmp_path / "settled" / "run.json").read_text())["settled"]["skipped"]  # it did settle
+    cut = load_audit(write_audit({**spec, "budget": "1m"}))
+    est.apply_plan(cut, {"seconds": 60, "estimate": 150.0, "order": ["analytic", "inverting_gradients", "bayes"],
+                         "params": {"inverting_gradients": {"iterations": 5}},
+                         "dropped": {"bayes": "left out: it needs about 1 min 30 s even at 1/8 of its iterations"},
+                         "cut": ["inverting_gradients: iterations 300 -> 5", "bayes: left out"], "skipped": []})
+    budgeted = run_audit(cut, tmp_path / "budgeted", progress=False)
+    by_step = {(v.setting, v.checkpoint): v for v in full.verdicts}
+    assert {k: (v.verdict, v.level) for k, v in by_step.items()} == {
+        (v.setting, v.checkpoint): (v.verdict, v.level) for v in settled.verdicts}
+    for v in budgeted.verdicts:
+        assert v.verdict in (by_step[v.setting, v.checkpoint].verdict, "inconclusive"), v.reason
+        assert not kinder_than(v, by_step[v.setting, v.checkpoint])
+    noisy = next(v for v in budgeted.verdicts if v.setting == "gaussian(sigma=0.1)")
+    assert by_step[noisy.setting, 0].verdict == "leaks" and by_step[noisy.setting, 0].attack == "bayes"
+    assert (noisy.verdict, noisy.alone, noisy.calibrated_by) == ("inconclusive", "protects", "analytic")
+    assert noisy.budget == ("the budget of 1 min 00 s left out bayes and scaled down inverting_gradients (which at that "
+                            "scale did not break the undefended update at the level of individuals); a full run "
+                            "attacks this setting at step 0 with them, and takes about 2 min 30 s (budget: 3m, or none)")
+    assert kinder_than(dataclasses.replace(noisy, verdict="protects", level="nothing", budget=None),
+                       by_step[noisy.setting, 0])  # what the verdict would say without the rule
+    decision = budgeted.decision
+    assert decision.setting is None and decision.binds == "budget" and "(budget: 3m, or none)" in decision.reason
+    assert frontier_lines(budgeted)[-1].startswith("decision: none to ship (budget binds): the budget of 1 min 00 s "
+                                                   "cut attacks that the verdicts of gaussian(sigma=0.1) rest on")
+
+
+def _step(verdict: str, level: str | None):
+    from leakaudit.evaluator.results.types import StepVerdict
+
+    return StepVerdict(setting="gaussian(sigma=0.1)", defense="gaussian", checkpoint=0, attack="analytic", score=9.0,
+                       ci=[8.0, 10.0], statistic="mean", compared=9.0, threshold=14.0, accuracy=0.9,
+                       min_accuracy=0.5, still_improving=None, settling_iterations=None, verdict=verdict,
+                       reason="analytic reaches psnr 9", level=level)
+
+
+def test_a_budget_leaves_open_only_what_an_attack_it_cut_could_change(write_audit):
+    """budget_open on one setting's verdicts: a "protects" whose scaled attack still broke the reference at the
+    level of individuals stands; one with an attack left out is inconclusive (budget); a leak of labels says its
+    individuals are open (the gate at individuals reads it inconclusive, at labels a leak); a leak of individuals
+    is left as it is; a plan that cut nothing changes nothing. The decision ships nothing on an open verdict."""
+    from conftest import small_audit
+    from leakaudit.evaluator.results.summary import budget_open, decide
+    from leakaudit.evaluator.results.types import WorstCase
+    from leakaudit.evaluator.results.verdict import gate_reading
+
+    spec = small_audit(attacks=[{"name": "analytic"}, {"name": "inverting_gradients"}, {"name": "bayes"}],
+                       model={"name": "mlp", "checkpoints": [0]}, data={"dataset": "digits", "image_size": 8,
+                                                                        "targets": 2, "batch_size": 1})
+    plan = {"seconds": 60, "estimate": 150.0, "order": ["analytic", "inverting_gradients", "bayes"], "skipped": [],
+            "params": {"inverting_gradients": {"iterations": 5}}, "dropped": {}, "cut": ["inverting_gradients: ..."]}
+    audit = load_audit(write_audit(spec))
+    setting = audit.settings[1]
+    same = budget_open(audit, setting, _step("protects", "nothing"), lambda label, step: True)
+    assert same == _step("protects", "nothing")  # no plan: nothing cut
+    est.apply_plan(audit, plan)
+    assert budget_open(audit, setting, _step("protects", "nothing"), lambda label, step: True) == same
+    opened = budget_open(audit, setting, _step("protects", "nothing"), lambda label, step: False)
+    assert (opened.verdict, opened.alone, opened.level) == ("inconclusive", "protects", None)
+    assert opened.reason.startswith("inconclusive (budget): the budget of 1 min 00 s scaled down inverting_gradients")
+    dropped = load_audit(write_audit(spec))
+    est.apply_plan(dropped, {**plan, "params": {}, "dropped": {"bayes": "left out"}, "cut": ["bayes: left out"]})
+    assert [a.label for a in dropped.budget_left_out] == ["bayes"]
+    left = budget_open(dropped, dropped.settings[1], _step("protects", "nothing"), lambda label, step: True)
+    assert left.verdict == "inconclusive" and "left out bayes;" in left.budget
+    labels = budget_open(audit, setting, _step("leaks", "labels"), lambda label, step: True)
+    assert (labels.verdict, labels.level) == ("leaks", "labels") and labels.budget
+    assert budget_open(audit, setting, _step("leaks", "individuals"), lambda label, step: False) == _step(
+        "leaks", "individuals")
+    case = WorstCase(defense="gaussian", setting=setting.key, params={}, baseline=False, reference=False, added=False,
+                     must_protect=True, accuracy=0.9, epsilon=None, identifiable=None, attack="analytic",
+                     checkpoint=0, scores={}, n=2, verdict="leaks", reason="r", verdict_checkpoint=0, level="labels",
+                     budget=labels.budget)
+    assert gate_reading(case)[0] == "inconclusive" and gate_reading(case, "labels")[0] == "leak"
+    protecting = dataclasses.replace(case, setting="prune", verdict="protects", level="nothing", budget=None)
+    shipped = decide([protecting], {}, 0.5, 0.95)
+    assert shipped.setting == "prune"
+    held = decide([protecting, dataclasses.replace(case, verdict="inconclusive", level=None)], {}, 0.5, 0.95,
+                  plan=plan)
+    assert held.setting is None and held.binds == "budget"
+    assert held.reason.startswith("prune protects at test accuracy 0.900 against the attacks as the budget ran them, "
+                                  "but the budget of 1 min 00 s cut attacks that the verdicts of gaussian(sigma=0.1) "
+                                  "rest on (inverting_gradients: ...)")
+    assert held.reason.endswith("run the audit in full, about 2 min 30 s (budget: 3m, or none), to settle it")

@@ -272,17 +272,16 @@ def _budget_binds(opened: list[WorstCase], protecting: list[WorstCase], plan: di
     setting that protects as the budget ran (if any) named, and the budget that runs the audit in full."""
     assert plan is not None, "only a budget's plan leaves a verdict open"
     full = f"about {duration_text(plan['estimate'])} (budget: {full_budget(plan)}, or none)"
-    names = ", ".join(w.setting for w in opened)
+    names = ", ".join(w.setting for w in opened) + f" rest on ({'; '.join(plan['cut'])})"
     if protecting:
         best, interval = most_accurate(protecting)
         head = (f"{best.setting} protects at test accuracy {_acc(best.accuracy)} against the attacks as the budget ran "
-                f"them, but the budget of {duration_text(plan['seconds'])} cut attacks that the verdicts of {names} "
-                "rest on")
+                f"them, but the budget of {duration_text(plan['seconds'])} cut attacks that the verdicts of {names}")
         return Decision(None, None, best.accuracy, interval, "budget",
                         f"{head}, so a full run could ship another setting or none; run the audit in full, {full}, "
                         "to settle it")
     return Decision(None, None, None, None, "budget",
-                    f"the budget of {duration_text(plan['seconds'])} cut attacks that the verdicts of {names} rest on, "
+                    f"the budget of {duration_text(plan['seconds'])} cut attacks that the verdicts of {names}, "
                     f"so a full run could find one that protects, or none; run the audit in full, {full}, to settle it")
 
 
@@ -310,14 +309,13 @@ def budget_open(audit: Audit, setting, verdict: StepVerdict, breaks_at_scale) ->
         scaled = [label for label in scaled if not breaks_at_scale(label, step)]
     if not left_out and not scaled:
         return verdict
-    words = (f"the budget of {duration_text(plan['seconds'])} "
-             + " and ".join(part for part in (
-                 f"left out {', '.join(left_out)}" if left_out else "",
-                 f"scaled down {', '.join(scaled)}" + (", which at that scale did not break the undefended update at "
-                                                       "the level of individuals" if verdict.verdict != LEAKS else "")
-                 if scaled else "") if part)
-             + f", which a full run attacks this setting with at step {step}; the audit in full takes about "
-               f"{duration_text(plan['estimate'])} (budget: {full_budget(plan)}, or none)")
+    done = " and ".join(part for part in (
+        f"left out {', '.join(left_out)}" if left_out else "",
+        f"scaled down {', '.join(scaled)}" + (" (which at that scale did not break the undefended update at the level "
+                                              "of individuals)" if verdict.verdict != LEAKS else "") if scaled else "")
+        if part)
+    words = (f"the budget of {duration_text(plan['seconds'])} {done}; a full run attacks this setting at step {step} "
+             f"with them, and takes about {duration_text(plan['estimate'])} (budget: {full_budget(plan)}, or none)")
     if verdict.verdict in (PROTECTS, UNUSABLE):
         return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, budget=words,
                                    reason=f"inconclusive (budget): {words}. Judged with the attacks as the budget ran "

@@ -670,20 +670,27 @@ def gate_failures(summary: Summary, allow_inconclusive: bool = False,
     return lines
 
 
-def gate_reading(w: WorstCase, fail_on: str = INDIVIDUALS) -> tuple[str, str] | None:
+def kinder_than(a: WorstCase | StepVerdict, b: WorstCase | StepVerdict) -> bool:
+    """Whether verdict ``a`` passes the gate at some level where ``b`` of the same setting fails it: what a run cut
+    short (a budget, settling) must never be against a fuller run of the same file. Moving toward inconclusive is
+    never kinder (the gate fails an inconclusive setting)."""
+    return any(gate_reading(a, level) is None and gate_reading(b, level) is not None for level in GATE_LEVELS)
+
+
+def gate_reading(w: WorstCase | StepVerdict, fail_on: str = INDIVIDUALS) -> tuple[str, str] | None:
     """The one level rule that the gate (``--fail-on-leak``, ``assert_protects``) and the decision read: None where
     a setting passes at ``fail_on``, else ``(kind, words)``: "leak" where it leaks at a level ``fail_on`` takes in
     (``GATE_LEVELS``; a leak of an older summary, which names no level, counts as one of individuals); "unjudged";
     "inconclusive" where it is, or where it leaks a lesser level that a run with the attacks the budget cut could
     find to be one ``fail_on`` takes in."""
     level = w.level or INDIVIDUALS
+    step = w.checkpoint if isinstance(w, StepVerdict) else w.verdict_checkpoint
     if w.verdict == LEAKS and level in GATE_LEVELS[fail_on]:
-        return "leak", f"leaks {level} at step {w.verdict_checkpoint}: {w.reason}"
+        return "leak", f"leaks {level} at step {step}: {w.reason}"
     if w.verdict == LEAKS and w.budget:
-        return INCONCLUSIVE, (f"leaks {level} at step {w.verdict_checkpoint}, and whether it leaks {fail_on} is "
-                              f"inconclusive: {w.budget}")
+        return INCONCLUSIVE, f"leaks {level} at step {step}, and whether it leaks {fail_on} is inconclusive: {w.budget}"
     if w.verdict is None:
         return "unjudged", f"could not be judged: {w.reason}"
     if w.verdict == INCONCLUSIVE:
-        return INCONCLUSIVE, f"is inconclusive at step {w.verdict_checkpoint}: {w.reason}"
+        return INCONCLUSIVE, f"is inconclusive at step {step}: {w.reason}"
     return None

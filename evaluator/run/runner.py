@@ -328,8 +328,8 @@ def settled_steps(folder: RunFolder, written: list[Row], baselines: dict) -> tup
         return set(), set()
     summary = judged(folder, rows, folder.utility.read(), baselines, folder.read_json(RUN_INFO) or {})
     leaks = {(v.setting, v.checkpoint) for v in summary.verdicts if v.verdict == "leaks" and v.level == "individuals"}
-    vouched = {(v.setting, v.checkpoint) for v in summary.verdicts
-               if v.verdict == "leaks" or v.calibrated_by is not None}
+    vouched = {(v.setting, v.checkpoint) for v in summary.verdicts  # a budget-open "protects" may need the reference's
+               if v.verdict == "leaks" or (v.calibrated_by is not None and not v.budget)}  # scaled attack to stand
     return leaks, vouched
 
 

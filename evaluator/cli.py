@@ -363,7 +363,9 @@ def cmd_run(args) -> int:
     from leakaudit.evaluator.audit.types import as_dict
     from leakaudit.evaluator.run.estimate import estimate_wanted
     from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.results.rundir import RunFolder
     from leakaudit.evaluator.run.runner import run_audit
+    from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     budget_problems: list[str] = []
     budget = None if args.budget is None else check_budget(args.budget, budget_problems, "--budget")
@@ -379,6 +381,8 @@ def cmd_run(args) -> int:
         audit.budget = budget
     if problems:
         return _fail(problems)
+    RunFolder(args.out, audit).check(args.resume)  # every check of the command line and the file before the estimate
+    check_scenario(Scenario(audit))
     estimate = None
     if not args.resume and estimate_wanted(audit):  # a resumed run keeps the plan it started with
         from leakaudit.evaluator.audit.budget import budget_lines

@@ -538,10 +538,53 @@ def test_compile_without_a_cpp_compiler_is_one_line_before_any_work(write_audit,
     assert _one_line(capsys, path).startswith("compile: true needs a C++ compiler on a CPU")
 
 
-def test_an_out_folder_name_too_long_is_one_line_naming_out(write_audit, tmp_path, capsys):
+def _no_estimate(monkeypatch) -> None:
+    """The time estimate asked for, as a user's run asks, and failing the test if it is made."""
+    from leakaudit.evaluator.run import estimate
+
+    monkeypatch.setenv("LEAKAUDIT_ESTIMATE", "1")
+    monkeypatch.setattr(estimate, "plan_and_estimate", lambda *a, **k: pytest.fail("estimated before the check"))
+
+
+def test_an_out_folder_name_too_long_is_one_line_naming_out_before_the_estimate(write_audit, tmp_path, capsys,
+                                                                                 monkeypatch):
+    _no_estimate(monkeypatch)
     path = write_audit(small_audit(defenses=[{"name": "none"}]))
     long = tmp_path / ("r" * 300)
     assert main(["run", str(path), "--out", str(long), "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"leakaudit: error: --out: {'r' * 40}...: a folder name of 300 bytes, over the 255 a file system "
-                   "allows; choose a shorter --out"]
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        f"leakaudit: error: --out: {'r' * 40}...: a folder name of 300 bytes, over the 255 a file system allows; "
+        "choose a shorter --out"] and not captured.out
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("held", "already holds a run; pass --resume to continue it"),
+    ("changed", "differs from the audit first run in"),
+    ("file", "is a file, not a folder; choose a folder"),
+])
+def test_an_unusable_out_is_one_line_before_the_estimate(case, expected, write_audit, tmp_path, capsys, monkeypatch):
+    _no_estimate(monkeypatch)
+    path = write_audit(small_audit(defenses=[{"name": "none"}]))
+    out = tmp_path / "run"
+    if case == "file":
+        out.write_text("notes")
+    else:
+        out.mkdir()
+        (out / "audit.yaml").write_text(path.read_text().replace("seed: 0", "seed: 1") if case == "changed"
+                                        else path.read_text())
+    resume = ["--resume"] if case == "changed" else []
+    assert main(["run", str(path), "--out", str(out), "--no-progress", *resume]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("leakaudit: error: --") \
+        and not captured.out
+
+
+def test_more_targets_than_the_test_split_is_one_line_before_the_estimate(write_audit, tmp_path, capsys,
+                                                                           monkeypatch):
+    _no_estimate(monkeypatch)
+    path = write_audit(_with("data.targets", 5000))
+    assert main(["run", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    assert _one_line(capsys, path).startswith("data.targets: 5000 targets requested but") \
+        and not (tmp_path / "run").exists()

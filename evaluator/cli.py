@@ -260,6 +260,8 @@ def cmd_validate(args) -> int:
               f"budgets for {audit.torch_device().type} (list them under attacks: to pin the choice):")
         for line in audit.attack_choice:
             print(f"    {line}")
+    for line in audit.notes:
+        print(f"  note: {line}")
     function = getattr(audit.protocol, "function", None)
     factories = [s for s in (audit.data.factory, audit.model.name, function if isinstance(function, str)
                              else None, *(st.model.name for st in audit.settings if st.model)) if s and ":" in s]
@@ -383,6 +385,8 @@ def cmd_run(args) -> int:
         return _fail(problems)
     RunFolder(args.out, audit).check(args.resume)  # every check of the command line and the file before the estimate
     check_scenario(Scenario(audit))
+    for line in audit.notes:
+        print(f"leakaudit: note: {line}", file=sys.stderr)
     estimate = None
     if not args.resume and estimate_wanted(audit):  # a resumed run keeps the plan it started with
         from leakaudit.evaluator.audit.budget import budget_lines

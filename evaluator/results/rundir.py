@@ -191,8 +191,10 @@ class RunFolder:
             raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
                            f"(saved as {saved}); choose another --out")
         existing = next(p for p in (self.path.absolute(), *self.path.absolute().parents) if p.exists())
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise RunError(f"--out: cannot write to {self.path}: {existing} is not writable; choose a writable folder")
+        why = "Not a directory" if not existing.is_dir() else None if os.access(existing, os.W_OK | os.X_OK) \
+            else "Permission denied"  # as mkdir would say, before any work
+        if why:
+            raise RunError(f"--out: cannot write to {self.path}: {why}; choose a writable folder")
 
     def prepare(self, resume: bool) -> None:
         """The folder made, after ``check``, and the audit file saved in it."""

@@ -13,7 +13,6 @@ import bisect
 from typing import Any, Callable, ClassVar
 
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 from torch.func import functional_call
 from typing_extensions import Self
@@ -92,7 +91,10 @@ def local_epochs(threat: ThreatModel) -> int:
 
 def merged_copies(copies: Tensor, labels: Tensor) -> Tensor:
     """Each image's copies averaged: every later epoch's copies matched to the first epoch's by an exact
-    assignment within a label (scipy's), once, after the optimisation."""
+    assignment within a label (scipy's, imported here: listing the plugins must not load it), once, after the
+    optimisation."""
+    from scipy.optimize import linear_sum_assignment
+
     if len(copies) < 2:
         return copies[0]
     costs = copy_costs(copies).masked_fill(~(labels[:, None] == labels[None, :]), float("inf"))

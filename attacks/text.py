@@ -308,8 +308,7 @@ class Dager(Attack):
         if model.depth < 3:
             # the last layer's gradient reaches each sequence through its one read position: its span is
             # too narrow to hold every position's input
-            return (f"{self.name} reads the second layer's span, which needs a layer after it: the model has "
-                    f"{model.depth}")
+            return f"{self.name} needs at least 3 transformer blocks; this model has {model.depth}"
         return not_one_step(protocol, batch_size, self.name)
 
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:

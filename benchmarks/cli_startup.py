@@ -4,7 +4,7 @@ torch cannot go under; and an audit's fixed cost: a run of one target and one at
     python benchmarks/cli_startup.py [--repeat 5]
 
 Prints, per command, the median wall time of ``--repeat`` runs, its excess over ``import torch``, and which heavy
-modules it imported (torch, matplotlib, the runner). The audit rows run with the default workers, with
+modules it imported (torch, matplotlib, scipy, the runner). The audit rows run with the default workers, with
 ``--workers 1``, with an empty analysis cache (the first audit of a model), with ``architecture: true`` (the
 exact ranks of the report's architecture analysis, on an empty cache) and with a ``factory:`` model. Run it
 alone on the machine: other work in parallel inflates every figure.
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = ("import sys, runpy; sys.argv = ['leakaudit', *{args!r}]\n"
          "try:\n    runpy.run_module('leakaudit', run_name='__main__')\n"
          "except SystemExit:\n    pass\n"
-         "heavy = [m for m in ('torch', 'matplotlib', 'leakaudit.evaluator.run.runner') if m in sys.modules]\n"
+         "heavy = [m for m in ('torch', 'matplotlib', 'scipy', 'leakaudit.evaluator.run.runner') if m in sys.modules]\n"
          "print('IMPORTED:' + ','.join(heavy), file=sys.stderr)")
 COMMANDS = {
     "import torch": None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Any, Iterator, Sequence, cast
 
 import torch
@@ -109,7 +110,9 @@ class DPSGD(Defense):
                             generator=run.batch_generator)
         from opacus import PrivacyEngine
 
-        engine = PrivacyEngine(accountant=self.accountant)
+        with warnings.catch_warnings():  # its draws are the audit's seeded ones by design: nothing to act on
+            warnings.filterwarnings("ignore", "Secure RNG turned off", UserWarning)
+            engine = PrivacyEngine(accountant=self.accountant)
         model.train()
         hooks, optimiser, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(trainable(model), lr=run.lr, momentum=run.momentum),

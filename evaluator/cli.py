@@ -68,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                                           "runs no code of yours unless --import")
     val.add_argument("config", help="audit YAML file")
     val.add_argument("--import", dest="import_code", action="store_true",
-                     help="import the modules that factory: and protocol.function name and check the names are "
-                          "callable (without it they are only found on the import path)")
+                     help="import and call the factories that factory: names and import protocol.function, as run "
+                          "does before any work (no training), so that attacks: auto's choice and the time estimate "
+                          "are the run's (without it they are only found on the import path)")
     ana = sub.add_parser("analyse", help="the model's layer-wise rank deficiencies and security metric "
                                           "(Chen & Campbell 2022), before any attack")
     ana.add_argument("config", help="audit YAML file")
@@ -205,7 +206,7 @@ def cmd_init(args) -> int:
         from leakaudit.evaluator.audit.config import load_audit
 
         audit = load_audit(args.file or beside / f"{name}.yaml", args.plugins_dir, text=text, import_user_code=False)
-        for line in _forecast(audit):
+        for line in _forecast(audit, user_code=False):
             print(line, file=sys.stderr)
     return 0
 
@@ -244,10 +245,10 @@ def cmd_validate(args) -> int:
     from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     audit = load_audit(args.config, args.plugins_dir, import_user_code=args.import_code)
-    check_scenario(Scenario(audit), user_code=False)
+    check_scenario(Scenario(audit), user_code=args.import_code)
     from leakaudit.evaluator.audit.jobs import jobs_of
 
-    forecast = _forecast(audit)
+    forecast = _forecast(audit, user_code=args.import_code)
 
     counts = sorted({audit.num_batches_of(s) for s in audit.settings}) or [audit.num_batches]
     each = (f"{counts[0]} target batches each" if len(counts) == 1
@@ -255,19 +256,22 @@ def cmd_validate(args) -> int:
     jobs = jobs_of(audit)
     print(f"{args.config}: valid: {len(jobs)} attack jobs ({each}): "
           + "; ".join(_counted(audit, a) for a in audit.attacks))
+    function = getattr(audit.protocol, "function", None)
+    factories = [*_own_code(audit), *([function] if isinstance(function, str) else [])]
     if audit.attack_choice:
+        unbuilt = ("; your model is not built here, so some may not apply to it: `validate --import` builds it "
+                   "and chooses as run will" if _own_code(audit) and not args.import_code else "")
         print(f"  attacks: auto chose {len(audit.attacks)} of {len(audit.attack_choice)} registered attacks, at their "
-              f"budgets for {audit.torch_device().type} (list them under attacks: to pin the choice):")
+              f"budgets for {audit.torch_device().type} (list them under attacks: to pin the choice{unbuilt}):")
         for line in audit.attack_choice:
             print(f"    {line}")
-    function = getattr(audit.protocol, "function", None)
-    factories = [s for s in (audit.data.factory, audit.model.name, function if isinstance(function, str)
-                             else None, *(st.model.name for st in audit.settings if st.model)) if s and ":" in s]
+    for line in audit.notes:
+        print(f"  note: {line}")
     if factories:
-        how = ("imported, not called" if args.import_code else
+        how = ("imported and called, as run calls them (no training)" if args.import_code else
                "found on the import path, not imported: `validate --import` imports them and checks the names")
-        print(f"  user code {how}: {', '.join(dict.fromkeys(factories))} (run calls them and checks what they "
-              "return before any work)")
+        print(f"  user code {how}: {', '.join(factories)}"
+              + ("" if args.import_code else " (run calls them and checks what they return before any work)"))
     for spec in audit.frontiers:
         probes = most_probes(spec)
         per = sum(j.setting.key == spec.setting(spec.strong).key for j in jobs)
@@ -288,20 +292,26 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def _forecast(audit, workers: int | None = None) -> list[str]:
-    """The audit's time estimate on this machine (and under a budget, the plan it fits, applied to ``audit``), as
-    lines; one line saying why not where the audit's own factories would have to be called to measure it."""
-    from leakaudit.evaluator.audit.budget import budget_lines
-    from leakaudit.evaluator.run.estimate import estimate_wanted, plan_and_estimate
+def _own_code(audit) -> list[str]:
+    """The factories of the user's that building the audit's data and models calls."""
+    return list(dict.fromkeys(s for s in (audit.data.factory, audit.model.name,
+                                          *(st.model.name for st in audit.settings if st.model)) if s and ":" in s))
 
-    if not estimate_wanted(audit):
+
+def _forecast(audit, workers: int | None = None, user_code: bool = True) -> list[str]:
+    """The audit's time estimate on this machine (and under a budget, the plan it fits, applied to ``audit``), as
+    lines; one line saying why not where the audit's own factories would have to be called and ``user_code`` is
+    false."""
+    from leakaudit.evaluator.audit.budget import budget_lines
+    from leakaudit.evaluator.run import estimate as estimating
+
+    if not estimating.estimate_wanted(audit):
         return []
-    own = [s for s in (audit.data.factory, audit.model.name, *(st.model.name for st in audit.settings if st.model))
-           if s and ":" in s]
-    if own:
-        return [f"time: not estimated here: run calls your code ({', '.join(dict.fromkeys(own))}), measures it and "
-                "says so before work"]
-    estimate = plan_and_estimate(audit, workers)
+    own = _own_code(audit)
+    if own and not user_code:
+        return [f"time: not estimated here: it needs your code ({', '.join(own)}) called; `validate --import` "
+                "calls it and estimates, as run does before work"]
+    estimate = estimating.plan_and_estimate(audit, workers)
     return [*estimate.lines(), *(budget_lines(audit.budget_plan) if audit.budget_plan else [])]
 
 
@@ -363,7 +373,9 @@ def cmd_run(args) -> int:
     from leakaudit.evaluator.audit.types import as_dict
     from leakaudit.evaluator.run.estimate import estimate_wanted
     from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.results.rundir import RunFolder
     from leakaudit.evaluator.run.runner import run_audit
+    from leakaudit.evaluator.run.scenario import Scenario, check_scenario
 
     budget_problems: list[str] = []
     budget = None if args.budget is None else check_budget(args.budget, budget_problems, "--budget")
@@ -379,6 +391,10 @@ def cmd_run(args) -> int:
         audit.budget = budget
     if problems:
         return _fail(problems)
+    RunFolder(args.out, audit).check(args.resume)  # every check of the command line and the file before the estimate
+    check_scenario(Scenario(audit))
+    for line in audit.notes:
+        print(f"leakaudit: note: {line}", file=sys.stderr)
     estimate = None
     if not args.resume and estimate_wanted(audit):  # a resumed run keeps the plan it started with
         from leakaudit.evaluator.audit.budget import budget_lines

@@ -410,19 +410,50 @@ def test_many_problems_are_capped_with_a_count(write_audit, capsys):
     assert len(lines) == 21 and lines[-1] == "leakaudit: error: ... and 10 more problems"
 
 
-def test_validate_calls_no_factory(write_audit, tmp_path, capsys):
+def test_validate_calls_no_factory_unless_import_where_it_checks_as_run_does(write_audit, tmp_path, capsys):
     (tmp_path / "side_effect.py").write_text(
         "from pathlib import Path\n\ndef build(**_):\n    Path(__file__).with_name('called').write_text('x')\n")
     path = write_audit(_with("model", {"factory": "side_effect:build", "checkpoints": [0]}))
-    for extra in ([], ["--import"]):
-        assert main(["validate", str(path), *extra]) == 0
-        assert not (tmp_path / "called").exists()
-    out = capsys.readouterr().out
+    assert main(["validate", str(path)]) == 0
+    assert not (tmp_path / "called").exists()
     assert "user code found on the import path, not imported: `validate --import` imports them and checks the " \
-           "names: side_effect:build" in out and "user code imported, not called: side_effect:build" in out
+           "names: side_effect:build" in capsys.readouterr().out
+    refused = "model: side_effect:build: TypeError: model factory 'side_effect:build' returned NoneType, not a " \
+              "torch.nn.Module"
+    assert main(["validate", str(path), "--import"]) == 2 and (tmp_path / "called").exists()
+    assert _one_line(capsys, path) == refused
     assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
-    assert _one_line(capsys, path) == "model: side_effect:build: TypeError: model factory 'side_effect:build' returned " \
-                                      "NoneType, not a torch.nn.Module"
+    assert _one_line(capsys, path) == refused
+
+
+def test_validate_import_lists_the_runs_attacks_and_estimates_a_factory_model(write_audit, tmp_path, capsys,
+                                                                                monkeypatch):
+    """A CNN of the user's: auto's list is the one run chooses on the built model (no analytic, no SPEAR), and the
+    estimate is made of it, not skipped."""
+    from leakaudit.evaluator.audit.config import load_audit
+    from leakaudit.evaluator.run import estimate
+
+    (tmp_path / "tiny_cnn.py").write_text(
+        "from torch import nn\n\ndef build(num_classes=10):\n    return nn.Sequential(nn.Conv2d(1, 4, 5, padding=2), "
+        "nn.Sigmoid(), nn.Flatten(), nn.Linear(4 * 16 * 16, num_classes))\n")
+    path = write_audit({**_with("model", {"factory": "tiny_cnn:build", "checkpoints": [0]}), "attacks": "auto"})
+    estimated = []
+
+    class Stub:
+        def lines(self):
+            return ["estimated time on this machine: stub"]
+
+    monkeypatch.setenv("LEAKAUDIT_ESTIMATE", "1")
+    monkeypatch.setattr(estimate, "plan_and_estimate", lambda audit, workers=None: estimated.append(
+        [a.name for a in audit.attacks]) or Stub())
+    assert main(["validate", str(path), "--import"]) == 0
+    chosen = [a.name for a in load_audit(path).attacks]  # what run loads
+    out = capsys.readouterr().out
+    assert "analytic" not in chosen and "spear" not in chosen and estimated == [chosen]
+    assert f"attacks: auto chose {len(chosen)} of " in out and "  estimated time on this machine: stub" in out
+    assert main(["validate", str(path)]) == 0  # without --import: neither, and it says why
+    out = capsys.readouterr().out
+    assert "your model is not built here" in out and "time: not estimated here" in out and len(estimated) == 1
 
 
 def test_validate_runs_no_user_code_at_import_unless_asked(write_audit, tmp_path, capsys):
@@ -431,7 +462,7 @@ def test_validate_runs_no_user_code_at_import_unless_asked(write_audit, tmp_path
                                         "def step(model, inputs, labels):\n    pass\n")
     path = write_audit(_with("protocol", {"name": "step", "function": "writes:step", "lr": 0.1}))
     assert main(["validate", str(path)]) == 0 and not (tmp_path / "ran").exists()
-    assert main(["validate", str(path), "--import"]) == 0 and (tmp_path / "ran").exists()
+    assert main(["validate", str(path), "--import"]) == 0 and (tmp_path / "ran").exists()  # as run imports it
     path = write_audit(_with("protocol", {"name": "step", "function": "nowhere_at_all.mod:step", "lr": 0.1}))
     assert main(["validate", str(path)]) == 2
     assert _one_line(capsys, path) == ("protocol.function: cannot import module 'nowhere_at_all.mod': "
@@ -538,10 +569,53 @@ def test_compile_without_a_cpp_compiler_is_one_line_before_any_work(write_audit,
     assert _one_line(capsys, path).startswith("compile: true needs a C++ compiler on a CPU")
 
 
-def test_an_out_folder_name_too_long_is_one_line_naming_out(write_audit, tmp_path, capsys):
+def _no_estimate(monkeypatch) -> None:
+    """The time estimate asked for, as a user's run asks, and failing the test if it is made."""
+    from leakaudit.evaluator.run import estimate
+
+    monkeypatch.setenv("LEAKAUDIT_ESTIMATE", "1")
+    monkeypatch.setattr(estimate, "plan_and_estimate", lambda *a, **k: pytest.fail("estimated before the check"))
+
+
+def test_an_out_folder_name_too_long_is_one_line_naming_out_before_the_estimate(write_audit, tmp_path, capsys,
+                                                                                 monkeypatch):
+    _no_estimate(monkeypatch)
     path = write_audit(small_audit(defenses=[{"name": "none"}]))
     long = tmp_path / ("r" * 300)
     assert main(["run", str(path), "--out", str(long), "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"leakaudit: error: --out: {'r' * 40}...: a folder name of 300 bytes, over the 255 a file system "
-                   "allows; choose a shorter --out"]
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        f"leakaudit: error: --out: {'r' * 40}...: a folder name of 300 bytes, over the 255 a file system allows; "
+        "choose a shorter --out"] and not captured.out
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("held", "already holds a run; pass --resume to continue it"),
+    ("changed", "differs from the audit first run in"),
+    ("file", "is a file, not a folder; choose a folder"),
+])
+def test_an_unusable_out_is_one_line_before_the_estimate(case, expected, write_audit, tmp_path, capsys, monkeypatch):
+    _no_estimate(monkeypatch)
+    path = write_audit(small_audit(defenses=[{"name": "none"}]))
+    out = tmp_path / "run"
+    if case == "file":
+        out.write_text("notes")
+    else:
+        out.mkdir()
+        (out / "audit.yaml").write_text(path.read_text().replace("seed: 0", "seed: 1") if case == "changed"
+                                        else path.read_text())
+    resume = ["--resume"] if case == "changed" else []
+    assert main(["run", str(path), "--out", str(out), "--no-progress", *resume]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("leakaudit: error: --") \
+        and not captured.out
+
+
+def test_more_targets_than_the_test_split_is_one_line_before_the_estimate(write_audit, tmp_path, capsys,
+                                                                           monkeypatch):
+    _no_estimate(monkeypatch)
+    path = write_audit(_with("data.targets", 5000))
+    assert main(["run", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    assert _one_line(capsys, path).startswith("data.targets: 5000 targets requested but") \
+        and not (tmp_path / "run").exists()

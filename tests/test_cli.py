@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT
 
 PROBE = ("import sys\nfrom leakaudit.evaluator.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
-         "print('IMPORTED:' + ','.join(m for m in ('torch', 'matplotlib', 'leakaudit.evaluator.run.runner') if m in sys.modules))")
+         "print('IMPORTED:' + ','.join(m for m in ('torch', 'matplotlib', 'scipy', 'leakaudit.evaluator.run.runner') "
+         "if m in sys.modules))")
 
 
 def _imported(argv: list[str]) -> str:
@@ -48,7 +49,7 @@ def test_the_listing_is_aligned_columns_people_read():
 
 
 @pytest.mark.slow
-def test_validate_and_plugins_import_neither_the_runner_nor_matplotlib():
+def test_validate_and_plugins_import_neither_the_runner_nor_matplotlib_nor_scipy():
     config = str(ROOT / "configs" / "quickstart.yaml")
     for argv in (["validate", config], ["plugins"]):
         assert _imported(argv) == "torch", argv

@@ -26,6 +26,19 @@ def test_quickstart_is_valid():
     assert audit.num_batches == 4 and audit.checkpoints == [0]
 
 
+def test_a_small_audit_without_metrics_leaves_lpips_out_with_a_note(write_audit, capsys):
+    plain = small_audit()
+    del plain["metrics"]
+    path = write_audit(plain)
+    audit = load_audit(path)
+    assert audit.metrics == ["psnr", "ssim", "mse", "label_accuracy"] and audit.leakage_metric == "psnr"
+    assert main(["validate", str(path)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert notes == ["  note: metrics: lpips left out of the default metrics: it needs images of at least 31 px and "
+                     "data.image_size is 16 (list it under metrics: at a larger image_size)"]
+    assert "lpips" in load_audit(write_audit({**plain, "data": {**plain["data"], "image_size": 32}}, "big.yaml")).metrics
+
+
 def test_misspelt_defense_names_the_choices(write_audit):
     path = write_audit(small_audit(defenses=[{"name": "gausian"}]))
     (line,) = problems(path)

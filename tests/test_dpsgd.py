@@ -167,6 +167,21 @@ def test_utility_training_is_opacus_privacy_engine_and_its_epsilon_is_the_report
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), rerun.parameters()))  # seeded: same model
 
 
+def test_utility_training_says_nothing_of_opacus_secure_rng(write_audit):
+    """Opacus's "Secure RNG turned off" is no advice for an audit, whose draws are seeded by design: it stays out of
+    the terminal (as warnings never raised)."""
+    import warnings
+
+    audit = load_audit(write_audit(small_audit(defenses=[{"name": "dpsgd", "params": {"noise_multiplier": 0.8}}],
+                                               utility={"train_steps": 2, "batch_size": 8})))
+    scenario, setting = Scenario(audit), audit.settings[0]
+    defense = scenario.defense(setting)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(defense.train(scenario.fresh_model(defense), training_run(scenario, setting, 2, defense)))
+    assert not [w for w in caught if "Secure RNG" in str(w.message)]
+
+
 @pytest.mark.parametrize("protocol", ["fedavg", {"name": "step", "function": "conftest:small_audit", "lr": 0.1}])
 def test_dpsgd_outside_fedsgd_is_refused_before_any_work(protocol, write_audit, capsys):
     audit = small_audit(defenses=[{"name": "dpsgd"}], protocol=protocol)

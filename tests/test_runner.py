@@ -140,6 +140,20 @@ def test_resume_recomputes_only_missing_rows(write_audit, tmp_path, monkeypatch)
     assert _numbers(_rows(out)) == _numbers(full)
 
 
+def test_resume_says_in_one_line_what_it_reused(write_audit, tmp_path, capsys):
+    audit = load_audit(write_audit(small_audit(defenses=[{"name": "none"}])))
+    out = tmp_path / "out"
+    run_audit(audit, out, resume=True, progress=False)  # --resume on an empty folder: a fresh start
+    assert capsys.readouterr().err.splitlines() == [f"resuming {out}: nothing to reuse there; the audit runs from "
+                                                    "the start"]
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text(lines[0] + "\n")
+    run_audit(audit, out, resume=True, progress=False)
+    assert capsys.readouterr().err.splitlines() == [
+        f"resuming {out}: reused 1 of 1 trained setting, 0 tuning trials and 1 of 2 attack jobs' rows; left: 0 "
+        "settings to train and at most 1 attack job"]
+
+
 @pytest.mark.slow
 def test_resume_refuses_a_changed_audit(write_audit, tmp_path):
     out = tmp_path / "out"

@@ -24,9 +24,9 @@ def _stream_batches(rows: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=4)
 
 
-def _train_gpt(monitor: leakaudit.LeakMonitor | None) -> list[torch.Tensor]:
+def _train_gpt(monitor: leakaudit.LeakMonitor | None, n_layer: int = 3) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    gpt = GPT(vocab_size=VOCAB, block_size=LENGTH, n_layer=3, n_embd=64)
+    gpt = GPT(vocab_size=VOCAB, block_size=LENGTH, n_layer=n_layer, n_embd=64)
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-3, weight_decay=0.1)
     loader = _stream_batches()
     if monitor is not None:
@@ -54,6 +54,30 @@ def test_a_nanogpt_model_with_fused_attention_trains_unchanged_and_its_steps_are
     assert {(r["checkpoint"], r["attack"]) for r in rows} == {(s, a) for s in (0, 2) for a in ("dager", "tag")}
     summary = monitor.report()
     assert [(v.checkpoint, v.verdict is not None) for v in summary.verdicts] == [(0, True), (2, True)]
+
+
+def test_an_attack_the_model_is_too_shallow_for_is_one_log_line_and_training_goes_on(tmp_path, caplog):
+    """DAGER on two blocks: where the monitor is attached, one line in the user's terms, the attack recorded as
+    failed, TAG attacks every audited step, and the weights end bit for bit as unwatched."""
+    monitor = leakaudit.LeakMonitor(attacks=["dager", {"name": "tag", "params": {"iterations": 5}}], every=2,
+                                    out=tmp_path / "run")
+    with caplog.at_level("INFO", logger="leakaudit.monitor"):
+        watched = _train_gpt(monitor, n_layer=2)
+    assert all(torch.equal(a, b) for a, b in zip(_train_gpt(None, n_layer=2), watched))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["LeakMonitor: dager needs at least 3 transformer blocks; this model has 2; dager is not run "
+                      "(recorded in monitor.json); training goes on"]
+    described = json.loads((tmp_path / "run" / "monitor.json").read_text())
+    assert described["failed"] == {"attach": ["dager: dager needs at least 3 transformer blocks; this model has 2"]}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {(r["checkpoint"], r["attack"]) for r in rows} == {(0, "tag"), (2, "tag")}
+
+
+def test_a_monitor_none_of_whose_attacks_applies_is_refused_where_it_is_attached(tmp_path):
+    monitor = leakaudit.LeakMonitor(attacks=["dager"], every=2, out=tmp_path / "run")
+    with pytest.raises(leakaudit.ConfigError, match=r"^LeakMonitor: attacks: dager: dager needs at least 3 "
+                                                    r"transformer blocks; this model has 2$"):
+        _train_gpt(monitor, n_layer=2)
 
 
 class Raising(leakaudit.Attack):

@@ -463,6 +463,15 @@ def check_attack_scope(attacks: list[AttackSpec], settings: list[DefenseSetting]
                             f"{', '.join(a.defenses)}; defenses here: {', '.join(sorted({s.name for s in settings}))}")
 
 
+def fitting_metrics(names: list[str], registry: Registry, image_size: int) -> tuple[list[str], tuple[str, ...]]:
+    """The default metrics that score images of ``image_size`` px, and a note for each left out: a default the user
+    never wrote is dropped where it cannot run, as a listed one is refused."""
+    kept = [m for m in names if registry.get("metric", m).min_size <= image_size]
+    return kept, tuple(f"metrics: {m} left out of the default metrics: it needs images of at least "
+                       f"{registry.get('metric', m).min_size} px and data.image_size is {image_size} (list it under "
+                       "metrics: at a larger image_size)" for m in names if m not in kept)
+
+
 def check_metrics(value: Any, registry: Registry, problems: list[str], image_size: int | None = None) -> list[str]:
     if not isinstance(value, list) or not value:
         problems.append(f"metrics: expected a non-empty list of names, got {value!r}")

@@ -28,6 +28,7 @@ from leakaudit.evaluator.audit.checks import (
     checked_section,
     data_modality,
     expand_defenses,
+    fitting_metrics,
     section,
     with_references,
 )
@@ -126,9 +127,15 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
                                                                model["checkpoints"] if model_ok else None)
     check_attack_scope(attacks, settings, registry, into("attacks", "defenses"))
     modality = data_modality(data, registry) if data_ok else "image"
-    default = DEFAULT_METRICS if modality == "image" else DEFAULT_TEXT_METRICS  # the data's examples' defaults
-    metrics = check_metrics(top["metrics"] if "metrics" in raw else default,
-                            registry, into("metrics", "data"), data["image_size"] if modality == "image" else None)
+    image_size = data["image_size"] if modality == "image" else None
+    notes: tuple[str, ...] = ()
+    if "metrics" in raw:
+        wanted = top["metrics"]
+    elif modality == "image" and data_ok:  # the defaults that fit the images, a note for each left out
+        wanted, notes = fitting_metrics(DEFAULT_METRICS, registry, data["image_size"])
+    else:
+        wanted = DEFAULT_METRICS if modality == "image" else DEFAULT_TEXT_METRICS  # the data's examples' defaults
+    metrics = check_metrics(wanted, registry, into("metrics", "data"), image_size)
     check_modality(modality, data, model, settings, attacks, metrics, registry,
                    into("data", "model", "defenses", "attacks", "metrics"))
     leakage = check_leakage_metric(top.get("leakage_metric"), metrics, registry, into("leakage_metric", "metrics"))
@@ -147,7 +154,8 @@ def _load_audit(path: Path, plugins_dirs, registry: Registry | None, text: str |
                   protocol=protocol, registry=registry, leakage_metric=leakage, max_problems=max_problems,
                   verdict=VerdictSection(**verdict), deterministic=top["deterministic"], compile=top["compile"],
                   precision=top["precision"],
-                  executor=executor, architecture=top["architecture"], frontiers=frontiers, budget=budget)
+                  executor=executor, architecture=top["architecture"], frontiers=frontiers, budget=budget,
+                  notes=notes)
     if auto:
         audit.attacks, audit.attack_choice = choose_attacks(audit, IMPORT_USER_CODE.get())
     audit.settings = with_references(settings, audit.attacks, registry)

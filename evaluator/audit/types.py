@@ -282,6 +282,9 @@ class Audit:
     live: dict[str, Any] | None = None  # a LeakMonitor's run: its monitor.json (None: an audit file's run)
     #: ``attacks: auto``'s account of its choice, one line per registered attack (empty: the file lists them).
     attack_choice: tuple[str, ...] = ()
+    #: What the loader decided where the file is silent, one line each (a default metric left out at a small
+    #: image_size); validate and run print them.
+    notes: tuple[str, ...] = ()
     #: ``frontier:`` entries: each one's ends are settings from the start, its bisection adds the rest.
     frontiers: list[FrontierSpec] = field(default_factory=list)
     #: Where the targets start in the target split's seeded order: 0, or past the searched targets where a

@@ -136,10 +136,13 @@ def live_metrics(registry: Registry, modality: str = "image") -> list[str]:
 
 def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, protocol, batch_size: int,
             image_size: int | None, plugins_dirs, problems: list[str], caller: str = "audit_batch",
-            scope: str = "the step you pass", modality: str = "image") -> Prepared:
+            scope: str = "the step you pass", modality: str = "image",
+            refused: list[tuple[str, str]] | None = None) -> Prepared:
     """Check a live model's audit before any work: names, scopes, the examples (``modality``) each attack, defense
     and metric applies to, and what each attack and defense supports. Raises ConfigError, one line per problem
-    (``problems`` holds those the caller found), prefixed ``caller``."""
+    (``problems`` holds those the caller found), prefixed ``caller``. Given ``refused`` (a monitor, whose training
+    must go on), a listed attack that cannot apply to the model or the defense is left out, its label and reason
+    added there, unless none is left."""
     registry = load_registry(list(plugins_dirs))
     metrics = live_metrics(registry, modality) if metrics is None else metrics
     entry = {"name": defense} if isinstance(defense, str) else defense
@@ -167,10 +170,15 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
                                       f"({'; '.join(choice)}); list the attacks yourself"]
     problems += [f"defense: {s.key}: changes the architecture ({'; '.join(d.model_changes) or 'wrap_model'}); "
                  "build your model with it, or audit from YAML" for s, d in defenses if _changes_architecture(d, model)]
-    problems += [f"attacks: {s.label}: {why}" for s in specs
-                 if (why := s.build(registry).unsupported(model, batch_size, protocol))]
-    problems += [f"attacks: {a.label}: {why}" for setting, d in defenses for a in specs
-                 if a.applies_to(setting) and (why := a.build(registry).unsupported_defense(d))]
+    unfit = {a.label: why for a in specs
+             if (why := a.build(registry).unsupported(model, batch_size, protocol)
+                 or next(filter(None, (a.build(registry).unsupported_defense(d) for setting, d in defenses
+                                       if a.applies_to(setting))), None))}
+    if refused is not None and len(unfit) < len(specs):  # the others run; these are recorded as they fail
+        refused += unfit.items()
+        specs = [a for a in specs if a.label not in unfit]
+    else:
+        problems += [f"attacks: {label}: {why}" for label, why in unfit.items()]
     if problems:
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
     return Prepared(registry, defenses, specs, [registry.get("metric", m) for m in metrics], choice)

@@ -232,13 +232,15 @@ class MonitorCore:
                             "sentences: leave it out")
         stats = self._normalisation(loader, dataset, problems) if modality.normalised else ((0.0,), (1.0,))
         shape = self._input_shape(dataset, problems)
+        refused: list[tuple[str, str]] = []
         with opacus_hooks_off(model) as plain:
             self._prepared = prepare(plain, defense, self.attacks, self.metrics, protocol, batch_size,
                                      modality.image_size(shape), self.plugins_dirs, problems, caller="LeakMonitor",
-                                     scope=scope, modality=modality.name)
+                                     scope=scope, modality=modality.name, refused=refused)
             self.metrics = [m.name for m in self._prepared.scorers]
-        if self._prepared.choice:  # attacks: auto, written out as a list, as validate prints it
+        if self._prepared.choice or refused:  # attacks: auto, or those that apply, written out as a list
             self.attacks = self._prepared.attack_entries
+        if self._prepared.choice:
             self.log.info("LeakMonitor: attacks: auto chose, for %s:\n  %s", scope, "\n  ".join(self._prepared.choice))
         if self.leakage_metric is not None:
             wrong: list[str] = []
@@ -251,6 +253,8 @@ class MonitorCore:
         self._stats = stats
         self._described = self._describe(plain, defense, protocol, batch_size, shape)
         self._folder = self._open_folder()
+        if refused:
+            self._refuse(refused)
         if self._text and self.vocabulary is not None:
             self.folder.write_json(VOCABULARY, self.vocabulary)
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
@@ -341,6 +345,14 @@ class MonitorCore:
             self.folder.write_json(MONITOR, self._described)
         self.log.warning("LeakMonitor %s %d: %s failed, recorded in monitor.json; training goes on: %s",
                          self._unit, step, what, why)
+
+    def _refuse(self, refused: list[tuple[str, str]]) -> None:
+        """Record the listed attacks that cannot apply to the watched model (label, why) as failed from the start,
+        in monitor.json's ``failed`` under ``attach``, one log line each: the others attack, training goes on."""
+        self._described.setdefault("failed", {})["attach"] = [f"{label}: {why}" for label, why in refused]
+        self.folder.write_json(MONITOR, self._described)
+        for label, why in refused:
+            self.log.warning("LeakMonitor: %s; %s is not run (recorded in monitor.json); training goes on", why, label)
 
     def audit_safely(self, step: int, audit: Callable[[], None]) -> None:
         """Run one step's (or round's) audit; whatever it raises is recorded (``record_failure``), never passed

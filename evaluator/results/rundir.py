@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -173,8 +174,9 @@ class RunFolder:
         self.utility = JsonlTable(self.path / UTILITY)
         self.tuning = JsonlTable(self.path / TUNING)
 
-    def prepare(self, resume: bool) -> None:
-        """Refuse to start over a run (without ``resume``) or to resume a changed audit; save the audit file."""
+    def check(self, resume: bool) -> None:
+        """Refuse, writing nothing, a folder the run cannot use: a name too long, a file, a run there without
+        ``resume``, or with ``resume`` a changed audit's run (``run`` asks before its estimate)."""
         saved = self.path / AUDIT_COPY
         too_long = next((part for part in self.path.parts if len(part.encode()) > 255), None)
         if too_long is not None:
@@ -188,6 +190,16 @@ class RunFolder:
         if resume and saved.exists() and not same_audit(saved.read_text(), self.audit.text):
             raise RunError(f"--resume: {self.audit.path} differs from the audit first run in {self.path} "
                            f"(saved as {saved}); choose another --out")
+        existing = next(p for p in (self.path.absolute(), *self.path.absolute().parents) if p.exists())
+        why = "Not a directory" if not existing.is_dir() else None if os.access(existing, os.W_OK | os.X_OK) \
+            else "Permission denied"  # as mkdir would say, before any work
+        if why:
+            raise RunError(f"--out: cannot write to {self.path}: {why}; choose a writable folder")
+
+    def prepare(self, resume: bool) -> None:
+        """The folder made, after ``check``, and the audit file saved in it."""
+        self.check(resume)
+        saved = self.path / AUDIT_COPY
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             saved.write_text(self.audit.text)

@@ -192,6 +192,8 @@ def _run(audit: Audit, out_dir: str | Path, resume: bool, progress: bool, worker
     trials = folder.tuning.read()
     finished = {r.key for r in folder.rows()}  # only the attack phase adds rows
     untrained = [s for s in audit.settings if s.key not in folder.trained_settings()]
+    if resume:
+        tqdm.write(reused_line(audit, folder.path, untrained, trials, finished, saved is not None), file=sys.stderr)
     settling = settling_for(audit, folder, resume, estimate)
     with executor_for(worker, workers, untrained + _pending_attacks(audit, trials, finished)) as pool:
         folder.start_session(run_info(scenario, pool.workers, pool.where, settling))
@@ -440,6 +442,26 @@ def add_probes(audit: Audit, folder: RunFolder) -> None:
     for spec in audit.frontiers:
         for value in probes.get(spec.where, []):
             audit.add_probe(spec, value)
+
+
+def reused_line(audit: Audit, path: Path, untrained: list, trials: list[dict], finished: set[tuple],
+                planned: bool) -> str:
+    """What ``--resume`` takes from the folder (trained settings, tuning trials, attack rows, the budget's plan) and
+    what it has left to run, in one line."""
+    jobs = [j.key for j in jobs_of(audit)]
+    done = sum(key in finished for key in jobs)
+    trained = len(audit.settings) - len(untrained)
+    if not (trained or trials or done):
+        return f"resuming {path}: nothing to reuse there; the audit runs from the start"
+    plan = "; the budget's plan it started with" if planned else ""
+    return (f"resuming {path}: reused {trained} of {_many(len(audit.settings), 'trained setting')}, "
+            f"{_many(len(trials), 'tuning trial')} and {done} of {len(jobs)} attack jobs' rows{plan}; left: "
+            f"{_many(len(untrained), 'setting')} to train and at most {_many(len(jobs) - done, 'attack job')}")
+
+
+def _many(count: int, noun: str) -> str:
+    """``count`` and the noun, plural but for one."""
+    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 def _pending_attacks(audit: Audit, trials: list[dict], finished: set[tuple]) -> list:

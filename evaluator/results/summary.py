@@ -499,9 +499,9 @@ def _open_at_some_step(final: StepVerdict, per_step: list[StepVerdict]) -> str |
 
 def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakage, final: StepVerdict, profile,
                 utility: dict, budget: str | None) -> WorstCase:
-    """A setting's entry in the summary's worst case: its strongest attack at the step of its verdict over the steps, that verdict (``budget``:
-    how the budget leaves it open), and where it has a privacy guarantee the bound beside the measured
-    identification."""
+    """A setting's entry in the summary's worst case: its verdict over the steps (``budget``: how the budget leaves
+    it open), the strongest attack at that verdict's step, and where it has a privacy guarantee the bound beside the
+    measured identification."""
     top, _ = strongest([c for c in mine if c.checkpoint == final.checkpoint] or mine, leakage)  # the why-line's step
     views = second_views(audit.registry)
     own_rows = [r for r in rows if r.setting == s.key]

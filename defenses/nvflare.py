@@ -47,6 +47,8 @@ class FlareDefense(DeterministicDefense):
     """What FLARE's deterministic filters share: the extra, one client's update, the paper."""
 
     paper = "Roth et al. 2022"
+    #: Whether the filter sends of full weights what it sends of their change (ExcludeVars: the same tensors left out).
+    same_on_weights = False
 
     def unsupported(self, protocol: Protocol) -> str | None:
         return framework_refusal(self.name, nvflare_missing(), "filter", protocol)
@@ -102,7 +104,8 @@ class FlarePercentile(FlareDefense):
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
         return PrivacyProfile(mu=math.inf, mechanism=(
             f"NVFlare PercentilePrivacy: magnitudes under the {self.percentile:g}th percentile zeroed, the rest "
-            f"clipped to {self.gamma:g}; WARNING: no noise: no differential-privacy guarantee"))
+            f"clipped to {self.gamma:g}; WARNING: not differential privacy: no noise is added, so no epsilon bounds "
+            "what it leaks"))
 
 
 class FlareExcludeVars(FlareDefense):
@@ -112,11 +115,13 @@ class FlareExcludeVars(FlareDefense):
     exact on the rest. Needs ``leakaudit[nvflare]``."""
 
     name = "nvflare_exclude_vars"
+    same_on_weights = True
     params = {
-        "exclude_vars": Param(type=(list, str), example="bias$",
-                              help="ExcludeVars' exclude_vars: parameter names, or a regular expression"),
+        "exclude_vars": Param(None, (list, str), example="bias$",
+                              help="ExcludeVars' exclude_vars: parameter names, or a regular expression (none, or an "
+                                   "empty one: nothing excluded, as FLARE runs it)"),
     }
-    exclude_vars: list | str
+    exclude_vars: list | str | None
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
@@ -136,7 +141,7 @@ class FlareExcludeVars(FlareDefense):
         if isinstance(self.exclude_vars, str):
             pattern = re.compile(self.exclude_vars) if self.exclude_vars else None
             return {n for n in names if pattern is not None and pattern.search(n)}
-        return set(names) & set(self.exclude_vars)
+        return set(names) & set(self.exclude_vars or [])
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Leaves the model as it is; reads its parameter names (a listed name the model lacks is one line)."""
@@ -210,6 +215,7 @@ class FlareSvt(Defense):
 
     name = "nvflare_svt"
     paper = "Roth et al. 2022"
+    same_on_weights = False  # as FlareDefense's
     params = {
         "fraction": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True,
                           help="SVTPrivacy's fraction: the share of coordinates sent"),
@@ -312,13 +318,19 @@ class FlareSvt(Defense):
 #: FLARE's filter classes an NVFlare job may name in its task_result_filters, and the defense each is audited as.
 JOB_FILTERS: dict[str, type[Defense]] = {"ExcludeVars": FlareExcludeVars, "PercentilePrivacy": FlarePercentile,
                                          "SVTPrivacy": FlareSvt}
+#: The DXO kinds FLARE's privacy filters support (their data_kinds choices, each filter's default: both).
+FILTER_KINDS = ("WEIGHT_DIFF", "WEIGHTS")
+#: FLARE's client API executor (ScriptRunner's), which sends full weights unless its params_transfer_type is DIFF.
+CLIENT_API = "ClientAPIExecutor"
 
 
 def job_filters(path: str, task: str, parameters: int | None = None) -> list[Defense]:
-    """The defenses of the filters an NVFlare job's client configuration (its config_fed_client.json) applies to
-    ``task``'s result, in order: each ``task_result_filters`` entry whose ``tasks`` name it (or "*"), each filter
-    by its ``path`` (or ``name``) and ``args`` (``parameters``, where given, to SVTPrivacy's). ValueError, on one line, for a file that is not such JSON, a filter
-    other than FLARE's privacy filters, or an argument leakaudit does not read."""
+    """The defenses of the filters an NVFlare job's client configuration (its config_fed_client.json, as FLARE's job
+    API and recipes export it) applies to ``task``'s result, in order: each ``task_result_filters`` entry whose
+    ``tasks`` name it (or "*"), each filter by its ``path`` (or ``name``) and ``args`` (``parameters``, where given,
+    to SVTPrivacy's), where its ``data_kinds`` hold the kind the task's executor sends. ValueError, on one line, for
+    a file that is not such JSON, a filter other than FLARE's privacy filters, an argument leakaudit does not read,
+    or a filter on full weights (what leakaudit audits is the model's change)."""
     import json
     from pathlib import Path
 
@@ -329,39 +341,67 @@ def job_filters(path: str, task: str, parameters: int | None = None) -> list[Def
     entries = job.get("task_result_filters", []) if isinstance(job, dict) else None
     if not isinstance(entries, list):
         raise ValueError("nvflare_job: the job's task_result_filters is not a list")
+    kind = sent_kind(job, task)
     members: list[Defense] = []
     for i, entry in enumerate(entries):
         tasks = entry.get("tasks", []) if isinstance(entry, dict) else []
-        if task not in tasks and "*" not in tasks:
-            continue
-        for j, given in enumerate(entry.get("filters", [])):
-            where = f"nvflare_job: task_result_filters[{i}].filters[{j}]"
-            if not isinstance(given, dict):
-                raise ValueError(f"{where} is not a component ({{path, args}})")
-            named = str(given.get("path") or given.get("name") or "").rsplit(".", 1)[-1]  # the class
-            kind = JOB_FILTERS.get(named)
-            if kind is None:
-                raise ValueError(f"{where}: filter {named!r} is not one leakaudit audits; choices: "
-                                 f"{', '.join(sorted(JOB_FILTERS))}")
-            args = given.get("args", {}) or {}
-            unknown = [k for k in args if k not in kind.params or k in OWN]
-            if unknown:
-                raise ValueError(f"{where}: {named}'s {', '.join(unknown)} is not read by "
-                                 f"leakaudit; choices: {', '.join(k for k in kind.params if k not in OWN)}")
-            try:
-                members.append(kind(**args, **({"parameters": parameters} if kind is FlareSvt and parameters
-                                                else {})))
-            except ValueError as error:
-                raise ValueError(f"{where}: {one_line(error)}") from None
+        if task in tasks or "*" in tasks:
+            for j, given in enumerate(entry.get("filters", [])):
+                member = job_filter(given, f"nvflare_job: task_result_filters[{i}].filters[{j}]", kind, parameters)
+                members.extend([member] if member is not None else [])
     if not members:
-        raise ValueError(f"nvflare_job: the job filters no result of task {task!r}: its update is sent as it is "
-                         "(audit it as defense none)")
+        raise ValueError(f"nvflare_job: the job filters no {kind} result of task {task!r}: its update is sent as it "
+                         "is (audit it as defense none)")
     for j, m in enumerate(members[:-1]):
         if not m.deterministic:
             raise ValueError(f"nvflare_job: {m.name} (filter {j + 1} of {len(members)}) is random; only the "
                              "last filter may be (its likelihood is that of the filters before it applied to the "
                              "candidate)")
     return members
+
+
+def sent_kind(job: dict, task: str) -> str:
+    """The DXO kind ``task``'s executor sends: FLARE's client API executor sends WEIGHTS (params_transfer_type
+    FULL, its default) or WEIGHT_DIFF (DIFF); leakaudit reads any other executor's result as the model's change."""
+    for entry in job.get("executors", []) if isinstance(job.get("executors"), list) else []:
+        tasks = entry.get("tasks", []) if isinstance(entry, dict) else []
+        executor = entry.get("executor", {}) if task in tasks or "*" in tasks else None
+        if isinstance(executor, dict):
+            args = executor.get("args", {}) or {}
+            if str(executor.get("path") or executor.get("name") or "").endswith(CLIENT_API) \
+                    or "params_transfer_type" in args:
+                return "WEIGHT_DIFF" if str(args.get("params_transfer_type", "FULL")).upper() == "DIFF" else "WEIGHTS"
+    return "WEIGHT_DIFF"
+
+
+def job_filter(given: Any, where: str, kind: str, parameters: int | None) -> Defense | None:
+    """One filter entry of a job as the defense it is audited as; None where its data_kinds leave ``kind`` alone, as
+    FLARE's DXOFilter passes a DXO of a kind it does not filter."""
+    if not isinstance(given, dict):
+        raise ValueError(f"{where} is not a component ({{path, args}})")
+    named = str(given.get("path") or given.get("name") or "").rsplit(".", 1)[-1]  # the class
+    defense = JOB_FILTERS.get(named)
+    if defense is None:
+        raise ValueError(f"{where}: filter {named!r} is not one leakaudit audits; choices: "
+                         f"{', '.join(sorted(JOB_FILTERS))}")
+    args = dict(given.get("args", {}) or {})
+    kinds = args.pop("data_kinds", None) or list(FILTER_KINDS)  # FLARE's default where empty
+    if not isinstance(kinds, list) or any(k not in FILTER_KINDS for k in kinds):
+        raise ValueError(f"{where}: {named}'s data_kinds {kinds!r}; choices: {', '.join(FILTER_KINDS)}")
+    if kind not in kinds:
+        return None
+    if kind == "WEIGHTS" and not defense.same_on_weights:
+        raise ValueError(f"{where}: {named} filters full weights here (the task's {CLIENT_API} sends WEIGHTS: "
+                         "params_transfer_type FULL, its default), which leakaudit does not audit; send the model's "
+                         "change (params_transfer_type DIFF, ScriptRunner's params_transfer_type=TransferType.DIFF)")
+    unknown = [k for k in args if k not in defense.params or k in OWN]
+    if unknown:
+        raise ValueError(f"{where}: {named}'s {', '.join(unknown)} is not read by leakaudit; choices: "
+                         f"{', '.join(['data_kinds', *(k for k in defense.params if k not in OWN)])}")
+    try:
+        return defense(**args, **({"parameters": parameters} if defense is FlareSvt and parameters else {}))
+    except ValueError as error:
+        raise ValueError(f"{where}: {one_line(error)}") from None
 
 
 #: Parameters of the nvflare_* defenses that are leakaudit's own, not a FLARE filter's argument.
@@ -381,9 +421,9 @@ class FlareJob(Chain):
     name = "nvflare_job"
     paper = "Roth et al. 2022"
     params = {
-        "path": Param(type=str, example="config_fed_client.json",
-                      help="the job's client configuration (JSON with task_result_filters; relative: "
-                           "to the working directory)"),
+        "path": Param(type=str, example="config_fed_client.json", file=True,
+                      help="the job's client configuration (an exported job's app_SITE/config/config_fed_client.json; "
+                           "relative: beside the audit file)"),
         "task": Param("train", str, help="the task whose result is audited"),
         "parameters": Param(None, int, min=1, help="an SVTPrivacy filter's parameters (nvflare_svt's): the "
                                                    "coordinates its epsilon is stated for"),

@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("folder", help="a run's --out folder")
     rep.add_argument("--config", help="judge with this audit file's name, leakage_metric, verdict: section and "
                                       "must_protect marks (it must ask for the same results as the run's)")
+    rep.add_argument("--check", action="store_true",
+                     help="recompute the report's SHA-256 digests (the audit file, the files it reads beside it, the "
+                          "model's initial state) and say per file whether it matches; exit 1 when one does not")
     for sp in (run, rep):
         sp.add_argument("--template", type=Path, help="a Jinja2 template for report.html (it may extend "
                                                       "'report.html.j2' and replace its blocks)")
@@ -413,11 +416,27 @@ def cmd_report(args) -> int:
     from leakaudit.evaluator.run.runner import rebuild_report
 
     audit = saved_audit(Path(args.folder), args.config, args.plugins_dir)
+    if args.check:
+        return check_digests(audit, Path(args.folder))
     problems = _check_report_options(args, audit)
     if problems:
         return _fail(problems)
     summary = rebuild_report(RunFolder(args.folder, audit), args.template)
     return _conclude(summary, Path(args.folder), args)
+
+
+def check_digests(audit, folder: Path) -> int:
+    """``report --check``: one line per digest the run recorded, recomputed; 0 when all match, 1 otherwise."""
+    from leakaudit.evaluator.results.provenance import check
+    from leakaudit.evaluator.results.rundir import RUN_INFO, RunError, read_json
+
+    recorded = (read_json(folder / RUN_INFO) or {}).get("provenance")
+    if not recorded:
+        raise RunError(f"{folder}: {RUN_INFO} records no digests (a run of an older leakaudit, or a monitor's folder)")
+    lines = check(audit, recorded)
+    for line, _ in lines:
+        print(line)
+    return 0 if all(ok for _, ok in lines) else 1
 
 
 def frontier_lines(summary) -> list[str]:

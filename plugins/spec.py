@@ -34,6 +34,8 @@ class Param:
     #: The attack's work grows in proportion to this parameter (its iterations, the updates it simulates): the time
     #: estimate measures the cost of one unit of each such parameter, and a ``budget:`` scales them down together.
     budget: bool = False
+    #: The value names a file: where relative, it is read beside the audit file, as factories and plugins_dir are.
+    file: bool = False
 
     def __post_init__(self) -> None:
         if self.protects not in (None, "higher", "lower"):

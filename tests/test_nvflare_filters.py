@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from importlib import import_module
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,7 +65,8 @@ def test_percentile_states_no_guarantee():
     profile = FlarePercentile().privacy_profile()
     assert profile.mu == math.inf and profile.reconstruction_bound(0.01) == 1.0
     assert profile.mechanism == ("NVFlare PercentilePrivacy: magnitudes under the 10th percentile zeroed, the rest "
-                                 "clipped to 0.01; WARNING: no noise: no differential-privacy guarantee")
+                                 "clipped to 0.01; WARNING: not differential privacy: no noise is added, so no "
+                                 "epsilon bounds what it leaks")
     assert FlarePercentile.params["percentile"].protects == "higher"
 
 
@@ -140,9 +144,9 @@ def test_svt_epsilon_at_flares_defaults_is_flips_figure_for_seven_million_parame
     assert wrapped.privacy_profile().pairs == ((svt_epsilons(0.1, 0.1, 0.1, 2440)["worst"], 0.0),)
 
 
-def _job(tmp_path, filters: list, tasks=("train",)) -> str:
+def _job(tmp_path, filters: list, tasks=("train",), executors=()) -> str:
     path = tmp_path / "config_fed_client.json"
-    path.write_text(json.dumps({"format_version": 2, "executors": [],
+    path.write_text(json.dumps({"format_version": 2, "executors": list(executors),
                                 "task_result_filters": [{"tasks": list(tasks), "filters": filters}],
                                 "task_data_filters": [], "components": []}))
     return str(path)
@@ -178,8 +182,10 @@ def test_a_job_filter_leakaudit_cannot_read_is_one_line_before_any_work(tmp_path
     cases = [([{"path": "nvflare.app_common.filters.statistics_privacy_filter.StatisticsPrivacyFilter"}], "filter "
               "'StatisticsPrivacyFilter' is not one leakaudit audits; choices: ExcludeVars, PercentilePrivacy, "
               "SVTPrivacy"),
-             ([{"name": "PercentilePrivacy", "args": {"data_kinds": ["WEIGHTS"]}}], "PercentilePrivacy's data_kinds "
-              "is not read by leakaudit; choices: percentile, gamma"),
+             ([{"name": "PercentilePrivacy", "args": {"data_kinds": ["METRICS"]}}], "PercentilePrivacy's data_kinds "
+              "['METRICS']; choices: WEIGHT_DIFF, WEIGHTS"),
+             ([{"name": "PercentilePrivacy", "args": {"noise": 1}}], "PercentilePrivacy's noise is not read by "
+              "leakaudit; choices: data_kinds, percentile, gamma"),
              ([{"name": "SVTPrivacy"}, {"name": "ExcludeVars", "args": {"exclude_vars": "fc"}}], "svt (filter 1 of 2) "
               "is random; only the last filter may be")]
     for filters, line in cases:
@@ -190,8 +196,8 @@ def test_a_job_filter_leakaudit_cannot_read_is_one_line_before_any_work(tmp_path
     path = _job(tmp_path, [{"name": "PercentilePrivacy"}], tasks=("validate",))
     with pytest.raises(ValueError) as info:
         FlareJob(path=path)
-    assert str(info.value) == ("nvflare_job: the job filters no result of task 'train': its update is sent as it is "
-                               "(audit it as defense none)")
+    assert str(info.value) == ("nvflare_job: the job filters no WEIGHT_DIFF result of task 'train': its update is "
+                               "sent as it is (audit it as defense none)")
 
 
 def test_a_missing_flare_is_one_line_before_any_work(write_audit, monkeypatch):
@@ -204,3 +210,67 @@ def test_a_missing_flare_is_one_line_before_any_work(write_audit, monkeypatch):
         load_audit(write_audit(audit))
     assert exc.value.lines[0].endswith("defenses[0]: nvflare_svt: nvflare_svt needs NVIDIA FLARE: pip install "
                                        "'leakaudit[nvflare]'")
+
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "nvflare_job"
+CLIENT_API = "nvflare.app_common.executors.client_api_executor.ClientAPIExecutor"
+
+
+def test_the_shipped_job_is_what_flares_job_api_exports(tmp_path):
+    """examples/nvflare_job/job/ is FLARE 2.9's own export of export_job.py (offline), byte for byte."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        exported = import_module("export_job").export(tmp_path)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    made = sorted(p.relative_to(exported) for p in exported.rglob("*") if p.is_file())
+    assert made == sorted(p.relative_to(EXAMPLE / "job") for p in (EXAMPLE / "job").rglob("*") if p.is_file())
+    assert all((exported / p).read_bytes() == (EXAMPLE / "job" / p).read_bytes() for p in made)
+    client = json.loads((exported / "app_site-1" / "config" / "config_fed_client.json").read_text())
+    assert client["task_result_filters"][0]["filters"] == [{
+        "path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+        "args": {"data_kinds": ["WEIGHT_DIFF", "WEIGHTS"]}}]  # MediSwarm's 10 and 0.01 are FLARE's defaults
+
+
+def test_the_exported_job_runs_from_another_working_directory(tmp_path, monkeypatch):
+    """The job's path is read beside the audit file; the setting keeps it as written, and the report's privacy
+    table says in words that PercentilePrivacy is not differential privacy."""
+    monkeypatch.chdir(tmp_path)
+    audit = load_audit(EXAMPLE / "audit.yaml")
+    setting = next(s for s in audit.settings if not s.added)
+    assert setting.members == (("nvflare_job", {"path": "job/app_site-1/config/config_fed_client.json"}),)
+    job = setting.build(audit.registry)
+    assert [m.settings for m in job.members] == [{"percentile": 10.0, "gamma": 0.01}]
+    assert "not differential privacy" in job.privacy_profile().mechanism
+    assert str(tmp_path) not in setting.key and str(EXAMPLE) not in setting.key
+
+
+def test_data_kinds_and_the_kind_the_executor_sends_decide_what_is_filtered(tmp_path):
+    diff = {"tasks": ["train"], "executor": {"path": CLIENT_API, "args": {"params_transfer_type": "DIFF"}}}
+    full = {"tasks": ["train"], "executor": {"path": CLIENT_API, "args": {}}}  # FULL: FLARE's default
+    weights_only = [{"name": "PercentilePrivacy", "args": {"data_kinds": ["WEIGHTS"]}}]
+    with pytest.raises(ValueError) as info:
+        FlareJob(path=_job(tmp_path, weights_only, executors=[diff]))
+    assert str(info.value) == ("nvflare_job: the job filters no WEIGHT_DIFF result of task 'train': its update is "
+                               "sent as it is (audit it as defense none)")
+    with pytest.raises(ValueError) as info:
+        FlareJob(path=_job(tmp_path, [{"name": "PercentilePrivacy"}], executors=[full]))
+    assert str(info.value).startswith("nvflare_job: task_result_filters[0].filters[0]: PercentilePrivacy filters full "
+                                      "weights here (the task's ClientAPIExecutor sends WEIGHTS")
+    excluded = FlareJob(path=_job(tmp_path, [{"name": "ExcludeVars", "args": {"exclude_vars": "bias$"}}],
+                                  executors=[full]))  # the same tensors left out of weights as of their change
+    assert excluded.members[0].settings == {"exclude_vars": "bias$"}
+    both = FlareJob(path=_job(tmp_path, [{"name": "PercentilePrivacy", "args": {"data_kinds": []}}], executors=[diff]))
+    assert both.members[0].settings == {"percentile": 10.0, "gamma": 0.01}  # empty: FLARE's default, both kinds
+
+
+def test_exclude_vars_with_empty_args_excludes_nothing_as_flare_runs_it(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 5))
+    job = FlareJob(path=_job(tmp_path, [{"path": "nvflare.app_common.filters.exclude_vars.ExcludeVars", "args": {}},
+                                        {"name": "PercentilePrivacy", "args": {"percentile": 20}}]))
+    exclude = job.members[0]
+    exclude.wrap_model(model)
+    update = [torch.randn(p.shape) for p in model.parameters()]
+    sent = exclude.perturb(update, torch.Generator())
+    assert all(torch.equal(s, u) for s, u in zip(sent, update)) and exclude.defended_tensors(["0.weight"]) == set()
+    assert exclude.model_changes == ["not shared (ExcludeVars): none"]

@@ -35,6 +35,7 @@ from leakaudit.evaluator.audit.checks import (
 from leakaudit.evaluator.audit.specs import (DATA, DEFAULT_METRICS, DEFAULT_TEXT_METRICS, MODEL, THREAT, TOP, TOP_NEEDS,
                                              UTILITY, VERDICT)
 from leakaudit.evaluator.audit.types import (
+    AUDIT_FOLDER,
     Audit,
     ConfigError,
     DataSection,
@@ -78,9 +79,11 @@ def load_audit(path: str | Path, plugins_dirs: Sequence[str | Path] = (), regist
         print([setting.key for setting in audit.settings])
     """
     token = IMPORT_USER_CODE.set(import_user_code)
+    beside = AUDIT_FOLDER.set(Path(path).resolve().parent)
     try:
         return _load_audit(Path(path), plugins_dirs, registry, text)
     finally:
+        AUDIT_FOLDER.reset(beside)
         IMPORT_USER_CODE.reset(token)
 
 

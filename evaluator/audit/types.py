@@ -2,6 +2,7 @@
 the error that lists an audit file's problems."""
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,10 @@ from leakaudit.evaluator.audit.specs import DEFAULT_LEAKAGE_METRIC, MAX_LINE, MA
 from leakaudit.evaluator.audit.tuning import TuneSpec
 from leakaudit.plugins.manager import Registry
 from leakaudit.plugins.protocol import FEDSGD, Protocol
+
+
+#: The folder of the audit file being loaded: the settings made meanwhile read their files (``Param.file``) there.
+AUDIT_FOLDER: contextvars.ContextVar[Path | None] = contextvars.ContextVar("leakaudit_audit_folder", default=None)
 
 
 class ConfigError(Exception):
@@ -138,6 +143,8 @@ class DefenseSetting:
     added: bool = field(default=False, compare=False)
     #: Secure aggregation over this many clients (``clients:`` of the entry); None: the audit's protocol.clients.
     clients: int | None = None
+    #: The audit file's folder, where a relative file parameter (``Param.file``) is read; None: the working directory.
+    folder: Path | None = field(default_factory=AUDIT_FOLDER.get, compare=False)
 
     @property
     def name(self) -> str:
@@ -170,8 +177,15 @@ class DefenseSetting:
         """The defense object (a ``defenses.chain.Chain`` for several members)."""
         from leakaudit.defenses.chain import Chain
 
-        parts = [registry.get("defense", n)(**p) for n, p in self.members]
+        parts = [registry.get("defense", n)(**self.located(registry.get("defense", n).params, p))
+                 for n, p in self.members]
         return parts[0] if len(parts) == 1 else Chain(parts)
+
+    def located(self, declared: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with each relative file parameter (``Param.file``) made a path beside the audit file; the
+        setting's key keeps the value as written, so no machine's folder enters its name or its seeds."""
+        return {k: str(self.folder / v) if self.folder is not None and k in declared and declared[k].file
+                and isinstance(v, str) and not Path(v).is_absolute() else v for k, v in params.items()}
 
 
 @dataclass(frozen=True)
@@ -191,10 +205,12 @@ class FrontierSpec:
     integer: bool
     model: ModelSection | None = None
     clients: int | None = None
+    folder: Path | None = field(default_factory=AUDIT_FOLDER.get, compare=False)  # as DefenseSetting.folder
 
     def setting(self, value: float) -> DefenseSetting:
         """The setting of the defense at one value of the knob (named by its identity: the search names it)."""
-        return DefenseSetting(((self.name, {**self.params, self.knob: value}),), None, self.model, clients=self.clients)
+        return DefenseSetting(((self.name, {**self.params, self.knob: value}),), None, self.model, clients=self.clients,
+                              folder=self.folder)
 
     @property
     def strong(self) -> float:

@@ -30,6 +30,7 @@ from leakaudit.evaluator.results.figures import (
     worst_batches,
 )
 from leakaudit.evaluator.results.identify import identifiability
+from leakaudit.evaluator.results.provenance import public_run
 from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import CONFIRMED, REPORT, SUMMARY, VOCABULARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
@@ -156,10 +157,19 @@ def provenance(audit: Audit, run_info: dict[str, Any]) -> list[tuple[str, str]]:
         ("Seed", str(audit.seed)),
         ("Started", sessions[0]["started"] if sessions else "not recorded"),
         ("Run time", f"{seconds / 60:.1f} min over {len(sessions)} session(s)" if sessions else "not recorded"),
-        ("Audit file", run_info.get("audit_file", str(audit.path))),
-    ] + _auto_row(run_info.get("attack_choice") or []) + (
+        ("Audit file", Path(run_info.get("audit_file", audit.path)).name),
+    ] + digest_rows(run_info.get("provenance") or {}) + _auto_row(run_info.get("attack_choice") or []) + (
         [("Budget", "; ".join(budget_lines(run_info["budget"])))] if run_info.get("budget") else
         [("Settled", line.strip()) for line in skipped_lines(skipped_of(run_info))])
+
+
+def digest_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """The provenance box's digests (``results.provenance``): each file by its name beside the audit file, the
+    model's initial state, and the command that recomputes them."""
+    if not record:
+        return []
+    return [(f"SHA-256 of {name}", digest) for name, digest in record["sha256"].items()] + [
+        ("Check", f"leakaudit {record['leakaudit']}: leakaudit report RUN_FOLDER --check recomputes these digests")]
 
 
 def _auto_row(choice: list[str]) -> list[tuple[str, str]]:
@@ -202,7 +212,7 @@ def write_report(folder: RunFolder, rows: list[Row], utility: list[dict],
     audit, out_dir = folder.audit, folder.path
     run_info = run_info or {}
     summary = judged(folder, rows, utility, baselines, run_info)
-    summary.baselines, summary.architecture, summary.run = baselines, architecture, run_info
+    summary.baselines, summary.architecture, summary.run = baselines, architecture, public_run(run_info)
     summary.tuning = summarise_tuning(audit, tuning, summary.warnings)
     by_key = {r.key: r for r in rows}
     unit = example_unit(audit)

@@ -19,6 +19,7 @@ from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.tuning import winners
 from leakaudit.evaluator.audit.frontier import most_probes, search
 from leakaudit.evaluator.audit.types import Audit, FrontierSpec
+from leakaudit.evaluator.results.provenance import record
 from leakaudit.evaluator.results.report import judged, write_report
 from leakaudit.evaluator.results.summary import calibrates
 from leakaudit.evaluator.results.rows import Row
@@ -76,6 +77,7 @@ def run_info(scenario: Scenario, workers: int, where: str | None = None,
     return {"versions": versions(), "device": where, "device_type": device.type,
             "deterministic": scenario.audit.deterministic or device.type != "cuda",
             "audit_file": str(scenario.audit.path.resolve()),
+            "provenance": record(scenario.audit, versions()["leakaudit"], scenario.data),
             "num_classes": scenario.data.num_classes,
             "chance_accuracy": float(torch.bincount(labels).max()) / len(labels),
             "untried_attacks": untried_attacks(scenario),

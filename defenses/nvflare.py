@@ -316,8 +316,8 @@ class FlareSvt(Defense):
 
 
 #: FLARE's filter classes an NVFlare job may name in its task_result_filters, and the defense each is audited as.
-JOB_FILTERS: dict[str, type[Defense]] = {"ExcludeVars": FlareExcludeVars, "PercentilePrivacy": FlarePercentile,
-                                         "SVTPrivacy": FlareSvt}
+JOB_FILTERS: dict[str, type[FlareDefense] | type[FlareSvt]] = {
+    "ExcludeVars": FlareExcludeVars, "PercentilePrivacy": FlarePercentile, "SVTPrivacy": FlareSvt}
 #: The DXO kinds FLARE's privacy filters support (their data_kinds choices, each filter's default: both).
 FILTER_KINDS = ("WEIGHT_DIFF", "WEIGHTS")
 #: FLARE's client API executor (ScriptRunner's), which sends full weights unless its params_transfer_type is DIFF.

@@ -235,7 +235,7 @@ def test_settling_and_a_budget_never_give_a_kinder_verdict_than_the_full_run(wri
     (calibrated by the exact attack on the reference): it reads inconclusive (budget), and the decision ships
     nothing and names the budget that settles it."""
     from conftest import small_audit
-    from leakaudit.evaluator.cli import frontier_lines
+    from leakaudit.evaluator.cli import frontier_lines, verdict_words
     from leakaudit.evaluator.results.verdict import kinder_than
     from leakaudit.evaluator.run.runner import run_audit
 
@@ -269,6 +269,9 @@ def test_settling_and_a_budget_never_give_a_kinder_verdict_than_the_full_run(wri
                             "attacks this setting at step 0 with them, and takes about 2 min 30 s (budget: 3m, or none)")
     assert kinder_than(dataclasses.replace(noisy, verdict="protects", level="nothing", budget=None),
                        by_step[noisy.setting, 0])  # what the verdict would say without the rule
+    worst = next(w for w in budgeted.worst_case if w.setting == noisy.setting)
+    assert verdict_words(worst) == "inconclusive (budget)" and worst.budget == noisy.budget
+    assert 'class="mark budget"' in (tmp_path / "budgeted" / "report.html").read_text()
     decision = budgeted.decision
     assert decision.setting is None and decision.binds == "budget" and "(budget: 3m, or none)" in decision.reason
     assert frontier_lines(budgeted)[-1].startswith("decision: none to ship (budget binds): the budget of 1 min 00 s "

@@ -45,8 +45,8 @@ def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: st
              f"{'plus' if summary.higher_is_more_leakage else 'minus'} a margin of {t.margin:.3g}" if t else
              "beats the guesses made without the gradient")
     identifies = "" if o.identifiable is None else (
-        f", or when an attack identifies at least {o.identifiable:.0%} of the {unit}s more than chance explains (one "
-        f"{unit} per update: each reconstruction nearest its own original among all targets; several: each original "
+        f", or when an attack identifies at least {o.identifiable:.0%} of the {unit}s more than their classes explain "
+        f"(one {unit} per update: each reconstruction nearest its own original among all targets; several: each original "
         f"named, among up to 8 {unit}s of its class that no update holds, by the reconstruction nearest it, beyond "
         "what the classes alone explain)")
     lt = summary.label_threshold
@@ -66,6 +66,11 @@ def rule_text(summary: Summary, targets: int, unit: str = "image", chance_of: st
             f"{usable}{chance}. A \"protects\" is inconclusive where the same attacks, at the same step, budget and "
             "tuning, did not leak on the undefended update either (the reference): they may be too weak to break "
             "anything, so the verdict says nothing until they do (more iterations, a tuned search, another attack). "
+            "A reference broken only weakly (originals identified by reconstructions no closer than the guesses that "
+            "read nothing of the update) vouches for no \"protects\" of individuals. Where a budget left out, or "
+            "scaled down, an attack that runs on a setting, its \"protects\" is inconclusive (budget), unless the "
+            "scaled attack still broke the reference at that scale; the decision ships nothing on such a run. A "
+            "verdict whose interval straddles a bar, or whose identification is at chance, is marked borderline. "
             "Where a defense changes what is shared (LoRA's adapters, frozen embeddings), only an attack that reads "
             "that kind of update calibrates it; where none ran on it, its \"protects\" is inconclusive. "
             "A verdict whose strongest attack's loss was still falling over the last fifth of its iterations says so, "

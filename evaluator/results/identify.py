@@ -55,6 +55,13 @@ def _decoy_result(metric, batches: list[dict], distances: np.ndarray, decoys: di
     return list(decoy_test(own, near, groups))
 
 
+def _class_aware_result(batches: list[dict], distances: np.ndarray) -> list | None:
+    """``class_aware_test`` over a cell of one example per update: [hits, targets, p-value]; None where an example
+    has more than one label (a language model's tokens), which no class template stands for."""
+    labels = torch.cat([b["labels"].reshape(len(b["labels"]), -1) for b in batches])
+    return list(class_aware_test(distances, labels[:, 0].numpy())) if labels.shape[1] == 1 else None
+
+
 def identifying_metric(audit: Audit, rows: list[Row]) -> Metric:
     """The distance that names a reconstruction's nearest original (``Metric.distance_rank``): the measured one
     of lowest rank (LPIPS among the built-ins), else the registered one of highest rank (MSE, which needs nothing)."""
@@ -91,11 +98,8 @@ def identifiability(folder: RunFolder, rows: list[Row]) -> tuple[str, dict[tuple
                 distances = _distances(metric, recs, torch.cat([b["original"].float() for b in batches]))
                 if batch > 1 and decoys is None:
                     decoys = folder.load_decoys()  # once for all cells
-                tested: list | None
-                if batch == 1:
-                    tested = list(class_aware_test(distances, torch.cat([b["labels"] for b in batches]).numpy()))
-                else:
-                    tested = None if decoys is None else _decoy_result(metric, batches, distances, decoys)
+                tested = (_class_aware_result(batches, distances) if batch == 1 else
+                          None if decoys is None else _decoy_result(metric, batches, distances, decoys))
                 cache[name] = [identifiable_share(distances), named_share(distances, batch), tested]
             changed = True
         out[key] = cache[name]

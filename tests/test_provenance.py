@@ -62,3 +62,19 @@ def test_the_report_names_no_machine_path_and_its_digests_check(tmp_path, monkey
     assert main(["report", str(out), "--check"]) == 2  # the audit no longer loads: one line naming the file
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nvflare_job(path=job/client.json)" in err and "No such file" in err
+
+
+def test_a_model_digest_reads_every_entry_of_its_state_batchnorm_counters_included():
+    """BatchNorm keeps a 0-dim counter (num_batches_tracked): it is digested like any tensor, and a changed running
+    statistic changes the digest."""
+    import torch
+    from torch import nn
+
+    from leakaudit.evaluator.results.provenance import state_digest
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    before = state_digest(model)
+    assert len(before) == 64 and before == state_digest(model)
+    with torch.no_grad():
+        model[1].running_mean += 1
+    assert state_digest(model) != before

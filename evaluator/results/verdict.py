@@ -392,6 +392,8 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
     if unread:
         return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
             f"{unread}. Judged alone: {verdict.verdict}: {verdict.reason}"))
+    fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended update "
+           "leaks" + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else ""))
     vouched = vouched_level(reference)
     weakly = "" if reference is None or not reference.weak else (
         f" (it breaks it at the level of individuals only weakly: {reference.weak})")
@@ -415,8 +417,6 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
             f"{verdict.reason}; calibrated by {reference.attack}, which breaks the undefended update at this step "
             f"at the level of {vouched} ({reference.setting}: {_fmt(reference.score)})"))
     if reference is not None and reference.weak:
-        fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended "
-               "update leaks" + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else ""))
         return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None, reason=(
             f"the attacks broke the undefended update at this step only weakly ({reference.setting}: "
             f"{reference.weak}); {fix}. Judged alone: {verdict.verdict}: {verdict.reason}"))
@@ -429,8 +429,6 @@ def calibrate(verdict: StepVerdict, reference: StepVerdict | None, untried: str 
                f"{reference.setting}: {reference.attack} reaches {_fmt(reference.score)}"
                + ("" if reference.threshold is None else f", the leak threshold is {_fmt(reference.threshold)}")
                + ")")
-    fix = ("to settle it: more iterations, a tuned search (tune:) or a stronger attack, until the undefended update "
-           "leaks" + (f"; attacks of a stronger class this audit did not run: {untried}" if untried else ""))
     return dataclasses.replace(verdict, verdict=INCONCLUSIVE, alone=verdict.verdict, level=None,
                                reason=f"{why}; {fix}. Judged alone: {verdict.verdict}: {verdict.reason}")
 

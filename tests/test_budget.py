@@ -325,6 +325,11 @@ def test_a_budget_leaves_open_only_what_an_attack_it_cut_could_change(write_audi
                      checkpoint=0, scores={}, n=2, verdict="leaks", reason="r", verdict_checkpoint=0, level="labels",
                      budget=labels.budget)
     assert gate_reading(case)[0] == "inconclusive" and gate_reading(case, "labels")[0] == "leak"
+    # privacy binds on labels; the decision reads the gate's rule: a leak of labels left open by the budget does not
+    # pass the default gate, and the decision does not say it does
+    bound = decide([case], {}, 0.5, 0.95, plan=plan)
+    assert (bound.binds, bound.level) == ("privacy", "labels") and "reads them inconclusive" in bound.reason
+    assert "passes them" in decide([dataclasses.replace(case, budget=None)], {}, 0.5, 0.95).reason
     protecting = dataclasses.replace(case, setting="prune", verdict="protects", level="nothing", budget=None)
     shipped = decide([protecting], {}, 0.5, 0.95)
     assert shipped.setting == "prune"

@@ -44,6 +44,7 @@ from leakaudit.evaluator.results.verdict import (
     beats_bound,
     calibrate,
     cell_statistics,
+    gate_reading,
     finite,
     identification_bound,
     judge,
@@ -255,9 +256,10 @@ def decide(worst_case: list[WorstCase], acc: dict, needed: float | None, confide
     leaking = [w for w in defended if w.verdict == LEAKS] + refuted
     if leaking:
         level = _least_level(leaking)
-        least = "" if level in GATE_LEVELS[INDIVIDUALS] else (
-            f", each at least its {level}; none need leak individuals, so the gate at its default level "
-            "(--fail-on-leak individuals) passes them, and --fail-on-leak labels fails them")
+        least = "" if level in GATE_LEVELS[INDIVIDUALS] else f", each at least its {level}" + (
+            "; none need leak individuals, so the gate at its default level (--fail-on-leak individuals) passes "
+            "them, and --fail-on-leak labels fails them" if all(gate_reading(w) is None for w in leaking) else
+            "; whether they leak individuals is open, so the gate at its default level reads them inconclusive")
         return Decision(None, None, None, None, "privacy",
                         f"no setting protects: all {len(leaking)} judged defended settings leak"
                         f"{'' if len(leaking) == len(defended) else ' (the rest could not be judged)'}{least}; "

@@ -470,6 +470,8 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
           f"{len(figures)} figure{'s' * (len(figures) != 1)} ({', '.join(figures)})")
     judged = [w for w in summary.worst_case if not w.added]
     added = [w for w in summary.worst_case if w.added]
+    from leakaudit.evaluator.results.verdict import verdict_words
+
     width = min(40, max(len(w.setting) for w in summary.worst_case)) if summary.worst_case else 10
     said = max([22, *(len(verdict_words(w)) for w in summary.worst_case)])
     for w in judged:
@@ -497,21 +499,6 @@ def _conclude(summary, out: Path, args, tables: tuple[str, ...] = ()) -> int:
     return EXIT_LEAK if failures else 0
 
 
-def verdict_words(w) -> str:
-    """A setting's verdict as the terminal and the report name it: the verdict, what leaks, and whether it is
-    borderline, weak or left open by the budget."""
-    said = (w.verdict or "not judged") + (f" {w.level}" if w.verdict == "leaks" and w.level else "")
-    marks = [mark for mark, words in (("weak", w.weak), ("borderline", w.borderline), ("budget", w.budget)) if words]
-    return said + (f" ({', '.join(marks)})" if marks else "")
-
-
-def open_questions(w) -> list[tuple[str, str]]:
-    """What a verdict leaves open, one (label, words) per line under its why-line: borderline; budget, where the
-    reason does not already say it."""
-    return [(label, words) for label, words in (("borderline", w.borderline), ("budget", w.budget))
-            if words and words not in w.reason]
-
-
 def _verdict_line(w, leak: str, width: int, said_width: int = 22) -> str:
     """One setting's verdict in the terminal: its accuracy, its strongest attack's score and interval, and on the
     next line why."""
@@ -519,12 +506,15 @@ def _verdict_line(w, leak: str, width: int, said_width: int = 22) -> str:
     mean, ci = w.mean(leak), w.ci(leak)
     score = (f"{leak} {mean:.3g} [{ci[0]:.3g}, {ci[1]:.3g}] ({w.attack}, step {w.checkpoint})") if mean is not None \
         else f"no finite {leak}"
+    from leakaudit.evaluator.results.verdict import open_questions, threat_text, verdict_words
+
     said = verdict_words(w).upper()
     return (f"  {w.setting:<{width}}  {said:<{said_width}} accuracy {acc:>5}  {score}\n"
             f"    why: {w.reason}"
             + "".join(f"\n    {label}: {words}" for label, words in open_questions(w))
             + (f"\n    threat model: {w.threat or 'undeclared'} (Carletti et al. 2025: the attacker this verdict "
-               "holds against)" if w.threat is not None else ""))
+               "holds against)" if w.threat is not None else "")
+            + (f"\n    by threat model: {threat_text(w)}" if w.by_threat else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -235,7 +235,8 @@ def test_settling_and_a_budget_never_give_a_kinder_verdict_than_the_full_run(wri
     (calibrated by the exact attack on the reference): it reads inconclusive (budget), and the decision ships
     nothing and names the budget that settles it."""
     from conftest import small_audit
-    from leakaudit.evaluator.cli import frontier_lines, verdict_words
+    from leakaudit.evaluator.cli import frontier_lines
+    from leakaudit.evaluator.results.verdict import verdict_words
     from leakaudit.evaluator.results.verdict import kinder_than
     from leakaudit.evaluator.run.runner import run_audit
 

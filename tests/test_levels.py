@@ -10,7 +10,7 @@ import torch
 from conftest import small_audit
 
 from leakaudit.evaluator.cli import main
-from leakaudit.evaluator.results.types import CellResult, Scores, StepVerdict
+from leakaudit.evaluator.results.types import CellResult, Scores, StepVerdict, Summary
 from leakaudit.evaluator.results.verdict import (
     INCONCLUSIVE,
     INDIVIDUALS,
@@ -25,8 +25,10 @@ from leakaudit.evaluator.results.verdict import (
     leak_threshold,
     min_accuracy,
     overall,
+    passive_words,
 )
 from leakaudit.evaluator.zoo.metrics import class_mean_guess, guess_scores, psnr, text_guess_scores
+from leakaudit.plugins.attack import HONEST_SERVER, MALICIOUS_SERVER
 from leakaudit.plugins.components import Metric
 from leakaudit.testing import assert_protects
 
@@ -241,3 +243,40 @@ def test_a_max_drop_out_of_range_is_one_line_naming_the_key(write_audit, capsys)
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "utility.max_drop" in err[0] and "1.5" in err[0], err
+
+
+def test_each_threat_model_is_judged_on_the_attacks_its_attacker_can_run(write_audit, tmp_path, capsys):
+    """A malicious server's imprint block reaches every image; 20 iterations of gradient matching reach none. The
+    verdict holds against the malicious server, and says in words that the passive attack named does not reach
+    individuals; each threat model's verdict is calibrated on its own attacks."""
+    audit = small_audit(name="threats", data={"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 4},
+                        model={"name": "imprint", "params": {"base": "lenet_zhu", "bins": 64}, "checkpoints": [0]},
+                        defenses=[{"name": "none"}, {"name": "gaussian", "params": {"sigma": 1.0}}],
+                        attacks=[{"name": "imprint"}, {"name": "inverting_gradients", "params": {"iterations": 20}}],
+                        utility={"train_steps": 0}, metrics=["psnr", "ssim", "label_accuracy"])
+    assert main(["run", str(write_audit(audit)), "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    summary = Summary.from_json(json.loads((tmp_path / "run" / "summary.json").read_text()))
+    worst = {w.setting: w for w in summary.worst_case}
+    none, noisy = worst["none"], worst["gaussian(sigma=1.0)"]
+    assert (none.verdict, none.level, none.threat) == (LEAKS, INDIVIDUALS, MALICIOUS_SERVER)
+    assert [(t.threat, t.verdict, t.attacks) for t in none.by_threat] == [
+        (HONEST_SERVER, INCONCLUSIVE, ["inverting_gradients"]), (MALICIOUS_SERVER, LEAKS, ["imprint", "inverting_gradients"])]
+    assert ("protects individuals against the named passive attacks (inverting_gradients, inconclusive"
+            in none.reason and "a malicious server reaches them (imprint, step 0)" in none.reason)
+    # the noise stops the imprint block: a "protects" vouched for by the malicious server's attack alone, never
+    # said of the honest server, whose attack breaks no undefended update
+    assert noisy.verdict == PROTECTS and noisy.by_threat[0].verdict == INCONCLUSIVE
+    assert passive_words(noisy.by_threat) is None
+    assert "by threat model: honest-but-curious server: inconclusive (inverting_gradients, step 0); malicious " \
+           "server: protects (imprint, step 0)" in out
+    steps = [v for v in summary.verdicts if v.setting == "none"]
+    assert steps[0].by_threat == none.by_threat  # one step: its verdicts are the worst case's
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert "by threat model:" in html and "malicious server: leaks individuals (imprint, step 0)" in html
+
+
+def test_an_audit_of_one_threat_model_has_no_verdict_per_threat(write_audit, tmp_path):
+    assert main(["run", str(write_audit(small_audit())), "--out", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert all("by_threat" not in w for w in summary["worst_case"])

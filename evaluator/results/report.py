@@ -35,7 +35,7 @@ from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import CONFIRMED, REPORT, SUMMARY, VOCABULARY, RunFolder
 from leakaudit.evaluator.results.summary import second_views, summarise, summarise_tuning
 from leakaudit.evaluator.results.types import Summary, WorstCase
-from leakaudit.evaluator.results.verdict import rule_text
+from leakaudit.evaluator.results.verdict import open_questions, rule_text, threat_text
 from leakaudit.plugins.text import TokenData, decode_tokens
 
 
@@ -189,7 +189,7 @@ def page_template(template: Path | None = None) -> jinja2.Template:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(folders), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(num=_num, interval=_interval, epsilon=_epsilon, percent=_percent, params=params_text,
-                       accuracy=_accuracy)
+                       accuracy=_accuracy, open_questions=open_questions, threat_text=threat_text)
     return env.get_template(TEMPLATE) if template is None else env.from_string(template.read_text())
 
 

@@ -27,6 +27,7 @@ from leakaudit.evaluator.results.types import (
     SettingUtility,
     StepVerdict,
     Summary,
+    ThreatVerdict,
     TuningResult,
     WorstCase,
     WorstImage,
@@ -53,6 +54,7 @@ from leakaudit.evaluator.results.verdict import (
     leak_threshold,
     min_accuracy,
     overall,
+    passive_words,
     strongest,
     training_bound,
     vouched_level,
@@ -136,14 +138,16 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
             audit, reference, cells, acc, bars, {a.key for a in audit.attacks if calibrates(audit, a, s)})
         by_step = {v.checkpoint: v for v in steps}
         unread = unread_kind(audit, s)
-        per_step = [budget_open(audit, s, calibrate(v, by_step.get(v.checkpoint), untried, unread),
-                                lambda label, step: _breaks_at_scale(audit, reference, label, step, cells, acc, bars))
-                    for v in alone[s.key]]
+        breaks = lambda label, step: _breaks_at_scale(audit, reference, label, step, cells, acc, bars)  # noqa: E731
+        threats = _by_threat(audit, s, cells, acc, bars, (untried, unread, breaks))
+        per_step = [dataclasses.replace(
+            budget_open(audit, s, calibrate(v, by_step.get(v.checkpoint), untried, unread), breaks),
+            by_threat=_threats_at(threats, cells, s.key, v.checkpoint)) for v in alone[s.key]]
         verdicts.extend(per_step)
         final = overall(per_step)
         assert final is not None, "a setting with a finite score is judged at some step"
         worst_case.append(_worst_case(s, audit, mine, rows, leakage, final, profiles[s.key], acc.get(s.key, {}),
-                                      _open_at_some_step(final, per_step)))
+                                      _open_at_some_step(final, per_step), _threats_at(threats, cells, s.key)))
     violations = [f"{c.setting}, {c.attack}, step {c.checkpoint}: {c.bound_violated}"
                   for c in cells if c.bound_violated]
     confidence = options["confidence"]
@@ -433,16 +437,62 @@ def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bar
             for ckpt in audit.checkpoints if any(c.checkpoint == ckpt for c in mine)]
 
 
+def _by_threat(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: tuple,
+               calibration: tuple) -> dict[str, tuple[set[str], list[StepVerdict]]]:
+    """Each threat model's attacks and verdicts of ``setting`` per step, weakest attacker first, where the attacks
+    run on it span more than one (``Attack.attacker``, Carletti et al. 2025): judged on the attacks that attacker
+    can run, each calibrated by the reference judged on the same, so that a "protects" that only a malicious
+    server's attack vouches for is never said of a passive one. Empty where they span one."""
+    untried, unread, breaks = calibration
+    order = list(ATTACKERS)
+    needs = {a.key: _attacker_of(audit, a.key) for a in audit.attacks}
+    ran = {c.attack for c in cells if c.setting == setting.key}
+    levels = [t for t in order if any(needs.get(a) == t for a in ran)]
+    if len(levels) < 2:
+        return {}
+    reference = audit.reference_of(setting)
+    out = {}
+    for threat in levels:
+        allowed = {a for a, t in needs.items() if t in order and order.index(t) <= order.index(threat)}
+        alone = _judged_steps(audit, setting, cells, acc, bars, allowed)
+        steps = [] if reference is None else alone if reference is setting else _judged_steps(
+            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if a.key in allowed
+                                                 and calibrates(audit, a, setting)})
+        by_step = {v.checkpoint: v for v in steps}
+        out[threat] = allowed, [budget_open(audit, setting, calibrate(v, by_step.get(v.checkpoint), untried, unread),
+                                            breaks) for v in alone]
+    return out
+
+
+def _threats_at(threats: dict[str, tuple[set[str], list[StepVerdict]]], cells: list[CellResult], setting: str,
+                step: int | None = None) -> list[ThreatVerdict] | None:
+    """The threat models' verdicts at ``step`` (None: each one's worst step), with the attacks each judged there."""
+    if not threats:
+        return None
+    out = []
+    for threat, (allowed, verdicts) in threats.items():
+        v = overall([v for v in verdicts if step is None or v.checkpoint == step])
+        if v is None:
+            continue
+        named = sorted({c.attack for c in cells if c.setting == setting and c.attack in allowed
+                        and c.checkpoint == v.checkpoint})
+        out.append(ThreatVerdict(threat=threat, verdict=v.verdict, level=v.level, attack=v.attack,
+                                 checkpoint=v.checkpoint, attacks=named))
+    return out
+
+
+def _attacker_of(audit: Audit, attack: str) -> str:
+    """The attacker an audit's attack (by key) declares it needs ("" where none or unknown)."""
+    spec = next((a for a in audit.attacks if a.key == attack), None)
+    return "" if spec is None else audit.registry.get("attack", spec.name).attacker
+
+
 def _held_against(audit: Audit, verdict: StepVerdict, cells: list[CellResult]) -> StepVerdict:
     """The verdict with the attacker it holds against (each attack's declared ``attacker``, Carletti et al. 2025):
     a leak, the one its strongest attack needs; anything else, the strongest that the attacks run there need."""
-    def needs(attack: str) -> str:
-        spec = next((a for a in audit.attacks if a.key == attack), None)
-        return "" if spec is None else audit.registry.get("attack", spec.name).attacker
-
     if verdict.verdict == LEAKS:
-        return dataclasses.replace(verdict, threat=needs(verdict.attack))
-    declared = [needs(c.attack) for c in cells]
+        return dataclasses.replace(verdict, threat=_attacker_of(audit, verdict.attack))
+    declared = [_attacker_of(audit, c.attack) for c in cells]
     known = [a for a in declared if a in ATTACKERS]
     strongest = max(known, key=list(ATTACKERS).index) if known else ""
     return dataclasses.replace(verdict, threat=strongest)
@@ -500,10 +550,12 @@ def _open_at_some_step(final: StepVerdict, per_step: list[StepVerdict]) -> str |
 
 
 def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakage, final: StepVerdict, profile,
-                utility: dict, budget: str | None) -> WorstCase:
+                utility: dict, budget: str | None, by_threat: list[ThreatVerdict] | None) -> WorstCase:
     """A setting's entry in the summary's worst case: its verdict over the steps (``budget``: how the budget leaves
-    it open), the strongest attack at that verdict's step, and where it has a privacy guarantee the bound beside the
-    measured identification."""
+    it open; ``by_threat``: under each threat model, whose words join the reason where only a malicious server
+    reaches individuals), the strongest attack at that verdict's step, and where it has a privacy guarantee the
+    bound beside the measured identification."""
+    passive = passive_words(by_threat)
     top, _ = strongest([c for c in mine if c.checkpoint == final.checkpoint] or mine, leakage)  # the why-line's step
     views = second_views(audit.registry)
     own_rows = [r for r in rows if r.setting == s.key]
@@ -511,9 +563,9 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakag
         **_setting_fields(s, audit), accuracy=top.accuracy, epsilon=top.epsilon, identifiable=top.identifiable,
         attack=top.attack, checkpoint=top.checkpoint,
         scores={m: top.scores[m] for m in (leakage.name, *views) if m in top.scores},
-        n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason,
+        n=top.scores[leakage.name].n, verdict=final.verdict, reason=final.reason + (f"; {passive}" if passive else ""),
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
-        threat=final.threat, weak=final.weak, borderline=final.borderline, budget=budget,
+        threat=final.threat, weak=final.weak, borderline=final.borderline, budget=budget, by_threat=by_threat,
         settling_iterations=final.settling_iterations,
         privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
         worst_image=_worst_image(own_rows, leakage))

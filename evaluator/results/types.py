@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from leakaudit.evaluator.audit.types import VerdictSection
 
 #: The layout of summary.json this release writes; it reads this one and every earlier one.
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4
 STATISTICS = ("mean", "std", "ci", "n")
 #: What a verdict may add about how firm it is (StepVerdict's and WorstCase's fields; written where set).
 OPEN_QUESTIONS = ("weak", "borderline", "budget")
@@ -140,6 +140,24 @@ class CellResult(_Scored):
 
 
 @dataclass(frozen=True)
+class ThreatVerdict:
+    """A verdict judged on the attacks one threat model allows: those whose declared attacker is that one or a
+    weaker one (Carletti et al. 2025), each calibrated by its reference judged on the same attacks."""
+
+    threat: str
+    verdict: str | None
+    level: str | None
+    attack: str
+    checkpoint: int
+    attacks: list[str]
+
+    @classmethod
+    def read(cls, records: list[dict[str, Any]] | None) -> list[ThreatVerdict] | None:
+        """The records summary.json holds, as ThreatVerdicts (None where it holds none)."""
+        return None if records is None else [cls(**r) for r in records]
+
+
+@dataclass(frozen=True)
 class StepVerdict:
     """A setting's verdict at one step, its strongest attack's evidence, and (once calibrated into
     "inconclusive") the verdict it had alone."""
@@ -181,17 +199,21 @@ class StepVerdict:
     #: down without still breaking the reference; a "protects" is then inconclusive, a leak of labels may be one of
     #: individuals in full. None where the budget cut nothing this verdict rests on.
     budget: str | None = None
+    #: The verdict under each threat model the attacks run span, weakest attacker first; None where they span one.
+    by_threat: list[ThreatVerdict] | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = _fields(self)
-        for optional in ("alone", "calibrated_by", "level", "threat", "vouches", *OPEN_QUESTIONS):
+        for optional in ("alone", "calibrated_by", "level", "threat", "vouches", *OPEN_QUESTIONS, "by_threat"):
             if record[optional] is None:
                 del record[optional]
+        if self.by_threat is not None:
+            record["by_threat"] = [_record(t) for t in self.by_threat]
         return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> StepVerdict:
-        return cls(**_known(cls, record))
+        return cls(**_known(cls, record), by_threat=ThreatVerdict.read(record.get("by_threat")))
 
 
 @dataclass(frozen=True)
@@ -249,9 +271,11 @@ class WorstCase(_Scored):
     weak: str | None = None  # StepVerdict.weak of the verdict over the steps
     borderline: str | None = None  # StepVerdict.borderline
     budget: str | None = None  # StepVerdict.budget
+    by_threat: list[ThreatVerdict] | None = None  # StepVerdict.by_threat, each threat's worst step
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat", *OPEN_QUESTIONS)
+        head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat", *OPEN_QUESTIONS,
+                                         "by_threat")
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
         return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
@@ -259,7 +283,8 @@ class WorstCase(_Scored):
                 **({} if self.clients is None else {"clients": self.clients}),  # older summaries read back alike
                 **({} if self.level is None else {"level": self.level}),
                 **({} if self.threat is None else {"threat": self.threat}),
-                **{k: getattr(self, k) for k in OPEN_QUESTIONS if getattr(self, k) is not None}}
+                **{k: getattr(self, k) for k in OPEN_QUESTIONS if getattr(self, k) is not None},
+                **({} if self.by_threat is None else {"by_threat": [_record(t) for t in self.by_threat]})}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WorstCase:
@@ -267,7 +292,7 @@ class WorstCase(_Scored):
                   for k, v in record.items() if k.endswith("_ci")}
         privacy = record.get("privacy")
         return cls(**_known(cls, record), scores=scores, worst_image=_image(record.get("worst_image")),
-                   privacy=Privacy(**privacy) if privacy else None)
+                   privacy=Privacy(**privacy) if privacy else None, by_threat=ThreatVerdict.read(record.get("by_threat")))
 
 
 @dataclass(frozen=True)
@@ -489,7 +514,8 @@ def _image(record: dict[str, Any] | None) -> WorstImage | None:
 
 #: Fields that from_json builds itself, beside the ones copied from the record.
 _BUILT = {"scores", "worst_image", "privacy", "verdict_options", "leak_threshold", "label_threshold", "utility",
-          "cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "version", "frontier", "probes", "decision"}
+          "cells", "worst_case", "verdicts", "naive_vs_adaptive", "tuning", "version", "frontier", "probes", "decision",
+          "by_threat"}
 
 
 def _known(cls, record: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from leakaudit.evaluator.audit.seeds import derive_seed
-from leakaudit.evaluator.results.types import CellResult, LeakThreshold, Scores, StepVerdict, Summary, WorstCase
+from leakaudit.evaluator.results.types import (CellResult, LeakThreshold, Scores, StepVerdict, Summary, ThreatVerdict,
+                                               WorstCase)
 from leakaudit.evaluator.zoo.metrics import CLASS_AWARE
+from leakaudit.plugins.attack import MALICIOUS_SERVER
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.defense import PrivacyProfile
 
@@ -697,3 +699,47 @@ def gate_reading(w: WorstCase | StepVerdict, fail_on: str = INDIVIDUALS) -> tupl
     if w.verdict == INCONCLUSIVE:
         return INCONCLUSIVE, f"is inconclusive at step {step}: {w.reason}"
     return None
+
+
+def verdict_words(w: WorstCase | StepVerdict) -> str:
+    """A verdict as the terminal and the report name it: the verdict, what leaks, and whether it is borderline, weak
+    or left open by the budget."""
+    marks = [mark for mark, words in (("weak", w.weak), ("borderline", w.borderline), ("budget", w.budget)) if words]
+    return _said(w) + (f" ({', '.join(marks)})" if marks else "")
+
+
+def _said(w: WorstCase | StepVerdict | ThreatVerdict) -> str:
+    """The verdict and, for a leak, what leaks."""
+    return (w.verdict or "not judged") + (f" {w.level}" if w.verdict == LEAKS and w.level else "")
+
+
+def open_questions(w: WorstCase | StepVerdict) -> list[tuple[str, str]]:
+    """What a verdict leaves open, one (label, words) per line under its why-line, as the terminal and the report
+    print them: borderline; budget, where the reason does not already say it."""
+    return [(label, words) for label, words in (("borderline", w.borderline), ("budget", w.budget))
+            if words and words not in w.reason]
+
+
+def threat_text(w: WorstCase | StepVerdict) -> str:
+    """The verdict under each threat model its attacks span, weakest attacker first, as one line ("" where they
+    span one)."""
+    return "; ".join(f"{t.threat}: {_said(t)} ({t.attack}, step {t.checkpoint})" for t in w.by_threat or ())
+
+
+def passive_words(by_threat: list[ThreatVerdict] | None) -> str | None:
+    """Where no passive attacker reaches individuals but a malicious server does, the words that say both: a
+    "protects" against the passive attacks is never said without the attacker that breaks it."""
+    passive = [t for t in by_threat or () if t.threat != MALICIOUS_SERVER]
+    malicious = [t for t in by_threat or () if t.threat == MALICIOUS_SERVER]
+    if not passive or not malicious or _reaches(passive[-1]) or not _reaches(malicious[0]):
+        return None
+    top = passive[-1]
+    short = {LEAKS: f", which reach its {top.level}", INCONCLUSIVE: ", inconclusive: they break no undefended update "
+             "to vouch for it"}.get(top.verdict or "", "")
+    return (f"protects individuals against the named passive attacks ({', '.join(top.attacks)}{short}); a malicious "
+            f"server reaches them ({malicious[0].attack}, step {malicious[0].checkpoint})")
+
+
+def _reaches(t: ThreatVerdict) -> bool:
+    """Whether a threat model's verdict reaches individuals (a leak the default gate fails)."""
+    return t.verdict == LEAKS and (t.level or INDIVIDUALS) in GATE_LEVELS[INDIVIDUALS]

@@ -1,6 +1,8 @@
 """Secure aggregation (Bonawitz et al. 2017) as FedAvg's ``clients``: the server sees only the mean update."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,10 @@ import torch.nn.functional as F
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.run.runner import run_audit
-from leakaudit.plugins.protocol import FedAvg, parameter_names, trainable
+from leakaudit.evaluator.authoring.cases import check_threat, seeded_generator
+from leakaudit.plugins.attack import Problem, own_coordinates_problem, solve
+from leakaudit.plugins.defense import ALONE
+from leakaudit.plugins.protocol import CONTRIBUTORS, ClientStep, FedAvg, parameter_names, trainable
 from leakaudit.testing import tiny_case
 
 from conftest import small_audit
@@ -86,3 +91,59 @@ def test_the_threat_box_says_the_server_sees_only_the_mean(write_audit):
     protocol = dict(threat_model(load_audit(write_audit(audit))))["Protocol"]
     assert protocol == ("fedavg (local_epochs=1, local_batch_size=None, local_lr=0.1); under secure aggregation the "
                         "server sees only the mean of 4 clients' updates, each of 1 private image(s)")
+
+
+def _sparse_case(secure_aggregation: str):
+    """16 clients of one 8 px digit each on the zoo's untrained mlp, every client keeping its top 5% under secure
+    aggregation."""
+    from leakaudit.defenses.pruning import TopK
+    from leakaudit.evaluator.zoo.datasets import load_digits
+    from leakaudit.evaluator.zoo.models import mlp
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = mlp(1, 10, 8)
+    data = load_digits(8)
+    x, y = data.test_x[:16].clone(), data.test_y[:16].clone()
+    protocol = FedAvg(local_lr=0.1, clients=16, secure_aggregation=secure_aggregation)
+    defense = TopK(fraction=0.05)
+    observed = defense.share(ClientStep(model, F.cross_entropy, x, y, seeded_generator(x.device, 0), protocol))
+    own = [defense.transform(u) for u in protocol.client_updates(model, F.cross_entropy, x, y)]
+    return model, x, y, protocol, defense, observed, own
+
+
+def test_a_coordinate_one_client_alone_sent_is_that_clients_value_under_per_element_aggregation():
+    """Each client sparsifies its own update; per-element secure aggregation divides each coordinate by the count of
+    clients that sent it, so where one did the aggregate is its value exactly, not a sixteenth of it."""
+    *_, observed, own = _sparse_case("per_element")
+    counts = observed.metadata[CONTRIBUTORS]
+    for t, n, parts in zip(observed.tensors, counts, zip(*own)):
+        torch.testing.assert_close(n, torch.stack([p != 0 for p in parts]).sum(0))
+        torch.testing.assert_close(t, torch.stack(parts).sum(0) / n.clamp_min(1))
+    alone = observed.metadata[ALONE]
+    assert sum(int(m.sum()) for m in alone) > 0
+    for t, m, mine in zip(observed.tensors, alone, own[0]):
+        assert torch.equal(t[m], mine[m])
+    *_, mean, _ = _sparse_case("sum")  # Bonawitz et al.'s mean: no counts, every coordinate a sixteenth
+    assert ALONE not in mean.metadata and CONTRIBUTORS not in mean.metadata
+    for t, parts in zip(mean.tensors, zip(*own)):
+        torch.testing.assert_close(t, torch.stack(parts).mean(0))
+
+
+def test_top_k_under_16_client_secure_aggregation_leaks_through_single_contributor_coordinates():
+    """The first client's digit rebuilt from the coordinates it alone sent (per-element aggregation: each is its
+    own value) leaks; the same attack on the plain mean's values there (a sixteenth of each) does not."""
+    from leakaudit.attacks.bayes import BayesOptimal
+    from leakaudit.evaluator.zoo.metrics import psnr
+
+    model, x, y, protocol, defense, observed, _ = _sparse_case("per_element")
+    threat = check_threat(model, x, y, defense, protocol, known_labels=True)
+    problem = own_coordinates_problem(Problem(observed, threat, seeded_generator(x.device, 1),
+                                              BayesOptimal(iterations=100)))
+    assert problem is not None and problem.threat.batch_size == 1 and problem.threat.protocol.clients == 1
+    mean = dataclasses.replace(problem, observed=dataclasses.replace(problem.observed,
+                                                                     tensors=_sparse_case("sum")[-2].tensors))
+    leaked, hidden = (float(psnr(r.images, x[:1]).mean()) for r in solve([problem, mean]))
+    assert leaked > 17 and hidden < 12, (leaked, hidden)
+    plain = Problem(_sparse_case("sum")[-2], threat, seeded_generator(x.device, 1), BayesOptimal(iterations=1))
+    assert own_coordinates_problem(plain) is None  # the plain mean reveals no counts: nothing read as one client's

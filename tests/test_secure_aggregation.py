@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.types import ConfigError
@@ -147,3 +149,84 @@ def test_top_k_under_16_client_secure_aggregation_leaks_through_single_contribut
     assert leaked > 17 and hidden < 12, (leaked, hidden)
     plain = Problem(_sparse_case("sum")[-2], threat, seeded_generator(x.device, 1), BayesOptimal(iterations=1))
     assert own_coordinates_problem(plain) is None  # the plain mean reveals no counts: nothing read as one client's
+
+
+SPARSE = Path(__file__).resolve().parent.parent / "configs" / "secure_aggregation_sparse.yaml"
+
+
+def _sparse_audit(tmp_path, secure_aggregation: str, **data):
+    """The shipped sparse audit, read with ``secure_aggregation`` (and any ``data`` keys changed)."""
+    raw = yaml.safe_load(SPARSE.read_text())
+    raw["protocol"]["secure_aggregation"] = secure_aggregation
+    raw["data"].update(data)
+    path = tmp_path / f"{secure_aggregation}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_audit(path)
+
+
+def _read(audit):
+    """The worker's reading of the first target batch of the audit's topk setting, with the clients' own top-k
+    updates as computed apart from the engine."""
+    from leakaudit.attacks.bayes import BayesOptimal
+    from leakaudit.evaluator.run.scenario import Scenario, loss_fn
+    from leakaudit.evaluator.run.worker import AuditWorker
+
+    scenario = Scenario(audit)
+    setting = next(s for s in audit.settings if not s.is_baseline(audit.registry))
+    defense, worker = scenario.defense(setting), AuditWorker(scenario, folder=None)
+    model = scenario.fresh_model(defense, setting)
+    worker.provide_states(setting.key, lambda: {0: model.state_dict()})
+    pixels, labels = scenario.target_batch(0, setting)
+    read = worker.problems(setting, 0, [(pixels, labels, 0, BayesOptimal(iterations=1))], "")[0]
+    protocol = scenario.protocol(setting)
+    own = [defense.transform(u) for u in protocol.client_updates(model, loss_fn, scenario.normalise(pixels), labels)]
+    return read, pixels, labels, own
+
+
+def test_the_worker_attacks_client_ones_own_coordinates_under_per_element_aggregation(tmp_path):
+    """The engine's problem under per-element secure aggregation: client 1's top-k update on the coordinates it
+    alone sent, exactly, scored against its digit alone; under the plain mean (sum) the 16-digit aggregate."""
+    read, pixels, labels, own = _read(_sparse_audit(tmp_path, "per_element", targets=16))
+    problem = read.problem
+    assert read.own_coordinates and read.own_coordinates > 100
+    assert problem.threat.batch_size == 1 and problem.threat.protocol.clients == 1
+    assert torch.equal(read.originals, pixels[:1]) and torch.equal(read.labels, labels[:1])
+    alone = problem.observed.metadata[ALONE]
+    assert sum(int(m.sum()) for m in alone) == read.own_coordinates
+    for t, m, mine in zip(problem.observed.tensors, alone, own[0]):
+        assert torch.equal(t[m], mine[m]) and not t[~m].any()  # its own values there, nothing elsewhere
+    assert any(mine[m].abs().max() > 0 for m, mine in zip(alone, own[0]))
+    mean, pixels, _, own = _read(_sparse_audit(tmp_path, "sum", targets=16))
+    assert mean.own_coordinates is None and mean.problem.threat.batch_size == 16 and len(mean.originals) == 16
+    for t, parts in zip(mean.problem.observed.tensors, zip(*own)):
+        torch.testing.assert_close(t, torch.stack(parts).mean(0))
+
+
+def test_the_verdict_says_how_the_updates_were_read():
+    from leakaudit.evaluator.results.verdict import own_coordinates_words
+
+    assert own_coordinates_words([393], "topk").startswith(
+        "393 coordinates had one contributor: read as client 1's own topk update, its reconstruction scored "
+        "against client 1's images alone")
+    assert own_coordinates_words([0, 0], "topk") == (
+        "no coordinate had one contributor in any of its 2 updates: the aggregate attacked as a whole, every "
+        "client's images scored")
+    assert "in 1 of its 2 updates 7 coordinates" in own_coordinates_words([7, 0], "topk")
+
+
+def test_a_bad_secure_aggregation_is_one_line_naming_file_key_and_choices(tmp_path):
+    raw = yaml.safe_load(SPARSE.read_text())
+    raw["protocol"]["secure_aggregation"] = "elementwise"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as caught:
+        load_audit(path)
+    assert caught.value.lines == [f"{path}: protocol.secure_aggregation: 'elementwise' is not one of the choices; "
+                                  "choices: sum, per_element"]
+
+
+def test_a_run_folder_of_one_aggregation_is_not_resumed_with_the_other():
+    from leakaudit.evaluator.results.rundir import same_audit
+
+    text = SPARSE.read_text()
+    assert same_audit(text, text) and not same_audit(text, text.replace("per_element", "sum"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,38 @@ def test_a_run_folder_of_one_aggregation_is_not_resumed_with_the_other():
 
     text = SPARSE.read_text()
     assert same_audit(text, text) and not same_audit(text, text.replace("per_element", "sum"))
+
+
+@pytest.mark.slow
+def test_the_shipped_sparse_audit_leaks_client_ones_digits_per_element_and_less_under_the_mean(tmp_path):
+    """configs/secure_aggregation_sparse.yaml as shipped (per_element): each update's coordinates that client 1
+    alone sent are attacked as its own update and leak its digit, and the verdict says so; the same file read as
+    the plain mean (sum) attacks the 16-digit aggregate and reads far less. A run cut short resumes to the same
+    verdict (the rows read back keep how their updates were read)."""
+    from leakaudit.evaluator.results.verdict import INDIVIDUALS, LEAKS
+
+    audit = _sparse_audit(tmp_path, "per_element")
+    out = tmp_path / "per_element"
+    summary = run_audit(audit, out, progress=False)
+    top = next(w for w in summary.worst_case if not w.baseline)
+    assert (top.verdict, top.level) == (LEAKS, INDIVIDUALS), top.reason
+    assert "coordinates had one contributor: read as client 1's own topk update" in top.reason
+    cell = summary.cell(top.setting, "bayes", 0)
+    assert cell.own_coordinates is not None and len(cell.own_coordinates) == 4 and min(cell.own_coordinates) > 100
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    own = [r for r in rows if r["setting"] == top.setting]
+    assert all(len(r["images"]) == 1 and r["own_coordinates"] > 0 for r in own)
+    mean = run_audit(_sparse_audit(tmp_path, "sum"), tmp_path / "sum", progress=False)
+    hidden = next(w for w in mean.worst_case if not w.baseline)
+    assert "coordinates had one contributor" not in hidden.reason
+    assert mean.cell(hidden.setting, "bayes", 0).own_coordinates is None
+    assert top.mean("psnr") > hidden.mean("psnr") + 3, (top.mean("psnr"), hidden.mean("psnr"))
+    firsts = [json.loads(line)["per_image"]["psnr"][0] for line in (tmp_path / "sum" / "results.jsonl").read_text()
+              .splitlines() if json.loads(line)["setting"] == hidden.setting]  # the same digits in the mean
+    assert len(firsts) == 4 and top.mean("psnr") > sum(firsts) / 4 + 3, firsts
+    kept = [line for line in (out / "results.jsonl").read_text().splitlines()
+            if json.loads(line)["setting"] != top.setting or json.loads(line)["target"] < 2]
+    (out / "results.jsonl").write_text("\n".join(kept) + "\n")  # as a run stopped after two of its updates
+    resumed = run_audit(_sparse_audit(tmp_path, "per_element"), out, resume=True, progress=False)
+    again = next(w for w in resumed.worst_case if not w.baseline)
+    assert again.reason == top.reason and again.mean("psnr") == pytest.approx(top.mean("psnr"), abs=1e-3)

@@ -350,7 +350,8 @@ def plot_reconstructions(folder: RunFolder, rows: dict[tuple, Row], metric: str,
                 lines.append((f"{s.key} · {a.key}", shown))
     if not lines:
         return False
-    columns = list(min((shown for _, shown in lines), key=len))[:MAX_GRID_IMAGES]
+    fewest = lines[min(range(len(lines)), key=lambda i: len(lines[i][1]))][1]
+    columns = list(fewest)[:MAX_GRID_IMAGES]
     n = len(columns)
     fig, axes = plt.subplots(len(lines) + 1, n, figsize=(1.25 * n + 2.4, 1.45 * (len(lines) + 1)), squeeze=False)
     for j, k in enumerate(columns):

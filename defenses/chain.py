@@ -76,6 +76,11 @@ class Chain(Defense):
     def bounded_support(self) -> bool:  # type: ignore[override]
         return self.members[-1].bounded_support
 
+    @property
+    def sparsifies(self) -> bool:  # type: ignore[override]
+        """A chain sparsifies where a member does: each client then runs the whole chain on its own update."""
+        return any(m.sparsifies for m in self.members)
+
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         return self.members[-1].privacy_spent(steps, sample_rate, delta)
 

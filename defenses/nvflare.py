@@ -73,6 +73,7 @@ class FlarePercentile(FlareDefense):
     ``leakaudit[nvflare]``."""
 
     name = "nvflare_percentile"
+    sparsifies = True
     params = {
         "percentile": Param(10.0, float, min=0.0, max=100.0, protects="higher",
                             help="PercentilePrivacy's percentile: the share (%) of smallest magnitudes zeroed"),

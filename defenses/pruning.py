@@ -93,6 +93,7 @@ class TopK(DeterministicDefense):
 
     name = "topk"
     paper = "Zhu et al. 2019"
+    sparsifies = True
     params = {"fraction": Param(0.1, float, min=0.0, max=1.0, exclusive_min=True, protects="lower", help="share of coordinates kept")}
     fraction: float
 

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
-from leakaudit.plugins.defense import FULL, Defense, SharedUpdate
+from leakaudit.plugins.defense import ALONE, FULL, Defense, OwnCoordinates, SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, LossFn, Protocol, trainable
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
@@ -127,6 +127,30 @@ class Problem(Generic[A]):
     threat: ThreatModel
     generator: torch.Generator
     attack: A
+
+
+def alone_coordinates(update: SharedUpdate) -> int | None:
+    """How many coordinates of ``update`` its first client alone sent, where the aggregate reveals each
+    coordinate's contributors (``ALONE``); None where it does not (one client, or the plain mean)."""
+    alone = update.metadata.get(ALONE)
+    return None if alone is None else int(sum(int(m.sum()) for m in alone))
+
+
+def own_coordinates_problem(problem: Problem[A]) -> Problem[A] | None:
+    """The audited client's problem read from the coordinates it alone sent, where the aggregate reveals them
+    (``ALONE``): the aggregate there is that client's own update (Suimon et al. 2025), matched exactly against the
+    candidate update of that client's images alone. None where the update reveals none, where no coordinate had
+    one contributor, or where the defense is random (its noise would make the exact match wrong)."""
+    observed, threat = problem.observed, problem.threat
+    alone = observed.metadata.get(ALONE)
+    if alone is None or not threat.defense.deterministic or not alone_coordinates(observed):
+        return None
+    images = observed.batch_size // getattr(threat.protocol, "clients", 1)
+    own = SharedUpdate([t * m for t, m in zip(observed.tensors, alone)], observed.names, images,
+                       {"protocol": observed.metadata.get("protocol"), ALONE: alone})
+    labels = None if threat.labels is None else threat.labels[:images]
+    return replace(problem, observed=own, threat=replace(threat, protocol=threat.protocol.one_client(),
+                                                         batch_size=images, defense=OwnCoordinates(), labels=labels))
 
 
 @dataclass

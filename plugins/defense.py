@@ -9,7 +9,8 @@ from typing import Any, ClassVar, Iterator, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.protocol import ClientStep, LossFn, Protocol, TrainingRun, parameter_names, trainable
+from leakaudit.plugins.protocol import (CONTRIBUTORS, ClientStep, LossFn, Protocol, TrainingRun, parameter_names,
+                                        trainable)
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
 
@@ -99,6 +100,12 @@ class PrivacyProfile:
         return min(best, high)
 
 
+#: The metadata key of the coordinates the audited client (the first of an update's clients) alone sent, per tensor,
+#: where secure aggregation reveals each coordinate's contributors: the aggregate there is that client's own value.
+#: The audit grants the server their attribution to that client, the worst case for the defense (counts alone
+#: tell the server which coordinates one client sent, not which client).
+ALONE = "alone"
+
 #: The kinds of update a client may share: a defense that changes which tensors are shared declares its kind
 #: (``Defense.shares``), an attack the kinds it reads (``Attack.reads``), and a defense's "protects" is calibrated
 #: only by an attack that reads its kind (docs/verdicts.md).
@@ -140,6 +147,10 @@ class Defense:
     #: The kind of update the defense leaves shared, one of ``UPDATE_KINDS``: only an attack that reads it
     #: (``Attack.reads``) calibrates the defense's "protects".
     shares: ClassVar[str] = FULL
+    #: Each client sends most coordinates as zeros, which ones depending on its data (top-k, a percentile cut):
+    #: under secure aggregation every client sparsifies its own update before the server aggregates them
+    #: (``Protocol.aggregate``), so a coordinate one client alone sent can show its value (Suimon et al. 2025).
+    sparsifies: ClassVar[bool] = False
 
     def __init__(self, **settings: Any) -> None:
         self.settings = resolve_params(self.params, settings, self.name)
@@ -218,8 +229,10 @@ class Defense:
         """The defended update the client sends for this step (stochastic layers draw from its generator)."""
         step = replace(step, loss_fn=self.client_loss(step.model, step.loss_fn))
         with noise_from(step.model, step.generator):
-            clean = step.clean_update()
-        sent, public = self.apply(clean, step.generator)
+            each = (step.protocol.client_updates(step.model, step.loss_fn, step.inputs, step.labels, step.generator)
+                    if self.sparsifies else [step.clean_update()])
+        applied = [self.apply(clean, step.generator) for clean in each]
+        sent, public = applied[0] if len(applied) == 1 else aggregated([s for s, _ in applied], step.protocol)
         meta = {"protocol": step.protocol.name, **public}
         return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), meta)
 
@@ -299,6 +312,26 @@ class DeterministicDefense(Defense):
         return None
 
 
+
+
+def aggregated(sent: list[list[Tensor]], protocol: Protocol) -> tuple[list[Tensor], dict[str, Any]]:
+    """The server's aggregate of the clients' sparsified ``sent`` updates and what it learns with it; where that is
+    each coordinate's count of contributors, also the coordinates the first client alone sent (``ALONE``)."""
+    tensors, public = protocol.aggregate(sent)
+    if CONTRIBUTORS in public:
+        public[ALONE] = [(n == 1) & (mine != 0) for n, mine in zip(public[CONTRIBUTORS], sent[0])]
+    return tensors, public
+
+
+class OwnCoordinates(DeterministicDefense):
+    """What the server reads on the coordinates it knows to be one client's own (metadata ``ALONE``): that client's
+    values exactly there, nothing elsewhere; its likelihood matches those coordinates only."""
+
+    name = "own coordinates"
+
+    def log_likelihood(self, observed: SharedUpdate, candidate: Sequence[Tensor]) -> Tensor:
+        return -0.5 * _total([((o - c) ** 2 * m).sum()
+                              for o, c, m in zip(observed.tensors, candidate, observed.metadata[ALONE])])
 
 
 def _total(parts: list[Tensor]) -> Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import warnings
 from contextlib import contextmanager
-from dataclasses import Field, dataclass, field
+from dataclasses import Field, dataclass, field, replace
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -25,6 +25,11 @@ from leakaudit.plugins.spec import Param
 LossFn = Callable[[Tensor, Tensor], Tensor]
 #: Your own training step, as ``OwnStep`` calls it: ``train_step(model, inputs, labels)``; it updates the model.
 StepFn = Callable[[nn.Module, Tensor, Tensor], Any]
+
+
+#: The metadata key of the count of clients that sent each coordinate non-zero, per tensor, where secure
+#: aggregation reveals it (``FedAvg.secure_aggregation: per_element``).
+CONTRIBUTORS = "contributors"
 
 
 class Protocol:
@@ -44,6 +49,19 @@ class Protocol:
         """The clean update the client computes on its batch (detached); ``generator`` is the client's own, for a
         protocol that draws (FedAvg's shuffle)."""
         return [g.detach() for g in self.attacker_update(model, loss_fn, inputs, labels, create_graph=False)]
+
+    def client_updates(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor,
+                       generator: torch.Generator | None = None) -> list[list[Tensor]]:
+        """Each client's clean update before aggregation (one client unless the protocol aggregates several)."""
+        return [self.client_update(model, loss_fn, inputs, labels, generator)]
+
+    def aggregate(self, sent: list[list[Tensor]]) -> tuple[list[Tensor], dict[str, Any]]:
+        """What the server receives of the clients' ``sent`` updates, and what it learns with it (one client: its own)."""
+        return sent[0], {}
+
+    def one_client(self) -> Protocol:
+        """The protocol of one of its clients alone (itself where one client sends the update)."""
+        return self
 
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
                         create_graph: bool = True) -> list[Tensor]:
@@ -96,6 +114,12 @@ class FedAvg(Protocol):
     ``clients`` > 1 is secure aggregation: the update's images are shared out in order among that many
     clients, each trains from the same weights on its own, and the server sees only the mean of their
     updates (Bonawitz et al. 2017). Attackers unroll every client's steps and average them as the server does.
+
+    ``secure_aggregation`` says what the server learns of clients' sparse updates (a defense that ``sparsifies``,
+    applied by each client to its own): ``sum``, only their mean, zeros included (Bonawitz et al. 2017);
+    ``per_element``, per coordinate the sum and the count of clients that sent it non-zero, the sum divided by
+    that count (the per-element secure aggregation of Suimon et al. 2025, arXiv:2508.04285, at threshold 1: the
+    count is revealed, so a coordinate one client alone sent is that client's value, exactly).
     """
 
     local_epochs: int = 1
@@ -103,6 +127,7 @@ class FedAvg(Protocol):
     local_lr: float = 1e-4
     clients: int = 1
     shuffle: bool = False
+    secure_aggregation: str = "sum"
 
     name: ClassVar[str] = "fedavg"
     params: ClassVar[dict[str, Param]] = {
@@ -114,6 +139,10 @@ class FedAvg(Protocol):
         "shuffle": Param(False, bool, help="each epoch the client shuffles its images with its own seeded generator, "
                                            "an order the attacker does not know (Dimitrov et al. 2022); false: in "
                                            "order"),
+        "secure_aggregation": Param("sum", str, choices=("sum", "per_element"),
+                                    help="what the server learns of sparse updates: their mean (sum), or per "
+                                         "coordinate the count of clients that sent it, each coordinate's sum "
+                                         "divided by its count (per_element, Suimon et al. 2025)"),
     }
     sends_gradient: ClassVar[bool] = False
 
@@ -122,12 +151,28 @@ class FedAvg(Protocol):
         """The clean update; under ``shuffle`` each client's epochs take orders drawn from ``generator``."""
         if not self.shuffle or generator is None:
             return super().client_update(model, loss_fn, inputs, labels, generator)
+        each = self.client_updates(model, loss_fn, inputs, labels, generator)
+        return [torch.stack(parts).mean(0) for parts in zip(*each)]
+
+    def client_updates(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, labels: Tensor,
+                       generator: torch.Generator | None = None) -> list[list[Tensor]]:
+        """Each client's clean update on its share of the images (under ``shuffle``, orders from ``generator``)."""
         each = []
         for x, y in self._shares(inputs, labels):
-            orders = [torch.randperm(len(x), generator=generator, device=generator.device).to(x.device)
-                      for _ in range(self.local_epochs)]
-            each.append(fedavg_update(model, loss_fn, x, y, self, orders=orders))
-        return [torch.stack(parts).mean(0).detach() for parts in zip(*each)]
+            orders = None if not self.shuffle or generator is None else [
+                torch.randperm(len(x), generator=generator, device=generator.device).to(x.device)
+                for _ in range(self.local_epochs)]
+            each.append([g.detach() for g in fedavg_update(model, loss_fn, x, y, self, orders=orders)])
+        return each
+
+    def aggregate(self, sent: list[list[Tensor]]) -> tuple[list[Tensor], dict[str, Any]]:
+        """``sum``: the mean of the clients' updates. ``per_element``: each coordinate's sum over the clients that
+        sent it non-zero, divided by their count, which the server learns (``CONTRIBUTORS``)."""
+        if self.secure_aggregation == "sum":
+            return [torch.stack(parts).mean(0) for parts in zip(*sent)], {}
+        counts = [torch.stack([p != 0 for p in parts]).sum(0) for parts in zip(*sent)]
+        means = [torch.stack(parts).sum(0) / n.clamp_min(1) for parts, n in zip(zip(*sent), counts)]
+        return means, {CONTRIBUTORS: counts}
 
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
                         create_graph: bool = True) -> list[Tensor]:
@@ -138,6 +183,9 @@ class FedAvg(Protocol):
                           loss_fn: LossFn, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
         each = [self._local(model, params, buffers, loss_fn, x, y) for x, y in self._shares(images, targets)]
         return {n: torch.stack([e[n] for e in each]).mean(0) for n in params}
+
+    def one_client(self) -> Protocol:
+        return replace(self, clients=1)
 
     def _local(self, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], loss_fn: LossFn,
                images: Tensor, targets: Tensor) -> dict[str, Tensor]:

@@ -111,15 +111,15 @@ def test_auto_validates_and_runs_on_every_shipped_configs_model(path, tmp_path):
         cls = audit.registry.get("attack", spec.name)
         attack = cls(**{**spec.params, **{k: v for k, v in TINY.items() if k in cls.params}})
         pixels, labels = scenario.target_batch(0, setting)
-        problems, originals = worker.problems(setting, 0, [(pixels, labels, 0, attack)], "")
-        rec = cls.reconstruct_all(problems)[0]
-        assert rec.images.shape == originals[0].shape, (spec.name, setting.key)
+        read = worker.problems(setting, 0, [(pixels, labels, 0, attack)], "")[0]
+        rec = cls.reconstruct_all([read.problem])[0]
+        assert rec.images.shape == read.originals.shape, (spec.name, setting.key)
         if scenario.text:  # token ids of the vocabulary
             assert rec.images.dtype == torch.long and 0 <= rec.images.min() <= rec.images.max() < \
                 scenario.data.vocab_size, spec.name
         else:
             assert torch.isfinite(rec.images).all() and 0 <= rec.images.min() <= rec.images.max() <= 1, spec.name
-        assert len(rec.labels) == len(labels), spec.name
+        assert len(rec.labels) == len(read.labels), spec.name
 
 
 def test_the_report_names_what_auto_chose(write_audit):

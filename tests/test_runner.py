@@ -367,7 +367,7 @@ def test_the_update_is_computed_in_the_model_mode_the_audit_names(write_audit, t
     worker.folder.prepare(False)
     worker.train(setting)
     pixels, labels = scenario.target_batch(0)
-    (problem,), _ = worker.problems(setting, 3, [(pixels, labels, 0, None)], "")
+    problem = worker.problems(setting, 3, [(pixels, labels, 0, None)], "")[0].problem
     model = scenario.fresh_model(scenario.defense(setting))
     model.load_state_dict(worker._states_of(setting)[3])
     expected = {}

@@ -5,7 +5,7 @@ import math
 import textwrap
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import matplotlib
@@ -327,39 +327,43 @@ def _label(text: str, width: int = 24) -> str:
 
 def plot_reconstructions(folder: RunFolder, rows: dict[tuple, Row], metric: str, checkpoint: int,
                          path: Path) -> bool:
-    """Originals on top, then one row per (setting, attack) at ``checkpoint``, each image titled with its score."""
+    """Originals on top, then one row per (setting, attack) at ``checkpoint``, each image titled with its score. A
+    column is one target (by its index in the data): under per-element secure aggregation a sparse setting attacks
+    client 1's images alone, so the columns are those of the line with the fewest, each line's own shown there."""
     audit = folder.audit
-    lines: list[tuple[str, torch.Tensor, list[float | None]]] = []
-    originals = None
+    lines: list[tuple[str, dict[Any, tuple[torch.Tensor, torch.Tensor, float | None]]]] = []
     for s in audit.settings:
         for a in audit.attacks:
-            recs, origs = [], []
-            scores: list[float | None] = []
+            shown: dict[Any, tuple[torch.Tensor, torch.Tensor, float | None]] = {}
             for t in range(audit.num_batches_of(s)):
                 job = AttackJob(s, a, checkpoint, t)
                 saved = folder.load_reconstruction(job)
-                if saved is not None:
-                    recs.append(saved["reconstruction"])
-                    origs.append(saved["original"])
-                    each = rows[job.key].per_image_of(metric) if job.key in rows else []
-                    scores.extend(each if len(each) == len(saved["original"]) else [None] * len(saved["original"]))
-            if recs:
-                lines.append((f"{s.key} · {a.key}", torch.cat(recs)[:MAX_GRID_IMAGES], scores[:MAX_GRID_IMAGES]))
-                originals = torch.cat(origs)[:MAX_GRID_IMAGES] if originals is None else originals
-    if originals is None:
+                if saved is None:
+                    continue
+                n = len(saved["original"])
+                row = rows.get(job.key)
+                each = row.per_image_of(metric) if row is not None else []
+                each = each if len(each) == n else [None] * n
+                ids = row.images if row is not None and len(row.images) == n else [(t, i) for i in range(n)]
+                shown |= {k: (o, r, v) for k, o, r, v in zip(ids, saved["original"], saved["reconstruction"], each)}
+            if shown:
+                lines.append((f"{s.key} · {a.key}", shown))
+    if not lines:
         return False
-    n = len(originals)
+    fewest = lines[min(range(len(lines)), key=lambda i: len(lines[i][1]))][1]
+    columns = list(fewest)[:MAX_GRID_IMAGES]
+    n = len(columns)
     fig, axes = plt.subplots(len(lines) + 1, n, figsize=(1.25 * n + 2.4, 1.45 * (len(lines) + 1)), squeeze=False)
-    for j in range(n):
-        _show(axes[0][j], originals[j])
+    for j, k in enumerate(columns):
+        _show(axes[0][j], next(shown[k][0] for _, shown in lines if k in shown))
     axes[0][0].set_ylabel("original", rotation=0, ha="right", va="center", fontsize=9)
-    for i, (label, imgs, scores) in enumerate(lines, start=1):
-        for j in range(n):
+    for i, (label, shown) in enumerate(lines, start=1):
+        for j, k in enumerate(columns):
             ax = axes[i][j]
-            if j < len(imgs):
-                _show(ax, imgs[j])
-                if scores[j] is not None:
-                    ax.set_title(f"{scores[j]:.3g}", fontsize=8, pad=2)
+            if k in shown:
+                _show(ax, shown[k][1])
+                if shown[k][2] is not None:
+                    ax.set_title(f"{shown[k][2]:.3g}", fontsize=8, pad=2)
             else:
                 ax.axis("off")
         axes[i][0].set_ylabel(_label(label), rotation=0, ha="right", va="center", fontsize=8)

@@ -87,6 +87,7 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
         if dataclasses.is_dataclass(protocol) else {}  # its settings, not its ClassVars
     clients = fields.pop("clients", 1)
     shuffled = fields.pop("shuffle", False)
+    per_element = fields.pop("secure_aggregation", "sum") == "per_element"
     own = sorted({s.clients for s in audit.settings if s.clients is not None})
     unit = example_unit(audit)
     seen = (f"; one update of {audit.data.batch_size} private {unit}(s)" if clients == 1 and not own else
@@ -94,6 +95,9 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
             f"each of {audit.data.batch_size // clients} private {unit}(s)")
     if shuffled:
         seen += "; each local epoch in an order the client draws and the server does not know"
+    if per_element and clients > 1:
+        seen += ("; sparse updates aggregated per coordinate: the server learns how many clients sent each one, and "
+                 "reads a coordinate one client alone sent as that client's (Suimon et al. 2025)")
     if own:
         seen += f" (settings that name their clients: the mean of {', '.join(map(str, own))} clients' updates)"
     adaptive = [a.key for a in audit.attacks if a.role == "adaptive"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 #: Keys written only when the row has them, in this order after the fixed ones.
-OPTIONAL = ("attack_params", "notes", "prior_free", "pii_recall")
+OPTIONAL = ("attack_params", "notes", "prior_free", "pii_recall", "own_coordinates")
 #: What a row written before a key was kept reads as (images, epsilon, the bound, per-image scores, late gain).
 OLDER_DEFAULTS: dict[str, Any] = {"params": {}, "images": [], "epsilon": None, "rero_bound": None, "per_image": {},
                                   "late_gain": None}
@@ -38,6 +38,9 @@ class Row:
     notes: list[str] = field(default_factory=list)  # metrics that could not be computed
     prior_free: dict[str, float] | None = None  # the prior-free corridor (images under a GDP guarantee)
     pii_recall: float | None = None  # personal values recovered verbatim (text that marks them)
+    #: Per-element secure aggregation: the coordinates read as the first client's own, its images alone scored
+    #: (0: none had one contributor, the aggregate attacked); None where the update was not read per coordinate.
+    own_coordinates: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """results.jsonl's line: the fixed keys, the metrics, then the optional keys the row has."""

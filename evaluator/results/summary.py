@@ -413,6 +413,15 @@ def unread_kind(audit: Audit, setting) -> str:
             "this setting, where a span's rank cannot hold the batch, says why in leakaudit validate)")
 
 
+def scored_batch(audit: Audit, setting, cells: list[CellResult]) -> int:
+    """The images scored per update of ``setting`` in ``cells``: each client's share where every update was read as
+    the first client's own coordinates (per-element secure aggregation), else the whole update's."""
+    own = [c.own_coordinates for c in cells]
+    if own and all(counts and all(counts) for counts in own):
+        return audit.images_per_client
+    return audit.batch_size_of(setting)
+
+
 def _batch_options(options: dict, batch: int) -> dict:
     """The verdict options for updates of ``batch`` images (a batch is identified among decoys, not 1 in N)."""
     return {**options, "batch_size": batch}
@@ -424,13 +433,13 @@ def _judged_steps(audit: Audit, setting, cells: list[CellResult], acc: dict, bar
     ``attacks`` only, where given); ``bars``: the leakage metric, leak threshold, usable accuracy, chance, the
     verdict options and the bar of a leak of labels."""
     leakage, threshold, needed, chance, options, labels_bar = bars
-    options = _batch_options(options, audit.batch_size_of(setting))
+    mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
+            and c.mean(leakage.name) is not None]
+    options = _batch_options(options, scored_batch(audit, setting, mine))
     reference = audit.reference_of(setting)
     undefended = None if reference is None else acc.get(reference.key, {}).get("accuracy")
     options = {**options, "undefended": undefended, "max_drop": audit.utility.max_drop}
     needed = min_accuracy(options, chance, undefended, audit.utility.max_drop)
-    mine = [c for c in cells if c.setting == setting.key and (attacks is None or c.attack in attacks)
-            and c.mean(leakage.name) is not None]
     accuracy = acc.get(setting.key, {}).get("accuracy")
     return [_held_against(audit, judge([c for c in mine if c.checkpoint == ckpt], leakage, threshold, accuracy, needed,
                                        chance, options, labels_bar), [c for c in mine if c.checkpoint == ckpt])
@@ -514,7 +523,8 @@ def _cell(audit: Audit, key: tuple, rs: list[Row], acc: dict, options: dict, not
                          "(the model or the reconstruction diverged); the cell leaves them out")
     own = next((s for s in audit.settings if s.key == setting), None)
     batch = audit.data.batch_size if own is None else audit.batch_size_of(own)
-    n = len(rs) * batch
+    n = sum(len(r.images) or batch for r in rs)  # the first client's images alone where its coordinates were read
+    counts = [r.own_coordinates for r in sorted(rs, key=lambda r: r.target)]
     share, named, decoys = identified
     bound = identification_bound(profile, batch, n)
     gains = finite(r.late_gain for r in rs)
@@ -528,7 +538,8 @@ def _cell(audit: Audit, key: tuple, rs: list[Row], acc: dict, options: dict, not
         bound_violated=beats_bound(named, n, bound, options["confidence"], options.get("unit", "image")), late_gain=gain,
         still_improving=None if gain is None else gain > STILL_IMPROVING, iterations=_iterations(audit, attack, rs),
         seconds_mean=float(np.mean([r.seconds for r in rs])),
-        pii_recall=float(np.mean(recalls)) if (recalls := finite(r.pii_recall for r in rs)) else None)
+        pii_recall=float(np.mean(recalls)) if (recalls := finite(r.pii_recall for r in rs)) else None,
+        own_coordinates=None if all(c is None for c in counts) else [c or 0 for c in counts])
 
 
 def _iterations(audit: Audit, attack: str, rows: list[Row]) -> int | None:
@@ -567,7 +578,7 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakag
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
         threat=final.threat, weak=final.weak, borderline=final.borderline, budget=budget, by_threat=by_threat,
         settling_iterations=final.settling_iterations,
-        privacy=_privacy(profile, mine, audit.batch_size_of(s), utility, own_rows),
+        privacy=_privacy(profile, mine, scored_batch(audit, s, mine), utility, own_rows),
         worst_image=_worst_image(own_rows, leakage))
 
 

@@ -127,9 +127,14 @@ class CellResult(_Scored):
     #: Text: the mean share of the targets' personal values (names, numbers) the reconstructions hold verbatim;
     #: None where the data marks none (and left out of summary.json there).
     pii_recall: float | None = None
+    #: Per-element secure aggregation: per update (in target order), the coordinates read as the first client's
+    #: own (0: none had one contributor, the aggregate attacked); None where no update was read per coordinate (and
+    #: left out of summary.json there).
+    own_coordinates: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        head, tail = self._around_scores("worst_image", *(() if self.pii_recall is not None else ("pii_recall",)))
+        absent = tuple(k for k in ("pii_recall", "own_coordinates") if getattr(self, k) is None)
+        head, tail = self._around_scores("worst_image", *absent)
         flat = {k: v for m, s in self.scores.items() for k, v in s.flat(m).items()}
         return {**head, **flat, "worst_image": _record(self.worst_image), **tail}
 

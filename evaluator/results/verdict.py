@@ -231,6 +231,8 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     elif top.decoy_hits is not None:
         evidence += (f"; it names {top.decoy_hits} of its {top.identifiable_n} originals among decoys of their "
                      f"classes (p = {top.decoy_p:.2g})")
+    if top.own_coordinates is not None:
+        evidence += f"; {own_coordinates_words(top.own_coordinates, top.defense, options.get('unit', 'image'))}"
     out = dict(setting=top.setting, defense=top.defense, checkpoint=top.checkpoint, attack=top.attack,
                score=scores.mean, ci=scores.ci, statistic=statistic, compared=value,
                threshold=None if threshold is None else threshold.value, accuracy=accuracy, min_accuracy=needed,
@@ -294,6 +296,25 @@ def judge(cells: list[CellResult], metric: Metric, threshold: LeakThreshold | No
     if options.get("labels_granted"):
         reason += "; nothing beyond what the threat model grants (the labels are given to the attacker)"
     return StepVerdict(**out, verdict=PROTECTS, level=NOTHING, borderline=doubt, reason=reason)
+
+
+def own_coordinates_words(counts: list[int], defense: str, unit: str = "image") -> str:
+    """How a cell's updates were read under per-element secure aggregation (``counts``: per update, the coordinates
+    the first client alone sent): as that client's own sparse update, or, where none had one contributor, whole."""
+    read = [n for n in counts if n]
+    each = f"{read[0]:,}" if len(read) == 1 else (f"{min(read):,}" if min(read) == max(read) else
+                                                  f"{min(read):,} to {max(read):,}") if read else ""
+    own = (f"read as client 1's own {defense} update, its reconstruction scored against client 1's {unit}s alone "
+           "(per-element secure aggregation)")
+    if len(read) == len(counts):
+        where = "" if len(counts) == 1 else f"in each of its {len(counts)} updates "
+        return f"{where}{each} coordinates had one contributor: {own}"
+    whole = f"the aggregate attacked as a whole, every client's {unit}s scored"
+    if not read:
+        where = "in its update" if len(counts) == 1 else f"in any of its {len(counts)} updates"
+        return f"no coordinate had one contributor {where}: {whole}"
+    return (f"in {len(read)} of its {len(counts)} updates {each} coordinates had one contributor: {own}; in the "
+            f"other {len(counts) - len(read)} none had one: {whole}")
 
 
 def _borderline(metric: Metric, top: CellResult, bars: tuple[tuple[LeakThreshold | None, str], ...],

@@ -185,10 +185,9 @@ class Calibration:
         metrics = [audit.registry.get("metric", m) for m in audit.metrics]
         self.worker.provide_states(setting.key, lambda: {0: sc.fresh_model(sc.defense(setting), setting).state_dict()})
         start = time.perf_counter()
-        problems, originals = self.worker.problems(setting, 0, [(px, lb, t, attack)
-                                                               for t, (px, lb) in enumerate(batches)], "")
-        for rec, pixels, (_, labels) in zip(solve(problems, audit.max_problems), originals, batches):
-            score(metrics, rec.images, pixels, rec.labels, labels)
+        read = self.worker.problems(setting, 0, [(px, lb, t, attack) for t, (px, lb) in enumerate(batches)], "")
+        for rec, r in zip(solve([r.problem for r in read], audit.max_problems), read):
+            score(metrics, rec.images, r.originals, rec.labels, r.labels)
         return time.perf_counter() - start
 
     def _probe_training(self, setting: DefenseSetting) -> tuple[float, dict[str, float]]:

@@ -18,7 +18,8 @@ from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.verdict import late_gain
 from leakaudit.evaluator.run.modality import Modality
 from leakaudit.evaluator.zoo.metrics import Scores, score
-from leakaudit.plugins.attack import AuxiliaryData, Problem, Reconstruction, ThreatModel, solve
+from leakaudit.plugins.attack import (AuxiliaryData, Problem, Reconstruction, ThreatModel, alone_coordinates,
+                                     own_coordinates_problem, solve)
 from leakaudit.plugins.components import Metric
 from leakaudit.plugins.defense import Defense
 from leakaudit.plugins.protocol import LossFn, Protocol
@@ -36,15 +37,41 @@ def threat_model(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...]
 
 
 @dataclass
+class Read:
+    """How one shared update is attacked: the problem, the originals and labels its reconstruction is scored
+    against, and how many coordinates were read as the first client's own (None: not read per coordinate)."""
+
+    problem: Problem
+    originals: Tensor
+    labels: Tensor
+    own_coordinates: int | None = None
+
+
+def read_update(problem: Problem, originals: Tensor, labels: Tensor) -> Read:
+    """The problem of a shared update as the attacker reads it: where per-element secure aggregation shows
+    coordinates the first client alone sent, that client's own update there (``own_coordinates_problem``), scored
+    against that client's images alone; else the update as shared, with 0 where the aggregate showed no such
+    coordinate (None where it shows no contributors, or the defense's noise leaves no exact value to read)."""
+    count = alone_coordinates(problem.observed)
+    own = own_coordinates_problem(problem)
+    if own is None:
+        return Read(problem, originals, labels, 0 if count == 0 else None)
+    n = own.threat.batch_size
+    return Read(own, originals[:n], labels[:n], count)
+
+
+@dataclass
 class Update:
     """One attacked update: the job it answers, the problem an attack solves, and the originals (what the attacks
-    rebuild) with their labels and their indices in the data, which its reconstruction is scored against."""
+    rebuild) with their labels and their indices in the data, which its reconstruction is scored against;
+    ``own_coordinates`` as ``Read`` has it."""
 
     job: AttackJob
     problem: Problem
     originals: Tensor
     labels: Tensor
     images: list[int]
+    own_coordinates: int | None = None
 
 
 @dataclass
@@ -113,5 +140,6 @@ def _judged(update: Update, rec: Reconstruction, judging: Judging) -> Judged:
               notes=scores.notes,
               prior_free=None if judging.confidence is None else modality.prior_free(
                   judging.mu, update.originals, judging.confidence),  # once per row, after the attack
-              pii_recall=None if judging.personal is None else modality.recall(judging.personal, aligned, update))
+              pii_recall=None if judging.personal is None else modality.recall(judging.personal, aligned, update),
+              own_coordinates=update.own_coordinates)
     return Judged(update, rec, scores, row)

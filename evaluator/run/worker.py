@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch import Tensor
 
 from leakaudit.evaluator.audit.jobs import Cell
 from leakaudit.evaluator.audit.types import Audit
@@ -17,7 +16,7 @@ from leakaudit.evaluator.results.rows import Row
 from leakaudit.evaluator.results.rundir import AttackFailed, RunFolder
 from leakaudit.evaluator.results.verdict import identification_bound
 from leakaudit.evaluator.run.scenario import Scenario, loss_fn, round_generators
-from leakaudit.evaluator.run.step import Judging, Update, judge_updates
+from leakaudit.evaluator.run.step import Judging, Read, Update, judge_updates, read_update
 from leakaudit.evaluator.run.utility import privacy_spent, train_under_defense
 from leakaudit.evaluator.zoo.metrics import score
 from leakaudit.plugins.attack import Problem, Reconstruction, solve
@@ -75,10 +74,10 @@ class AuditWorker:
                                                             audit.data.targets)
         return self._bound[setting.key]
 
-    def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> tuple[
-            list[Problem], list[Tensor]]:
-        """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems,
-        and the images each update was computed on (the pixels, or their augmentations under ATS): the
+    def problems(self, setting, checkpoint: int, batches: list[tuple], purpose: str) -> list[Read]:
+        """The defended update of each ``(pixels, labels, index, attack)`` batch at one checkpoint, as problems
+        read as the attacker reads them (``read_update``), with the images each update was computed on (the pixels,
+        or their augmentations under ATS; the first client's alone where its own coordinates are read): the
         originals a reconstruction is scored against.
 
         The model is built and loaded once, so the problems share it (and vectorised attacks solve them
@@ -91,7 +90,7 @@ class AuditWorker:
         model.load_state_dict(self._states_of(setting)[checkpoint])
         model.train(sc.model_section(setting).mode == "train")
         shared: dict[int, tuple] = {}
-        out, originals = [], []
+        out = []
         # a frontier's fresh targets draw their own noise and starts: batch indices counted on from the searched ones
         first = 0 if purpose else sc.audit.target_offset // sc.batch_size(setting)
         for pixels, labels, index, attack in batches:
@@ -102,9 +101,8 @@ class AuditWorker:
                 step = ClientStep(model, loss_fn, sc.normalise(pixels), labels, share_gen, sc.protocol(setting))
                 shared[index] = (defense.share(step), sc.threat(model, defense, labels, setting), pixels)
             update, threat, pixels = shared[index]
-            out.append(Problem(update, threat, attack_gen, attack))
-            originals.append(pixels)
-        return out, originals
+            out.append(read_update(Problem(update, threat, attack_gen, attack), pixels, labels))
+        return out
 
     def tune(self, cell: Cell) -> list[dict[str, Any]]:
         """Every trial of one search, each on the tuning batches, solved together; a row per trial."""
@@ -113,14 +111,14 @@ class AuditWorker:
         metric = sc.audit.registry.get("metric", spec.metric)
         batches = [sc.tuning_batch(t, first.setting) for t in range(spec.targets)]
         attacks = [sc.attack(job.attack, job.params) for job in cell.jobs]
-        problems, originals = self.problems(first.setting, first.checkpoint, [
+        read = self.problems(first.setting, first.checkpoint, [
             (*batches[t], t, attack) for attack in attacks for t in range(spec.targets)], "tune-")
-        recs = _reconstruct(sc.audit, first, problems, "tuning")
+        recs = _reconstruct(sc.audit, first, [r.problem for r in read], "tuning")
         rows = []
         for j, job in enumerate(cell.jobs):
             mine = slice(j * spec.targets, (j + 1) * spec.targets)
-            values = [score([metric], r.images, px, r.labels, lb).values[metric.name]
-                      for r, px, (_, lb) in zip(recs[mine], originals[mine], batches)]
+            values = [score([metric], rec.images, r.originals, rec.labels, r.labels).values[metric.name]
+                      for rec, r in zip(recs[mine], read[mine])]
             known = [v for v in values if v is not None]
             assert len(known) == len(values), f"tuning's metric {metric.name} scores every reconstruction"
             rows.append({"setting": job.setting.key, "attack": job.attack.key, "checkpoint": job.checkpoint,
@@ -135,10 +133,11 @@ class AuditWorker:
         audit = sc.audit
         attack = sc.attack(first.attack, first.params)
         batches = [sc.target_batch(job.target, first.setting) for job in cell.jobs]
-        problems, originals = self.problems(first.setting, first.checkpoint,
-                                            [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
-        updates = [Update(job, problem, px, lb, sc.target_ids(job.target, job.setting).tolist())
-                   for job, problem, px, (_, lb) in zip(cell.jobs, problems, originals, batches)]
+        read = self.problems(first.setting, first.checkpoint,
+                             [(px, lb, job.target, attack) for (px, lb), job in zip(batches, cell.jobs)], "")
+        updates = [Update(job, r.problem, r.originals, r.labels,
+                          sc.target_ids(job.target, job.setting).tolist()[:len(r.originals)], r.own_coordinates)
+                   for job, r in zip(cell.jobs, read)]
         profile = self.profile(first.setting)
         judging = Judging([audit.registry.get("metric", m) for m in audit.metrics], sc.modality,
                           self.epsilon(first.setting), self.bound(first.setting),

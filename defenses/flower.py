@@ -105,6 +105,44 @@ def dp_strategy(mechanism: Any, kind: str) -> str | None:
     return None
 
 
+def flower_accountant(mechanism: Any) -> Any | None:
+    """The privacy accountant a Flower central-DP strategy carries (``accountant=``, Flower's ``RdpAccountant`` or
+    any ``flwr.serverapp.PrivacyAccountant``); None where it carries none, or ``mechanism`` is no DP strategy."""
+    if dp_strategy(mechanism, "Fixed") is None and dp_strategy(mechanism, "Adaptive") is None:
+        return None
+    return getattr(mechanism, "accountant", None)
+
+
+def accountant_reading(accountant: Any, defense: Defense, num_sampled_clients: int, population: Sequence[int],
+                       sampled: Sequence[int]) -> list[str]:
+    """Flower's accountant's claimed epsilon beside leakaudit's own accounting of ``defense`` (its per-round
+    guarantee composed exactly over the same releases, no credit for sampling), then one line per mismatch between
+    what the accountant was given and what the strategy did: ``population``, the nodes it sampled from each round;
+    ``sampled``, the clients it sampled each round."""
+    config, spent = accountant.config, accountant.get_privacy_spent()
+    method = getattr(config.sampling_method, "value", str(config.sampling_method))
+    own = defense.privacy_spent(spent.num_releases, 1.0, spent.delta)
+    claim = (f"Flower's accountant ({spent.accounting_method}, {method}, population_size {config.population_size}) "
+             f"claims epsilon {spent.epsilon:.4g} at delta {spent.delta:g} over {spent.num_releases} releases; "
+             f"leakaudit's own accounting of the same releases: epsilon {own:.4g} ({defense.name}, its per-round "
+             "guarantee composed exactly, no credit for sampling)" if own is not None else "")
+    out = [claim]
+    for n in sorted(set(population) - {config.population_size}):
+        out.append(f"MISMATCH: the accountant's population_size {config.population_size} is not the {n} nodes the "
+                   "strategy samples from: an epsilon amplified by sampling would be wrong")
+    for k in sorted(set(sampled) - {num_sampled_clients}):
+        out.append(f"MISMATCH: the strategy sampled {k} clients in a round, while its noise and the accountant's "
+                   f"events assume num_sampled_clients {num_sampled_clients}")
+    if method == "poisson":
+        out.append("MISMATCH: the accountant credits Poisson sampling; Flower's strategies sample a fixed number of "
+                   "nodes without replacement")
+    if own is not None and spent.num_releases and spent.epsilon < own * (1 - 1e-3):
+        out.append(f"MISMATCH: the accountant's epsilon {spent.epsilon:.4g} is below the {own:.4g} a client's own "
+                   "update spends over those releases (the server, or anyone who knows it was sampled, gets no "
+                   "sampling credit)")
+    return [line for line in out if line]
+
+
 def framework_refusal(name: str, missing: str | None, verb: str, protocol: Protocol) -> str | None:
     """Why a framework's mechanism ``name`` cannot run: its package ``missing``, or ``protocol`` the mean of several
     clients, while the mechanism ``verb``s one client's update (Flower's clip, FLARE's filters); None where it can."""

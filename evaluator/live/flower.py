@@ -125,7 +125,7 @@ class LeakAuditMod:
         try:  # a client's failed audit never costs its reply: the error is logged, and the reply leaves as it is
             model = self.model()
             model.load_state_dict(arrays.to_torch_state_dict())
-            monitor.finish_round(local, model, clean[0])
+            monitor.finish_round(local, model, clean[0], self._fits[name])
         except Exception as exc:
             monitor.log.warning("LeakAuditMod: client %s, round %d not audited: %s", name, number, one_line(exc))
         return reply

@@ -215,6 +215,9 @@ class Privacy:
     prior_free_mse: float | None = None
     #: Where a measured attack got past that PSNR (a data prior can): which, and by how much; else "".
     past_prior_free: str = ""
+    #: What the framework's own accountant claims beside leakaudit's accounting, then one line per mismatch between
+    #: what it was given and what the run did (a Flower DP strategy's accountant); empty where none was read.
+    claimed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,7 @@ class WorstCase(_Scored):
                   for k, v in record.items() if k.endswith("_ci")}
         privacy = record.get("privacy")
         return cls(**_known(cls, record), scores=scores, worst_image=_image(record.get("worst_image")),
-                   privacy=Privacy(**privacy) if privacy else None)
+                   privacy=Privacy(**{**privacy, "claimed": tuple(privacy.get("claimed", ()))}) if privacy else None)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from leakaudit.defenses.flower import integer_arrays_refusal
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.monitor import MAX_ROUND_IMAGES, LeakMonitor
 from leakaudit.plugins.defense import Defense
@@ -87,6 +88,8 @@ class LeakAuditMod:
                               if mirrored is not None and "defense" in monitor else [])
         if mirrored is not None:
             monitor["defense"] = mirrored
+            if callable(model) and (why := integer_arrays_refusal("mods", model().state_dict())):
+                problems.append(why)
         if problems:
             raise ConfigError([f"LeakAuditMod: {p}" for p in problems])
         LeakMonitor(**monitor, every=every, out=out)  # checks the settings now; writes nothing

@@ -37,7 +37,7 @@ from leakaudit.evaluator.live.core import (
     model_state,
     monitor_logger,
 )
-from leakaudit.defenses.flower import accountant_reading, flower_accountant
+from leakaudit.defenses.flower import accountant_reading, flower_accountant, integer_arrays_refusal
 from leakaudit.evaluator.live.flower import mirrored_defense
 from leakaudit.evaluator.live.monitor import LeakMonitor
 from leakaudit.evaluator.live.rounds import sample_round, sent_weights
@@ -103,6 +103,8 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         self._mirrored, _ = mirrored_defense([strategy], monitor.get("plugins_dirs", ()))  # a Flower DP strategy
         problems += [] if self._mirrored is None or "defense" not in monitor else [
             f"defense: given beside {type(strategy).__name__}, whose mechanism is the defense audited; leave it out"]
+        if self._mirrored is not None and (why := integer_arrays_refusal("strategy", model.state_dict())):
+            problems.append(why)
         if problems:
             raise ConfigError([f"LeakAuditStrategy: {p}" for p in problems])
         LeakMonitor(**monitor, out=Path(out) / AGGREGATE)  # the monitor's settings, checked before any round

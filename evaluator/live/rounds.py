@@ -285,6 +285,12 @@ class RoundMonitor(MonitorCore):
         update = [b - a for b, a in zip(local.before, after)]
         return protocol, joined(passes[0]), update, steps[0].optimizer
 
+    def aggregated(self, line: str) -> None:
+        """Record who sees the client's update under secure aggregation (a Flower ``secaggplus_mod``): the report's
+        threat box says it."""
+        self._described["secure_aggregation"] = line
+        self.folder.write_json(MONITOR, self._described)
+
     def claimed(self, lines: Sequence[str]) -> None:
         """Record what the framework's own privacy accountant claims beside leakaudit's accounting, and each
         mismatch, one line each (``LeakAuditStrategy`` over a Flower DP strategy's accountant): the report's

@@ -377,3 +377,59 @@ def test_secaggplus_mod_is_read_as_secure_aggregation_in_flowers_simulation(tmp_
             "SecAgg+ (client mods): the server sees only the sum of the 3 sampled clients' masked updates")
         page = leakaudit.report_folder(folder) and (folder / "report.html").read_text()
         assert "Secure aggregation" in page
+
+
+@pytest.mark.heavy  # two rounds of Flower's simulation, two clients audited from the server
+def test_flower_simulation_with_a_dp_strategys_accountant_shows_both_epsilons_and_flags_its_population(
+        tmp_path, monkeypatch):
+    """DifferentialPrivacyServerSideFixedClipping with Flower's own RdpAccountant, told of a population of 50
+    while the federation has 2 nodes, wrapped by LeakAuditStrategy in Flower's simulation: each client's report
+    holds the accountant's claimed epsilon beside leakaudit's, the population flagged, epsilon over 2 rounds."""
+    pytest.importorskip("dp_accounting")  # Flower's RdpAccountant: pip install 'flwr[dp]'
+    from flwr.app import ArrayRecord, ConfigRecord, Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod, ServerApp
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+    from flwr.simulation import run_simulation
+
+    from leakaudit.flower import LeakAuditStrategy
+    from leakaudit.plugins.defense import PrivacyProfile
+
+    _flower_app(monkeypatch, tmp_path, images=40)
+    import client_app
+    from task import Net, load_data
+
+    clients = ClientApp()
+    clients.train()(client_app.train)  # the quickstart's own training, without the client-side audit
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        accountant = RdpAccountant(PrivacyConfig(target_delta=1e-5, population_size=50, sampling_method=SamplingMethod(
+            "no-amplification"), neighboring_relation=NeighboringRelation("add-or-remove-one")))
+        dp = DifferentialPrivacyServerSideFixedClipping(
+            FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2),
+            noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=2, accountant=accountant)
+        strategy = LeakAuditStrategy(dp, Net(), lambda name: load_data(int(name), 2)[0], aggregate=False,
+                                     out=tmp_path / "server", mean=0.5, std=0.5,
+                                     attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}])
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()),
+                       train_config=ConfigRecord({"lr": 0.01}), num_rounds=2)
+        strategy.report()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_simulation(server_app=server, client_app=clients, num_supernodes=2,
+                       backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    own = PrivacyProfile(mu=1.0).epsilon(1e-5, 2)
+    for name in ("0", "1"):
+        summary = json.loads((tmp_path / "server" / f"client-{name}" / "summary.json").read_text())
+        noisy = next(w for w in summary["worst_case"] if w["defense"] == "flower_fixed_clipping")
+        claim, *flagged = noisy["privacy"]["claimed"]
+        assert claim.startswith("Flower's accountant (rdp, no-amplification, population_size 50) claims epsilon 7.077 "
+                                f"at delta 1e-05 over 2 releases; leakaudit's own accounting of the same releases: "
+                                f"epsilon {own:.4g}")
+        assert flagged == ["MISMATCH: the accountant's population_size 50 is not the 2 nodes the strategy samples "
+                           "from: an epsilon amplified by sampling would be wrong"]
+        assert noisy["epsilon"] == pytest.approx(own, rel=1e-9) and f"{own:.3g} over 2 rounds" in noisy["privacy"][
+            "mechanism"]

@@ -257,7 +257,10 @@ class WorstCase(_Scored):
         head, tail = self._around_scores("privacy", "worst_image", "clients", "level", "threat", *OPEN_QUESTIONS)
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
-        return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
+        privacy = _record(self.privacy)
+        if privacy is not None and not privacy["claimed"]:  # older summaries read back alike
+            del privacy["claimed"]
+        return {**head, **means, **cis, **tail, "privacy": privacy,
                 "worst_image": _record(self.worst_image) or {},
                 **({} if self.clients is None else {"clients": self.clients}),  # older summaries read back alike
                 **({} if self.level is None else {"level": self.level}),

@@ -158,7 +158,6 @@ class LeakAuditMod:
             monitor.log.warning("LeakAuditMod: client %s, round %d not audited: %s", name, number, one_line(exc))
         return reply
 
-
     def _aggregation_line(self, context: Any) -> str:
         """What secure aggregation leaves the server, for the report's threat box; the number of clients summed is
         the one SecAgg+'s setup stage kept in the client's state."""

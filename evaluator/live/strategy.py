@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import ConcatDataset, DataLoader
 
+from leakaudit.defenses.flower import accountant_reading, flower_accountant, integer_arrays_refusal
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.core import (
@@ -37,7 +38,6 @@ from leakaudit.evaluator.live.core import (
     model_state,
     monitor_logger,
 )
-from leakaudit.defenses.flower import accountant_reading, flower_accountant, integer_arrays_refusal
 from leakaudit.evaluator.live.flower import mirrored_defense
 from leakaudit.evaluator.live.monitor import LeakMonitor
 from leakaudit.evaluator.live.rounds import sample_round, sent_weights

@@ -108,14 +108,13 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
     defenses = {s.key: s.build(audit.registry) for s in audit.settings}
-    profiles = {key: d.privacy_profile() for key, d in defenses.items()}
     fits = federated_fits(audit)
     if fits:  # a federated client's guarantee, composed over the rounds it took part in
         defenses = {key: d.stated_over(fits) for key, d in defenses.items()}
-        profiles = {key: d.privacy_profile() for key, d in defenses.items()}
         spent = {key: _spent(d, fits, audit.utility.delta) for key, d in defenses.items()}
         acc = acc | {key: e | {k: v for k, v in acc.get(key, {}).items() if v is not None}
                      for key, e in spent.items() if e}
+    profiles = {key: d.privacy_profile() for key, d in defenses.items()}
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
         groups[r.cell].append(r)

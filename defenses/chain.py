@@ -84,6 +84,11 @@ class Chain(Defense):
     def privacy_spent(self, steps: int, sample_rate: float, delta: float) -> float | None:
         return self.members[-1].privacy_spent(steps, sample_rate, delta)
 
+    def stated_over(self, rounds: int) -> Defense:
+        """The chain with its last member's guarantee stated over ``rounds`` releases."""
+        last = self.members[-1].stated_over(rounds)
+        return self if last is self.members[-1] else Chain([*self.members[:-1], last])
+
     def privacy_profile(self, radius: float | None = None):
         """The last member's guarantee, given the norm bound the deterministic members before it leave."""
         for m in self.members[:-1]:  # a member that bounds nothing (or declares no output_radius) clears the bound

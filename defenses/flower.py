@@ -21,7 +21,7 @@ import math
 import sys
 from contextlib import contextmanager
 from importlib.util import find_spec
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -75,6 +75,47 @@ def from_arrays(arrays: Sequence[Any], like: Sequence[Tensor]) -> list[Tensor]:
     return [torch.as_tensor(a.copy()).to(t) for a, t in zip(arrays, like)]
 
 
+def on_floating(update: Sequence[Tensor], change: Callable[[list[Any]], list[Any]]) -> list[Tensor]:
+    """``change`` (Flower's functions on NumPy arrays) applied to the update's floating-point arrays only, as Flower
+    1.45 applies its DP: an integer array (BatchNorm's ``num_batches_tracked``) is sent as it is, out of the norm."""
+    import numpy as np
+
+    arrays = to_arrays(update)
+    kept = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating)]
+    for i, changed in zip(kept, change([arrays[i] for i in kept])):
+        arrays[i] = changed
+    return from_arrays(arrays, update)
+
+
+def flower_float_only() -> bool:
+    """Whether the installed Flower applies DP to floating-point arrays only (1.45): its clip leaves an integer
+    array such as ``num_batches_tracked`` (0-d) out of the norm. Older releases count it in the norm (and fail on a
+    1-d one: a float scale cast into integers)."""
+    import numpy as np
+
+    arrays = [np.array([3.0, 4.0]), np.array(7, dtype=np.int64)]
+    try:
+        flower_dp().compute_clip_model_update(arrays, [np.zeros(2), np.array(0, dtype=np.int64)], 1.0)
+    except TypeError:  # NumPy's UFuncTypeError
+        return False
+    return bool(int(arrays[1]) == 7 and abs(float(np.linalg.norm(arrays[0])) - 1.0) < 1e-9)
+
+
+def integer_arrays_refusal(what: str, state: dict[str, Tensor]) -> str | None:
+    """Why ``what`` (a Flower DP mod or strategy) cannot be audited on a model whose ``state`` holds integer arrays
+    under the installed Flower: it counts them in the norm it clips to, which leakaudit's ``flower_*`` defenses (DP
+    on floating-point arrays only) do not mirror; None where Flower leaves them out too, or there are none."""
+    integers = [n for n, t in state.items() if not (t.is_floating_point() or t.is_complex())]
+    if not integers or flower_float_only():
+        return None
+    from importlib.metadata import version
+
+    return (f"{what}: Flower {version('flwr')} counts the model's integer arrays ({', '.join(integers[:3])}"
+            f"{', ...' if len(integers) > 3 else ''}: the local steps taken) in the norm it clips the update to, so "
+            "the update leaves clipped tighter than clipping_norm, which leakaudit does not mirror; audit it with a "
+            "Flower that applies DP to floating-point arrays only (1.45): pip install -U flwr")
+
+
 def flower_clip(update: Sequence[Any], clipping_norm: float) -> list[Any]:
     """The update clipped by Flower's ``compute_clip_model_update`` (the model's change, server weights at zero)."""
     import numpy as np
@@ -85,11 +126,11 @@ def flower_clip(update: Sequence[Any], clipping_norm: float) -> list[Any]:
 
 
 def clipped(update: Sequence[Tensor], clipping_norm: float) -> list[Tensor]:
-    """The likelihood's centre: the update scaled to L2 norm at most ``clipping_norm``, as Flower's FlatClip
-    (McMahan et al. 2018), differentiably."""
-    norm = torch.sqrt(sum((g ** 2).sum() for g in update))  # type: ignore[arg-type]
+    """The likelihood's centre: the update's floating-point tensors scaled to L2 norm at most ``clipping_norm``, as
+    Flower's FlatClip (McMahan et al. 2018), differentiably; any other tensor as it is (``on_floating``)."""
+    norm = torch.sqrt(sum((g ** 2).sum() for g in update if g.is_floating_point()))  # type: ignore[arg-type]
     factor = torch.clamp(clipping_norm / norm.clamp_min(1e-30), max=1.0)
-    return [g * factor for g in update]
+    return [g * factor if g.is_floating_point() else g for g in update]
 
 
 def dp_strategy(mechanism: Any, kind: str) -> str | None:
@@ -103,6 +144,44 @@ def dp_strategy(mechanism: Any, kind: str) -> str | None:
         if kinds and isinstance(mechanism, kinds):
             return side.lower()
     return None
+
+
+def flower_accountant(mechanism: Any) -> Any | None:
+    """The privacy accountant a Flower central-DP strategy carries (``accountant=``, Flower's ``RdpAccountant`` or
+    any ``flwr.serverapp.PrivacyAccountant``); None where it carries none, or ``mechanism`` is no DP strategy."""
+    if dp_strategy(mechanism, "Fixed") is None and dp_strategy(mechanism, "Adaptive") is None:
+        return None
+    return getattr(mechanism, "accountant", None)
+
+
+def accountant_reading(accountant: Any, defense: Defense, num_sampled_clients: int, population: Sequence[int],
+                       sampled: Sequence[int]) -> list[str]:
+    """Flower's accountant's claimed epsilon beside leakaudit's own accounting of ``defense`` (its per-round
+    guarantee composed exactly over the same releases, no credit for sampling), then one line per mismatch between
+    what the accountant was given and what the strategy did: ``population``, the nodes it sampled from each round;
+    ``sampled``, the clients it sampled each round."""
+    config, spent = accountant.config, accountant.get_privacy_spent()
+    method = getattr(config.sampling_method, "value", str(config.sampling_method))
+    own = defense.privacy_spent(spent.num_releases, 1.0, spent.delta)
+    claim = (f"Flower's accountant ({spent.accounting_method}, {method}, population_size {config.population_size}) "
+             f"claims epsilon {spent.epsilon:.4g} at delta {spent.delta:g} over {spent.num_releases} releases; "
+             f"leakaudit's own accounting of the same releases: epsilon {own:.4g} ({defense.name}, its per-round "
+             "guarantee composed exactly, no credit for sampling)" if own is not None else "")
+    out = [claim]
+    for n in sorted(set(population) - {config.population_size}):
+        out.append(f"MISMATCH: the accountant's population_size {config.population_size} is not the {n} nodes the "
+                   "strategy samples from: an epsilon amplified by sampling would be wrong")
+    for k in sorted(set(sampled) - {num_sampled_clients}):
+        out.append(f"MISMATCH: the strategy sampled {k} clients in a round, while its noise and the accountant's "
+                   f"events assume num_sampled_clients {num_sampled_clients}")
+    if method == "poisson":
+        out.append("MISMATCH: the accountant credits Poisson sampling; Flower's strategies sample a fixed number of "
+                   "nodes without replacement")
+    if own is not None and spent.num_releases and spent.epsilon < own * (1 - 1e-3):
+        out.append(f"MISMATCH: the accountant's epsilon {spent.epsilon:.4g} is below the {own:.4g} a client's own "
+                   "update spends over those releases (the server, or anyone who knows it was sampled, gets no "
+                   "sampling credit)")
+    return [line for line in out if line]
 
 
 def framework_refusal(name: str, missing: str | None, verb: str, protocol: Protocol) -> str | None:
@@ -211,11 +290,13 @@ class FlowerLocalDp(FlowerDefense):
         """Flower's ``compute_clip_model_update``, then its ``add_localdp_gaussian_noise_to_params``."""
         from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 
-        sent = flower_clip(to_arrays(update), self.clipping_norm)
-        with numpy_draws_from(generator):
-            noisy = flower_dp().add_localdp_gaussian_noise_to_params(
-                ndarrays_to_parameters(sent), self.sensitivity, self.epsilon, self.delta)
-        return from_arrays(parameters_to_ndarrays(noisy), update)
+        def local_dp(arrays: list[Any]) -> list[Any]:
+            sent = flower_clip(arrays, self.clipping_norm)
+            with numpy_draws_from(generator):
+                return parameters_to_ndarrays(flower_dp().add_localdp_gaussian_noise_to_params(
+                    ndarrays_to_parameters(sent), self.sensitivity, self.epsilon, self.delta))
+
+        return on_floating(update, local_dp)
 
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
         std, mu = self.noise_std(), self.mu(radius)
@@ -271,10 +352,14 @@ class FlowerFixedClipping(FlowerDefense):
         """Flower's ``compute_clip_model_update``; the mean's share (1 / num_sampled_clients) noised by its
         ``add_gaussian_noise_inplace`` at ``compute_stdv``, scaled back."""
         dp, n = flower_dp(), self.num_sampled_clients
-        share = [a / n for a in flower_clip(to_arrays(update), self.clipping_norm)]
-        with numpy_draws_from(generator):
-            dp.add_gaussian_noise_inplace(share, dp.compute_stdv(self.noise_multiplier, self.clipping_norm, n))
-        return from_arrays([a * n for a in share], update)
+
+        def central_dp(arrays: list[Any]) -> list[Any]:
+            share = [a / n for a in flower_clip(arrays, self.clipping_norm)]
+            with numpy_draws_from(generator):
+                dp.add_gaussian_noise_inplace(share, dp.compute_stdv(self.noise_multiplier, self.clipping_norm, n))
+            return [a * n for a in share]
+
+        return on_floating(update, central_dp)
 
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
         notes = guarantee_notes(self.mu(radius), self.noise_std(), self.clipping_norm, self.rounds)
@@ -353,12 +438,15 @@ class FlowerAdaptiveClipping(FlowerDefense):
 
         dp, n = flower_dp(), self.num_sampled_clients
         _, multiplier = dp.compute_adaptive_noise_params(self.noise_multiplier, n, self.clipped_count_stddev)
-        sent = to_arrays(update)
-        dp.compute_adaptive_clip_model_update(sent, [np.zeros_like(a) for a in sent], self.clipping_norm)
-        share = [a / n for a in sent]
-        with numpy_draws_from(generator):
-            dp.add_gaussian_noise_inplace(share, dp.compute_stdv(multiplier, self.clipping_norm, n))
-        return from_arrays([a * n for a in share], update)
+
+        def adaptive_dp(sent: list[Any]) -> list[Any]:
+            dp.compute_adaptive_clip_model_update(sent, [np.zeros_like(a) for a in sent], self.clipping_norm)
+            share = [a / n for a in sent]
+            with numpy_draws_from(generator):
+                dp.add_gaussian_noise_inplace(share, dp.compute_stdv(multiplier, self.clipping_norm, n))
+            return [a * n for a in share]
+
+        return on_floating(update, adaptive_dp)
 
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile:
         mu = math.inf if self.noise_multiplier == 0 else 1 / self.noise_multiplier

@@ -263,6 +263,14 @@ class Defense:
         """Epsilon at ``delta`` after ``steps`` where the defense has a formal guarantee, else None."""
         return None
 
+    def stated_over(self, rounds: int) -> Defense:
+        """This defense with its guarantee stated over ``rounds`` releases of the update (the rounds a federated
+        client really took part in), where it declares a ``rounds`` parameter (its mechanism text and epsilon are
+        then composed over them); itself where it declares none."""
+        if "rounds" not in self.params or self.settings.get("rounds") == rounds:
+            return self
+        return type(self)(**{**self.settings, "rounds": rounds})
+
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile | None:
         """The guarantee of one shared update that contains the target, where the defense gives one (None: it
         gives none). ``radius`` bounds the L2 norm of the update the defense receives (a ``clip`` before it in a

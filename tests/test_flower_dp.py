@@ -176,3 +176,124 @@ def test_a_local_dp_mod_inside_leakauditmod_is_the_audited_defense(tmp_path, mon
     privacy = next(w["privacy"] for w in summary["worst_case"] if w["setting"].startswith("flower_local_dp"))
     assert privacy["mechanism"].startswith("Flower LocalDpMod: clip 0.001, noise std 0 ") and privacy["mu"] == float("inf")
     assert "WARNING: no noise: no guarantee" in privacy["mechanism"]
+    noisy = LeakAuditMod(Net, mods=[LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=2.0, delta=1e-5)],
+                         **{**audit, "out": tmp_path / "noisy"})
+    for server_round in (1, 2):  # a client that takes part in two rounds: its guarantee composed over both
+        noisy(*flower_train_round(monkeypatch, start.state_dict(), server_round), client_app.train)
+    assert json.loads((tmp_path / "noisy" / "client-0" / "monitor.json").read_text())["fits"] == 2
+    worst = next(w for w in noisy.monitors["0"].report().worst_case if w.defense == "flower_local_dp")
+    per_round = FlowerLocalDp(clipping_norm=1.0, sensitivity=1.0, epsilon=2.0, delta=1e-5).privacy_profile()
+    twice = PrivacyProfile(mu=per_round.mu).epsilon(1e-5, 2)
+    assert worst.epsilon == pytest.approx(twice, rel=1e-9) and 1.5 < twice < 2.5
+    assert f"{twice:.3g} over 2 rounds (delta 1e-05)" in worst.privacy.mechanism
+
+
+def _accountant(population: int, method: str = "no-amplification", releases: int = 3):
+    """Flower's own RdpAccountant given ``population``, after ``releases`` rounds of noise multiplier 1 over 2."""
+    pytest.importorskip("dp_accounting")  # Flower's RdpAccountant: pip install 'flwr[dp]'
+    from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
+
+    relation = "replace-one" if method == "without-replacement" else "add-or-remove-one"
+    accountant = RdpAccountant(PrivacyConfig(target_delta=1e-5, population_size=population, neighboring_relation=(
+        NeighboringRelation(relation)), sampling_method=SamplingMethod(method)))
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=2, population_size=population), releases)
+    return accountant
+
+
+def test_flowers_accountant_is_read_beside_leakaudits_own_and_its_mismatches_are_one_line_each():
+    """The claim of Flower's accountant over its releases beside leakaudit's exact GDP composition of the same; a
+    population or sample size the strategy did not use, Poisson sampling, and a claim under the client's own spend
+    (amplification the attacked client does not get) are flagged."""
+    fixed = FlowerFixedClipping(clipping_norm=1.0, noise_multiplier=1.0, num_sampled_clients=2)
+    own = PrivacyProfile(mu=1.0).epsilon(1e-5, 3)
+    right = flower_defenses.accountant_reading(_accountant(4), fixed, 2, [4, 4, 4], [2, 2, 2])
+    assert len(right) == 1 and right[0].startswith(
+        "Flower's accountant (rdp, no-amplification, population_size 4) claims epsilon ")
+    claimed = float(right[0].split("claims epsilon ")[1].split()[0])
+    assert claimed > own and f"leakaudit's own accounting of the same releases: epsilon {own:.4g}" in right[0]
+    wrong = flower_defenses.accountant_reading(_accountant(1000), fixed, 2, [4, 4, 4], [2, 3, 2])
+    assert wrong[1:] == [
+        "MISMATCH: the accountant's population_size 1000 is not the 4 nodes the strategy samples from: an epsilon "
+        "amplified by sampling would be wrong",
+        "MISMATCH: the strategy sampled 3 clients in a round, while its noise and the accountant's events assume "
+        "num_sampled_clients 2"]
+    amplified = flower_defenses.accountant_reading(_accountant(1000, "poisson"), fixed, 2, [1000], [2])
+    assert amplified[1] == ("MISMATCH: the accountant credits Poisson sampling; Flower's strategies sample a fixed "
+                            "number of nodes without replacement")
+    assert amplified[2].startswith("MISMATCH: the accountant's epsilon ") and f"below the {own:.4g} a client's own " \
+        "update spends" in amplified[2]
+    assert flower_defenses.flower_accountant(fixed) is None  # a leakaudit defense is no Flower strategy
+
+
+class _BatchNormNet(torch.nn.Module):
+    """A small network with BatchNorm: its state holds num_batches_tracked, an int64 array."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _batchnorm_update() -> list[torch.Tensor]:
+    """A BatchNorm model's whole state change over one SGD step, as Flower's arrays carry it (num_batches_tracked's
+    change an int64 -1)."""
+    net = _BatchNormNet()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 1, 8, 8, generator=g), torch.tensor([0, 1, 2, 0])
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    torch.optim.SGD(net.parameters(), lr=0.5).step()
+    net(x)  # the running statistics move again, as a second batch would move them
+    return [before[k] - v for k, v in net.state_dict().items()]
+
+
+def test_flowers_dp_reaches_floating_point_arrays_only_as_flower_145_applies_it():
+    """A BatchNorm model's update: each flower_* defense clips and noises its floating-point arrays exactly as it
+    does them alone (the integer one out of the norm and the draws) and sends num_batches_tracked as it is."""
+    update = _batchnorm_update()
+    integer = [i for i, t in enumerate(update) if not t.is_floating_point()]
+    assert [update[i].dtype for i in integer] == [torch.int64] and int(update[integer[0]]) == -2
+    floats = [t for t in update if t.is_floating_point()]
+    for defense in (FlowerLocalDp(clipping_norm=0.1, sensitivity=0.1, epsilon=2.0, delta=1e-5),
+                    FlowerFixedClipping(clipping_norm=0.1, noise_multiplier=0.5, num_sampled_clients=4),
+                    FlowerAdaptiveClipping(clipping_norm=0.1, noise_multiplier=0.5, num_sampled_clients=40)):
+        sent = defense.perturb(update, torch.Generator().manual_seed(5))
+        alone = defense.perturb(floats, torch.Generator().manual_seed(5))
+        assert torch.equal(sent[integer[0]], update[integer[0]]) and sent[integer[0]].dtype == torch.int64
+        assert all(torch.equal(s, a) for s, a in zip((t for t in sent if t.is_floating_point()), alone))
+        shared = SharedUpdate(sent, [str(i) for i in range(len(sent))], 4)
+        assert float(defense.log_likelihood(shared, update)) == pytest.approx(
+            float(defense.log_likelihood(SharedUpdate(alone, ["f"] * len(alone), 4), floats)), rel=1e-6)
+    if not flower_defenses.flower_float_only():  # this Flower counts the integer array in the norm it clips to
+        from flwr.supercore.differential_privacy import compute_clip_model_update
+
+        arrays = [t.numpy().copy() for t in update]
+        compute_clip_model_update(arrays, [np.zeros_like(a) for a in arrays], 0.1)
+        norm = math.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays if a.dtype.kind == "f"))
+        whole = math.sqrt(sum(float((t.double() ** 2).sum()) for t in floats))
+        assert norm == pytest.approx(0.1 * whole / math.sqrt(whole ** 2 + 4), rel=1e-5)  # the steps' -2 counted
+
+
+def test_a_flower_that_clips_integer_arrays_is_refused_in_one_line_on_a_batchnorm_model(monkeypatch):
+    from flwr.clientapp.mod import LocalDpMod
+
+    from leakaudit.flower import LeakAuditMod
+
+    audit = {"attacks": [{"name": "inverting_gradients", "params": {"iterations": 5}}], "mean": 0.5, "std": 0.5}
+    dp = LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=1.0, delta=1e-5)
+    monkeypatch.setattr(flower_defenses, "flower_float_only", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        LeakAuditMod(_BatchNormNet, mods=[dp], **audit)
+    from importlib.metadata import version
+
+    assert info.value.lines == [f"LeakAuditMod: mods: Flower {version('flwr')} counts the model's integer arrays "
+                                "(body.1.num_batches_tracked: the local steps taken) in the norm it clips the update "
+                                "to, so the update leaves clipped tighter than clipping_norm, which leakaudit does not "
+                                "mirror; audit it with a Flower that applies DP to floating-point arrays only (1.45): "
+                                "pip install -U flwr"]
+    monkeypatch.setattr(flower_defenses, "flower_float_only", lambda: True)
+    LeakAuditMod(_BatchNormNet, mods=[dp], **audit)  # a Flower that leaves them alone: audited

@@ -277,6 +277,25 @@ def test_flower_mod_refuses_bad_settings_before_any_round(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_secaggplus_mod_is_read_as_secure_aggregation_and_its_stages_pass_through(tmp_path, monkeypatch):
+    """secaggplus_mod inside LeakAuditMod is not refused; a SecAgg+ stage that carries no arrays (setup, keys,
+    unmasking) reaches the mod and counts no round."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+    from flwr.client.mod import secaggplus_mod
+
+    from leakaudit.flower import LeakAuditMod
+
+    mod = LeakAuditMod(torch.nn.Linear, mods=[secaggplus_mod], out=tmp_path / "runs", mean=0.5, std=0.5)
+    assert mod.secure == ["SecAgg+"]
+    _, context = flower_train_round(monkeypatch, {}, 1)  # a SuperNode's context, Flower's task identity set
+    stage = Message(content=RecordDict({"secaggplus_configs": ConfigRecord({"stage": "setup"})}), dst_node_id=7,
+                    message_type=MessageType.TRAIN)
+    seen = []
+    mod.mods = [lambda msg, ctx, call_next: seen.append(msg) or call_next(msg, ctx)]  # the stage reaches the mods
+    reply = mod(stage, context, lambda msg, ctx: Message(RecordDict(), reply_to=msg))
+    assert seen == [stage] and not reply.has_error() and mod.monitors == {} and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.heavy  # 45 s of Flower's simulation; the mod's exactness around the app's own train stays in the default tier
 def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkeypatch):
     """Flower's current quickstart structure (ClientApp with @app.train, ServerApp with strategy.start), each
@@ -306,3 +325,111 @@ def test_flower_app_on_the_message_api_is_audited_on_both_sides(tmp_path, monkey
                 "it trained on 96 images, more than max_images=64: attacked on a seeded sample, 2 of its 3 "
                 "minibatches (64 images)")
         assert (folder / "report.html").is_file()
+
+
+@pytest.mark.heavy  # Flower's simulation with SecAgg+'s four stages a round
+def test_secaggplus_mod_is_read_as_secure_aggregation_in_flowers_simulation(tmp_path, monkeypatch):
+    """SecAgg+ as Flower's secure-aggregation example runs it (SecAggPlusWorkflow on the server, secaggplus_mod on
+    each client) with LeakAuditMod around the mod: not refused; the stages that train nothing pass through, the
+    round is audited once, and the threat box says the server sees only the sum of the 3 sampled clients."""
+    import flower_training
+    from digits_client import build_model
+    from flwr.app import Context
+    from flwr.client import ClientApp
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import Grid, LegacyContext, ServerApp, ServerConfig
+    from flwr.server.strategy import FedAvg
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.simulation import run_simulation
+
+    from leakaudit.flower import LeakAuditMod
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # Flower's Ray backend rewrites it
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    data = load_data()
+    audit = LeakAuditMod(build_model, mods=[secaggplus_mod], out=tmp_path / "clients", mean=data.mean, std=data.std,
+                         attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}])
+
+    def client_fn(context: Context):
+        own = slice(int(context.node_config["partition-id"]) * 2, int(context.node_config["partition-id"]) * 2 + 2)
+        return flower_training.DigitsClient(build_model(), DataLoader(TensorDataset(*normalised(data)[own]),
+                                                                      batch_size=2)).to_client()
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = FedAvg(fraction_fit=1.0, min_fit_clients=3, min_available_clients=3, fraction_evaluate=0.0,
+                          initial_parameters=ndarrays_to_parameters(flower_training.get_weights(build_model())))
+        legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=1), strategy=strategy)
+        DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(num_shares=3, reconstruction_threshold=2))(grid, legacy)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_simulation(server_app=server, client_app=ClientApp(client_fn=client_fn, mods=[audit]), num_supernodes=3,
+                       backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    for name in ("0", "1", "2"):
+        folder = tmp_path / "clients" / f"client-{name}"
+        described = json.loads((folder / "monitor.json").read_text())
+        assert described["fits"] == 1 and described["steps"] == [1] and len(rows(folder)) == 1  # undefended: as it left
+        assert described["secure_aggregation"].startswith(
+            "SecAgg+ (client mods): the server sees only the sum of the 3 sampled clients' masked updates")
+        page = leakaudit.report_folder(folder) and (folder / "report.html").read_text()
+        assert "Secure aggregation" in page
+
+
+@pytest.mark.heavy  # two rounds of Flower's simulation, two clients audited from the server
+def test_flower_simulation_with_a_dp_strategys_accountant_shows_both_epsilons_and_flags_its_population(
+        tmp_path, monkeypatch):
+    """DifferentialPrivacyServerSideFixedClipping with Flower's own RdpAccountant, told of a population of 50
+    while the federation has 2 nodes, wrapped by LeakAuditStrategy in Flower's simulation: each client's report
+    holds the accountant's claimed epsilon beside leakaudit's, the population flagged, epsilon over 2 rounds."""
+    pytest.importorskip("dp_accounting")  # Flower's RdpAccountant: pip install 'flwr[dp]'
+    from flwr.app import ArrayRecord, ConfigRecord, Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod, ServerApp
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+    from flwr.simulation import run_simulation
+
+    from leakaudit.flower import LeakAuditStrategy
+    from leakaudit.plugins.defense import PrivacyProfile
+
+    _flower_app(monkeypatch, tmp_path, images=40)
+    import client_app
+    from task import Net, load_data
+
+    clients = ClientApp()
+    clients.train()(client_app.train)  # the quickstart's own training, without the client-side audit
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        accountant = RdpAccountant(PrivacyConfig(target_delta=1e-5, population_size=50, sampling_method=SamplingMethod(
+            "no-amplification"), neighboring_relation=NeighboringRelation("add-or-remove-one")))
+        dp = DifferentialPrivacyServerSideFixedClipping(
+            FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2),
+            noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=2, accountant=accountant)
+        strategy = LeakAuditStrategy(dp, Net(), lambda name: load_data(int(name), 2)[0], aggregate=False,
+                                     out=tmp_path / "server", mean=0.5, std=0.5,
+                                     attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}])
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()),
+                       train_config=ConfigRecord({"lr": 0.01}), num_rounds=2)
+        strategy.report()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_simulation(server_app=server, client_app=clients, num_supernodes=2,
+                       backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    own = PrivacyProfile(mu=1.0).epsilon(1e-5, 2)
+    for name in ("0", "1"):
+        summary = json.loads((tmp_path / "server" / f"client-{name}" / "summary.json").read_text())
+        noisy = next(w for w in summary["worst_case"] if w["defense"] == "flower_fixed_clipping")
+        claim, *flagged = noisy["privacy"]["claimed"]
+        assert claim.startswith("Flower's accountant (rdp, no-amplification, population_size 50) claims epsilon 7.077 "
+                                f"at delta 1e-05 over 2 releases; leakaudit's own accounting of the same releases: "
+                                f"epsilon {own:.4g}")
+        assert flagged == ["MISMATCH: the accountant's population_size 50 is not the 2 nodes the strategy samples "
+                           "from: an epsilon amplified by sampling would be wrong"]
+        assert noisy["epsilon"] == pytest.approx(own, rel=1e-9) and f"{own:.3g} over 2 rounds" in noisy["privacy"][
+            "mechanism"]

@@ -3,6 +3,7 @@ beside the wrapped strategy, whose aggregate stays the same."""
 from __future__ import annotations
 
 import json
+from html import escape
 
 import numpy as np
 import pytest
@@ -197,3 +198,64 @@ def test_a_wrapped_flower_dp_strategy_is_read_and_each_update_attacked_as_the_gl
     settings = {json.loads(line)["setting"] for line in (tmp_path / "client-0" / "results.jsonl").read_text().splitlines()}
     assert settings == {"none", "flower_fixed_clipping(clipping_norm=0.5,noise_multiplier=0.8,num_sampled_clients=1,"
                                 "side=server)"}
+
+
+class _Nodes:
+    """Flower's Grid as a strategy's configure_train reads it: the ids of the connected nodes."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, self.count + 1))
+
+
+@pytest.mark.slow  # 16 s: two rounds, two clients, two reports
+def test_flowers_accountant_is_shown_beside_leakaudits_own_and_a_wrong_population_is_flagged(tmp_path, monkeypatch):
+    """A Message-API DP strategy with Flower's RdpAccountant told of 100 clients, over a federation of 2: its
+    claimed epsilon over the 2 releases beside leakaudit's own (1 / noise_multiplier GDP composed over them), the
+    population flagged; each client's table composed over the 2 rounds it took part in."""
+    pytest.importorskip("dp_accounting")  # Flower's RdpAccountant: pip install 'flwr[dp]'
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+    from flwr.serverapp.strategy import FedAvg as MessageFedAvg
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from leakaudit.plugins.defense import PrivacyProfile
+
+    for field in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, field, 7, raising=False)
+    loaders, mean, std = _loaders()
+    accountant = RdpAccountant(PrivacyConfig(target_delta=1e-5, population_size=100, sampling_method=SamplingMethod(
+        "no-amplification"), neighboring_relation=NeighboringRelation("add-or-remove-one")))
+    dp = DifferentialPrivacyServerSideFixedClipping(MessageFedAvg(fraction_train=1.0, min_available_nodes=2,
+                                                                  min_train_nodes=2), noise_multiplier=1.0,
+                                                    clipping_norm=0.5, num_sampled_clients=2, accountant=accountant)
+    model = _model()
+    server = LeakAuditStrategy(dp, model, loaders.__getitem__, out=tmp_path, mean=mean, std=std, aggregate=False,
+                               attacks=[{"name": "inverting_gradients", "params": {"iterations": 5}}])
+    arrays = ArrayRecord(model.state_dict())
+    for server_round in (1, 2):
+        replies = []
+        for message in server.configure_train(server_round, arrays, ConfigRecord({"lr": LR}), _Nodes(2)):
+            name = str(message.metadata.dst_node_id - 1)
+            sent = _fit(_model(), arrays.to_numpy_ndarrays(), loaders[name], {"lr": LR, "local_epochs": 1})
+            replies.append(Message(content=RecordDict({"arrays": ArrayRecord(sent), "metrics": MetricRecord(
+                {"num-examples": 1, "partition": int(name)})}), reply_to=message))
+        arrays, _ = server.aggregate_train(server_round, replies)
+    summary = server.report()["0"]
+    noisy = next(w for w in summary.worst_case if w.defense == "flower_fixed_clipping")
+    flower, own = accountant.get_privacy_spent().epsilon, PrivacyProfile(mu=1.0).epsilon(1e-5, 2)
+    assert 7.0 < flower < 7.2 and own == pytest.approx(6.573, abs=1e-3)  # RDP's bound above the exact GDP one
+    assert noisy.epsilon == pytest.approx(own, rel=1e-9) and "1 over 2 rounds" not in noisy.privacy.mechanism
+    assert f"{own:.3g} over 2 rounds" in noisy.privacy.mechanism
+    claim, *mismatches = noisy.privacy.claimed
+    assert claim.startswith(f"Flower's accountant (rdp, no-amplification, population_size 100) claims epsilon "
+                            f"{flower:.4g} at delta 1e-05 over 2 releases; leakaudit's own accounting of the same "
+                            f"releases: epsilon {own:.4g}")
+    assert mismatches == ["MISMATCH: the accountant's population_size 100 is not the 2 nodes the strategy samples "
+                          "from: an epsilon amplified by sampling would be wrong"]
+    page = (tmp_path / "client-0" / "report.html").read_text()
+    assert escape(mismatches[0]).replace("&#x27;", "&#39;") in page and f"claims epsilon {flower:.4g}" in page
+    assert f'data-label="epsilon">{own:.3g}<' in page  # the verdict table's epsilon: composed, not "no guarantee"

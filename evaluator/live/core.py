@@ -49,7 +49,8 @@ from leakaudit.plugins.spec import one_line
 from leakaudit.plugins.text import decode_tokens
 
 
-RECORDED = ("steps", "fits", "rounds", "skipped", "undone", "sampled", "failed")  # monitor.json's record of the run so far
+#: monitor.json's record of the run so far
+RECORDED = ("steps", "fits", "rounds", "skipped", "undone", "sampled", "failed", "claimed", "secure_aggregation")
 MAX_ROUND_IMAGES = 64  # a federated round over more images is attacked on a seeded sample of this many
 PRIOR_SAMPLE = 256  # items of the attacker's data averaged into the mean-image guess the verdict compares with
 ATTACKER_SAMPLE = 1024  # items of the attacker's data drawn for the attacks that learn from it (the first 256: the guess)

@@ -188,9 +188,17 @@ class RoundMonitor(MonitorCore):
             handle.remove()
             self._round = None
 
-    def finish_round(self, local: LocalRound, model: nn.Module, sent: Sequence[Any]) -> None:
+    def took_part(self, fits: int) -> None:
+        """Record that the client has taken part in ``fits`` rounds so far (audited or not, counted by a caller
+        that sees every round: a Flower mod, the server): each released its update, and the report composes a
+        per-round guarantee over them. A count below the one recorded is ignored."""
+        self._described["fits"] = max(int(self._described.get("fits", 0)), int(fits))
+        self.folder.write_json(MONITOR, self._described)
+
+    def finish_round(self, local: LocalRound, model: nn.Module, sent: Sequence[Any], fits: int | None = None) -> None:
         """Audit a round watched by ``observe_round``: ``model`` is the network at the round's starting weights
-        (moved where training ran), ``sent`` the arrays the client returns. Binds the monitor to them first
+        (moved where training ran), ``sent`` the arrays the client returns, ``fits`` the rounds the client has
+        taken part in, this one included, where the caller counts them. Binds the monitor to them first
         (ConfigError, one line per problem); a round already in the run folder is not attacked again."""
         if local.device is not None:
             model.to(local.device)
@@ -203,7 +211,7 @@ class RoundMonitor(MonitorCore):
         self.bind_rounds(model, local.loader, self.max_images)
         if local.number in self._described["steps"]:
             return
-        self._described["fits"] += 1
+        self._described["fits"] = max(self._described["fits"] + 1, fits or 0)
         local.before, local.buffers = model_state(model)
         local.sent = sent
         self.audit_safely(local.number, lambda: self._audit_round(local))
@@ -276,6 +284,19 @@ class RoundMonitor(MonitorCore):
             return after
         update = [b - a for b, a in zip(local.before, after)]
         return protocol, joined(passes[0]), update, steps[0].optimizer
+
+    def aggregated(self, line: str) -> None:
+        """Record who sees the client's update under secure aggregation (a Flower ``secaggplus_mod``): the report's
+        threat box says it."""
+        self._described["secure_aggregation"] = line
+        self.folder.write_json(MONITOR, self._described)
+
+    def claimed(self, lines: Sequence[str]) -> None:
+        """Record what the framework's own privacy accountant claims beside leakaudit's accounting, and each
+        mismatch, one line each (``LeakAuditStrategy`` over a Flower DP strategy's accountant): the report's
+        privacy table shows them."""
+        self._described["claimed"] = list(lines)
+        self.folder.write_json(MONITOR, self._described)
 
     def sampled(self, number: int, how: str) -> None:
         """Record (and log) that round ``number`` is attacked on a sample of its images, and how."""

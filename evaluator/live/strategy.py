@@ -20,13 +20,14 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import ConcatDataset, DataLoader
 
+from leakaudit.defenses.flower import accountant_reading, flower_accountant, integer_arrays_refusal
 from leakaudit.evaluator.audit.seeds import generator
 from leakaudit.evaluator.audit.types import ConfigError
 from leakaudit.evaluator.live.core import (
@@ -40,6 +41,7 @@ from leakaudit.evaluator.live.core import (
 from leakaudit.evaluator.live.flower import mirrored_defense
 from leakaudit.evaluator.live.monitor import LeakMonitor
 from leakaudit.evaluator.live.rounds import sample_round, sent_weights
+from leakaudit.plugins.manager import load_registry
 from leakaudit.plugins.protocol import FedAvg
 
 try:
@@ -101,9 +103,12 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         self._mirrored, _ = mirrored_defense([strategy], monitor.get("plugins_dirs", ()))  # a Flower DP strategy
         problems += [] if self._mirrored is None or "defense" not in monitor else [
             f"defense: given beside {type(strategy).__name__}, whose mechanism is the defense audited; leave it out"]
+        if self._mirrored is not None and (why := integer_arrays_refusal("strategy", model.state_dict())):
+            problems.append(why)
         if problems:
             raise ConfigError([f"LeakAuditStrategy: {p}" for p in problems])
         LeakMonitor(**monitor, out=Path(out) / AGGREGATE)  # the monitor's settings, checked before any round
+        self._accountant = flower_accountant(strategy) if self._mirrored is not None else None
         if self._mirrored is not None:
             LeakMonitor(**monitor, defense=self._mirrored, out=Path(out) / AGGREGATE)
             monitor_logger().info("LeakAuditStrategy: %s noises the mean after this server holds each update: each "
@@ -118,6 +123,10 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         self._monitors: dict[str, LeakMonitor] = {}
         self._sent: dict[int, list[Any]] = {}
         self._configs: dict[int, dict[str, dict[str, Any]]] = {}
+        self._fits: dict[str, int] = {}  # the rounds each client (by name) took part in
+        self._population: list[int] = []  # under an accountant: the nodes each round sampled from, and how many
+        self._sampled: list[int] = []
+        self._flagged: set[str] = set()  # the mismatches logged already
 
     def __repr__(self) -> str:
         return f"LeakAuditStrategy({self.strategy!r})"
@@ -136,6 +145,7 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
     def aggregate_fit(self, server_round, results, failures):
         """The wrapped strategy's aggregate, unchanged; then, in an audited round, each update attacked. The
         client's name (``client_key`` in its metrics) is read here and kept out of the metrics aggregated."""
+        self._took_part(str(res.metrics.get(self.client_key, proxy.cid)) for proxy, res in results)
         trained = [(proxy.cid, dict(res.metrics), res.num_examples, parameters_to_ndarrays(res.parameters))
                    for proxy, res in results] if server_round in self._sent else []
         results = [(proxy, dataclasses.replace(res, metrics={k: v for k, v in res.metrics.items()
@@ -149,6 +159,9 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         """The wrapped strategy's training messages (Flower's Message API); the global arrays and each node's
         config are kept to audit."""
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self._accountant is not None:
+            self._population.append(len(list(grid.get_node_ids())))
+            self._sampled.append(len(messages))
         if self._audited(server_round):
             self._sent[server_round] = arrays.to_numpy_ndarrays()
             self._configs[server_round] = {m.metadata.dst_node_id: dict(m.content.config_records.get(
@@ -159,6 +172,8 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         """The wrapped strategy's aggregate of the replies, unchanged; then, in an audited round, each update
         attacked."""
         replies = list(replies)
+        self._took_part(str(dict(next(iter(r.content.metric_records.values()), {})).get(
+            self.client_key, r.metadata.src_node_id)) for r in replies if not r.has_error())
         trained = [(reply.metadata.src_node_id, *_trained(reply)) for reply in replies
                    if not reply.has_error()] if server_round in self._sent else []
         for reply in replies:  # the client's name is leakaudit's: kept out of the metrics Flower aggregates
@@ -167,7 +182,29 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         aggregated = self.strategy.aggregate_train(server_round, replies)
         if server_round in self._sent:
             self._audit(server_round, trained)
+        if self._accountant is not None:
+            self._read_accountant()
         return aggregated
+
+    def _read_accountant(self) -> None:
+        """The DP strategy's accountant's claimed epsilon beside leakaudit's own and each mismatch: logged, and
+        kept in each client's run folder for its report's privacy table."""
+        assert self._mirrored is not None, "an accountant is read from the mirrored DP strategy"
+        params = self._mirrored["params"]
+        defense = load_registry(self._settings.get("plugins_dirs", ())).get("defense", self._mirrored["name"])(
+            **params)
+        lines = accountant_reading(self._accountant, defense, params["num_sampled_clients"], self._population,
+                                   self._sampled)
+        log = monitor_logger()
+        for line in lines:
+            if line.startswith("MISMATCH") and line not in self._flagged:
+                log.warning("LeakAuditStrategy: %s", line)
+                self._flagged.add(line)
+            elif not line.startswith("MISMATCH"):
+                log.info("LeakAuditStrategy: %s", line)
+        for name, monitor in self._monitors.items():
+            if name != AGGREGATE:
+                monitor.claimed(lines)
 
     def configure_evaluate(self, server_round, *args):
         return self.strategy.configure_evaluate(server_round, *args)
@@ -184,7 +221,16 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
 
     def report(self) -> dict[str, Any]:
         """Each run folder's report.html and summary.json: the typed summaries by folder name."""
+        for name, monitor in self._monitors.items():
+            if name in self._fits:
+                monitor.took_part(self._fits[name])
         return {name: monitor.report() for name, monitor in self._monitors.items() if monitor.audited_steps}
+
+    def _took_part(self, names: Iterable[str]) -> None:
+        """Count a round's replies by client: each client's guarantee is composed over the rounds it took part
+        in, audited or not."""
+        for name in names:
+            self._fits[name] = self._fits.get(name, 0) + 1
 
     def _audited(self, server_round: int) -> bool:
         return (server_round - 1) % self.every == 0
@@ -209,6 +255,7 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
         population = _population(rounds)
         for r in rounds:
             monitor = self._monitor(r.name, population)
+            monitor.took_part(self._fits.get(r.name, 0))
             if r.sampled:
                 monitor.sampled(server_round, r.sampled)
             monitor.audit_safely(server_round, lambda: monitor.attack_round(server_round, before, buffers, r.update,

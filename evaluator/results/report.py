@@ -120,6 +120,8 @@ def threat_model(audit: Audit) -> list[tuple[str, str]]:
         ("Defense", (f"known to {', '.join(adaptive)} (its likelihood, masks or noise draws)" if adaptive else
                      "no attack uses it") + (f"; ignored by {', '.join(naive)}" if naive else "")),
         _targets(audit),
+        *([("Secure aggregation", audit.live["secure_aggregation"])]
+          if audit.live and audit.live.get("secure_aggregation") else []),
         *([] if audit.live is None else [("Server's memory", audit.live.get("undone") or
                                           "none: each update is attacked alone (attacker: {memory: false})")]),
         *([("Dropout", f"the client's masks (p = {', '.join(map(str, audit.live['dropout']))}) are not known to the "

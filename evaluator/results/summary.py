@@ -109,7 +109,14 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
                **({"pii_guess": max(guessed)} if guessed else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
-    profiles = {s.key: s.build(audit.registry).privacy_profile() for s in audit.settings}
+    defenses = {s.key: s.build(audit.registry) for s in audit.settings}
+    fits = federated_fits(audit)
+    if fits:  # a federated client's guarantee, composed over the rounds it took part in
+        defenses = {key: d.stated_over(fits) for key, d in defenses.items()}
+        spent = {key: _spent(d, fits, audit.utility.delta) for key, d in defenses.items()}
+        acc = acc | {key: e | {k: v for k, v in acc.get(key, {}).items() if v is not None}
+                     for key, e in spent.items() if e}
+    profiles = {key: d.privacy_profile() for key, d in defenses.items()}
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
         groups[r.cell].append(r)
@@ -169,6 +176,19 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
             if (ref := audit.reference_of(s)) is not None and ref is not s},
             audit.utility.max_drop if options.get("min_accuracy") is None else None, confirmed,
             audit.budget_plan))
+
+
+def federated_fits(audit: Audit) -> int | None:
+    """The rounds a federated LeakMonitor's client took part in (its monitor.json's ``fits``), over which each
+    per-round guarantee is composed; None for any other audit."""
+    fits = (audit.live or {}).get("fits")
+    return int(fits) if fits else None
+
+
+def _spent(defense, rounds: int, delta: float) -> dict[str, float]:
+    """Epsilon at ``delta`` that ``defense`` spends over ``rounds`` releases (empty where it states none)."""
+    epsilon = defense.privacy_spent(rounds, 1.0, delta)
+    return {} if epsilon is None else {"epsilon": epsilon, "delta": delta}
 
 
 def accuracy_interval(utility: dict, confidence: float) -> list[float] | None:
@@ -578,7 +598,8 @@ def _worst_case(s, audit: Audit, mine: list[CellResult], rows: list[Row], leakag
         verdict_checkpoint=final.checkpoint, still_improving=final.still_improving, level=final.level,
         threat=final.threat, weak=final.weak, borderline=final.borderline, budget=budget, by_threat=by_threat,
         settling_iterations=final.settling_iterations,
-        privacy=_privacy(profile, mine, scored_batch(audit, s, mine), utility, own_rows),
+        privacy=_privacy(profile, mine, scored_batch(audit, s, mine), utility, own_rows,
+                         (audit.live or {}).get("claimed")),
         worst_image=_worst_image(own_rows, leakage))
 
 
@@ -589,10 +610,12 @@ def _setting_fields(setting, audit: Audit) -> dict[str, Any]:
                 added=setting.added, must_protect=setting.must_protect, clients=setting.clients)
 
 
-def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: list[Row]) -> Privacy | None:
+def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: list[Row],
+             claimed: list[str] | None = None) -> Privacy | None:
     """A guaranteed setting's privacy beside its attacks: mu, the bound on naming targets, the most any of its
-    attacks named (and whether some cell beat the bound), what the training's epsilon bounds, and the prior-free
-    PSNR and MSE bounds (the rows' ``prior_free``) with any attack whose mean PSNR got past them."""
+    attacks named (and whether some cell beat the bound), what the training's epsilon bounds, the prior-free
+    PSNR and MSE bounds (the rows' ``prior_free``) with any attack whose mean PSNR got past them, and what the
+    framework's own accountant ``claimed``."""
     if profile is None:
         return None
     top = max(mine, key=lambda c: -1 if c.named is None else c.named)
@@ -608,7 +631,7 @@ def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: l
                    violated=any(bool(c.bound_violated) for c in mine),
                    training_bound=training_bound(utility.get("epsilon"), utility.get("delta"), chance),
                    prior_free_psnr=psnr, prior_free_mse=float(np.mean([c["mse"] for c in corridor])) if corridor else None,
-                   past_prior_free="" if over is None else (
+                   claimed=tuple(claimed or ()), past_prior_free="" if over is None else (
                        f"{over.attack} reaches psnr {over.mean('psnr'):.3g} at step {over.checkpoint}, {gap:.2g} dB past "
                        "the prior-free bound: its data prior (or image priors) can do that"))
 

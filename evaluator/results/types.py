@@ -242,6 +242,9 @@ class Privacy:
     prior_free_mse: float | None = None
     #: Where a measured attack got past that PSNR (a data prior can): which, and by how much; else "".
     past_prior_free: str = ""
+    #: What the framework's own accountant claims beside leakaudit's accounting, then one line per mismatch between
+    #: what it was given and what the run did (a Flower DP strategy's accountant); empty where none was read.
+    claimed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,10 @@ class WorstCase(_Scored):
                                          "by_threat")
         means = {m: s.mean for m, s in self.scores.items()}
         cis = {f"{m}_ci": s.ci for m, s in self.scores.items()}
-        return {**head, **means, **cis, **tail, "privacy": _record(self.privacy),
+        privacy = _record(self.privacy)
+        if privacy is not None and not privacy["claimed"]:  # older summaries read back alike
+            del privacy["claimed"]
+        return {**head, **means, **cis, **tail, "privacy": privacy,
                 "worst_image": _record(self.worst_image) or {},
                 **({} if self.clients is None else {"clients": self.clients}),  # older summaries read back alike
                 **({} if self.level is None else {"level": self.level}),
@@ -297,7 +303,8 @@ class WorstCase(_Scored):
                   for k, v in record.items() if k.endswith("_ci")}
         privacy = record.get("privacy")
         return cls(**_known(cls, record), scores=scores, worst_image=_image(record.get("worst_image")),
-                   privacy=Privacy(**privacy) if privacy else None, by_threat=ThreatVerdict.read(record.get("by_threat")))
+                   privacy=Privacy(**{**privacy, "claimed": tuple(privacy.get("claimed", ()))}) if privacy else None,
+                   by_threat=ThreatVerdict.read(record.get("by_threat")))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Run the audited quickstart app in Flower's simulation engine, offline (``flwr run .`` needs a Flower
-project; this is its Python API):
+"""Run the audited quickstart app in Flower's simulation engine, offline, in this process (the folder is also a
+Flower App: ``flwr run . --stream`` runs it on a local SuperLink, docs/own-training.md "With flwr run"):
 
     pip install 'leakaudit[flower]'
     cd examples/own_training/flower_app && python simulate.py

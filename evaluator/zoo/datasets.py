@@ -285,7 +285,7 @@ BUILTIN = [
                   check=_check_root(n), values=partial(_kept, channels=CHANNELS[n]))
       for n in (*TORCHVISION_SETS, "imagefolder") if n != "fashion_mnist"),
     DatasetSpec("gcompris_photos", load_gcompris_photos, summary=load_gcompris_photos.__doc__ or "",
-                check=_check_gcompris, values=lambda s: 3 * 270),
+                check=_check_gcompris, values=lambda s: 3 * gcompris.CREDITED),
     DatasetSpec("fashion_mnist", load_fashion_mnist, dict(LIMITS), summary=load_fashion_mnist.__doc__ or "",
                 check=_check_fashion, values=lambda s: _kept(s)),
 ]

@@ -7,8 +7,10 @@ other images are pieces of them or van Gogh paintings) and explore_world_music's
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import os
 import re
 from pathlib import Path
 
@@ -45,7 +47,10 @@ DETAILS_PHOTOS = ("Chenonceau", "EgeskovSlotSpejling", "EilanDonanCastle", "Fano
 #: Photos whose 16x16 average hashes differ in at most this many of 256 bits are one photo (the same picture
 #: in two activities, cropped or encoded differently).
 NEAR = 12
+#: The side the hashes are taken at, whatever image_size is asked for (so the same photos are kept at every size).
 HASH_SIDE = 64
+#: Photos credited in Debian's 3.1 bundles before de-duplication: a bound on those kept, for the memory estimate.
+CREDITED = 269
 #: Bump when the selection or the decoding changes: the cache's name carries it.
 CACHE_VERSION = 1
 
@@ -89,14 +94,16 @@ def centre_squares(data: bytes, sizes: tuple[int, ...]) -> list[np.ndarray]:
     w, h = rgb.size
     side = min(w, h)
     box = ((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side)
-    return [np.asarray(rgb.resize((size, size), Image.LANCZOS, box=box, reducing_gap=3.0)) for size in sizes]
+    lanczos = Image.Resampling.LANCZOS
+    return [np.asarray(rgb.resize((size, size), lanczos, box=box, reducing_gap=3.0)) for size in sizes]
 
 
 def average_hash(image: np.ndarray) -> np.ndarray:
     """256 bits: which cells of a 16x16 grey thumbnail are brighter than its mean."""
     from PIL import Image
 
-    grey = np.asarray(Image.fromarray(image).convert("L").resize((16, 16), Image.BILINEAR), dtype=np.float32)
+    grey = Image.fromarray(image).convert("L").resize((16, 16), Image.Resampling.BILINEAR)
+    grey = np.asarray(grey, dtype=np.float32)
     return (grey > grey.mean()).ravel()
 
 
@@ -117,16 +124,19 @@ def load_arrays(image_size: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
         with np.load(cache) as saved:
             return saved["images"], saved["labels"], [str(p) for p in saved["paths"]]
     files = photo_files()
-    # the hash is taken at a fixed size, so that which photos are kept never depends on image_size
     thumbs, squares = zip(*(centre_squares(data, (HASH_SIDE, image_size)) for _, data, _, _ in files))
     keep = distinct(np.stack(thumbs))
     images = np.stack([squares[i] for i in keep])
     labels = np.array([files[i][2] for i in keep], dtype=np.int64)
     paths = [files[i][0] for i in keep]
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_suffix(".partial.npz")
-    np.savez(partial, images=images, labels=labels, paths=np.array(paths))
-    partial.replace(cache)
+    partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial.npz")  # two workers never write one file
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(partial, images=images, labels=labels, paths=np.array(paths))
+        partial.replace(cache)
+    except OSError:  # a read-only cache folder: the photos are decoded again next time, nothing else changes
+        with contextlib.suppress(OSError):
+            partial.unlink()
     return images, labels, paths
 
 

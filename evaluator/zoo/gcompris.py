@@ -102,8 +102,8 @@ def average_hash(image: np.ndarray) -> np.ndarray:
     """256 bits: which cells of a 16x16 grey thumbnail are brighter than its mean."""
     from PIL import Image
 
-    grey = Image.fromarray(image).convert("L").resize((16, 16), Image.Resampling.BILINEAR)
-    grey = np.asarray(grey, dtype=np.float32)
+    thumbnail = Image.fromarray(image).convert("L").resize((16, 16), Image.Resampling.BILINEAR)
+    grey = np.asarray(thumbnail, dtype=np.float32)
     return (grey > grey.mean()).ravel()
 
 

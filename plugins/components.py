@@ -62,6 +62,9 @@ class ModelSpec:
     #: What it learns: "classify" (a class per example) or, for text, "next_token" (a language model's next token
     #: at every position); the data's ``task`` must be the same.
     task: str = "classify"
+    #: ``check(model_section) -> list[str]``: problems found before any work (a package the model needs, missing);
+    #: validation puts the section's ``name`` key in front of each.
+    check: Callable[[dict[str, Any]], list[str]] | None = None
 
 
 @dataclass

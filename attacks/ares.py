@@ -153,11 +153,7 @@ def craft(model: nn.Module, input_shape: tuple[int, ...], layer: int = 1) -> nn.
     if isinstance(found, str):
         raise ValueError(found)
     _measuring_weights(found.prefix)
-    x = torch.randn(1, *input_shape, requires_grad=True)
-    v = found.measure(x)
-    direction = torch.randn(v.shape[1])
-    direction /= direction.norm()
-    spread = torch.autograd.grad(v @ direction, x)[0].norm()  # the measurement's scale on unit-variance inputs
+    direction, spread = _imprint_direction(found, input_shape)
     with torch.no_grad():
         row = torch.cat([direction, -direction]) if found.paired else direction
         bins = found.imprint.weight.shape[0]
@@ -169,6 +165,19 @@ def craft(model: nn.Module, input_shape: tuple[int, ...], layer: int = 1) -> nn.
         if found.spread.bias is not None:
             found.spread.bias.zero_()
     return model
+
+
+def _imprint_direction(found: Layout, input_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """The direction ``w`` the imprint measures in ``v`` and its spread on unit-variance inputs: ``w`` is chosen so
+    that ``M^T w`` is a white Gaussian direction in pixel space (as near as ``M``'s rows reach), whose measurement of
+    correlated images has about its own norm as its spread; a random ``w`` would measure smooth images, whose
+    spread is several times that (docs/results.md, ARES)."""
+    white = torch.randn(math.prod(input_shape))
+    if not found.paired:
+        return white, white.norm()
+    m = measurement_matrix(found, input_shape, torch.device("cpu"))
+    w = torch.linalg.lstsq(m.T, white[:, None]).solution[:, 0]
+    return w, (m.T @ w).norm()
 
 
 def expected_recovery_rate(bins: int, batch_size: int) -> float:
@@ -200,10 +209,22 @@ def spectral_norm_squared(k: Tensor, steps: int = 50) -> Tensor:
     return (k @ vec).norm() ** 2 * 1.02
 
 
+def ridge(k: Tensor, y: Tensor, step: Tensor) -> Tensor:
+    """The least-norm solutions of ``K s = y_b`` (a ridge of ``1e-6 ||K||^2``: exact where the measurements
+    determine the image), FISTA's start: from there it only has to add the sparsity, not undo a poor condition."""
+    eps = 1e-6 / step
+    if k.shape[0] >= k.shape[1]:
+        gram = k.T @ k + eps * torch.eye(k.shape[1], device=k.device, dtype=k.dtype)
+        return torch.linalg.solve(gram, k.T @ y.T).T
+    gram = k @ k.T + eps * torch.eye(k.shape[0], device=k.device, dtype=k.dtype)
+    return torch.linalg.solve(gram, y.T).T @ k
+
+
 def lasso(k: Tensor, y: Tensor, lam: Tensor, iterations: int) -> Tensor:
-    """FISTA for ``min_s 1/2 ||K s - y_b||^2 + lam_b ||s||_1``, every row ``b`` of ``y`` (B, m) at once."""
+    """FISTA (Beck & Teboulle 2009) for ``min_s 1/2 ||K s - y_b||^2 + lam_b ||s||_1``, every row ``b`` of ``y``
+    (B, m) at once, from the least-norm solutions."""
     step = 1 / spectral_norm_squared(k)
-    s = z = torch.zeros(y.shape[0], k.shape[1], device=k.device, dtype=k.dtype)
+    s = z = ridge(k, y, step)
     t = 1.0
     for _ in range(iterations):
         moved = z - step * ((z @ k.T - y) @ k)
@@ -214,17 +235,18 @@ def lasso(k: Tensor, y: Tensor, lam: Tensor, iterations: int) -> Tensor:
     return s
 
 
-def measurement_matrix(found: Layout, threat: ThreatModel) -> tuple[Tensor, Tensor]:
-    """``A`` (m, n) and offset ``o`` (m,) with ``v = A p - o`` for images ``p`` in pixel space (normalisation
-    folded in), built by measuring the basis images (the crafted map is linear)."""
-    shape, device = threat.input_shape, threat.device
-    n = math.prod(shape)
-    mean, std = threat.mean.expand(shape).to(device), threat.std.expand(shape).to(device)
-    with torch.no_grad():
-        offset = found.measure((mean / std)[None])[0]
-        columns = [found.measure(torch.eye(n, device=device)[i:i + CHUNK].view(-1, *shape) / std)
-                   for i in range(0, n, CHUNK)]
-    return torch.cat(columns).T, offset
+@torch.no_grad()
+def measurement_matrix(found: Layout, input_shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """``M`` (m, n) with ``v = M x`` for normalised inputs ``x``, built by measuring the basis images (the crafted
+    map is linear, its biases zero)."""
+    n = math.prod(input_shape)
+    columns = []
+    for start in range(0, n, CHUNK):
+        rows = torch.arange(start, min(start + CHUNK, n), device=device)
+        basis = torch.zeros(len(rows), n, device=device)
+        basis[torch.arange(len(rows), device=device), rows] = 1.0
+        columns.append(found.measure(basis.view(-1, *input_shape)))
+    return torch.cat(columns).T
 
 
 class Ares(Attack):
@@ -243,7 +265,8 @@ class Ares(Attack):
                                                          "weight that leaves nothing (per image): raise it under noise"),
         "basis": Param("dct", str, choices=BASES, help="where images are sparse: dct (natural images, a 2-D DCT "
                                                        "per channel) or pixels (digits, sketches)"),
-        "iterations": Param(1000, int, min=1, budget=True, help="FISTA's iterations"),
+        "iterations": Param(1000, int, min=0, budget=True, help="FISTA's iterations from the least-norm solution "
+                                                                "(0: that solution alone, no sparsity)"),
         "label_method": LABEL_METHOD,
     }
     lasso_lambda: float
@@ -275,8 +298,10 @@ class Ares(Attack):
         measurements."""
         half = activations.shape[1] // 2
         v = activations[:, :half] - activations[:, half:] if found.paired else activations
-        a, offset = measurement_matrix(found, threat)
         shape = threat.input_shape
+        m = measurement_matrix(found, shape, threat.device)
+        mean, std = (t.to(threat.device).expand(shape).flatten() for t in (threat.mean, threat.std))
+        a, offset = m / std, m @ (mean / std)  # v = A p - offset for images p in pixel space
         k = dct2(a.view(-1, *shape)).flatten(1) if self.basis == "dct" else a
         y = v + offset
         lam = self.lasso_lambda * (y @ k).abs().amax(dim=1, keepdim=True)

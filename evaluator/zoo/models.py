@@ -268,7 +268,7 @@ def ares(channels: int, num_classes: int, image_size: int, base: str = "cnn_baye
     model = ARES_BASES[base](channels, num_classes, image_size)
     problem = layout(model, layer)
     if isinstance(problem, str):
-        raise ValueError(f"model.params.layer: {layer}: {problem}")
+        raise IndexError(f"params.layer: {layer}: {problem}")  # the model section's error, not a defense's
     return craft(model, (channels, image_size, image_size), layer)
 
 

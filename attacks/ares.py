@@ -106,7 +106,9 @@ def layout(model: nn.Module, layer: int) -> Layout | str:
                     f"{type(m).__name__} (convolutions, ReLUs, average pools and fully connected layers only)")
         if isinstance(m, MEASURING) and m.weight.shape[0] % 2:
             return f"ARES pairs each measuring layer's outputs; {type(m).__name__} has an odd number of them"
-    return Layout(chain[:at], chain[at], chain[at + 2])
+    imprint, spread = chain[at], chain[at + 2]
+    assert isinstance(imprint, nn.Linear) and isinstance(spread, nn.Linear)  # checked above
+    return Layout(chain[:at], imprint, spread)
 
 
 def crafted_layout(model: nn.Module) -> Layout | None:

@@ -42,9 +42,9 @@ def attack_once(model, attack, images, labels, data, device, sigma: float) -> tu
     """The attack's per-image PSNR on the FedSGD update of ``images`` and its seconds."""
     mean, std = data.mean.view(-1, 1, 1).to(device), data.std.view(-1, 1, 1).to(device)
     names, params = zip(*model.named_parameters())
-    grads = torch.autograd.grad(F.cross_entropy(model((images - mean) / std), labels), params)
+    clean = torch.autograd.grad(F.cross_entropy(model((images - mean) / std), labels), params)
     gen = torch.Generator(device=device).manual_seed(0)
-    grads = [g + sigma * torch.randn(g.shape, generator=gen, device=device) for g in grads]
+    grads = [g + sigma * torch.randn(g.shape, generator=gen, device=device) for g in clean]
     threat = ThreatModel(model, F.cross_entropy, tuple(images.shape[1:]), mean, std, data.num_classes, len(images),
                          load_registry().get("defense", "none")(), labels=labels, device=torch.device(device))
     start = time.perf_counter()

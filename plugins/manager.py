@@ -38,6 +38,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.attacks.rgap",
     "leakaudit.attacks.cinet",
     "leakaudit.attacks.imprint",
+    "leakaudit.attacks.ares",
     "leakaudit.attacks.decomposition",
     "leakaudit.attacks.fedavg_epochs",
     "leakaudit.attacks.learned",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leakaudit.attacks.ares import craft, layout
 from leakaudit.attacks.imprint import ImprintBlock
 from leakaudit.plugins import Param, hookimpl
 from leakaudit.plugins.components import ModelSpec
@@ -332,6 +333,30 @@ ZOO.append(ModelSpec("imprint", imprint, {
     "bins": Param(1024, int, min=2, help="the block's bins: more bins, fewer images sharing one")},
     summary=imprint.__doc__ or "", paper="Fowl et al. 2022",
     malicious="the server sent a model with an imprint block in front of it (Fowl et al. 2022)"))
+
+
+#: The zoo networks whose weights ARES's server crafts without changing a layer: chains of convolutions, ReLUs,
+#: average pools and fully connected layers (tests/test_ares.py checks that the others are refused).
+ARES_BASES = {name: IMPRINT_BASES[name] for name in ("cnn_bayes", "convbig", "mlp")}
+
+
+def ares(channels: int, num_classes: int, image_size: int, base: str = "cnn_bayes", layer: int = 1) -> nn.Module:
+    """A zoo network (``base``) as it is, with the weights a malicious server crafts for ARES (Gong et al. 2026):
+    the layers before fully connected layer ``layer`` measure the input linearly, that layer is an imprint of
+    their activations, the next one spreads its gradient evenly; the ``ares`` attack reads the images back."""
+    model = ARES_BASES[base](channels, num_classes, image_size)
+    problem = layout(model, layer)
+    if isinstance(problem, str):
+        raise IndexError(f"params.layer: {layer}: {problem}")  # the model section's error, not a defense's
+    return craft(model, (channels, image_size, image_size), layer)
+
+
+ZOO.append(ModelSpec("ares", ares, {
+    "base": Param("cnn_bayes", str, choices=tuple(ARES_BASES), help="the network whose weights the server crafts"),
+    "layer": Param(1, int, min=1, help="the fully connected layer made an imprint (1: the first, after the "
+                                       "convolutional features; 2 on an MLP: behind a measuring layer)")},
+    summary=ares.__doc__ or "", paper="Gong et al. 2026",
+    malicious="the server sent the model with weights it crafted to leak, no layer changed (Gong et al. 2026)"))
 
 
 @hookimpl

@@ -9,7 +9,18 @@ from typing import Any, ClassVar, Iterator, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.protocol import ClientStep, LossFn, Protocol, TrainingRun, parameter_names, trainable
+from leakaudit.plugins.protocol import (
+    RUNNING_BUFFERS,
+    ClientStep,
+    LossFn,
+    Protocol,
+    TrainingRun,
+    buffers_kept,
+    load_running_buffers,
+    parameter_names,
+    running_buffers,
+    trainable,
+)
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
 
@@ -212,15 +223,18 @@ class Defense:
             for p, g in zip(trainable(model), update.tensors):
                 p.grad = g
             optimiser.step()
+            if RUNNING_BUFFERS in update.metadata:  # the server takes the client's BatchNorm statistics with its weights
+                load_running_buffers(model, update.metadata[RUNNING_BUFFERS])
         yield model
 
     def share(self, step: ClientStep) -> SharedUpdate:
         """The defended update the client sends for this step (stochastic layers draw from its generator)."""
         step = replace(step, loss_fn=self.client_loss(step.model, step.loss_fn))
-        with noise_from(step.model, step.generator):
+        with noise_from(step.model, step.generator), buffers_kept(step.model):
             clean = step.clean_update()
+            buffers = running_buffers(step.model)  # sent as they are: noise defenses perturb the weights' update only
         sent, public = self.apply(clean, step.generator)
-        meta = {"protocol": step.protocol.name, **public}
+        meta = {"protocol": step.protocol.name, **public, **({RUNNING_BUFFERS: buffers} if buffers else {})}
         return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), meta)
 
     def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:

@@ -417,7 +417,7 @@ def sent_batch_statistics(model: nn.Module, sent: list[Tensor]) -> list[Tensor] 
     layers = tracking_batchnorms(model)
     if len(sent) != 3 * len(layers) or not layers:
         return None
-    out = []
+    out: list[Tensor] = []
     for m, (mean, var, count) in zip(layers, zip(*[iter(sent)] * 3)):
         before = int(cast(Tensor, m.num_batches_tracked))
         after = int(count)

@@ -18,6 +18,7 @@ from typing_extensions import Self
 
 from leakaudit.attacks import vectorised
 from leakaudit.attacks.lbfgs import BatchedLBFGS, Evaluate, LBFGSSettings, LockStep, Solver, minimise
+from leakaudit.attacks.batchnorm_prior import SOURCES, batch_statistics, statistics_distance, target_statistics
 from leakaudit.attacks.labels import METHODS, recover_labels
 from leakaudit.attacks.priors import PRIORS, check_priors, prior_penalty
 from leakaudit.attacks.vectorised import (
@@ -38,8 +39,17 @@ from leakaudit.attacks.vectorised import (
     vectorisable,
 )
 from leakaudit.plugins import Param, hookimpl
-from leakaudit.plugins.attack import MAX_ITERATIONS, Attack, Problem, Reconstruction, ThreatModel, HONEST_SERVER
-from leakaudit.plugins.defense import SharedUpdate, cosine_distance, squared_distance
+from leakaudit.plugins.attack import (
+    HONEST_SERVER,
+    MAX_ITERATIONS,
+    SERVER_READING_STATISTICS,
+    Attack,
+    Problem,
+    Reconstruction,
+    ThreatModel,
+)
+from leakaudit.plugins.defense import Defense, SharedUpdate, cosine_distance, squared_distance
+from leakaudit.plugins.protocol import Protocol, buffers_kept, tracking_batchnorms
 
 
 def step_decay_milestones(iterations: int) -> list[int]:
@@ -65,6 +75,8 @@ def matched_tensors(observed: SharedUpdate, threat: ThreatModel) -> list[bool]:
 
 
 LABEL_METHOD = Param("auto", str, choices=METHODS, help="label recovery when labels are not known")
+BN_WEIGHT = Param(1e-2, float, min=0.0, help="weight of the BatchNorm-statistics prior (R_BN of Yin et al. 2021) "
+                                              "beside the cosine distance")
 PRIOR_WEIGHTS = f"weights of image priors by name ({', '.join(PRIORS)})"
 
 
@@ -85,6 +97,10 @@ class InvertingGradients(Attack):
         "label_method": LABEL_METHOD,
         "drop_defended": Param(False, bool, help="leave out of the match the tensors the defense declares "
                                                  "rewritten (Soteria's layer: the attack of Balunovic et al. 2022, Sec. 5)"),
+        "bn_prior": Param("none", str, choices=SOURCES[:2],
+                          help="BatchNorm-statistics prior: none, or the model's running statistics (Yin et al. 2021); "
+                               "the batch's own, read off the sent buffers, is inverting_gradients_bn's"),
+        "bn_weight": BN_WEIGHT,
     }
     iterations: int
     lr: float
@@ -93,6 +109,8 @@ class InvertingGradients(Attack):
     signed: bool
     label_method: str
     drop_defended: bool
+    bn_prior: str
+    bn_weight: float
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
@@ -110,15 +128,48 @@ class InvertingGradients(Attack):
     def knows_defense(self) -> bool:
         return self.uses_defense or self.drop_defended
 
+    def unsupported(self, model: nn.Module, batch_size: int, protocol: Protocol) -> str | None:
+        if self.bn_prior == "none":
+            return None
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not norms or len(tracking_batchnorms(model)) != len(norms):
+            return f"bn_prior: {self.bn_prior} needs a model whose every BatchNorm layer keeps running statistics"
+        if self.bn_prior == "update" and not model.training:
+            return "bn_prior: update reads the BatchNorm buffers a client's training moves; the model is in eval mode"
+        return None
+
+    def unsupported_defense(self, defense: Defense) -> str | None:
+        if self.bn_prior == "update" and defense.shares_itself():
+            return f"bn_prior: update: defense {defense.name!r} computes its update itself and sends no BatchNorm buffers"
+        return None
+
+    def _bn_targets(self, observed: SharedUpdate, threat: ThreatModel) -> list[Tensor]:
+        """The statistics the BatchNorm prior holds candidates to (none without it), read before any forward pass."""
+        return [] if self.bn_prior == "none" else target_statistics(self.bn_prior, threat.model, observed)
+
+    def _bn_term(self, threat: ThreatModel, targets: list[Tensor]) -> Callable[[Tensor], Tensor | float]:
+        """The weighted BatchNorm prior of one problem's candidates (0 without it), on a copy of the model that keeps
+        its running statistics as they are."""
+        if not targets:
+            return lambda x: 0.0
+        shared = SharedModel.of(threat.model)
+        return lambda x: self.bn_weight * statistics_distance(
+            batch_statistics(shared.module, shared.params, shared.buffers, x), targets)
+
     def reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        with buffers_kept(threat.model):  # the candidates' forward passes in train mode leave the server's model be
+            return self._reconstruct(observed, threat, generator)
+
+    def _reconstruct(self, observed: SharedUpdate, threat: ThreatModel, generator: torch.Generator) -> Reconstruction:
+        bn = self._bn_term(threat, self._bn_targets(observed, threat))
         labels = recover_labels(observed, threat, self.label_method, generator)
         keep = matched_tensors(observed, threat) if self.drop_defended else None
         target = kept([t.to(threat.device) for t in observed.tensors], keep)
         best, best_extra, best_loss, traces = None, {}, float("inf"), []
         for _ in range(self.restarts):
-            images, extra, trace = self._one_run(target, labels, threat, generator, keep)
+            images, extra, trace = self._one_run(target, labels, threat, generator, keep, bn)
             with torch.no_grad():
-                final = self._objective(images, labels, target, threat, keep, extra).item()
+                final = self._objective(images, labels, target, threat, keep, extra, bn).item()
             traces.append(trace)
             if final < best_loss:
                 best, best_extra, best_loss = images, extra, final
@@ -141,6 +192,7 @@ class InvertingGradients(Attack):
     def _batch(cls, problems: list[Problem[Self]]) -> tuple[Batch, Callable[[Batch], list[Reconstruction]]]:
         first, threat = problems[0].attack, problems[0].threat
         keep = matched_tensors(problems[0].observed, threat) if first.drop_defended else None
+        bn_targets = [p.attack._bn_targets(p.observed, p.threat) for p in problems]  # before any forward pass
         labels, starts, unknowns = [], [], []
         for p in problems:  # each problem's draws in the order it makes them alone: labels, then per restart
             labels.append(recover_labels(p.observed, p.threat, p.attack.label_method, p.generator))
@@ -152,7 +204,9 @@ class InvertingGradients(Attack):
         updates = [problems[i].observed for i in owners]
         stacked, static = split_metadata(updates) or ({}, {})  # the cosine match reads no metadata
         hyper = {**problem_hyper([problems[i].attack for i in owners], threat.device),
-                 "state": stacked_state([problems[i].threat.model for i in owners])}
+                 "state": stacked_state([problems[i].threat.model for i in owners]),
+                 "bn_target": [torch.stack([bn_targets[i][k].to(threat.device) for i in owners])
+                               for k in range(len(bn_targets[0]))]}
         batch = Batch(problems, torch.stack(starts), torch.stack([labels[i] for i in owners]),
                       kept(stack_targets(updates, threat.device), keep), stacked, static, hyper, owners,
                       {n: [torch.stack([u[n][i] for u in unknowns]) for i in range(len(vs))]
@@ -165,10 +219,18 @@ class InvertingGradients(Attack):
         shared = SharedModel.of(threat.model, threat)
         lo, hi = threat.box()
 
+        def bn(x: Tensor, hyper: dict[str, Any]) -> Tensor | float:
+            if not hyper["bn_target"]:
+                return 0.0
+            state = hyper["state"]
+            params, buffers = (state["params"], state["buffers"]) if state else (shared.params, shared.buffers)
+            return first.bn_weight * statistics_distance(batch_statistics(shared.module, params, buffers, x),
+                                                         hyper["bn_target"])
+
         def objective(images, labels, target, metadata, hyper, unknowns):
             return first.objective(images, labels, target, unknowns, keep, shared.module,
                                    lambda x, y: candidate_update(shared, threat, x, y, hyper["state"]),
-                                   lambda x: prior_sum(x, hyper, lo, hi))
+                                   lambda x: prior_sum(x, hyper, lo, hi) + bn(x, hyper))
 
         milestones = step_decay_milestones(first.iterations)
         images, unknowns, trace = optimise(batch, objective, iterations=first.iterations, signed=first.signed,
@@ -196,18 +258,20 @@ class InvertingGradients(Attack):
         return cosine_distance(target, kept(plain(images, labels), keep)) + prior(images)
 
     def _objective(self, images: Tensor, labels: Tensor, target: list[Tensor], threat: ThreatModel,
-                   keep: list[bool] | None, extra: dict[str, list[Tensor]]) -> Tensor:
-        """``objective`` of one problem by plain autograd; ``extra`` holds the unknowns optimised beside the images."""
+                   keep: list[bool] | None, extra: dict[str, list[Tensor]],
+                   bn: Callable[[Tensor], Tensor | float]) -> Tensor:
+        """``objective`` of one problem by plain autograd; ``extra`` holds the unknowns optimised beside the images,
+        ``bn`` is the problem's BatchNorm prior (``_bn_term``)."""
         lo, hi = threat.box()
         with torch.enable_grad():
             return self.objective(images, labels, target, extra, keep, threat.model, threat.candidate_update,
-                                  lambda x: prior_penalty(x, self.priors, lo, hi))
+                                  lambda x: prior_penalty(x, self.priors, lo, hi) + bn(x))
 
     def _extra_variables(self, threat: ThreatModel, generator: torch.Generator) -> dict[str, list[Tensor]]:
         """Unknowns optimised beside the images (none here; drawn after the start image, so starts stay paired)."""
         return {}
 
-    def _one_run(self, target, labels, threat, generator, keep) -> tuple[Tensor, dict[str, list[Tensor]], list[float]]:
+    def _one_run(self, target, labels, threat, generator, keep, bn) -> tuple[Tensor, dict[str, list[Tensor]], list[float]]:
         lo, hi = threat.box()
         images = random_images(threat, generator).requires_grad_(True)
         extra = self._extra_variables(threat, generator)
@@ -216,7 +280,7 @@ class InvertingGradients(Attack):
         schedule = torch.optim.lr_scheduler.MultiStepLR(optimiser, step_decay_milestones(self.iterations), 0.1)
         trace = torch.empty(self.iterations, device=threat.device)
         for it in range(self.iterations):
-            loss = self._objective(images, labels, target, threat, keep, extra)
+            loss = self._objective(images, labels, target, threat, keep, extra, bn)
             for v, grad in zip(variables, torch.autograd.grad(loss, variables)):
                 v.grad = grad.sign() if self.signed else grad
             optimiser.step()
@@ -248,6 +312,20 @@ def history_cap(problems: list[Problem], max_problems: int | None) -> int:
     history = 2 * HISTORY * 2 * variables(threat) * element
     fits = int(vectorised.MEMORY_SHARE / 2 * vectorised.free_memory(threat.device) // history)
     return max(1, min(MAX_BATCHED_PROBLEMS, fits))
+
+
+class InvertingGradientsBN(InvertingGradients):
+    """Inverting Gradients with the batch's own BatchNorm statistics as a prior, read off the buffers the client
+    sends with its weights (Hatamizadeh et al. 2023; the R_BN term of Yin et al. 2021)."""
+    attacker = SERVER_READING_STATISTICS
+
+    name = "inverting_gradients_bn"
+    paper = "Hatamizadeh et al. 2023"
+    params = {**InvertingGradients.params,
+              "bn_prior": Param("update", str, choices=SOURCES,
+                                help="BatchNorm-statistics prior: the batch's own, read off the sent buffers (update), "
+                                     "the model's running statistics (model), or none"),
+              "bn_weight": Param(1e-1, float, min=0.0, help=BN_WEIGHT.help)}
 
 
 class DeepLeakage(Attack):
@@ -434,4 +512,4 @@ class ImprovedDeepLeakage(DeepLeakage):
 
 @hookimpl
 def register_attacks():
-    return [InvertingGradients, DeepLeakage, ImprovedDeepLeakage]
+    return [InvertingGradients, InvertingGradientsBN, DeepLeakage, ImprovedDeepLeakage]

@@ -168,16 +168,20 @@ class Reconstruction:
 MAX_ITERATIONS = 1_000_000
 
 
-#: The attackers of Carletti et al.'s (2025) taxonomy, weakest first, each with what it holds: an attack declares
+#: The attackers of Carletti et al.'s (2025) taxonomy, weakest first (with a server that reads the BatchNorm buffers
+#: sent beside the weights, as Flower's and FLARE's full state_dict carries them: Hatamizadeh et al. 2023), each with what it holds: an attack declares
 #: the least of them it needs (``Attack.attacker``), and a verdict holds against that attacker.
 EAVESDROPPER = "eavesdropper on the update"
 HONEST_SERVER = "honest-but-curious server"
+SERVER_READING_STATISTICS = "server reading BatchNorm statistics"
 SERVER_WITH_MEMORY = "server with memory"
 MALICIOUS_SERVER = "malicious server"
 ATTACKERS = {
     EAVESDROPPER: "sees a client's shared update (and the model every client is sent), nothing more",
     HONEST_SERVER: "runs the protocol as agreed, and reads each update with the model's weights, the clients' "
                    "training settings and data of its own",
+    SERVER_READING_STATISTICS: "an honest-but-curious server that also reads the BatchNorm running statistics a "
+                               "client sends with its weights",
     SERVER_WITH_MEMORY: "an honest-but-curious server that keeps every earlier update (and so undoes an "
                         "optimizer's momentum)",
     MALICIOUS_SERVER: "changes the model or the protocol it sends (trap weights, imprint layers) to make the "

@@ -9,8 +9,19 @@ from typing import Any, ClassVar, Iterator, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from leakaudit.plugins.protocol import (CONTRIBUTORS, ClientStep, LossFn, Protocol, TrainingRun, parameter_names,
-                                        trainable)
+from leakaudit.plugins.protocol import (
+    CONTRIBUTORS,
+    RUNNING_BUFFERS,
+    ClientStep,
+    LossFn,
+    Protocol,
+    TrainingRun,
+    buffers_kept,
+    load_running_buffers,
+    parameter_names,
+    running_buffers,
+    trainable,
+)
 from leakaudit.plugins.spec import Param, resolve_params
 from leakaudit.plugins.stochastic import noise_from
 
@@ -223,17 +234,22 @@ class Defense:
             for p, g in zip(trainable(model), update.tensors):
                 p.grad = g
             optimiser.step()
+            if RUNNING_BUFFERS in update.metadata:  # the server takes the client's BatchNorm statistics with its weights
+                load_running_buffers(model, update.metadata[RUNNING_BUFFERS])
         yield model
 
     def share(self, step: ClientStep) -> SharedUpdate:
         """The defended update the client sends for this step (stochastic layers draw from its generator)."""
         step = replace(step, loss_fn=self.client_loss(step.model, step.loss_fn))
-        with noise_from(step.model, step.generator):
+        with noise_from(step.model, step.generator), buffers_kept(step.model):
             each = (step.protocol.client_updates(step.model, step.loss_fn, step.inputs, step.labels, step.generator)
                     if self.sparsifies else [step.clean_update()])
+            # sent as they are (noise defenses perturb the weights' update only); one client's alone: per-client
+            # sparsified updates aggregated carry no one client's buffers
+            buffers = {} if self.sparsifies else running_buffers(step.model)
         applied = [self.apply(clean, step.generator) for clean in each]
         sent, public = applied[0] if len(applied) == 1 else aggregated([s for s, _ in applied], step.protocol)
-        meta = {"protocol": step.protocol.name, **public}
+        meta = {"protocol": step.protocol.name, **public, **({RUNNING_BUFFERS: buffers} if buffers else {})}
         return SharedUpdate(sent, parameter_names(step.model), len(step.inputs), meta)
 
     def apply(self, update: list[Tensor], generator: torch.Generator) -> tuple[list[Tensor], dict[str, Any]]:

@@ -11,7 +11,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import Field, dataclass, field, replace
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, cast
 
 import torch
 from torch import Tensor, nn
@@ -413,3 +413,71 @@ class TrainingRun:
 def opacus_sample_rate(examples: int, batch_size: int) -> float:
     """Opacus's sampling rate for ``examples`` in batches of ``batch_size``: 1 / batches per epoch."""
     return 1.0 / -(-examples // batch_size)
+
+
+#: The key of ``SharedUpdate.metadata`` under which a client's BatchNorm running buffers travel with its update: per
+#: tracking BatchNorm layer in the model's order, its running mean, running variance and batch count after the round
+#: (what Flower's and FLARE's full state_dict carries beside the weights).
+RUNNING_BUFFERS = "batchnorm_buffers"
+
+
+def tracking_batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The model's BatchNorm layers that keep running statistics, in the model's order."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            and m.running_mean is not None and m.running_var is not None and m.num_batches_tracked is not None]
+
+
+def running_buffers(model: nn.Module) -> list[Tensor]:
+    """Copies of every tracking BatchNorm layer's running mean, running variance and batch count, layer by layer."""
+    return [cast(Tensor, b).detach().clone() for m in tracking_batchnorms(model)
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked)]
+
+
+@torch.no_grad()
+def load_running_buffers(model: nn.Module, buffers: list[Tensor]) -> None:
+    """Put ``running_buffers``'s list back into the model's BatchNorm layers."""
+    for m, (mean, var, count) in zip(tracking_batchnorms(model), zip(*[iter(buffers)] * 3)):
+        cast(Tensor, m.running_mean).copy_(mean)
+        cast(Tensor, m.running_var).copy_(var)
+        cast(Tensor, m.num_batches_tracked).copy_(count)
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Whatever runs inside leaves the model's BatchNorm running statistics as they were (a client's round, an
+    attacker's forward passes in train mode): the server's copy of the model is not the client's."""
+    before = running_buffers(model)
+    try:
+        yield
+    finally:
+        load_running_buffers(model, before)
+
+
+def sent_batch_statistics(model: nn.Module, sent: list[Tensor]) -> list[Tensor] | None:
+    """Per tracking BatchNorm layer, the mean and the unbiased variance of its inputs that the server reads off the
+    buffers a client ``sent`` (``running_buffers`` after its round) and its own copy of ``model``'s (before it):
+    [mean_0, var_0, mean_1, ...]; None where the buffers did not move (the client's model in eval mode).
+
+    With momentum m over k local steps, running = (1 - m)^k before + sum_j m (1 - m)^(k - j) batch_j, so the
+    statistic read is that weighted mean of the k steps' batch statistics: exactly the batch's own where the client
+    steps once (FedSGD; FedAvg with one local step), a mix weighted towards the last steps otherwise. With
+    momentum None (a cumulative average) the k steps weigh equally. Computed in float64 (it divides by m)."""
+    layers = tracking_batchnorms(model)
+    if len(sent) != 3 * len(layers) or not layers:
+        return None
+    out: list[Tensor] = []
+    for m, (mean, var, count) in zip(layers, zip(*[iter(sent)] * 3)):
+        before = int(cast(Tensor, m.num_batches_tracked))
+        after = int(count)
+        steps = after - before
+        if steps <= 0:
+            return None
+        old = [cast(Tensor, b).double() for b in (m.running_mean, m.running_var)]
+        new = [mean.double(), var.double()]
+        if m.momentum is None:
+            read = [(after * n - before * o) / steps for n, o in zip(new, old)]
+        else:
+            decay = (1 - m.momentum) ** steps
+            read = [(n - decay * o) / (1 - decay) for n, o in zip(new, old)]
+        out.extend(r.to(mean.dtype) for r in read)
+    return out

@@ -121,7 +121,7 @@ def test_init_writes_the_plugins_dir_it_was_given_so_that_validate_finds_the_plu
     ("--defense", "gausian", "init: --defense 'gausian' is not a registered defense (did you mean 'gaussian'?); "
                              "choices: ats, bayesian,"),
     ("--attack", "bayse", "init: --attack 'bayse' is not a registered attack (did you mean 'bayes'?); "
-                          "choices: adapter_span, analytic, bayes,"),
+                          "choices: adapter_span, analytic, ares, bayes,"),
 ])
 def test_init_typo_is_one_line(capsys, option, name, start):
     code, out, err = _run(capsys, "init", option, name)

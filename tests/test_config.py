@@ -85,7 +85,7 @@ def test_missing_data_folder_says_what_to_put_where(write_audit, tmp_path):
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"iterations": 0}}]),
      "attacks[0].params.iterations: 0 is below the minimum 1"),
     (small_audit(attacks=[{"name": "inverting_gradients", "params": {"step": 3}}]),
-     "attacks[0].params.step: unknown parameter; choices: drop_defended, iterations, label_method, lr, priors, restarts, signed"),
+     "attacks[0].params.step: unknown parameter; choices: bn_prior, bn_weight, drop_defended, iterations, label_method, lr, priors, restarts, signed"),
     (small_audit(defenses=[{"name": "gaussian"}]), "defenses[0].params.sigma: required parameter is missing"),
     (small_audit(defenses=[{"name": "none"}, {"name": "none"}]), "defenses[1]: setting none appears twice"),
     (small_audit(data={"dataset": "digits", "image_size": 32, "targets": 2, "batch_size": 1, "params": {"crops": 3}}),

@@ -260,7 +260,8 @@ def test_flower_app_mod_attacks_the_round_the_reply_carries(tmp_path, monkeypatc
     assert all(torch.allclose(a, b) for a, b in zip(monitor.last_update, expected))
     described = json.loads((tmp_path / "runs" / "clients" / "client-0" / "monitor.json").read_text())
     assert described["rounds"]["3"] | {"optimizer": None} == {"local_epochs": 1, "local_batch_size": 32,
-                                                             "local_lr": 0.01, "clients": 1, "shuffle": False, "images": 32,
+                                                             "local_lr": 0.01, "clients": 1, "shuffle": False,
+                                                             "secure_aggregation": "sum", "images": 32,
                                                              "optimizer": None}
     assert described["rounds"]["3"]["optimizer"] == "SGD(momentum=0.9)" and not described.get("sampled")
 

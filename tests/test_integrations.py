@@ -131,7 +131,7 @@ def test_flower_client_attacks_the_fedavg_update_it_returns(tmp_path):
 
     described = json.loads((tmp_path / "run" / "monitor.json").read_text())
     assert described["rounds"]["1"] == {"local_epochs": 1, "local_batch_size": 2, "local_lr": flower_training.LR,
-                                        "clients": 1, "shuffle": False,
+                                        "clients": 1, "shuffle": False, "secure_aggregation": "sum",
                                         "images": 4, "optimizer": "SGD()"}
     found = rows(tmp_path / "run")
     baselines = json.loads((tmp_path / "run" / "baselines.json").read_text())

@@ -93,7 +93,8 @@ def identifiability(folder: RunFolder, rows: list[Row]) -> tuple[str, dict[tuple
             # the first client's images alone where its coordinates were read (per-element secure aggregation)
             sizes = {len(b["original"]) for b in batches or []}
             batch = sizes.pop() if len(sizes) == 1 else audit.batch_size_of(job_at(audit, *key, 0).setting)
-            if batches is None or audit.data.targets < 2 or sizes:  # updates read in two ways: no one test fits
+            # updates read in two ways: no one test fits; one original in all: nothing to be nearest among
+            if batches is None or audit.data.targets < 2 or sizes or sum(len(b["original"]) for b in batches) < 2:
                 cache[name] = None
             else:
                 recs = torch.cat([b["reconstruction"].float() for b in batches])

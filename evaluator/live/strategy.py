@@ -206,11 +206,12 @@ class LeakAuditStrategy(Strategy, MessageStrategy):
             if name != AGGREGATE:
                 monitor.claimed(lines)
 
-    def configure_evaluate(self, server_round, *args):
-        return self.strategy.configure_evaluate(server_round, *args)
+    def configure_evaluate(self, server_round, *args, **kwargs):
+        """The wrapped strategy's, as Flower calls it (by position or, as its server does, by keyword)."""
+        return self.strategy.configure_evaluate(server_round, *args, **kwargs)
 
-    def aggregate_evaluate(self, server_round, *args):
-        return self.strategy.aggregate_evaluate(server_round, *args)
+    def aggregate_evaluate(self, server_round, *args, **kwargs):
+        return self.strategy.aggregate_evaluate(server_round, *args, **kwargs)
 
     def evaluate(self, server_round, parameters):
         return self.strategy.evaluate(server_round, parameters)

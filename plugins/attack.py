@@ -169,8 +169,9 @@ MAX_ITERATIONS = 1_000_000
 
 
 #: The attackers of Carletti et al.'s (2025) taxonomy, weakest first (with a server that reads the BatchNorm buffers
-#: sent beside the weights, as Flower's and FLARE's full state_dict carries them: Hatamizadeh et al. 2023), each with what it holds: an attack declares
-#: the least of them it needs (``Attack.attacker``), and a verdict holds against that attacker.
+#: sent beside the weights, as Flower's and FLARE's full state_dict carries them: Hatamizadeh et al. 2023), each
+#: with what it holds: an attack declares the least of them it needs (``Attack.attacker``), and a verdict holds
+#: against that attacker.
 EAVESDROPPER = "eavesdropper on the update"
 HONEST_SERVER = "honest-but-curious server"
 SERVER_READING_STATISTICS = "server reading BatchNorm statistics"

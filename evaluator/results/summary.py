@@ -139,17 +139,11 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
                 worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
             continue
         reference = audit.reference_of(s)
-        # the reference judged on the attacks that ran on this setting: a weak attack's "protects" is not vouched
-        # for by a stronger attack that ran elsewhere
-        steps = [] if reference is None else alone[s.key] if reference is s else _judged_steps(
-            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if calibrates(audit, a, s)})
-        by_step = {v.checkpoint: v for v in steps}
-        unread = unread_kind(audit, s)
         breaks = lambda label, step: _breaks_at_scale(audit, reference, label, step, cells, acc, bars)  # noqa: E731
-        threats = _by_threat(audit, s, cells, acc, bars, (untried, unread, breaks))
-        per_step = [dataclasses.replace(
-            budget_open(audit, s, calibrate(v, by_step.get(v.checkpoint), untried, unread), breaks),
-            by_threat=_threats_at(threats, cells, s.key, v.checkpoint)) for v in alone[s.key]]
+        calibration = (untried, unread_kind(audit, s), breaks)
+        threats = _by_threat(audit, s, cells, acc, bars, calibration)
+        per_step = [dataclasses.replace(v, by_threat=_threats_at(threats, cells, s.key, v.checkpoint))
+                    for v in _calibrated(audit, s, alone[s.key], cells, acc, bars, calibration)]
         verdicts.extend(per_step)
         final = overall(per_step)
         assert final is not None, "a setting with a finite score is judged at some step"
@@ -472,25 +466,33 @@ def _by_threat(audit: Audit, setting, cells: list[CellResult], acc: dict, bars: 
     run on it span more than one (``Attack.attacker``, Carletti et al. 2025): judged on the attacks that attacker
     can run, each calibrated by the reference judged on the same, so that a "protects" that only a malicious
     server's attack vouches for is never said of a passive one. Empty where they span one."""
-    untried, unread, breaks = calibration
     order = list(ATTACKERS)
     needs = {a.key: _attacker_of(audit, a.key) for a in audit.attacks}
     ran = {c.attack for c in cells if c.setting == setting.key}
     levels = [t for t in order if any(needs.get(a) == t for a in ran)]
     if len(levels) < 2:
         return {}
-    reference = audit.reference_of(setting)
     out = {}
     for threat in levels:
         allowed = {a for a, t in needs.items() if t in order and order.index(t) <= order.index(threat)}
         alone = _judged_steps(audit, setting, cells, acc, bars, allowed)
-        steps = [] if reference is None else alone if reference is setting else _judged_steps(
-            audit, reference, cells, acc, bars, {a.key for a in audit.attacks if a.key in allowed
-                                                 and calibrates(audit, a, setting)})
-        by_step = {v.checkpoint: v for v in steps}
-        out[threat] = allowed, [budget_open(audit, setting, calibrate(v, by_step.get(v.checkpoint), untried, unread),
-                                            breaks) for v in alone]
+        out[threat] = allowed, _calibrated(audit, setting, alone, cells, acc, bars, calibration, allowed)
     return out
+
+
+def _calibrated(audit: Audit, setting, alone: list[StepVerdict], cells: list[CellResult], acc: dict, bars: tuple,
+                calibration: tuple, allowed: set[str] | None = None) -> list[StepVerdict]:
+    """``setting``'s verdicts judged ``alone``, each step calibrated by its reference judged on the attacks that ran
+    on this setting (of those ``allowed``, where given: a weak attack's "protects" is not vouched for by a stronger
+    attack that ran elsewhere), and left open where the budget cut what it rests on (``budget_open``)."""
+    untried, unread, breaks = calibration
+    reference = audit.reference_of(setting)
+    steps = [] if reference is None else alone if reference is setting else _judged_steps(
+        audit, reference, cells, acc, bars, {a.key for a in audit.attacks if calibrates(audit, a, setting)
+                                             and (allowed is None or a.key in allowed)})
+    by_step = {v.checkpoint: v for v in steps}
+    return [budget_open(audit, setting, calibrate(v, by_step.get(v.checkpoint), untried, unread), breaks)
+            for v in alone]
 
 
 def _threats_at(threats: dict[str, tuple[set[str], list[StepVerdict]]], cells: list[CellResult], setting: str,

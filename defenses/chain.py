@@ -89,6 +89,11 @@ class Chain(Defense):
         last = self.members[-1].stated_over(rounds)
         return self if last is self.members[-1] else Chain([*self.members[:-1], last])
 
+    def under(self, protocol) -> Defense:
+        """The chain with each member as it runs under ``protocol``."""
+        members = [m.under(protocol) for m in self.members]
+        return self if all(a is b for a, b in zip(members, self.members)) else Chain(members)
+
     def privacy_profile(self, radius: float | None = None):
         """The last member's guarantee, given the norm bound the deterministic members before it leave."""
         for m in self.members[:-1]:  # a member that bounds nothing (or declares no output_radius) clears the bound

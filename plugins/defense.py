@@ -287,6 +287,12 @@ class Defense:
             return self
         return type(self)(**{**self.settings, "rounds": rounds})
 
+    def under(self, protocol: Protocol) -> Defense:
+        """This defense as it runs under ``protocol``, where its likelihood or guarantee depends on the protocol's
+        settings (DP-SGD's local steps under FedAvg); itself where neither does. The engine builds every defense of
+        a setting through it, so that ``log_likelihood`` and ``privacy_profile`` read the protocol."""
+        return self
+
     def privacy_profile(self, radius: float | None = None) -> PrivacyProfile | None:
         """The guarantee of one shared update that contains the target, where the defense gives one (None: it
         gives none). ``radius`` bounds the L2 norm of the update the defense receives (a ``clip`` before it in a

@@ -158,12 +158,28 @@ class FedAvg(Protocol):
                        generator: torch.Generator | None = None) -> list[list[Tensor]]:
         """Each client's clean update on its share of the images (under ``shuffle``, orders from ``generator``)."""
         each = []
-        for x, y in self._shares(inputs, labels):
-            orders = None if not self.shuffle or generator is None else [
-                torch.randperm(len(x), generator=generator, device=generator.device).to(x.device)
-                for _ in range(self.local_epochs)]
+        for x, y in self.client_batches(inputs, labels):
+            orders = self.epoch_orders(x, generator)
             each.append([g.detach() for g in fedavg_update(model, loss_fn, x, y, self, orders=orders)])
         return each
+
+    def epoch_orders(self, images: Tensor, generator: torch.Generator | None) -> list[Tensor] | None:
+        """Each local epoch's order of one client's ``images``, drawn from its ``generator`` under ``shuffle``;
+        None (in order) otherwise."""
+        if not self.shuffle or generator is None:
+            return None
+        return [torch.randperm(len(images), generator=generator, device=generator.device).to(images.device)
+                for _ in range(self.local_epochs)]
+
+    def minibatches(self, images: Tensor, targets: Tensor,
+                    orders: list[Tensor] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """One client's local steps' minibatches in training order: ``local_epochs`` passes over its images, each
+        in ``orders[epoch]`` (None: in order), cut into ``local_batch_size``."""
+        b = self.local_batch_size or len(images)
+        for epoch in range(self.local_epochs):
+            x, y = (images, targets) if orders is None else (images[orders[epoch]], targets[orders[epoch]])
+            for i in range(0, len(images), b):
+                yield x[i:i + b], y[i:i + b]
 
     def aggregate(self, sent: list[list[Tensor]]) -> tuple[list[Tensor], dict[str, Any]]:
         """``sum``: the mean of the clients' updates. ``per_element``: each coordinate's sum over the clients that
@@ -176,12 +192,13 @@ class FedAvg(Protocol):
 
     def attacker_update(self, model: nn.Module, loss_fn: LossFn, images: Tensor, targets: Tensor,
                         create_graph: bool = True) -> list[Tensor]:
-        each = [fedavg_update(model, loss_fn, x, y, self, create_graph) for x, y in self._shares(images, targets)]
+        each = [fedavg_update(model, loss_fn, x, y, self, create_graph)
+                for x, y in self.client_batches(images, targets)]
         return [torch.stack(parts).mean(0) for parts in zip(*each)]
 
     def functional_update(self, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor],
                           loss_fn: LossFn, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
-        each = [self._local(model, params, buffers, loss_fn, x, y) for x, y in self._shares(images, targets)]
+        each = [self._local(model, params, buffers, loss_fn, x, y) for x, y in self.client_batches(images, targets)]
         return {n: torch.stack([e[n] for e in each]).mean(0) for n in params}
 
     def one_client(self) -> Protocol:
@@ -191,17 +208,15 @@ class FedAvg(Protocol):
                images: Tensor, targets: Tensor) -> dict[str, Tensor]:
         """One client's ``theta_before - theta_after`` as a pure function of ``params``."""
         current = dict(params)
-        b = self.local_batch_size or len(images)
-        for _ in range(self.local_epochs):
-            for i in range(0, len(images), b):
-                def loss(p: dict[str, Tensor], x=images[i:i + b], y=targets[i:i + b]) -> Tensor:
-                    return loss_fn(functional_call(model, (p, buffers), (x,)), y)
+        for xb, yb in self.minibatches(images, targets):
+            def loss(p: dict[str, Tensor], x: Tensor = xb, y: Tensor = yb) -> Tensor:
+                return loss_fn(functional_call(model, (p, buffers), (x,)), y)
 
-                grads = torch.func.grad(loss)(current)
-                current = {n: p - self.local_lr * grads[n] for n, p in current.items()}
+            grads = torch.func.grad(loss)(current)
+            current = {n: p - self.local_lr * grads[n] for n, p in current.items()}
         return {n: params[n] - current[n] for n in params}
 
-    def _shares(self, images: Tensor, targets: Tensor) -> list[tuple[Tensor, Tensor]]:
+    def client_batches(self, images: Tensor, targets: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Each client's images, in order: the batch cut in ``clients`` equal parts."""
         return list(zip(images.chunk(self.clients), targets.chunk(self.clients)))
 
@@ -327,16 +342,13 @@ def fedavg_update(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Te
     names = parameter_names(model)
     start: dict[str, Tensor] = dict(zip(names, trainable(model)))
     current = dict(start)
-    b = protocol.local_batch_size or len(inputs)
-    for epoch in range(protocol.local_epochs):
-        x, y = (inputs, targets) if orders is None else (inputs[orders[epoch]], targets[orders[epoch]])
-        for i in range(0, len(inputs), b):
-            loss = loss_fn(functional_call(model, current, (x[i:i + b],)), y[i:i + b])
-            # a parameter the candidate does not reach (the token embedding, where an attack feeds embeddings)
-            # takes no step
-            grads = torch.autograd.grad(loss, list(current.values()), create_graph=create_graph, allow_unused=True,
-                                        materialize_grads=True)
-            current = {n: p - protocol.local_lr * g for (n, p), g in zip(current.items(), grads)}
+    for x, y in protocol.minibatches(inputs, targets, orders):
+        loss = loss_fn(functional_call(model, current, (x,)), y)
+        # a parameter the candidate does not reach (the token embedding, where an attack feeds embeddings) takes no
+        # step
+        grads = torch.autograd.grad(loss, list(current.values()), create_graph=create_graph, allow_unused=True,
+                                    materialize_grads=True)
+        current = {n: p - protocol.local_lr * g for (n, p), g in zip(current.items(), grads)}
     return [start[n] - current[n] for n in names]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from leakaudit.evaluator.run.utility import privacy_spent, training_run
 from leakaudit.evaluator.zoo.datasets import load_digits
 from leakaudit.evaluator.zoo.models import lenet_zhu
 from leakaudit.plugins.attack import ThreatModel
-from leakaudit.plugins.protocol import ClientStep, trainable
+from leakaudit.plugins.protocol import FEDSGD, ClientStep, FedAvg, trainable
 
 from conftest import small_audit
 
@@ -182,9 +183,103 @@ def test_utility_training_says_nothing_of_opacus_secure_rng(write_audit):
     assert not [w for w in caught if "Secure RNG" in str(w.message)]
 
 
-@pytest.mark.parametrize("protocol", ["fedavg", {"name": "step", "function": "conftest:small_audit", "lr": 0.1}])
-def test_dpsgd_outside_fedsgd_is_refused_before_any_work(protocol, write_audit, capsys):
+@pytest.mark.parametrize("protocol, code", [("fedavg", 0), ({"name": "step", "function": "conftest:small_audit",
+                                                               "lr": 0.1}, 2)])
+def test_dpsgd_runs_under_fedavg_and_is_refused_under_your_own_step_before_any_work(protocol, code, write_audit,
+                                                                                     capsys):
     audit = small_audit(defenses=[{"name": "dpsgd"}], protocol=protocol)
-    assert main(["validate", str(write_audit(audit))]) == 2
+    assert main(["validate", str(write_audit(audit))]) == code
     err = capsys.readouterr().err
-    assert "defenses[0]: dpsgd: dpsgd" in err and "use protocol: fedsgd" in err
+    assert ("defenses[0]: dpsgd: dpsgd" in err and "use protocol: fedsgd or fedavg" in err) == (code == 2)
+
+
+FEDAVG_CASES = [FedAvg(local_epochs=2, local_batch_size=2, local_lr=0.1),
+                FedAvg(local_epochs=2, local_batch_size=1, local_lr=0.1, shuffle=True, clients=2)]
+
+
+@pytest.mark.parametrize("protocol", FEDAVG_CASES, ids=["in order", "shuffled, two clients"])
+def test_under_fedavg_without_noise_or_clipping_the_update_is_the_undefended_one(protocol):
+    model, x, y = _batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    shared = DPSGD(noise_multiplier=0.0, max_grad_norm=1e6).share(
+        ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(5), protocol))
+    clean = ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(5), protocol).clean_update()
+    assert shared.metadata == {"protocol": "fedavg"} and shared.batch_size == B
+    assert all(torch.allclose(s, c, rtol=1e-5, atol=1e-6) for s, c in zip(shared.tensors, clean))
+    assert max(c.abs().max() for c in clean) > 1e-2  # the local steps moved the weights
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the user's model is untouched
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("protocol", FEDAVG_CASES, ids=["in order", "shuffled, two clients"])
+def test_under_fedavg_without_noise_the_update_is_the_candidate_of_its_clipped_local_steps(protocol):
+    model, x, y = _batch()
+    defense = DPSGD(noise_multiplier=0.0, max_grad_norm=0.05).under(protocol)
+    shared = defense.share(ClientStep(model, loss_fn, x, y, torch.Generator().manual_seed(5), replace(
+        protocol, shuffle=False)))
+    threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=(1, 16, 16), mean=torch.zeros(1, 1, 1),
+                         std=torch.ones(1, 1, 1), num_classes=10, batch_size=B, defense=defense, protocol=protocol)
+    centre = defense.candidate_update(threat, x, y)
+    assert all(torch.allclose(s, c, rtol=1e-5, atol=1e-7) for s, c in zip(shared.tensors, centre))
+    unclipped = ClientStep(model, loss_fn, x, y, torch.Generator(), protocol).clean_update()
+    assert not all(torch.allclose(c, u, rtol=1e-2) for c, u in zip(centre, unclipped))  # the clip was active
+    guess = x.clone().requires_grad_()
+    (step,) = torch.autograd.grad(defense.log_likelihood(shared, defense.candidate_update(threat, guess + 0.1, y)),
+                                  guess)
+    assert step.abs().sum() > 0  # differentiable through the unrolled steps
+
+
+def test_under_fedavg_the_noise_has_std_local_lr_sigma_clip_over_b_times_root_steps():
+    """A linear model (the local steps' noise reaches the update through a Jacobian near the identity): over 30
+    shares of 650 coordinates, the noise's std is within 3% of local_lr * sigma * C / b * sqrt(steps)."""
+    torch.manual_seed(0)
+    model, x, y = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), torch.rand(B, 1, 8, 8), torch.tensor([3, 1, 4, 1])
+    protocol = FedAvg(local_epochs=2, local_batch_size=2, local_lr=0.05)
+    defense = DPSGD(noise_multiplier=2.0, max_grad_norm=0.5).under(protocol)
+    threat = ThreatModel(model=model, loss_fn=loss_fn, input_shape=(1, 8, 8), mean=torch.zeros(1, 1, 1),
+                         std=torch.ones(1, 1, 1), num_classes=10, batch_size=B, defense=defense, protocol=protocol)
+    centre = torch.cat([c.detach().flatten() for c in defense.candidate_update(threat, x, y)])
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.stack([defense.share(ClientStep(model, loss_fn, x, y, gen, protocol)).flat() - centre
+                         for _ in range(30)])
+    expected = 0.05 * 2.0 * 0.5 / 2 * math.sqrt(protocol.local_steps(B))
+    assert defense.noise_std(B) == pytest.approx(expected, rel=1e-12)
+    assert noise.std().item() == pytest.approx(expected, rel=0.03)
+    uneven = replace(protocol, local_batch_size=3)  # minibatches of 3 and 1: Opacus divides each by its own size
+    assert defense.under(uneven).noise_std(B) == pytest.approx(0.05 * 2.0 * 0.5 * math.sqrt(2 * (1 / 9 + 1)))
+    assert DPSGD(noise_multiplier=2.0, max_grad_norm=0.5).noise_std(B) == 2.0 * 0.5 / B  # FedSGD's, as before
+
+
+def test_privacy_profile_under_fedavg_composes_the_target_s_local_epochs():
+    defense = DPSGD(noise_multiplier=1.5)
+    assert defense.privacy_profile().mu == 1 / 1.5 and defense.under(FEDSGD).privacy_profile().mu == 1 / 1.5
+    assert defense.under(FedAvg(local_epochs=4, local_batch_size=1)).privacy_profile().mu == 2 / 1.5
+    assert defense.under(FedAvg(local_epochs=9, clients=3)).privacy_profile().mu == 3 / 1.5
+    assert DPSGD(noise_multiplier=0.0).under(FedAvg(local_epochs=4)).privacy_profile().mu == math.inf
+
+
+@pytest.mark.slow
+def test_check_defense_finds_the_fedavg_likelihood_describes_what_is_shared():
+    """Its score at the true candidate has the variance its curvature says, within the check's intervals: the
+    first-order Gaussian holds at two local steps of 0.1."""
+    from leakaudit.evaluator.authoring.defense_check import check_defense
+
+    check = check_defense(DPSGD(noise_multiplier=1.0, max_grad_norm=0.5),
+                          protocol=FedAvg(local_epochs=2, local_batch_size=1, local_lr=0.1), shares=64, directions=8)
+    assert not check.problems and check.kind == "noisy"
+
+
+@pytest.mark.slow
+def test_audit_of_dpsgd_under_fedavg_reaches_a_report(write_audit, tmp_path):
+    audit = small_audit(data={"dataset": "digits", "image_size": 16, "targets": 2, "batch_size": 2},
+                        defenses=[{"name": "dpsgd", "params": {"noise_multiplier": 0.5}}],
+                        protocol={"name": "fedavg", "local_epochs": 2, "local_batch_size": 1, "local_lr": 0.1},
+                        attacks=[{"name": "bayes", "params": {"iterations": 5}}], utility={"train_steps": 0},
+                        metrics=["psnr"])
+    assert main(["run", str(write_audit(audit)), "--out", str(tmp_path / "out")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert {r["defense"] for r in rows} >= {"dpsgd"} and all(math.isfinite(r["psnr"]) for r in rows)
+    (privacy,) = [w["privacy"] for w in json.loads((tmp_path / "out" / "summary.json").read_text())["worst_case"]
+                  if w["setting"].startswith("dpsgd")]
+    assert privacy["mu"] == pytest.approx(math.sqrt(2) / 0.5) and "2 local DP-SGD steps" in privacy["mechanism"]
+    assert (tmp_path / "out" / "report.html").is_file()

@@ -376,6 +376,7 @@ def check_defense(defense: Defense, model: nn.Module | None = None, batch: tuple
     why = defense.unsupported(protocol)
     if why:
         raise AssertionError(f"{defense!r} refuses protocol {protocol.name}: {why}; pass protocol=")
+    defense = defense.under(protocol)
     model, (inputs, labels) = case_or_tiny(model, batch, images=2, seed=seed)
     model = defense.wrap_model(copy.deepcopy(model)).to(inputs.device)
     drawn, problems = _draw_shares(defense, model, inputs, labels, protocol, shares, seed)

@@ -162,7 +162,7 @@ def prepare(model: nn.Module, defense, attacks, metrics: Sequence[str] | None, p
     if mismatched:  # an attack of the other kind of examples could not be asked about the model below
         problems += [p.replace("defenses (", "defense (", 1) for p in mismatched]
         raise ConfigError([f"{caller}: {p.replace('defenses[0]', 'defense')}" for p in problems])
-    defenses = [(s, s.build(registry)) for s in settings]
+    defenses = [(s, s.build(registry).under(protocol)) for s in settings]
     choice: tuple[str, ...] = ()
     if auto:
         specs, choice = live_choice(registry, model, defenses, batch_size, protocol, modality, caller)

@@ -109,7 +109,7 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
                **({"pii_guess": max(guessed)} if guessed else {})}
     acc = {u["setting"]: u for u in utility}
     leakage = audit.registry.get("metric", audit.leakage_metric)
-    defenses = {s.key: s.build(audit.registry) for s in audit.settings}
+    defenses = {s.key: s.build(audit.registry).under(audit.protocol_of(s)) for s in audit.settings}
     fits = federated_fits(audit)
     if fits:  # a federated client's guarantee, composed over the rounds it took part in
         defenses = {key: d.stated_over(fits) for key, d in defenses.items()}

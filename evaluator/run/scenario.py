@@ -206,7 +206,8 @@ class Scenario:
         return inputs if self.text else inputs * self.std + self.mean
 
     def defense(self, setting: DefenseSetting) -> Defense:
-        return setting.build(self.audit.registry)
+        """The setting's defense as it runs under the setting's protocol (``Defense.under``)."""
+        return setting.build(self.audit.registry).under(self.protocol(setting))
 
     def attack(self, spec: AttackSpec, params: dict | None = None):
         """The attack object, with ``params`` (a tuned setting) in place of the audit's when given."""

@@ -31,6 +31,7 @@ BUILTIN_PLUGINS = (
     "leakaudit.defenses.flower",
     "leakaudit.defenses.nvflare",
     "leakaudit.attacks.gradient_matching",
+    "leakaudit.attacks.fedleak",
     "leakaudit.attacks.analytic",
     "leakaudit.attacks.bayes",
     "leakaudit.attacks.precode",

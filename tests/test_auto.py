@@ -65,12 +65,14 @@ def test_validate_lists_the_choice_and_the_reasons(write_audit, capsys):
 
     assert main(["validate", str(write_audit({**MLP_AUDIT, "attacks": "auto"}))]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == ("  attacks: auto chose 7 of 28 registered attacks, at their budgets for cpu (list them under "
+    assert out[1] == ("  attacks: auto chose 7 of 29 registered attacks, at their budgets for cpu (list them under "
                       "attacks: to pin the choice):")
     assert "    spear: chosen, spear" in out
     assert "    dager: left out: it reconstructs text" in out  # the data are images
     assert ("    inverting_gradients_bn: left out: bn_prior: update needs a model whose every BatchNorm layer keeps "
             "running statistics") in out  # the MLP has no BatchNorm
+    assert any(line.startswith("    fedleak: left out: runs where listed: partial matching and gradient "
+                               "regularization") for line in out)
     assert any(line.startswith("    imprint: left out: imprint reads the gradients of an imprint block") for line in out)
 
 
@@ -130,7 +132,7 @@ def test_the_report_names_what_auto_chose(write_audit):
     audit = load_audit(write_audit(MLP_AUDIT))
     rows = dict(provenance(audit, {"attack_choice": list(audit.attack_choice)}))
     assert rows["Attacks"] == ("attacks: auto chose bayes, cinet, cocktail_party, inverting_gradients, "
-                               "learning_to_invert, spear, spear_span; the other 21 registered attacks do not apply "
+                               "learning_to_invert, spear, spear_span; the other 22 registered attacks do not apply "
                                "here or "
                                "another does their work (leakaudit validate says why)")
     assert "Attacks" not in dict(provenance(audit, {}))  # a file that lists its attacks

@@ -14,7 +14,7 @@ from leakaudit.evaluator.audit.config import load_audit
 from leakaudit.evaluator.audit.jobs import job_at
 from leakaudit.evaluator.results.rundir import RunFolder
 from leakaudit.evaluator.run.runner import run_audit
-from leakaudit.plugins.protocol import FedAvg, FedSGD
+from leakaudit.plugins.protocol import FedAvg, FedSGD, fedavg_update
 
 PHOTOS = {"dataset": "photos", "image_size": 32, "targets": 64, "batch_size": 64}
 
@@ -34,12 +34,26 @@ def test_each_image_alone_in_a_bin_comes_back_exactly():
         assert (found - images[i].flatten()).abs().amax(dim=1).min() < 1e-4
 
 
-def test_the_attack_needs_the_block_and_one_step_per_client():
+def test_the_attack_needs_the_block_and_reads_several_local_steps():
     attack = Imprint()
     assert "imprint block" in attack.unsupported(nn.Linear(4, 2), 4, FedSGD())
     model = nn.Sequential(ImprintBlock(1, 4, 8), nn.Flatten(), nn.Linear(16, 2))
     assert attack.unsupported(model, 64, FedAvg(clients=16)) is None
-    assert "4 local steps" in attack.unsupported(model, 64, FedAvg(clients=16, local_batch_size=1))
+    assert attack.unsupported(model, 64, FedAvg(clients=16, local_batch_size=1)) is None
+
+
+@pytest.mark.parametrize("local_lr, least, most", [(0.01, 12, 16), (1.0, 0, 2)])
+def test_four_local_steps_give_images_back_at_a_small_learning_rate_only(local_lr, least, most):
+    """FedAvg's four minibatch steps move the block between its gradients: at local_lr 0.01 the bins still read
+    the images (measured: 14 of 16 above 30 dB), at 1.0 none of them (measured: 0)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ImprintBlock(1, 8, 256), nn.Flatten(), nn.Linear(64, 10))
+    images, labels = torch.randn(16, 1, 8, 8), torch.arange(16) % 10
+    update = fedavg_update(model, F.cross_entropy, images, labels, FedAvg(local_batch_size=4, local_lr=local_lr))
+    found = binned_images(update[0], update[1], 16)
+    mse = torch.cdist(images.flatten(1), found).min(dim=1).values ** 2 / 64
+    psnr = 10 * torch.log10((images.amax() - images.amin()) ** 2 / mse)
+    assert least <= int((psnr > 30).sum()) <= most
 
 
 def _audit(write_audit, tmp_path, name: str, **changes) -> dict:

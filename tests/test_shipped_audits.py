@@ -146,7 +146,10 @@ def _reduced(audit: dict) -> dict:
     audit["model"] = {**audit["model"], "checkpoints": [0]}
     protocol = audit.get("protocol")
     if isinstance(protocol, dict) and protocol.get("clients", 1) > batch:  # secure aggregation: one image each
-        audit["protocol"] = {**protocol, "clients": batch}
+        audit["protocol"] = protocol = {**protocol, "clients": batch}
+    if isinstance(protocol, dict) and protocol.get("local_batch_size"):  # FedAvg's minibatches: half a client's images
+        audit["protocol"] = {**protocol, "local_batch_size": min(protocol["local_batch_size"],
+                                                                 max(1, batch // protocol.get("clients", 1) // 2))}
     utility = audit.get("utility", {})
     audit["utility"] = {**utility, "train_steps": 2, "batch_size": min(utility.get("batch_size", 8), 8)}
     for entry in audit["defenses"]:

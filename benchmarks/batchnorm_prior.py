@@ -25,18 +25,20 @@ from leakaudit.defenses.noise import NoDefense
 from leakaudit.evaluator.zoo.datasets import _foolbox_loader
 from leakaudit.evaluator.zoo.metrics import best_assignment, psnr
 from leakaudit.evaluator.zoo.models import resnet20
-from leakaudit.plugins.attack import Problem, ThreatModel
+from leakaudit.plugins.attack import Attack, Problem, ThreatModel
+from leakaudit.plugins.defense import SharedUpdate
 from leakaudit.plugins.protocol import FEDSGD, ClientStep
 
 
-def photos(name: str) -> torch.Tensor:
-    """All 20 photos of a foolbox sample set (train and test halves), in [0, 1]."""
+def photos(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 20 photos of a foolbox sample set (train and test halves), in [0, 1], with their labels."""
     data = _foolbox_loader(name)(image_size=32)
     return torch.cat([data.train_x, data.test_x]), torch.cat([data.train_y, data.test_y])
 
 
-def run(batch: int, iterations: int, width: int, weight: float, seed: int = 0) -> dict[str, list[float]]:
-    """Mean PSNR per attack and target batch."""
+def cases(batch: int, width: int, seed: int = 0) -> list[tuple[SharedUpdate, ThreatModel, torch.Tensor]]:
+    """Each target batch's observed update, threat model and photos: the untrained ResNet-20 in train mode, its
+    running statistics moved by the CIFAR-100 photos (the population an honest server's model has seen)."""
     x, y = photos("cifar10_samples")
     population, _ = photos("cifar100_samples")
     mean, std = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1), torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
@@ -45,28 +47,40 @@ def run(batch: int, iterations: int, width: int, weight: float, seed: int = 0) -
     with torch.no_grad():  # the running statistics of a model that has seen natural images, not the targets
         for _ in range(20):
             model((population - mean) / std)
-    attacks = {"none": InvertingGradients(iterations=iterations, bn_prior="none"),
-               "model": InvertingGradients(iterations=iterations, bn_prior="model", bn_weight=weight),
-               "update": InvertingGradientsBN(iterations=iterations, bn_weight=weight)}
-    scores: dict[str, list[float]] = {k: [] for k in attacks}
-    batches = range(len(x) // batch)
-    cases = []
-    for b in batches:
+    out = []
+    for b in range(len(x) // batch):
         pixels, labels = x[b * batch:(b + 1) * batch], y[b * batch:(b + 1) * batch]
         observed = NoDefense().share(ClientStep(model, F.cross_entropy, (pixels - mean) / std, labels,
                                                 torch.Generator().manual_seed(seed + b), FEDSGD))
         threat = ThreatModel(model, F.cross_entropy, (3, 32, 32), mean, std, 10, batch, NoDefense(), labels=labels)
-        cases.append((observed, threat, pixels))
-    for name, attack in attacks.items():  # every batch at once, each from its own seeded start
+        out.append((observed, threat, pixels))
+    return out
+
+
+def scored(attacks: dict[str, Attack], batches: list[tuple[SharedUpdate, ThreatModel, torch.Tensor]],
+           seed: int = 0) -> dict[str, list[float]]:
+    """Mean PSNR per attack and target batch, every batch at once, each from its own seeded start; each attack's
+    line printed as it finishes."""
+    scores: dict[str, list[float]] = {}
+    width = max(map(len, attacks))
+    for name, attack in attacks.items():
         start = time.perf_counter()
         recs = type(attack).reconstruct_all([Problem(o, t, torch.Generator().manual_seed(seed + b), attack)
-                                             for b, (o, t, _) in zip(batches, cases)])
-        for rec, (_, _, pixels) in zip(recs, cases):
-            images = rec.images[best_assignment(rec.images, pixels)]
-            scores[name].append(float(psnr(images, pixels).mean()))
-        print(f"{name:>6}: {' '.join(f'{s:6.2f}' for s in scores[name])} dB  {time.perf_counter() - start:6.1f} s",
-              flush=True)
+                                             for b, (o, t, _) in enumerate(batches)])
+        scores[name] = [float(psnr(rec.images[best_assignment(rec.images, pixels)], pixels).mean())
+                        for rec, (_, _, pixels) in zip(recs, batches)]
+        print(f"{name:>{width}}: {' '.join(f'{s:6.2f}' for s in scores[name])} dB  "
+              f"{time.perf_counter() - start:6.1f} s", flush=True)
     return scores
+
+
+def run(batch: int, iterations: int, width: int, weight: float, seed: int = 0) -> dict[str, list[float]]:
+    """Mean PSNR per attack and target batch."""
+    attacks: dict[str, Attack] = {
+        "none": InvertingGradients(iterations=iterations, bn_prior="none"),
+        "model": InvertingGradients(iterations=iterations, bn_prior="model", bn_weight=weight),
+        "update": InvertingGradientsBN(iterations=iterations, bn_weight=weight)}
+    return scored(attacks, cases(batch, width, seed), seed)
 
 
 def main() -> None:

@@ -13,25 +13,17 @@ regularization only (``partial: 1``, ``--rho``) and with both, from the same sta
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from leakaudit.attacks.fedleak import FedLeak
 from leakaudit.attacks.gradient_matching import InvertingGradients
-from leakaudit.defenses.noise import NoDefense
-from leakaudit.evaluator.zoo.datasets import _foolbox_loader
-from leakaudit.evaluator.zoo.metrics import best_assignment, psnr
-from leakaudit.evaluator.zoo.models import resnet20
-from leakaudit.plugins.attack import Attack, Problem, ThreatModel
-from leakaudit.plugins.protocol import FEDSGD, ClientStep
+from leakaudit.plugins.attack import Attack
 
-
-def photos(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """All 20 photos of a foolbox sample set (train and test halves), in [0, 1], with their labels."""
-    data = _foolbox_loader(name)(image_size=32)
-    return torch.cat([data.train_x, data.test_x]), torch.cat([data.train_y, data.test_y])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batchnorm_prior import cases, scored  # noqa: E402  (a sibling script, not a package)
 
 
 def attacks(iterations: int, partial: float, rho: float) -> dict[str, Attack]:
@@ -44,32 +36,7 @@ def attacks(iterations: int, partial: float, rho: float) -> dict[str, Attack]:
 
 def run(batch: int, iterations: int, width: int, partial: float, rho: float, seed: int = 0) -> dict[str, list[float]]:
     """Mean PSNR per attack and target batch."""
-    x, y = photos("cifar10_samples")
-    population, _ = photos("cifar100_samples")
-    mean, std = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1), torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
-    torch.manual_seed(seed)
-    model = resnet20(3, 10, 32, width=width).train()
-    with torch.no_grad():  # the running statistics of a model that has seen natural images, not the targets
-        for _ in range(20):
-            model((population - mean) / std)
-    batches = range(len(x) // batch)
-    cases = []
-    for b in batches:
-        pixels, labels = x[b * batch:(b + 1) * batch], y[b * batch:(b + 1) * batch]
-        observed = NoDefense().share(ClientStep(model, F.cross_entropy, (pixels - mean) / std, labels,
-                                                torch.Generator().manual_seed(seed + b), FEDSGD))
-        threat = ThreatModel(model, F.cross_entropy, (3, 32, 32), mean, std, 10, batch, NoDefense(), labels=labels)
-        cases.append((observed, threat, pixels))
-    scores: dict[str, list[float]] = {}
-    for name, attack in attacks(iterations, partial, rho).items():  # every batch at once, each from its seeded start
-        start = time.perf_counter()
-        recs = type(attack).reconstruct_all([Problem(o, t, torch.Generator().manual_seed(seed + b), attack)
-                                             for b, (o, t, _) in zip(batches, cases)])
-        scores[name] = [float(psnr(rec.images[best_assignment(rec.images, pixels)], pixels).mean())
-                        for rec, (_, _, pixels) in zip(recs, cases)]
-        print(f"{name:>19}: {' '.join(f'{s:6.2f}' for s in scores[name])} dB  {time.perf_counter() - start:6.1f} s",
-              flush=True)
-    return scores
+    return scored(attacks(iterations, partial, rho), cases(batch, width, seed), seed)
 
 
 def main() -> None:

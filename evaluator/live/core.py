@@ -259,7 +259,7 @@ class MonitorCore:
         if self._text and self.vocabulary is not None:
             self.folder.write_json(VOCABULARY, self.vocabulary)
         # the monitored setting and the reference that calibrates it, built once: every audited step shares them
-        self._defenses = [(s, s.build(self._prepared.registry)) for s in self.folder.audit.settings]
+        self._defenses = [(s, s.build(self._prepared.registry).under(protocol)) for s in self.folder.audit.settings]
 
     @property
     def _text(self) -> bool:

@@ -226,6 +226,30 @@ def test_an_attacks_cached_cost_is_keyed_by_its_code():
     assert digest != est.code_of(CINet) and est.code_of(int) == ""
 
 
+def test_a_heavy_cell_stops_the_probe_where_noise_hides_a_unit():
+    """A cell of 100 s whose iterations cost nothing above its noise: each budget parameter is raised once (4x its
+    least value: 16 updates, 1 iteration), not fourfold again and again up to its full value (hours of cells for
+    learning_to_invert)."""
+    from types import SimpleNamespace
+
+    from leakaudit.evaluator.audit.types import AttackSpec
+    from leakaudit.plugins.manager import load_registry
+
+    timed = []
+
+    def time_cell(_setting, _spec, units):  # 100 s a cell, 1 s a simulated update, iterations free; noise -0.5 s
+        timed.append(dict(units))
+        return 100.0 + units["updates"] - 0.5 * (len(timed) > 1)
+
+    cal = object.__new__(est.Calibration)
+    cal.scenario = SimpleNamespace(audit=SimpleNamespace(registry=load_registry()))
+    cal._time_cell = time_cell
+    fixed, per_unit = cal._probe_attack(None, AttackSpec("learning_to_invert", {}, "learning_to_invert"))
+    assert [t["updates"] for t in timed] == [16, 64, 64] and [t["iterations"] for t in timed] == [1, 1, 4]
+    assert per_unit == {"updates": pytest.approx(47.5 / 48), "iterations": 0.0}
+    assert fixed == pytest.approx(163.5 - 64 * 47.5 / 48)
+
+
 @pytest.mark.slow
 def test_settling_and_a_budget_never_give_a_kinder_verdict_than_the_full_run(write_audit, tmp_path, capsys):
     """The same audit in full, settled (attacks stop once a step's verdict cannot change) and under a budget whose

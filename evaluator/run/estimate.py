@@ -38,9 +38,13 @@ from leakaudit.evaluator.run.worker import AuditWorker
 from leakaudit.evaluator.zoo.metrics import score
 from leakaudit.plugins.attack import solve
 
-ESTIMATE_VERSION = 1  # bump when what a probe measures changes
+ESTIMATE_VERSION = 2  # bump when what a probe measures changes
 #: A probe adds units until its measured part takes this long (seconds): long enough to time, short enough to wait.
 PROBE_SECONDS = 0.3
+#: Past one raise of its units, a probe stops raising them once a cell takes this long (seconds): a heavy cell's
+#: noise can hide a cheap unit's cost (learning_to_invert's iterations beside its 64-image FedAvg updates), and
+#: fourfold cells after it would take hours; the unit's cost is then read from the raises measured.
+PROBE_CAP_SECONDS = 60.0
 #: A fresh process's start before its first job: Python, torch and leakaudit imported, the registry loaded.
 START_CODE = ("import leakaudit.evaluator.run.runner; from leakaudit.plugins.manager import load_registry; "
               "load_registry([])")
@@ -161,7 +165,8 @@ class Calibration:
         """Run the cell with every budget parameter at its least value, then raise one parameter at a time to 4,
         16, ... times that until the added units take ``PROBE_SECONDS`` (or its full value is reached), the next
         one probed from there (a unit of one can cost more with more of another: Learning to Invert's training
-        steps read minibatches of its simulated updates): the fixed part and the cost of a unit of each."""
+        steps read minibatches of its simulated updates), raised no further once a cell takes
+        ``PROBE_CAP_SECONDS``: the fixed part and the cost of a unit of each."""
         audit = self.scenario.audit
         held = budget_params(audit.registry, spec.name)
         full = units_of(audit, spec)
@@ -170,7 +175,8 @@ class Calibration:
         per_unit = {}
         for name, low in list(held.items()):
             units, seconds = low, base
-            while units < full[name] and seconds - base < PROBE_SECONDS:
+            while units < full[name] and (units == low or (seconds - base < PROBE_SECONDS
+                                                            and seconds < PROBE_CAP_SECONDS)):
                 units = int(min(4 * units, full[name]))
                 seconds = self._time_cell(setting, spec, {**held, name: units})
             per_unit[name] = max(0.0, (seconds - base) / (units - low)) if units > low else 0.0

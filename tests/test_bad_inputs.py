@@ -203,8 +203,8 @@ CASES = [
      "attacks[0]: imprint reads the gradients of an imprint block the malicious server places in front of"),
     (_with("protocol", {"name": "fedavg", "local_batch_size": 1}, _with(
         "data", {"dataset": "digits", "image_size": 16, "targets": 4, "batch_size": 4},
-        _with("attacks", [{"name": "imprint"}], _with("model", {"name": "imprint"})))),
-     "attacks[0]: imprint needs each client's update to be one gradient step (fedavg takes 4 local steps here"),
+        _with("attacks", [{"name": "ares"}], _with("model", {"name": "ares"})))),
+     "attacks[0]: ares needs each client's update to be one gradient step (fedavg takes 4 local steps here"),
     (_with("model", {"name": "ares", "params": {"base": "resnet18"}}),
      "model.params.base: 'resnet18' is not one of the choices; choices: cnn_bayes, convbig, mlp"),
     (_with("model", {"name": "ares", "params": {"layer": 2}}),

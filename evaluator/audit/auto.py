@@ -124,15 +124,16 @@ def misfit(attack: Attack, baseline: bool, defense: Defense, model: Callable[[],
 
 def _model(audit: Audit, setting: DefenseSetting, defense, data: ImageData | TokenData | None,
            models: dict[str, nn.Module | None], user_code: bool) -> nn.Module | None:
-    """The setting's model at step 0 on the CPU (its shape is what matters), built once per setting;
-    None where it cannot be built here (a factory not to be called, or a defense that does not fit it, which
-    the audit's checks then report)."""
+    """The setting's model at step 0 on the CPU in the file's mode (its shape and mode are what matter), built once
+    per setting; None where it cannot be built here (a factory not to be called, or a defense that does not fit
+    it, which the audit's checks then report)."""
     key = setting.identity
     if key not in models:
         models[key] = None
         if data is not None and (user_code or ":" not in (model_section(audit, setting).name or "")):
             try:
-                models[key] = initial_model(audit, data, defense, setting, torch.device("cpu"))
+                model = initial_model(audit, data, defense, setting, torch.device("cpu"))
+                models[key] = model.train(model_section(audit, setting).mode == "train")  # as the worker sets it
             except Exception:  # a defense that does not fit the model, or a factory that fails: check_scenario says it
                 pass
     return models[key]

@@ -119,7 +119,8 @@ class FedAvgEpochs(Attack):
     #: Fashion-MNIST take under a minute, and 1,000 steps did no better (docs/results.md).
     auto_params: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"iterations": 400}, "cuda": {"iterations": 400}}
     params = {
-        "iterations": Param(400, int, min=1, max=MAX_ITERATIONS, help="optimisation steps per restart"),
+        "iterations": Param(400, int, min=1, max=MAX_ITERATIONS, help="optimisation steps per restart",
+                            budget=True),
         "lr": Param(0.1, float, min=0.0, exclusive_min=True, help="Adam step size"),
         "priors": Param({"tv": 1e-2}, dict, help=PRIOR_WEIGHTS),
         "invariant": Param(1.0, float, min=0.0, help="weight of the epoch-order-invariant prior that pulls each "

@@ -365,3 +365,24 @@ def test_a_budget_leaves_open_only_what_an_attack_it_cut_could_change(write_audi
                                   "but the budget of 1 min 00 s cut attacks that the verdicts of gaussian(sigma=0.1) "
                                   "rest on (inverting_gradients: ...)")
     assert held.reason.endswith("run the audit in full, about 2 min 30 s (budget: 3m, or none), to settle it")
+
+
+def test_each_attacker_keeps_room_for_its_verdict_before_the_rest(write_audit, monkeypatch):
+    """A budget that cannot run every attack still runs each threat model's cheapest one: the honest server's
+    cheapest attack is scaled to leave room for the statistics-reading server's at 1/8, where cheapest-first alone
+    would spend the whole budget on it and leave the other threat model without a verdict."""
+    from leakaudit.attacks.learned import LearningToInvert
+    from leakaudit.plugins.attack import SERVER_READING_STATISTICS
+
+    monkeypatch.setattr(LearningToInvert, "attacker", SERVER_READING_STATISTICS)
+    audit = _auto_audit(write_audit, "3m")
+    cal = FakeCalibration({"inverting_gradients": 0.05, "bayes": 0.1, "cinet": 0.2, "learning_to_invert": 0.04})
+    plan = fit_budget(audit, cal, 1)
+    assert plan["order"] == ["inverting_gradients", "learning_to_invert", "bayes", "cinet"]
+    assert set(plan["dropped"]) == {"bayes", "cinet"}
+    # 166.9 s after start, training and report: learning_to_invert needs 4 x (1 + 0.04 x 187.5) = 34 s at 1/8 of its
+    # 1500 iterations, so inverting_gradients gets 4 x (1 + 0.05 u) = 132.9 s, u = 644; learning_to_invert the rest
+    assert plan["params"]["inverting_gradients"]["iterations"] == 644
+    assert plan["params"]["learning_to_invert"]["iterations"] == pytest.approx(188, abs=1)
+    est.apply_plan(audit, plan)
+    assert predict(audit, cal, 1).total <= 180

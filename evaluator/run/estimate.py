@@ -371,15 +371,21 @@ def plan_and_estimate(audit: Audit, workers: int | None = None) -> Estimate:
 
 
 def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
-    """The plan that fits ``audit`` into its ``budget``: attacks kept cheapest first at their full budgets while
-    they fit, the next scaled down to what is left (no lower than ``MIN_SHARE`` of it), the rest left out; each
-    cut said in one line. Raises ConfigError where the training and the cheapest attack cannot fit."""
+    """The plan that fits ``audit`` into its ``budget``: attacks kept at their full budgets while they fit, the
+    next scaled down to what is left (no lower than ``MIN_SHARE`` of it), the rest left out; each cut said in one
+    line. Each attacker's cheapest attack comes first (cheapest first among them, each scaled so that the later ones
+    keep room for ``MIN_SHARE``), so a budget that cannot run every attack still gives every threat model its
+    verdict; then the rest, cheapest first. Raises ConfigError where the training and the cheapest attack cannot
+    fit."""
     budget = audit.budget
     assert budget is not None, "only an audit with a budget is fitted to it"
     full = predict(audit, cal, workers)
     plan: dict[str, Any] = {"seconds": budget, "estimate": round(full.total, 1), "params": {},
                             "dropped": {}, "cut": [], "order": []}
     order = sorted(audit.attacks, key=lambda a: full.attack_seconds(a.label))
+    attackers = [audit.registry.get("attack", a.name).attacker for a in order]
+    firsts = [a for i, a in enumerate(order) if attackers[i] not in attackers[:i]]  # each attacker's cheapest
+    order = [*firsts, *(a for a in order if a not in firsts)]
     plan["order"] = [a.label for a in order]
     if full.total <= budget:
         return plan
@@ -394,10 +400,12 @@ def fit_budget(audit: Audit, cal: Calibration, workers: int) -> dict[str, Any]:
             audit.attacks = attacks
 
     for spec in order:
-        if total([*kept, spec]) <= budget:
+        room = [_scaled_by(audit, r, MIN_SHARE) for r in firsts[firsts.index(spec) + 1:]] if spec in firsts else []
+        if total([*kept, spec, *room]) <= budget:
             kept.append(spec)
             continue
-        scaled = _scaled(audit, spec, lambda s: total([*kept, s]) <= budget)
+        scaled = (_scaled(audit, spec, lambda s: total([*kept, s, *room]) <= budget)
+                  or _scaled(audit, spec, lambda s: total([*kept, s]) <= budget))
         if scaled is not None:
             kept.append(scaled)
             plan["params"][spec.label] = scaled.params

@@ -151,6 +151,22 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     # named settings go through the same gate: an unjudged one fails it too
     with pytest.raises(AssertionError, match=r"^unjudged: gaussian\(sigma=1.0\) could not be judged: not judged"):
         assert_protects(summary, ["gaussian(sigma=1.0)"])
+    # a budget left out every attack of the marked setting: it is listed, never dropped, and the gate fails closed
+    plan = {"dropped": {"inverting_gradients": "left out: it needs about 9 min even at 1/8 of its iterations"}}
+    unattacked = summarise(audit, _rows(*rows[:2]), utility, [], BASELINES, {"chance_accuracy": 0.1, "budget": plan})
+    noisy = unattacked.worst_case[1]
+    assert (noisy.setting, noisy.verdict) == ("gaussian(sigma=1.0)", None)
+    assert noisy.reason == ("not judged: no attack ran on it; the budget left out inverting_gradients "
+                            "(see the run's budget)")
+    with pytest.raises(AssertionError, match=r"gaussian\(sigma=1.0\) \(must_protect\) could not be judged"):
+        assert_protects(unattacked)
+    # an undefended model that ends its training unusable is a training that does not learn: said, once
+    assert unattacked.warnings == []
+    stalled = summarise(audit, _rows(*rows), [{**utility[0], "accuracy": 0.12}, utility[1]], [], BASELINES,
+                        {"chance_accuracy": 0.1})
+    assert stalled.warnings == [
+        "none: the undefended model's test accuracy after utility.train_steps 5 is 0.12, under the 0.15 a usable "
+        "model needs: its training does not learn, so every setting reads unusable; raise utility.lr or train_steps"]
 
 
 # --- a real run: verdicts, the gate both ways, the rebuild, a template --------------------------

@@ -134,9 +134,10 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
     verdicts, worst_case = [], []
     for s in audit.settings:
         mine = [c for c in cells if c.setting == s.key and c.mean(leakage.name) is not None]
-        if not mine:
-            if any(c.setting == s.key for c in cells):  # attacked, but no finite score: say so, never drop it
-                worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name))
+        if not mine:  # attacked without a finite score, or never attacked (a budget left every attack out): say so
+            attacked = any(c.setting == s.key for c in cells)
+            worst_case.append(_unjudged(s, audit, acc.get(s.key, {}), leakage.name,
+                                        None if attacked else run_info.get("budget") or {}))
             continue
         reference = audit.reference_of(s)
         breaks = lambda label, step: _breaks_at_scale(audit, reference, label, step, cells, acc, bars)  # noqa: E731
@@ -162,7 +163,7 @@ def summarise(audit: Audit, rows: list[Row], utility: list[dict], notes: list[st
             accuracy=u.get("accuracy"), train_steps=u.get("train_steps"), epsilon=u.get("epsilon"),
             delta=u.get("delta"), model_changes=u.get("model_changes"), checkpoint_accuracy=u.get("checkpoint_accuracy")) for u in utility},
         cells=cells, worst_case=worst_case, verdicts=verdicts, bound_violations=violations,
-        naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes,
+        naive_vs_adaptive=naive_vs_adaptive(cells, leakage), warnings=notes + _unlearned(audit, acc, needed),
         frontier=[frontier_result(spec, worst_case, acc, leakage, threshold, confidence, confirmed)
                   for spec in audit.frontiers],
         decision=decide(worst_case, acc, needed, confidence, {
@@ -638,13 +639,39 @@ def _privacy(profile, mine: list[CellResult], batch: int, utility: dict, rows: l
                        "the prior-free bound: its data prior (or image priors) can do that"))
 
 
-def _unjudged(setting, audit: Audit, utility: dict, metric: str) -> WorstCase:
-    """The worst-case entry of a setting whose every reconstruction scored no finite ``metric``."""
+def _unlearned(audit: Audit, utility: dict[str, dict], needed: float | None) -> list[str]:
+    """A warning where the file's undefended model itself ends its training unusable: its training does not learn,
+    so every defense's utility reads unusable for a reason that is not the defense's."""
+    if needed is None or not audit.utility.train_steps:
+        return []
+    out = []
+    for s in audit.settings:
+        accuracy = utility.get(s.key, {}).get("accuracy")
+        if s.calibrates is not None and s.model is None and accuracy is not None and accuracy < needed:
+            delta = (" (where the update is a model change rather than one gradient, utility.lr is the server's step "
+                     "on the client's theta_before - theta_after: FedAvg adds it as it is, lr 1.0)"
+                     if not audit.protocol.sends_gradient else "")
+            out.append(f"{s.key}: the undefended model's test accuracy after utility.train_steps "
+                       f"{audit.utility.train_steps} is {accuracy:.2f}, under the {needed:.2f} a usable model needs: "
+                       f"its training does not learn, so every setting reads unusable; raise utility.lr or "
+                       f"train_steps{delta}")
+    return out
+
+
+def _unjudged(setting, audit: Audit, utility: dict, metric: str, unattacked: dict | None = None) -> WorstCase:
+    """The worst-case entry of a setting whose every reconstruction scored no finite ``metric``, or, where
+    ``unattacked`` holds the run's budget plan (or ``{}``), that no attack ran on."""
+    if unattacked is None:
+        reason = (f"not judged: no attack scored a finite {metric} (every reconstruction diverged, or the metric "
+                  "could not be computed; see the warnings)")
+    else:
+        dropped = ", ".join(unattacked.get("dropped") or {})
+        reason = "not judged: no attack ran on it" + (f"; the budget left out {dropped} (see the run's budget)"
+                                                      if dropped else "")
     return WorstCase(
         **_setting_fields(setting, audit), accuracy=utility.get("accuracy"), epsilon=utility.get("epsilon"),
         identifiable=None, attack=None, checkpoint=None, scores={metric: Scores()}, n=0, verdict=None,
-        reason=f"not judged: no attack scored a finite {metric} (every reconstruction diverged, or the metric "
-               "could not be computed; see the warnings)", verdict_checkpoint=None)
+        reason=reason, verdict_checkpoint=None)
 
 
 def naive_vs_adaptive(cells: list[CellResult], metric) -> list[NaiveVsAdaptive]:

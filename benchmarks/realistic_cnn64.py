@@ -40,14 +40,27 @@ def run(out: Path, budget: str | None, resume: bool) -> float:
 
 
 def rows(summary: dict) -> list[dict]:
-    """One row per setting, step and threat model (the whole verdict where one attacker ran every attack)."""
+    """One row per setting, step and threat model (the whole verdict where one attacker ran every attack), with the
+    deciding attack's originals named among decoys and the step's test accuracy; a setting that no attack ran on (a
+    budget left them all out) gets a row per step that says so."""
+    cells = {(c["setting"], c["checkpoint"], c["attack"]): c for c in summary["cells"]}
     out = []
-    for v in summary["verdicts"]:
-        threats = v.get("by_threat") or [{"threat": "every attacker", **v, "attacks": None}]
-        for t in threats:
-            out.append({"setting": v["setting"], "step": v["checkpoint"], "threat": t["threat"],
-                        "verdict": t["verdict"], "level": t.get("level"), "attack": t.get("attack"),
-                        "attacks": t.get("attacks")})
+    for w in summary["worst_case"]:
+        setting = w["setting"]
+        verdicts = [v for v in summary["verdicts"] if v["setting"] == setting]
+        for v in verdicts:
+            for t in v.get("by_threat") or [{"threat": "every attacker", **v, "attacks": None}]:
+                cell = cells.get((setting, v["checkpoint"], t.get("attack"))) or {}
+                out.append({"setting": setting, "step": v["checkpoint"], "threat": t["threat"],
+                            "verdict": t["verdict"], "level": t.get("level"), "attack": t.get("attack"),
+                            "attacks": t.get("attacks"), "named": cell.get("decoy_hits"),
+                            "of": cell.get("identifiable_n")})
+        if not verdicts:
+            out += [{"setting": setting, "step": step, "threat": "every attacker", "verdict": "not judged",
+                     "level": None, "attack": None, "attacks": [], "named": None, "of": None}
+                    for step in summary["checkpoints"]]
+    for r in out:
+        r["accuracy"] = ((summary["utility"].get(r["setting"]) or {}).get("checkpoint_accuracy") or {}).get(str(r["step"]))
     return out
 
 
@@ -55,13 +68,15 @@ def table(record: dict) -> str:
     """The record as markdown: the run's conditions, then a row per setting, step and threat model."""
     lines = [f"Measured by `benchmarks/realistic_cnn64.py` on {record['machine']}, {record['date']}: "
              f"`leakaudit run {CONFIG}` under `--budget {record['budget']}` in {record['seconds'] / 60:.0f} min.", "",
-             "| setting | step | threat model | verdict | decided by | attacks judged |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| setting | step | test accuracy | threat model | verdict | decided by | named among decoys | "
+             "attacks judged |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in record["rows"]:
         level = f" {r['level']}" if r["verdict"] == "leaks" and r["level"] else ""
-        judged = ", ".join(r["attacks"]) if r["attacks"] else "all that ran"
-        lines.append(f"| {r['setting']} | {r['step']} | {r['threat']} | {r['verdict']}{level} | "
-                     f"{r['attack'] or '-'} | {judged} |")
+        judged = ", ".join(r["attacks"]) if r["attacks"] else "all that ran" if r["attacks"] is None else "none ran"
+        named = f"{r['named']} of {r['of']}" if r.get("named") is not None else "-"
+        accuracy = f"{r['accuracy']:.2f}" if r.get("accuracy") is not None else "-"
+        lines.append(f"| {r['setting']} | {r['step']} | {accuracy} | {r['threat']} | {r['verdict']}{level} | "
+                     f"{r['attack'] or '-'} | {named} | {judged} |")
     return "\n".join(lines)
 
 

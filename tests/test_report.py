@@ -167,6 +167,14 @@ def test_summary_intervals_and_verdicts_from_rows(write_audit):
     assert stalled.warnings == [
         "none: the undefended model's test accuracy after utility.train_steps 5 is 0.12, under the 0.15 a usable "
         "model needs: its training does not learn, so every setting reads unusable; raise utility.lr or train_steps"]
+    # where the update is a model change (FedAvg), the warning says what utility.lr is there
+    from leakaudit.plugins.protocol import FedAvg
+    audit.protocol = FedAvg(local_batch_size=1)
+    averaged = summarise(audit, _rows(*rows), [{**utility[0], "accuracy": 0.12}, utility[1]], [], BASELINES,
+                         {"chance_accuracy": 0.1})
+    assert averaged.warnings == [stalled.warnings[0] + (
+        " (where the update is a model change rather than one gradient, utility.lr is the server's step on the "
+        "client's theta_before - theta_after: FedAvg adds it as it is, lr 1.0)")]
 
 
 # --- a real run: verdicts, the gate both ways, the rebuild, a template --------------------------

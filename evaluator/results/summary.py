@@ -644,13 +644,13 @@ def _unlearned(audit: Audit, utility: dict[str, dict], needed: float | None) -> 
     so every defense's utility reads unusable for a reason that is not the defense's."""
     if needed is None or not audit.utility.train_steps:
         return []
+    delta = (" (where the update is a model change rather than one gradient, utility.lr is the server's step on "
+             "the client's theta_before - theta_after: FedAvg adds it as it is, lr 1.0)"
+             if not audit.protocol.sends_gradient else "")
     out = []
     for s in audit.settings:
         accuracy = utility.get(s.key, {}).get("accuracy")
         if s.calibrates is not None and s.model is None and accuracy is not None and accuracy < needed:
-            delta = (" (where the update is a model change rather than one gradient, utility.lr is the server's step "
-                     "on the client's theta_before - theta_after: FedAvg adds it as it is, lr 1.0)"
-                     if not audit.protocol.sends_gradient else "")
             out.append(f"{s.key}: the undefended model's test accuracy after utility.train_steps "
                        f"{audit.utility.train_steps} is {accuracy:.2f}, under the {needed:.2f} a usable model needs: "
                        f"its training does not learn, so every setting reads unusable; raise utility.lr or "
